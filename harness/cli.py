@@ -1,0 +1,349 @@
+"""The command line: `harness list | fuzz | replay | show | bench ...` (also `python -m harness`).
+
+Exit codes: 0 nothing found (or a replay no longer diverges), 1 finding(s) (or a replay still
+diverges), 2 usage or input error (a one-paragraph message, no traceback), 125 a repro that
+cannot be evaluated during a `git bisect run` (so bisect skips the commit), 130 interrupted
+(every finding already made is on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from .errors import CannotEvaluate, HarnessError, UsageError
+
+EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_SKIP, EXIT_INTERRUPTED = 0, 1, 2, 125, 130
+
+
+def plugin_option(fn: Callable) -> Callable:
+    return click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
+                        help="Load target pairs from a Python file or an importable module (repeatable).")(fn)
+
+
+def load_plugins(plugins: tuple[str, ...]) -> None:
+    from .pairs import REGISTRY
+
+    REGISTRY.load_builtins()
+    for spec in plugins:
+        REGISTRY.load_plugin(spec)
+
+
+def echo_err(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands live in other modules, imported only when used.
+
+    `lazy` maps a command name to "module:attribute". Commands whose module is not part of this
+    installation are left out of the listing; one whose module fails to import says so when run.
+    """
+
+    def __init__(self, *args: Any, lazy: dict[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def _available(self, name: str) -> bool:
+        import importlib.util
+
+        module = self.lazy[name].split(":")[0]
+        return importlib.util.find_spec(module) is not None
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | {n for n in self.lazy if self._available(n)})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy and name not in self.commands and self._available(name):
+            import importlib
+
+            module, attr = self.lazy[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attr), name)
+        return super().get_command(ctx, name)
+
+
+# Subcommands defined beside the stage they belong to (name -> "module:attribute").
+LAZY_COMMANDS = {
+    "regressions": "harness.cli_tracking:regressions",
+    "sync": "harness.cli_tracking:sync",
+    "triage": "harness.triage:triage_command",
+    "report": "harness.report:report_command",
+}
+LAZY_BENCHMARKS = {
+    "overhead": "harness.bench:overhead_command",
+    "neartie": "harness.bench_ops:neartie_command",
+    "ops": "harness.bench_ops:ops_command",
+    "models": "harness.bench_models:models_command",
+}
+
+
+@click.group(cls=LazyGroup, lazy=LAZY_COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="trainer-rollout-harness", message="harness %(version)s")
+def cli() -> None:
+    """Differential fuzzing of trainer vs rollout numerics: find, shrink, record and replay
+    divergences above a k3 threshold."""
+
+
+# ---------------------------------------------------------------------------------------------
+@cli.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the registry as JSON.")
+@plugin_option
+def list_cmd(as_json: bool, plugins: tuple[str, ...]) -> None:
+    """List the registered target pairs."""
+    from .pairs import REGISTRY
+
+    load_plugins(plugins)
+    pairs = REGISTRY.all()
+    if as_json:
+        click.echo(json.dumps([
+            {"name": p.name, "kind": p.kind, "expected": p.expected, "devices": list(p.devices),
+             "axes": p.axes.describe(), "readout": p.readout.vocab if p.readout else None,
+             "description": p.description, "source": p.source}
+            for p in pairs], indent=2))
+        return
+    rows = [("pair", "kind", "expected", "devices", "axes")]
+    for p in pairs:
+        axes = p.axes.describe()
+        ax = ", ".join(k for k in axes if k not in ("dtypes",)) + f"; dtypes {'/'.join(axes['dtypes'])}"
+        rows.append((p.name, p.kind, p.expected, ",".join(p.devices), ax))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+    click.echo(f"\n{len(pairs)} pair(s). `harness list --json` shows bounds and descriptions.")
+
+
+# ---------------------------------------------------------------------------------------------
+def parse_shard(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        raise UsageError(f"--shard {value!r} must look like i/N, e.g. 1/4 (the first of four shards).") from None
+    if not (n >= 1 and 1 <= i <= n):
+        raise UsageError(f"--shard {value!r} needs 1 <= i <= N.")
+    return i, n
+
+
+@cli.command()
+@click.argument("pair_names", nargs=-1, metavar="[PAIR|GLOB]...")
+@click.option("--max-examples", type=click.IntRange(1), default=100, show_default=True,
+              help="Cases per pair (before shrinking).")
+@click.option("--budget", type=click.FloatRange(0, min_open=True), default=None,
+              help="Wall seconds for the whole campaign, split over the pairs (shrinking included).")
+@click.option("--seed", type=click.IntRange(0), default=None, help="Campaign seed (default: fresh, printed).")
+@click.option("--threshold", type=click.FloatRange(0, min_open=True), default=1e-3, show_default=True,
+              help="Mean k3 above which a case diverges.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("corpora"), show_default=True, help="Where repros are written.")
+@click.option("--shard", default=None, metavar="i/N", help="Fuzz only this shard's share of the pairs.")
+@click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
+              "else sqlite:///<abs>/reports/mlflow.db).")
+@click.option("--no-tracking", is_flag=True, help="Do not log to MLflow (the corpus is still written).")
+@plugin_option
+def fuzz(pair_names: tuple[str, ...], max_examples: int, budget: float | None, seed: int | None,
+         threshold: float, device: str, corpus_dir: Path, shard: str | None, tracking_uri: str | None,
+         no_tracking: bool, plugins: tuple[str, ...]) -> None:
+    """Fuzz pairs (all registered pairs when none are named); shrink and record what diverges."""
+    from .env import resolve_device
+    from .fuzz import CampaignConfig, run_campaign, summary_table
+    from .pairs import REGISTRY
+    from .tracking import make_tracker
+
+    load_plugins(plugins)
+    dev = resolve_device(device)
+    pairs = [p for p in REGISTRY.select(pair_names) if dev in p.devices]
+    if not pairs:
+        raise UsageError(f"none of the selected pairs runs on {dev}; run `harness list` to see their devices.")
+    cfg = CampaignConfig(pairs=pairs, seed=seed, max_examples=max_examples, budget=budget,
+                         threshold=threshold, device=dev, corpus=corpus_dir, shard=parse_shard(shard))
+    tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err)
+
+    def announce(f: Any) -> None:
+        state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
+        echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, k3 {f.k3:.4g}, minimal case "
+                 f"{f.case.one_line()}\n    replay: harness replay {f.path}")
+
+    result = run_campaign(cfg, tracker=tracker, on_finding=announce)
+    click.echo(summary_table(result))
+    n = len(result.findings)
+    click.echo(f"\n{result.examples} cases in {result.seconds:.1f}s, {n} finding(s); seed {result.seed}.")
+    missed = [r.pair for r in result.results if r.verdict == "MISSED"]
+    if missed:
+        click.echo(f"warning: demonstration pair(s) not caught: {', '.join(missed)} (more examples or budget?)",
+                   err=True)
+    if result.interrupted:
+        click.echo("interrupted: the findings above are on disk.", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    sys.exit(EXIT_FOUND if n else EXIT_OK)
+
+
+# ---------------------------------------------------------------------------------------------
+def in_bisect() -> bool:
+    """True while a `git bisect` is in progress in the repository of the working directory."""
+    try:
+        path = subprocess.run(["git", "rev-parse", "--git-path", "BISECT_START"], capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return bool(path) and Path(path).exists()
+
+
+@cli.command()
+@click.argument("files", nargs=-1, type=click.Path(path_type=Path))
+@click.option("--run-id", default=None, help="Fetch the repro from this MLflow regression run instead.")
+@click.option("--tracking-uri", default=None, help="MLflow tracking URI for --run-id.")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--threshold", type=click.FloatRange(0, min_open=True), default=None,
+              help="Override the threshold recorded in the repro.")
+@click.option("--bisect/--no-bisect", "bisect", default=None,
+              help="Exit 125 when a repro cannot be evaluated (default: only during a git bisect).")
+@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+@plugin_option
+def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None, device: str,
+           threshold: float | None, bisect: bool | None, as_json: bool, plugins: tuple[str, ...]) -> None:
+    """Replay repro files (or folders of them): exit 1 if any still diverges, 0 if none does."""
+    from .corpus import load_many, replay as do_replay
+    from .env import resolve_device
+
+    bisect = in_bisect() if bisect is None else bisect
+    try:
+        if not files and not run_id:
+            raise UsageError("replay needs at least one repro FILE (or folder), or --run-id ID.")
+        repros = load_many(files)
+        if run_id:
+            from .tracking import fetch_repro
+
+            repros.append(fetch_repro(run_id, tracking_uri))
+        if not repros:
+            raise UsageError(f"no repro files found in {', '.join(map(str, files))}.")
+        try:
+            load_plugins(plugins)
+        except UsageError as e:
+            raise CannotEvaluate(str(e)) from None
+        dev = resolve_device(device)
+        results = [do_replay(r, dev, threshold) for r in repros]
+    except CannotEvaluate as e:
+        echo_err(f"error: {e}")
+        sys.exit(EXIT_SKIP if bisect else EXIT_USAGE)
+    out = []
+    for res in results:
+        r, ev = res.repro, res.evaluation
+        verdict = ev.symptom.value if ev.failed else "clean"
+        rec_k3 = r.metrics.get("k3_kl")
+        line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} k3 {_fmt(rec_k3)} -> now "
+                f"{verdict} k3 {_fmt(ev.k3)}; bit-for-bit {'yes' if res.bit_for_bit else 'no'}")
+        if not res.bit_for_bit:
+            line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
+                                     ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
+        if ev.error:
+            line += f"\n  {ev.error['type']}: {ev.error['message']}"
+        out.append({"file": str(r.path) if r.path else None, "id": r.id, "pair": r.pair, "status": r.status,
+                    "recorded_symptom": r.symptom, "symptom": ev.symptom.value, "k3": ev.k3,
+                    "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit,
+                    "mismatches": {k: [str(a), str(b)] for k, (a, b) in res.mismatches.items()}})
+        if not as_json:
+            click.echo(line)
+    if as_json:
+        click.echo(json.dumps(out, indent=2, default=str))
+    sys.exit(EXIT_FOUND if any(res.diverges for res in results) else EXIT_OK)
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.6g}" if isinstance(x, float) else str(x)
+
+
+# ---------------------------------------------------------------------------------------------
+@cli.command()
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@plugin_option
+def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
+    """Print a repro for a person: case, tensor shapes, metrics, and the command that replays it."""
+    from .corpus import load_repro
+    from .env import resolve_device
+    from .pairs import REGISTRY
+
+    r = load_repro(file)
+    click.echo(f"repro {r.id}  pair {r.pair}  status {r.status}  symptom {r.symptom}  threshold {r.threshold:g}")
+    found = r.found
+    if found:
+        click.echo(f"found {found.get('at', '?')} by campaign seed {found.get('campaign_seed', '?')} after "
+                   f"{found.get('examples', '?')} cases" + ("" if found.get("shrink_complete", True)
+                                                             else " (shrinking was cut short)"))
+    click.echo("\ncase (minimal):")
+    for k, v in r.case.to_json().items():
+        if k != "schema":
+            click.echo(f"  {k:13s} {v}")
+    click.echo(f"  -> {r.case.batch_size} sequence(s), {r.case.n_tokens} token(s)")
+    try:
+        load_plugins(plugins)
+        pair = REGISTRY.get(r.pair)
+        click.echo(f"\npair: {pair.description or pair.name} ({pair.kind}, expected {pair.expected})")
+        import torch
+
+        with torch.inference_mode():
+            inputs = pair.build(r.case, resolve_device(device))
+        click.echo("inputs:")
+        for name, value in _tensors(inputs):
+            click.echo(f"  {name:13s} {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}")
+    except HarnessError as e:
+        click.echo(f"\n(pair not available here: {e})")
+    click.echo("\nmetrics when found:")
+    for k, v in r.metrics.items():
+        click.echo(f"  {k:18s} {_fmt(v)}")
+    if r.error:
+        click.echo(f"\nerror: {r.error.get('type')}: {r.error.get('message')}\n{r.error.get('traceback', '')}")
+    env = r.environment
+    if env:
+        click.echo("\nenvironment: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None))
+    if r.history:
+        click.echo(f"\nhistory: {len(r.history)} event(s), last: {r.history[-1].get('event')} at "
+                   f"{r.history[-1].get('at')}")
+    click.echo(f"\nreplay: harness replay {file}")
+
+
+def _tensors(obj: Any, prefix: str = ""):
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield prefix or "input", obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}[{i}]")
+
+
+# ---------------------------------------------------------------------------------------------
+@cli.group(cls=LazyGroup, lazy=LAZY_BENCHMARKS)
+def bench() -> None:
+    """Benchmarks that write figures to reports/BENCHMARKS.md."""
+
+
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="harness", standalone_mode=False)
+    except click.exceptions.Abort:
+        echo_err("interrupted.")
+        sys.exit(EXIT_INTERRUPTED)
+    except click.exceptions.ClickException as e:
+        e.show()
+        sys.exit(EXIT_USAGE)
+    except HarnessError as e:
+        echo_err(f"error: {e}")
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        echo_err("interrupted.")
+        sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        sys.exit(EXIT_OK)
+    sys.exit(EXIT_OK)

@@ -1,0 +1,63 @@
+"""Facts about the software and machine a finding was made on (stored with every repro)."""
+
+from __future__ import annotations
+
+import functools
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+
+@functools.lru_cache(maxsize=None)
+def git_commit(cwd: str | None = None) -> str | None:
+    """The commit of the checkout the harness runs from (or `cwd`), with '+dirty' if modified."""
+    where = cwd or str(Path(__file__).resolve().parent)
+    try:
+        proc = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=where, capture_output=True,
+                              text=True, timeout=5)
+        sha = proc.stdout.strip()
+        if proc.returncode != 0 or not sha:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when CUDA is present else 'cpu'; 'cuda' without CUDA is a usage error."""
+    import torch
+
+    from .errors import UsageError
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but torch sees no CUDA device here; use --device cpu "
+                         "or --device auto, or run on a machine with a GPU and a CUDA build of torch.")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r} is not one of cpu, cuda, auto.")
+    return device
+
+
+def environment(device: str) -> dict:
+    import numpy
+    import torch
+
+    from . import __version__
+
+    env = {
+        "harness": __version__,
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "python": platform.python_version(),
+        "platform": f"{sys.platform}-{platform.machine()}",
+        "device": device,
+        "git_commit": git_commit(),
+    }
+    if device == "cuda":
+        env["cuda_device"] = torch.cuda.get_device_name(0)
+        env["cuda"] = torch.version.cuda
+    return env

@@ -1,0 +1,115 @@
+"""One case through one pair: build, rollout, trainer, readout, compare. Failures are values.
+
+`run_case` never raises for what a target does: an exception inside build/rollout/trainer becomes
+an `Evaluation` with symptom `error` and the traceback kept; NaN/inf output becomes symptom
+`nonfinite`; a mean k3 above the threshold becomes symptom `divergence`.
+"""
+
+from __future__ import annotations
+
+import enum
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from .case import Case
+from .metrics import Divergence, compare, sample_tokens, with_routing
+from .pairs import Outcome, TargetPair
+
+DEFAULT_THRESHOLD = 1e-3  # mean k3 above which two paths are not equivalent
+
+
+class Symptom(str, enum.Enum):
+    NONE = "none"  # under the threshold
+    DIVERGENCE = "divergence"  # mean k3 above the threshold
+    NONFINITE = "nonfinite"  # NaN or inf in either path's log-probabilities
+    ERROR = "error"  # the target raised
+
+
+@dataclass
+class Evaluation:
+    pair: str
+    case: Case
+    symptom: Symptom
+    divergence: Divergence | None = None
+    error: dict[str, str] | None = None  # {"type", "message", "traceback", "where"}
+    trainer: Outcome | None = None
+    rollout: Outcome | None = None
+
+    @property
+    def k3(self) -> float:
+        return self.divergence.k3_kl if self.divergence is not None else float("nan")
+
+    @property
+    def failed(self) -> bool:
+        return self.symptom is not Symptom.NONE
+
+
+def finalize(pair: TargetPair, case: Case, out: Outcome, role: str) -> Outcome:
+    """Apply the pair's readout to a path that returned hidden states; check the shape."""
+    if out is None or not isinstance(out, Outcome):
+        raise TypeError(f"{pair.name}: {role} must return a harness.Outcome, got {type(out).__name__}")
+    if out.logprobs is None:
+        if out.hidden is None:
+            raise TypeError(f"{pair.name}: {role} returned an Outcome with neither logprobs nor hidden")
+        if pair.readout is None:
+            raise TypeError(f"{pair.name}: {role} returned hidden states but the pair declares no readout")
+        out.logprobs = pair.readout.apply(out.hidden, case)
+    if out.logprobs.dim() != 2 or out.logprobs.shape[0] != case.n_tokens:
+        raise ValueError(f"{pair.name}: {role} logprobs have shape {tuple(out.logprobs.shape)}, expected "
+                         f"({case.n_tokens}, vocab): one row per token of the case, in case order")
+    return out
+
+
+def run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Outcome, Outcome]:
+    """Run both paths on the case's inputs (rollout first, so the trainer may read its outcome)."""
+    import torch
+
+    with torch.inference_mode():
+        inputs = pair.build(case, device)
+        rollout = finalize(pair, case, pair.rollout(inputs), "rollout")
+        trainer_out = pair.trainer(inputs, rollout) if pair.trainer_reads_rollout else pair.trainer(inputs)
+        trainer = finalize(pair, case, trainer_out, "trainer")
+    return trainer, rollout
+
+
+def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
+          threshold: float = DEFAULT_THRESHOLD) -> Evaluation:
+    """Metrics and verdict for two finished outcomes."""
+    tokens = rollout.tokens
+    if tokens is None:
+        tokens = sample_tokens(rollout.logprobs, case.generator("tokens"))
+    div = with_routing(compare(trainer, rollout, case.seq_lens, tokens), trainer, rollout)
+    if div.nonfinite:
+        symptom = Symptom.NONFINITE
+    elif div.k3_kl > threshold:
+        symptom = Symptom.DIVERGENCE
+    else:
+        symptom = Symptom.NONE
+    return Evaluation(pair.name, case, symptom, divergence=div, trainer=trainer, rollout=rollout)
+
+
+def run_case(pair: TargetPair, case: Case, device: str = "cpu",
+             threshold: float = DEFAULT_THRESHOLD, keep_outcomes: bool = False) -> Evaluation:
+    try:
+        trainer, rollout = run_paths(pair, case, device)
+        ev = judge(pair, case, trainer, rollout, threshold)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # a crash inside the target is a finding, not a crash of the engine
+        ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
+    if not keep_outcomes:
+        ev.trainer = ev.rollout = None
+    return ev
+
+
+def describe_error(e: BaseException) -> dict[str, str]:
+    tb = traceback.extract_tb(e.__traceback__)
+    inner = tb[-1] if tb else None
+    where = f"{inner.filename.rsplit('/', 1)[-1]}:{inner.name}" if inner else "?"
+    return {
+        "type": type(e).__name__,
+        "message": str(e)[:2000],
+        "where": where,
+        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))[-8000:],
+    }

@@ -1,0 +1,181 @@
+"""Divergence metrics between a trainer and a rollout path. Pure functions, float64.
+
+Names follow the rollout-correction metrics RL users already log (verl): `k3_kl`, `kl`,
+`log_ppl_diff`, `ppl_ratio`, `chi2_token`, `probs_diff_max`, `pearson`, so a harness figure can be
+read next to a training dashboard. Per token, with logp_t (trainer) and logp_r (rollout) of the
+token the rollout produced:
+
+    log r = logp_t - logp_r,   r = exp(log r),   k3 = (r - 1) - log r        (>= 0, 0 iff equal)
+
+`k3_kl` (the verdict) is the mean of k3 over all tokens of the case. Where full distributions exist,
+`kl` is the exact KL(rollout || trainer) per position, averaged: the expectation k3 estimates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Keys of `Divergence.as_dict()`, in display order.
+METRIC_KEYS = (
+    "k3_kl", "k3_seq_max", "kl", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
+    "chi2_token", "pearson", "entropy", "flip_rate", "tie_flip_rate", "nonfinite_trainer", "nonfinite_rollout",
+    "n_tokens",
+)
+
+
+@dataclass
+class Divergence:
+    k3_kl: float  # mean k3 over tokens: the verdict
+    k3_seq_max: float  # largest per-sequence mean k3
+    kl: float  # mean exact KL(rollout || trainer) per position
+    max_abs_dlogp: float  # max |logp_t - logp_r| over tokens
+    probs_diff_max: float  # max |p_t - p_r| over tokens
+    log_ppl_diff: float  # mean over sequences of mean(logp_t - logp_r) = log ppl_rollout - log ppl_train
+    ppl_ratio: float  # mean over sequences of exp(per-sequence log_ppl_diff)
+    chi2_token: float  # mean(r^2) - 1
+    pearson: float  # correlation of p_t and p_r over tokens (nan for fewer than 2 distinct values)
+    entropy: float  # mean entropy of the rollout distribution (nats): k3 grows as it falls
+    flip_rate: float  # routed (token, layer) pairs whose expert set differs, not at an exact tie
+    tie_flip_rate: float  # ... whose expert set differs where either path had an exact boundary tie
+    nonfinite_trainer: int  # tokens whose trainer row has NaN/+inf or whose logp_t is not finite
+    nonfinite_rollout: int  # same for the rollout
+    n_tokens: int
+    flips_per_layer: dict[str, dict[str, int]] = field(default_factory=dict)  # layer -> counts
+    per_token: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # for tables and plots
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {k: getattr(self, k) for k in METRIC_KEYS}
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.nonfinite_trainer > 0 or self.nonfinite_rollout > 0 or not math.isfinite(self.k3_kl)
+
+
+def k3_per_token(logp_train: Any, logp_rollout: Any) -> Any:
+    """k3 = (r - 1) - log r with log r = logp_train - logp_rollout, elementwise, float64."""
+    import torch
+
+    d = torch.as_tensor(logp_train, dtype=torch.float64) - torch.as_tensor(logp_rollout, dtype=torch.float64)
+    return torch.expm1(d) - d
+
+
+def sample_tokens(logp_rollout: Any, generator: Any) -> Any:
+    """One token per row from the rollout distribution (rows that are not distributions: argmax)."""
+    import torch
+
+    p = torch.exp(logp_rollout.to(torch.float64).cpu())
+    p = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
+    bad = p.sum(-1) <= 0
+    p[bad] = 1.0
+    return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+
+def boundary_tie(scores: Any, k: int) -> Any:
+    """(T,) bool: the k-th and (k+1)-th largest scores are exactly equal."""
+    import torch
+
+    if scores is None or scores.shape[-1] <= k:
+        return torch.zeros(0 if scores is None else scores.shape[0], dtype=torch.bool)
+    top = torch.topk(scores.float(), k + 1, dim=-1).values
+    return top[:, k - 1] == top[:, k]
+
+
+def routing_flips(routing_t: dict, routing_r: dict) -> dict[str, dict[str, int]]:
+    """Per router layer present in both paths: tokens routed, flips at an exact tie, other flips."""
+    import torch
+
+    out: dict[str, dict[str, int]] = {}
+    for layer in sorted(set(routing_t) & set(routing_r)):
+        et = torch.sort(torch.as_tensor(routing_t[layer].experts).cpu(), dim=-1).values
+        er = torch.sort(torch.as_tensor(routing_r[layer].experts).cpu(), dim=-1).values
+        flipped = (et != er).any(-1)
+        k = et.shape[-1]
+        tie = torch.zeros_like(flipped)
+        for s in (routing_t[layer].scores, routing_r[layer].scores):
+            if s is not None:
+                tie |= boundary_tie(torch.as_tensor(s).cpu(), k)
+        out[layer] = {"tokens": int(flipped.numel()), "tie_flips": int((flipped & tie).sum()),
+                      "flips": int((flipped & ~tie).sum())}
+    return out
+
+
+def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any) -> Divergence:
+    """Compare two (T, V) log-probability tensors at the given (T,) tokens; rows in case order."""
+    import torch
+
+    lt_all = trainer.logprobs.detach().to(torch.float64).cpu()  # (T, V)
+    lr_all = rollout.logprobs.detach().to(torch.float64).cpu()  # (T, V)
+    if lt_all.shape != lr_all.shape:
+        raise ValueError(f"trainer logprobs {tuple(lt_all.shape)} and rollout logprobs "
+                         f"{tuple(lr_all.shape)} differ in shape")
+    n = sum(seq_lens)
+    if lt_all.shape[0] != n:
+        raise ValueError(f"logprobs have {lt_all.shape[0]} rows but the case has {n} tokens")
+    tokens = torch.as_tensor(tokens).long().cpu()  # (T,)
+    idx = tokens.unsqueeze(-1)
+    lt = lt_all.gather(-1, idx).squeeze(-1)  # (T,)
+    lr = lr_all.gather(-1, idx).squeeze(-1)  # (T,)
+
+    def nonfinite(rows, picked):
+        bad_rows = torch.isnan(rows).any(-1) | torch.isposinf(rows).any(-1)
+        return int((bad_rows | ~torch.isfinite(picked)).sum())
+
+    d = lt - lr
+    k3 = torch.expm1(d) - d  # (T,)
+    seg = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))  # (T,)
+    counts = torch.tensor(seq_lens, dtype=torch.float64)
+    k3_seq = torch.zeros(len(seq_lens), dtype=torch.float64).index_add_(0, seg, k3) / counts
+    d_seq = torch.zeros(len(seq_lens), dtype=torch.float64).index_add_(0, seg, d) / counts
+
+    p_r = torch.exp(lr_all)
+    with torch.no_grad():
+        terms = torch.where(p_r > 0, p_r * (lr_all - lt_all), torch.zeros_like(p_r))
+    kl = terms.sum(-1)  # (T,)
+    entropy = -torch.where(p_r > 0, p_r * lr_all, torch.zeros_like(p_r)).sum(-1)  # (T,)
+    pt, pr = torch.exp(lt), torch.exp(lr)
+    if n >= 2 and float(pt.std()) > 0 and float(pr.std()) > 0:
+        pearson = float(torch.corrcoef(torch.stack([pt, pr]))[0, 1])
+    else:
+        pearson = float("nan")
+
+    return Divergence(
+        k3_kl=float(k3.mean()),
+        k3_seq_max=float(k3_seq.max()),
+        kl=float(kl.mean()),
+        max_abs_dlogp=float(d.abs().max()),
+        probs_diff_max=float((pt - pr).abs().max()),
+        log_ppl_diff=float(d_seq.mean()),
+        ppl_ratio=float(torch.exp(d_seq).mean()),
+        chi2_token=float(torch.exp(2 * d).mean() - 1),
+        pearson=pearson,
+        entropy=float(entropy.mean()),
+        flip_rate=0.0,
+        tie_flip_rate=0.0,
+        nonfinite_trainer=nonfinite(lt_all, lt),
+        nonfinite_rollout=nonfinite(lr_all, lr),
+        n_tokens=n,
+        per_token={
+            "sequence": seg.numpy(),
+            "position": torch.cat([torch.arange(m) for m in seq_lens]).numpy(),
+            "token": tokens.numpy(),
+            "logp_trainer": lt.numpy(),
+            "logp_rollout": lr.numpy(),
+            "k3": k3.numpy(),
+            "kl": kl.numpy(),
+        },
+    )
+
+
+def with_routing(div: Divergence, trainer: Any, rollout: Any) -> Divergence:
+    """Fill the tie-aware flip rates from both outcomes' routing decisions."""
+    per_layer = routing_flips(trainer.routing, rollout.routing)
+    routed = sum(v["tokens"] for v in per_layer.values())
+    if routed:
+        div.flip_rate = sum(v["flips"] for v in per_layer.values()) / routed
+        div.tie_flip_rate = sum(v["tie_flips"] for v in per_layer.values()) / routed
+    div.flips_per_layer = per_layer
+    return div

@@ -1,0 +1,383 @@
+"""Target pairs: the contract every trainer/rollout pair obeys, and the registry that holds them.
+
+Why this exists
+---------------
+An RL run computes one policy twice: the rollout engine samples tokens, the trainer recomputes
+their log-probabilities for the gradient. A *target pair* packages those two computations of one
+op or one model so the harness can feed both the same fuzzed input and compare what comes out.
+
+What a pair is
+--------------
+A `TargetPair` is declarative data (every field commented below) plus three functions:
+
+    build(case, device)  -> inputs    # every tensor drawn from case.seed (use case.generator(...))
+    rollout(inputs)      -> Outcome   # the inference path; runs first
+    trainer(inputs)      -> Outcome   # the training path; may take a second argument,
+                                      #   trainer(inputs, rollout_outcome), to read the tokens
+                                      #   the rollout sampled or replay its routing
+
+Both outcomes hold log-probabilities over a vocabulary, one row per token in *case order*
+(sequence 0's tokens first, then sequence 1's, ...) whatever packing or padding the path used
+inside. A path that does not end in a distribution (a norm, a rotary embedding, an aggregation)
+returns `Outcome(hidden=...)` and the pair declares a `Readout`: a fixed seeded projection to a
+vocabulary followed by log-softmax, computed in float64 on both sides, so every pair is judged on
+the same k3 scale and the readout adds no divergence of its own.
+
+What is tested
+--------------
+`harness fuzz` draws cases for the axes a pair declares (`Axes`), runs both paths, and judges the
+mean k3 against the threshold. The pair's `expected` verdict says what must happen: an `aligned`
+pair must stay under the threshold (a finding is a regression); a `diverges` pair is a
+demonstration of a real-world mismatch that must keep being caught. `harness.conformance.check_pair`
+checks the contract itself (determinism from the seed, shapes, finite output) in one call.
+
+How to add one
+--------------
+Write a module with the three functions and call `harness.register(TargetPair(...))` at import
+time. Put it in `targets/` (imported automatically), pass it with `--plugin path/to/file.py` or
+`--plugin package.module`, or expose the module in the `harness.targets` entry-point group.
+Nothing in `harness/` changes. Registration validates eagerly and says how to fix what is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import pkgutil
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from .errors import HarnessError, UsageError
+
+KINDS = ("op", "model")
+VERDICTS = ("aligned", "diverges")
+DEVICES = ("cpu", "cuda")
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$")
+ENTRY_POINT_GROUP = "harness.targets"
+
+
+class PairError(HarnessError, ValueError):
+    """A target pair breaks the contract. The message says what is wrong and how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What a path returns
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Routing:
+    """The experts one router layer chose, with the scores it chose them from."""
+
+    experts: Any  # (T, k) int64: chosen expert ids per token, in case order
+    scores: Any = None  # (T, E) the scores top-k ran on, in the path's own precision (tie-aware flips)
+
+
+@dataclass
+class Outcome:
+    """What one path produced for one case. Rows are tokens in case order."""
+
+    logprobs: Any = None  # (T, V) log-probabilities over the vocabulary (any float dtype)
+    hidden: Any = None  # (T, H) instead of logprobs, for pairs with a Readout
+    tokens: Any = None  # (T,) int64 token ids the rollout sampled, where it samples
+    routing: dict[str, Routing] = field(default_factory=dict)  # router layer name -> decisions
+    intermediates: dict[str, Any] = field(default_factory=dict)  # named tensors, for triage
+
+
+@dataclass(frozen=True)
+class Readout:
+    """A fixed seeded head, shared by both paths and computed in float64: RMS-normalise each
+    hidden row (a final norm), project (H -> vocab) with W ~ N(0, 1) drawn from case.seed, scale,
+    log-softmax. Logits have standard deviation `case.logit_scale` (the peakedness axis) whatever
+    the magnitude of the hidden states, so relative errors of the paths are what is judged.
+    """
+
+    vocab: int = 512  # size of the vocabulary the readout projects to
+
+    def apply(self, hidden: Any, case: Any) -> Any:
+        import torch
+
+        h = hidden.to(torch.float64)  # (T, H)
+        width = h.shape[-1]
+        w = torch.randn(width, self.vocab, generator=case.generator("readout", width, self.vocab),
+                        dtype=torch.float64).to(h.device)  # (H, V)
+        h = h / h.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-300)  # (T, H) unit RMS
+        logits = (h @ w) * (case.logit_scale / math.sqrt(width))  # (T, V)
+        return torch.log_softmax(logits, dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a pair lets the fuzzer vary
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoutingAxes:
+    """Bounds of the near-tie routing axes (only for pairs with a router)."""
+
+    n_experts: tuple[int, int] = (4, 16)  # experts, inclusive range
+    top_k: tuple[int, int] = (1, 4)  # experts chosen per token, inclusive (capped at n_experts - 1)
+    max_gap: float = 1e-2  # largest boundary gap drawn; 0 is the exact tie
+    tie_fraction: tuple[float, float] = (0.0, 1.0)  # fraction of tokens forced to the boundary
+
+
+@dataclass(frozen=True)
+class Axes:
+    """The fuzz axes of a pair and their bounds. Fields left at None/False are held fixed."""
+
+    n_seqs: tuple[int, int] = (1, 4)  # sequences in the batch, inclusive range
+    seq_len: tuple[int, int] = (1, 32)  # tokens per sequence, inclusive range
+    packing: bool = False  # fuzz the trainer's row capacity and order and the rollout's pad side
+    routing: RoutingAxes | None = None  # fuzz near-tie routing; None = no router in this pair
+    logit_scale: tuple[float, float] = (1.0, 1.0)  # peakedness range (both equal: fixed)
+    dtypes: tuple[str, ...] = ("bfloat16",)  # low-precision dtypes to draw; the first is the simplest
+    params: Mapping[str, Any] = field(default_factory=dict)  # name -> Hypothesis strategy
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"n_seqs": list(self.n_seqs), "seq_len": list(self.seq_len)}
+        if self.packing:
+            out["packing"] = True
+        if self.routing:
+            r = self.routing
+            out["routing"] = {"n_experts": list(r.n_experts), "top_k": list(r.top_k),
+                              "max_gap": r.max_gap, "tie_fraction": list(r.tie_fraction)}
+        if self.logit_scale[0] != self.logit_scale[1]:
+            out["logit_scale"] = list(self.logit_scale)
+        out["dtypes"] = list(self.dtypes)
+        if self.params:
+            out["params"] = {k: repr(v) for k, v in self.params.items()}
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The pair
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetPair:
+    name: str  # unique dotted name, e.g. "moe_aggregate.bf16" (family.variant)
+    kind: str  # "op" (one operation) or "model" (a whole model)
+    expected: str  # "aligned" (must stay under the threshold) or "diverges" (must keep being caught)
+    build: Callable[[Any, str], Any]  # (case, device) -> inputs; every tensor from case.seed
+    trainer: Callable[..., Outcome]  # (inputs[, rollout_outcome]) -> Outcome: the training path
+    rollout: Callable[[Any], Outcome]  # (inputs) -> Outcome: the inference path (runs first)
+    axes: Axes = field(default_factory=Axes)  # what the fuzzer may vary, and within which bounds
+    readout: Readout | None = None  # required when the paths return hidden states, not logprobs
+    devices: tuple[str, ...] = ("cpu", "cuda")  # devices the pair runs on
+    description: str = ""  # one line: which real trainer/rollout difference this reproduces
+    profiles: Any = None  # optional: numerics profiles of both paths, for triage by swapping
+    source: str = ""  # where it was registered from (filled in by the registry)
+
+    @property
+    def trainer_reads_rollout(self) -> bool:
+        return _positional_arity(self.trainer) >= 2
+
+    def validate(self) -> None:
+        where = f"target pair {self.name!r}" + (f" (from {self.source})" if self.source else "")
+        if not isinstance(self.name, str) or not NAME_RE.match(self.name):
+            raise PairError(
+                f"{where}: the name must be lower-case dotted words like 'family.variant' "
+                f"(letters, digits, underscores); rename it."
+            )
+        if self.kind not in KINDS:
+            raise PairError(f"{where}: kind={self.kind!r} is not one of {KINDS}; set kind='op' or 'model'.")
+        if self.expected not in VERDICTS:
+            raise PairError(
+                f"{where}: expected={self.expected!r} is not one of {VERDICTS}; use 'aligned' for pairs that "
+                "must stay equivalent and 'diverges' for demonstrations that must keep being caught."
+            )
+        for role, fn, want in (("build", self.build, (2,)), ("rollout", self.rollout, (1,)),
+                               ("trainer", self.trainer, (1, 2))):
+            if not callable(fn):
+                raise PairError(f"{where}: {role} must be a function, got {type(fn).__name__}.")
+            arity = _positional_arity(fn)
+            if arity is not None and arity not in want:
+                sig = {"build": "build(case, device)", "rollout": "rollout(inputs)",
+                       "trainer": "trainer(inputs) or trainer(inputs, rollout_outcome)"}[role]
+                raise PairError(f"{where}: {role} takes {arity} positional argument(s); write it as {sig}.")
+        if not isinstance(self.axes, Axes):
+            raise PairError(f"{where}: axes must be a harness.Axes, got {type(self.axes).__name__}.")
+        a = self.axes
+        for nm, (lo, hi), floor in (("n_seqs", a.n_seqs, 1), ("seq_len", a.seq_len, 1)):
+            if not (isinstance(lo, int) and isinstance(hi, int) and floor <= lo <= hi):
+                raise PairError(f"{where}: axes.{nm}={(lo, hi)!r} must be integers with {floor} <= low <= high.")
+        lo, hi = a.logit_scale
+        if not (0 < lo <= hi and math.isfinite(hi)):
+            raise PairError(f"{where}: axes.logit_scale={a.logit_scale!r} must satisfy 0 < low <= high < inf.")
+        from .case import DTYPES
+
+        if not a.dtypes or any(d not in DTYPES for d in a.dtypes):
+            raise PairError(f"{where}: axes.dtypes={a.dtypes!r} must be a non-empty tuple drawn from {DTYPES}.")
+        if a.routing is not None:
+            r = a.routing
+            if not (2 <= r.n_experts[0] <= r.n_experts[1]):
+                raise PairError(f"{where}: axes.routing.n_experts={r.n_experts!r} needs 2 <= low <= high.")
+            if not (1 <= r.top_k[0] <= r.top_k[1] and r.top_k[0] < r.n_experts[0]):
+                raise PairError(
+                    f"{where}: axes.routing.top_k={r.top_k!r} needs 1 <= low <= high and low < the fewest "
+                    f"experts ({r.n_experts[0]}), so a boundary exists."
+                )
+            if not (0 <= r.max_gap <= 1.0):
+                raise PairError(f"{where}: axes.routing.max_gap={r.max_gap!r} must lie in [0, 1].")
+        if not self.devices or any(d not in DEVICES for d in self.devices):
+            raise PairError(f"{where}: devices={self.devices!r} must be a non-empty tuple drawn from {DEVICES}.")
+        if self.readout is not None and not isinstance(self.readout, Readout):
+            raise PairError(f"{where}: readout must be a harness.Readout or None.")
+        if self.readout is not None and self.readout.vocab < 2:
+            raise PairError(f"{where}: readout.vocab must be >= 2.")
+
+
+def _positional_arity(fn: Callable) -> int | None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    n = 0
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            return None
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------
+class Registry:
+    """Name -> TargetPair. Built-ins come from the `targets` package, plugins from files,
+    modules and the `harness.targets` entry-point group."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[str, TargetPair] = {}
+        self._loaded_builtins = False
+        self._loading: str = ""
+
+    def register(self, pair: TargetPair) -> TargetPair:
+        if not isinstance(pair, TargetPair):
+            raise PairError(f"register() takes a harness.TargetPair, got {type(pair).__name__}.")
+        if not pair.source and self._loading:
+            object.__setattr__(pair, "source", self._loading)
+        pair.validate()
+        old = self._pairs.get(pair.name)
+        if old is not None and old.source != pair.source:
+            raise PairError(
+                f"target pair {pair.name!r} from {pair.source or 'unknown'} clashes with the one already "
+                f"registered from {old.source or 'unknown'}; give one of them another name."
+            )
+        self._pairs[pair.name] = pair
+        return pair
+
+    def load_builtins(self) -> None:
+        if self._loaded_builtins:
+            return
+        self._loaded_builtins = True
+        import targets
+
+        for mod in pkgutil.walk_packages(targets.__path__, prefix="targets."):
+            self._import(mod.name, label=mod.name)
+        self._load_entry_points()
+
+    def _load_entry_points(self) -> None:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            self._loading = f"entry point {ep.name}"
+            try:
+                obj = ep.load()
+                if callable(obj) and not isinstance(obj, type(sys)):
+                    for pair in obj() or ():
+                        self.register(pair)
+            except PairError:
+                raise
+            except Exception as e:
+                raise UsageError(
+                    f"the plugin entry point {ep.name!r} ({ep.value}) in group {ENTRY_POINT_GROUP!r} failed to "
+                    f"load: {type(e).__name__}: {e}. Fix or uninstall the package that provides it."
+                ) from None
+            finally:
+                self._loading = ""
+
+    def _import(self, module: str, label: str) -> None:
+        self._loading = label
+        try:
+            importlib.import_module(module)
+        finally:
+            self._loading = ""
+
+    def load_plugin(self, spec: str) -> None:
+        """Import a plugin: a path to a .py file, or a dotted module name."""
+        self.load_builtins()
+        path = Path(spec)
+        try:
+            if spec.endswith(".py") or path.exists():
+                if not path.is_file():
+                    raise UsageError(
+                        f"plugin file {spec!r} does not exist; pass the path of a Python file that registers "
+                        "target pairs, or a dotted module name importable from this environment."
+                    )
+                name = "harness_plugin_" + re.sub(r"\W", "_", str(path.resolve()))
+                if name in sys.modules:
+                    return
+                mod_spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(mod_spec)
+                sys.modules[name] = module
+                self._loading = str(path)
+                try:
+                    mod_spec.loader.exec_module(module)
+                except BaseException:
+                    sys.modules.pop(name, None)
+                    raise
+            else:
+                self._import(spec, label=spec)
+        except (UsageError, PairError):
+            raise
+        except Exception as e:
+            raise UsageError(
+                f"plugin {spec!r} failed to import: {type(e).__name__}: {e}. Run `python {spec}` "
+                "(or `python -c 'import MODULE'`) to see the full error, fix it, and try again."
+            ) from None
+        finally:
+            self._loading = ""
+
+    def get(self, name: str) -> TargetPair:
+        self.load_builtins()
+        if name not in self._pairs:
+            close = [n for n in self._pairs if name.split(".")[0] in n][:5]
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise UsageError(
+                f"no target pair named {name!r} is registered.{hint} Run `harness list` to see the registered "
+                "pairs; a pair from your own file needs `--plugin path/to/file.py`."
+            )
+        return self._pairs[name]
+
+    def select(self, patterns: Iterable[str] = ()) -> list[TargetPair]:
+        """Pairs matching any glob pattern (all pairs when none are given), sorted by name."""
+        import fnmatch
+
+        self.load_builtins()
+        patterns = list(patterns)
+        if not patterns:
+            return [self._pairs[n] for n in sorted(self._pairs)]
+        chosen: dict[str, TargetPair] = {}
+        for pat in patterns:
+            if any(c in pat for c in "*?["):
+                hits = [n for n in self._pairs if fnmatch.fnmatchcase(n, pat)]
+                if not hits:
+                    raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them.")
+                for n in hits:
+                    chosen[n] = self._pairs[n]
+            else:
+                chosen[pat] = self.get(pat)
+        return [chosen[n] for n in sorted(chosen)]
+
+    def all(self) -> list[TargetPair]:
+        return self.select()
+
+
+REGISTRY = Registry()
+
+
+def register(pair: TargetPair) -> TargetPair:
+    """Register a pair in the default registry (call at import time of a targets/plugin module)."""
+    return REGISTRY.register(pair)

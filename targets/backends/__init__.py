@@ -1,0 +1,1 @@
+"""Other engines as rollout paths."""

@@ -1,0 +1,1 @@
+"""Full-model target pairs."""

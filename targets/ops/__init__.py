@@ -1,0 +1,1 @@
+"""Op-level target pairs, one file per op family."""
