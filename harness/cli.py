@@ -132,8 +132,8 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
 
 @cli.command()
 @click.argument("pair_names", nargs=-1, metavar="[PAIR|GLOB]...")
-@click.option("--max-examples", type=click.IntRange(1), default=100, show_default=True,
-              help="Cases per pair (before shrinking).")
+@click.option("--max-examples", type=click.IntRange(1), default=None,
+              help="Cases per pair (before shrinking)  [default: 100, or the profile's]")
 @click.option("--budget", type=click.FloatRange(0, min_open=True), default=None,
               help="Wall seconds for the whole campaign, split over the pairs (shrinking included).")
 @click.option("--seed", type=click.IntRange(0), default=None, help="Campaign seed (default: fresh, printed).")
@@ -146,10 +146,13 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
               "else sqlite:///<abs>/reports/mlflow.db).")
 @click.option("--no-tracking", is_flag=True, help="Do not log to MLflow (the corpus is still written).")
+@click.option("--profile", default=None, type=click.Choice(["dev", "ci", "nightly"]),
+              help="Named settings (harness/profiles.py) for what is not given explicitly: cases and seconds "
+              "per pair, seed policy (nightly: seed derived from $HARNESS_RUN_ID or $GITHUB_RUN_ID).")
 @plugin_option
-def fuzz(pair_names: tuple[str, ...], max_examples: int, budget: float | None, seed: int | None,
+def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | None, seed: int | None,
          threshold: float, device: str, corpus_dir: Path, shard: str | None, tracking_uri: str | None,
-         no_tracking: bool, plugins: tuple[str, ...]) -> None:
+         no_tracking: bool, profile: str | None, plugins: tuple[str, ...]) -> None:
     """Fuzz pairs (all registered pairs when none are named); shrink and record what diverges."""
     from .env import resolve_device
     from .fuzz import CampaignConfig, run_campaign, summary_table
@@ -161,8 +164,15 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int, budget: float | None, s
     pairs = [p for p in REGISTRY.select(pair_names) if dev in p.devices]
     if not pairs:
         raise UsageError(f"none of the selected pairs runs on {dev}; run `harness list` to see their devices.")
-    cfg = CampaignConfig(pairs=pairs, seed=seed, max_examples=max_examples, budget=budget,
+    from .fuzz import shard_pairs
+    from .profiles import campaign_settings
+
+    s = campaign_settings(profile, len(shard_pairs(pairs, parse_shard(shard))), max_examples, budget, seed)
+    if profile:
+        echo_err(f"profile {profile}: {s.max_examples} cases per pair, budget {s.budget}s, {s.origin}")
+    cfg = CampaignConfig(pairs=pairs, seed=s.seed, max_examples=s.max_examples, budget=s.budget,
                          threshold=threshold, device=dev, corpus=corpus_dir, shard=parse_shard(shard))
+    cfg.profile = profile  # stored with the campaign run
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err)
 
     def announce(f: Any) -> None:

@@ -169,9 +169,8 @@ def _size(case: Case) -> tuple:
 def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float | None,
               progress: Callable[[PairResult, bool], None] | None = None) -> PairResult:
     """Fuzz one pair until max_examples or the deadline (time.monotonic()); shrink what fails."""
-    from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings, target
+    from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
     from hypothesis import seed as hseed
-    from hypothesis.errors import Unsatisfiable
 
     from .strategies import cases
 
@@ -187,9 +186,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         ev = cache.get(key)
         if ev is None:
             if deadline is not None and time.monotonic() > deadline:
-                if smallest:
-                    cut["shrink"] = True
-                reject()
+                raise _OutOfTime  # a BaseException: Hypothesis lets it through instead of shrinking it
             ev = run_case(pair, case, cfg.device, cfg.threshold)
             if not ev.failed and ev.divergence is not None:
                 ev.divergence.per_token = {}
@@ -232,8 +229,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if rest is not None:
             raise rest
         failures.extend(e.evaluation for e in _leaves(matched))
-    except Unsatisfiable:
-        pass  # the deadline came before any case ran
+    except _OutOfTime:
+        cut["shrink"] = bool(smallest)  # what was found is kept at its smallest so far
     except KeyboardInterrupt:
         result.seconds = time.monotonic() - start
         result.findings = [_finding(pair, ev, result, complete=False) for ev in smallest.values()]
@@ -264,6 +261,10 @@ def _finding(pair: TargetPair, ev: Evaluation, result: PairResult, complete: boo
                    examples=result.examples, shrink_complete=complete)
 
 
+class _OutOfTime(BaseException):
+    """The pair's share of the budget is spent."""
+
+
 class _Interrupted(Exception):
     def __init__(self, result: PairResult) -> None:
         self.result = result
@@ -273,10 +274,21 @@ class _Interrupted(Exception):
 # The campaign
 # ---------------------------------------------------------------------------------------------
 def shard_pairs(pairs: list[TargetPair], shard: tuple[int, int] | None) -> list[TargetPair]:
-    """This shard's pairs: pair i (in name order) goes to shard (i mod N) + 1."""
+    """This shard's pairs: pair j (0-based, in name order) goes to shard (j mod N) + 1.
+
+    What one unsharded campaign with seed S covers is the set of (pair, pair_seed(S, pair)) streams:
+    one Hypothesis stream per selected pair, its cases fixed by its own seed (never by the other
+    pairs). The pair x seed space of a campaign therefore has one seed per pair, and sharding it
+    is sharding the pairs: shards 1..N of one seed run disjoint sets of pairs whose union is the
+    selection, each stream started exactly as the unsharded run starts it (with the same
+    max_examples, the same cases; with a time budget, each pair gets more of it). Shards beyond
+    the number of pairs are empty; to put more machines on fewer pairs give them different seeds.
+    """
     if shard is None:
         return pairs
     i, n = shard
+    if not (isinstance(i, int) and isinstance(n, int) and 1 <= i <= n):
+        raise ValueError(f"shard {shard!r} must be (i, N) with 1 <= i <= N")
     ordered = sorted(pairs, key=lambda p: p.name)
     return [p for j, p in enumerate(ordered) if j % n == i - 1]
 

@@ -1,0 +1,549 @@
+"""pytest plugin: every registered target pair as one test item (`pytest --harness-fuzz`).
+
+    pytest --harness-fuzz [-n auto] [--harness-pairs GLOB] [--harness-budget SECONDS]
+           [--harness-seed N] [--harness-profile dev|ci|nightly] [--shard i/N]
+
+Registered through the `pytest11` entry point and off unless `--harness-fuzz` is given: without it
+the plugin adds its options and nothing else (this module imports only pytest and the standard
+library; the engine, torch and MLflow are imported when a campaign runs).
+
+With `--harness-fuzz` the session runs one item per selected pair (this shard's share, see
+`harness.fuzz.shard_pairs`) instead of the collected tests, so pytest-xdist (`-n auto`) spreads
+the pairs over workers. Each item is a one-pair `harness.fuzz.run_campaign`: Hypothesis draws,
+targets and shrinks, each finding is written to the corpus, then tracked. What an item reports:
+
+- an `aligned` pair with a new finding (or a recurrence of a `fixed` one) fails, with the pair, k3,
+  minimal case and replay command; one whose findings are all already in the corpus (open,
+  wontfix) is an expected failure (xfail), so a known bug does not fail every night;
+- a `diverges` pair (a demonstration) passes when caught; a demonstration not caught (MISSED),
+  one that crashed or gave non-finite output (BROKEN), and any pair that ran no case are reported
+  (a warning and the summary) without failing the run.
+
+The controller (the only process without xdist) chooses the campaign seed, opens one MLflow
+campaign run and passes both to the workers (`workerinput`); workers log regression runs under that
+campaign run and send their pair results back (`workeroutput`); the controller aggregates them into
+one summary (terminal, `<out>/summary.json`, `<out>/summary.md`) and closes the campaign run. New
+repros are also copied to `<out>/new-repros/<pair>/<id>.json` for CI to upload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+NODE_PREFIX = "harness-fuzz"
+DEFAULT_MAX_EXAMPLES = 100  # cases per pair without a profile (as `harness fuzz`)
+
+
+class HarnessFuzzWarning(UserWarning):
+    """A demonstration pair not caught, a broken pair, or a pair that ran no case."""
+
+
+class FuzzFailure(Exception):
+    """An item's failure: its message is the whole report (no traceback)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("harness", "differential fuzzing of trainer/rollout pairs (harness)")
+    group.addoption("--harness-fuzz", action="store_true", default=False,
+                    help="Run every registered target pair as one test item instead of the collected tests.")
+    group.addoption("--harness-pairs", action="append", default=[], metavar="GLOB",
+                    help="Pairs to fuzz, by name or glob (repeatable; default: all).")
+    group.addoption("--harness-budget", type=float, default=None, metavar="SECONDS",
+                    help="Wall seconds per pair, shrinking included (default: the profile's, else none).")
+    group.addoption("--harness-max-examples", type=int, default=None, metavar="N",
+                    help=f"Cases per pair (default: the profile's, else {DEFAULT_MAX_EXAMPLES}).")
+    group.addoption("--harness-seed", type=int, default=None, metavar="N",
+                    help="Campaign seed (default: from the profile; else fresh, printed).")
+    group.addoption("--harness-run-id", default=None, metavar="ID",
+                    help="Run id the nightly profile derives its seed from (default: $HARNESS_RUN_ID, "
+                    "$GITHUB_RUN_ID, $SLURM_ARRAY_JOB_ID).")
+    group.addoption("--harness-profile", default=None, metavar="dev|ci|nightly",
+                    help="Named campaign settings (harness/profiles.py); default: the harness_profile ini value.")
+    group.addoption("--harness-shard", "--shard", dest="harness_shard", default=None, metavar="i/N",
+                    help="Fuzz only this shard's share of the pairs (deterministic, no overlap).")
+    group.addoption("--harness-device", default="cpu", choices=("cpu", "cuda", "auto"),
+                    help="Device both paths run on (default: cpu).")
+    group.addoption("--harness-threshold", type=float, default=None, metavar="K3",
+                    help="Mean k3 above which a case diverges (default: 1e-3).")
+    group.addoption("--harness-corpus", default="corpora", metavar="DIR",
+                    help="Where repros are written (default: corpora).")
+    group.addoption("--harness-out", default=os.path.join("reports", "fuzz"), metavar="DIR",
+                    help="Where the summary and copies of new repros go (default: reports/fuzz).")
+    group.addoption("--harness-plugin", action="append", default=[], metavar="FILE.py|MODULE",
+                    help="Load target pairs from a Python file or module (repeatable).")
+    group.addoption("--harness-tracking-uri", default=None, metavar="URI",
+                    help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else reports/mlflow.db).")
+    group.addoption("--harness-no-tracking", action="store_true", default=False,
+                    help="Do not log to MLflow (the corpus is still written).")
+    parser.addini("harness_profile", "campaign profile used by --harness-fuzz when --harness-profile is not given",
+                  default="")
+
+
+def _enabled(config: pytest.Config) -> bool:
+    return bool(config.getoption("harness_fuzz", False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings shared by the controller and the workers
+# ---------------------------------------------------------------------------------------------
+class FuzzSession:
+    """The campaign of one pytest session (controller or worker)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        from harness.errors import UsageError
+        from harness.profiles import get_profile
+
+        self.config = config
+        opt = config.getoption
+        self.is_worker = hasattr(config, "workerinput")
+        self.profile_name = opt("harness_profile") or config.getini("harness_profile") or None
+        try:
+            self.profile = get_profile(self.profile_name) if self.profile_name else None
+            self.shard = _parse_shard(opt("harness_shard"))
+        except UsageError as e:
+            raise pytest.UsageError(str(e)) from None
+        self.globs = list(opt("harness_pairs") or [])
+        self.plugins = list(opt("harness_plugin") or [])
+        self.device_option = opt("harness_device")
+        self.max_examples = opt("harness_max_examples") or (
+            self.profile.max_examples if self.profile else DEFAULT_MAX_EXAMPLES)
+        budget = opt("harness_budget")
+        self.budget = budget if budget is not None else (self.profile.budget_per_pair if self.profile else None)
+        from harness.execute import DEFAULT_THRESHOLD
+
+        self.threshold = opt("harness_threshold") or DEFAULT_THRESHOLD
+        self.corpus = Path(opt("harness_corpus"))
+        self.out = Path(opt("harness_out"))
+        self.tracking = not opt("harness_no_tracking")
+        self.tracking_uri = opt("harness_tracking_uri")
+        self.results: list[dict] = []  # this process's pair results (serialised)
+        self.campaign_run_id: str | None = None
+        self.tracker: Any = None
+        self.tracking_error: str | None = None
+        self.start = time.time()
+        if self.is_worker:
+            shared = config.workerinput["harness"]
+            self.seed = shared["seed"]
+            self.seed_origin = shared["seed_origin"]
+            self.campaign_run_id = shared["campaign_run_id"]
+            self.tracking_uri = shared["tracking_uri"]
+        else:
+            from harness.fuzz import fresh_seed
+            from harness.profiles import resolve_seed
+
+            choice = resolve_seed(self.profile, opt("harness_seed"), opt("harness_run_id"))
+            self.seed = choice.seed if choice.seed is not None else fresh_seed()
+            self.seed_origin = choice.origin if choice.seed is not None else f"fresh seed {self.seed}"
+
+    # -- pairs ---------------------------------------------------------------------------------
+    def device(self) -> str:
+        from harness.env import resolve_device
+
+        return resolve_device(self.device_option)
+
+    def select(self) -> list:
+        """This shard's pairs that run on the device, in name order (the same in every process)."""
+        from harness.fuzz import shard_pairs
+        from harness.pairs import REGISTRY
+
+        REGISTRY.load_builtins()
+        for spec in self.plugins:
+            REGISTRY.load_plugin(spec)
+        dev = self.device()
+        pairs = [p for p in REGISTRY.select(self.globs) if dev in p.devices]
+        return shard_pairs(pairs, self.shard)
+
+    def campaign_config(self, pairs: list) -> Any:
+        from harness.fuzz import CampaignConfig
+
+        cfg = CampaignConfig(pairs=pairs, seed=self.seed, max_examples=self.max_examples, budget=None,
+                             threshold=self.threshold, device=self.device(), corpus=self.corpus,
+                             shard=self.shard)
+        cfg.budget = self.budget * len(pairs) if self.budget is not None else None  # per pair -> campaign
+        cfg.profile = self.profile_name  # stored with the campaign run
+        return cfg
+
+    # -- tracking ------------------------------------------------------------------------------
+    def open_campaign(self) -> None:
+        """Controller: one campaign run for the whole session."""
+        if not self.tracking:
+            return
+        try:
+            from harness.tracking import make_tracker
+
+            self.tracker = make_tracker(self.tracking_uri, enabled=True, log=_log)
+            pairs = self.select()
+            self.tracker.campaign_started(self.campaign_config(pairs), self.seed, pairs)
+            self.campaign_run_id = _campaign_run_id(self.tracker)
+        except Exception as e:  # tracking must never stop a campaign: the corpus has every finding
+            self.tracking_error = f"{type(e).__name__}: {e}"
+            self.tracker = None
+            _log(f"harness: tracking is off for this session ({self.tracking_error})")
+
+    def finding_tracker(self) -> Any:
+        """The tracker items hand their findings to: under the session's campaign run."""
+        from harness.tracking import NullTracker
+
+        if not self.tracking or (self.campaign_run_id is None and not self.is_worker and self.tracker is None):
+            return NullTracker()
+        if not self.is_worker:
+            return self.tracker or NullTracker()
+        if self.tracker is None:
+            if self.campaign_run_id is None:
+                return NullTracker()
+            try:
+                from harness.mlflow_tracking import MlflowTracker
+
+                self.tracker = MlflowTracker(self.tracking_uri, log=_log, campaign_run_id=self.campaign_run_id)
+            except Exception as e:
+                self.tracking_error = f"{type(e).__name__}: {e}"
+                _log(f"harness: worker tracking is off ({self.tracking_error}); findings are in the corpus")
+                self.tracker = NullTracker()
+        return self.tracker
+
+    def close_campaign(self, results: list[dict], interrupted: bool) -> None:
+        if self.tracker is None or self.is_worker:
+            return
+        try:
+            self.tracker.campaign_finished(self.campaign_result(results, interrupted))
+        except Exception as e:
+            self.tracking_error = f"{type(e).__name__}: {e}"
+            _log(f"harness: could not close the campaign run ({self.tracking_error})")
+
+    def campaign_result(self, results: list[dict], interrupted: bool = False) -> Any:
+        from harness.fuzz import CampaignResult
+
+        pair_results = [_pair_result(d) for d in sorted(results, key=lambda d: d["pair"])]
+        cfg = self.campaign_config([])
+        cfg.budget = self.budget * len(pair_results) if self.budget is not None else None
+        res = CampaignResult(seed=self.seed, config=cfg, results=pair_results,
+                             seconds=time.time() - self.start, interrupted=interrupted)
+        return res
+
+    # -- one item ------------------------------------------------------------------------------
+    def run_pair(self, item: "FuzzItem") -> None:
+        from harness.fuzz import run_campaign
+        from harness.pairs import REGISTRY
+
+        pair = REGISTRY.get(item.pair_name)
+        cfg = self.campaign_config([pair])
+        cfg.shard = None  # sharding happened at collection; this item is one pair
+        outer = self.finding_tracker()
+        fresh: list[Path] = []
+
+        def on_finding(f: Any) -> None:
+            if (f.new or f.recurrence) and f.path is not None and Path(f.path).exists():
+                dest = self.out / "new-repros" / f.pair / Path(f.path).name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f.path, dest)
+                fresh.append(dest)
+
+        result = run_campaign(cfg, tracker=_FindingsOnly(outer), log=_log, on_finding=on_finding)
+        if result.interrupted:
+            raise KeyboardInterrupt
+        r = result.results[0]
+        data = _pair_result_json(r)
+        data["worker"] = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        self.results.append(data)
+        item.user_properties.append(("harness", data))
+        self.judge(pair, r)
+
+    def replay_command(self, path: Any) -> str:
+        plugins = "".join(f" --plugin {p}" for p in self.plugins)
+        return f"harness replay{plugins} {path}"
+
+    def judge(self, pair: Any, r: Any) -> None:
+        rerun = (f"pytest --harness-fuzz --harness-pairs {pair.name} --harness-seed {self.seed} "
+                 f"--harness-max-examples {self.max_examples}")
+        if pair.expected == "aligned":
+            new = [f for f in r.findings if f.new or f.recurrence]
+            if new:
+                raise FuzzFailure("\n".join(
+                    [f"aligned pair {pair.name}: {len(new)} new regression(s) (threshold {self.threshold:g}, "
+                     f"{r.examples} cases, campaign seed {self.seed})"]
+                    + [_describe(f, self) for f in new] + [f"  rerun: {rerun}"]))
+            if r.findings:
+                pytest.xfail(f"known regression(s) of {pair.name}, already in the corpus: "
+                             + "; ".join(f"{f.id} k3 {f.k3:.4g} ({self.replay_command(f.path)})" for f in r.findings))
+        verdict = r.verdict
+        if verdict in ("MISSED", "BROKEN", "not run"):
+            why = {"MISSED": "demonstration not caught (give it more budget or cases)",
+                   "BROKEN": "demonstration pair crashed or gave non-finite output: "
+                             + "; ".join(_describe(f, self) for f in r.findings if f.symptom.value != "divergence"),
+                   "not run": "no case ran (the budget ran out first?)"}[verdict]
+            warnings.warn(HarnessFuzzWarning(f"{pair.name}: {verdict}: {why}"), stacklevel=1)
+
+
+class _FindingsOnly:
+    """Forwards findings to a session tracker; the campaign run belongs to the controller."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def campaign_started(self, config: Any, seed: int, pairs: list) -> None:
+        pass
+
+    def finding(self, finding: Any) -> None:
+        try:
+            self.inner.finding(finding)
+        except Exception as e:  # never lose the item's verdict to a tracking error
+            _log(f"harness: could not track finding {finding.id}: {type(e).__name__}: {e}")
+
+    def campaign_finished(self, result: Any) -> None:
+        pass
+
+
+def _campaign_run_id(tracker: Any) -> str | None:
+    for attr in ("campaign_run_id", "run_id"):
+        value = getattr(tracker, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _describe(f: Any, session: FuzzSession) -> str:
+    state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "known")
+    return (f"  finding {f.id} [{state}] {f.symptom.value}: k3 {f.k3:.4g}\n"
+            f"    minimal case: {f.case.one_line()}\n"
+            f"    replay: {session.replay_command(f.path)}")
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _parse_shard(value: str | None) -> tuple[int, int] | None:
+    from harness.cli import parse_shard
+
+    return parse_shard(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Results across processes (plain JSON types: execnet carries nothing else)
+# ---------------------------------------------------------------------------------------------
+def _pair_result_json(r: Any) -> dict:
+    from harness.corpus import metrics_json
+
+    return {
+        "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
+        "max_k3": r.max_k3, "seed": r.seed, "verdict": r.verdict,
+        "findings": [{
+            "id": f.id, "signature": f.signature, "symptom": f.symptom.value, "status": f.status,
+            "case": f.case.to_json(), "metrics": metrics_json(f.evaluation), "error": f.evaluation.error,
+            "examples": f.examples, "shrink_complete": f.shrink_complete,
+            "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
+        } for f in r.findings],
+    }
+
+
+def _pair_result(d: dict) -> Any:
+    from harness.case import Case
+    from harness.corpus import decode_float
+    from harness.execute import Evaluation, Symptom
+    from harness.fuzz import Finding, PairResult
+    from harness.metrics import Divergence
+
+    findings = []
+    for fd in d["findings"]:
+        case = Case.from_json(fd["case"])
+        metrics = {k: decode_float(v) for k, v in (fd["metrics"] or {}).items()}
+        try:
+            div = Divergence(**metrics) if metrics else None
+        except TypeError:
+            div = None
+        ev = Evaluation(pair=d["pair"], case=case, symptom=Symptom(fd["symptom"]), divergence=div,
+                        error=fd["error"])
+        findings.append(Finding(pair=d["pair"], expected=d["expected"], symptom=Symptom(fd["symptom"]),
+                                signature=fd["signature"], case=case, evaluation=ev, examples=fd["examples"],
+                                shrink_complete=fd["shrink_complete"],
+                                path=Path(fd["path"]) if fd["path"] else None, new=fd["new"],
+                                recurrence=fd["recurrence"]))
+    return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
+                      max_k3=d["max_k3"], findings=findings, seed=d["seed"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Items
+# ---------------------------------------------------------------------------------------------
+class FuzzItem(pytest.Item):
+    """One target pair, fuzzed as a one-pair campaign."""
+
+    def __init__(self, *, pair_name: str, expected: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pair_name = pair_name
+        self.expected = expected
+
+    def runtest(self) -> None:
+        self.config.stash[SESSION_KEY].run_pair(self)
+
+    def repr_failure(self, excinfo: Any, style: Any = None) -> Any:
+        if isinstance(excinfo.value, FuzzFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple:
+        return self.path, None, f"harness fuzz {self.pair_name} ({self.expected})"
+
+
+SESSION_KEY = pytest.StashKey[FuzzSession]()
+RESULTS_KEY = pytest.StashKey[list]()
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks (each returns at once unless --harness-fuzz was given)
+# ---------------------------------------------------------------------------------------------
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if not _enabled(config):
+        return
+    session = FuzzSession(config)
+    config.stash[SESSION_KEY] = session
+    config.stash[RESULTS_KEY] = []
+    if not session.is_worker:
+        _log(f"harness fuzz: campaign {session.seed_origin}; profile {session.profile_name or '-'}, "
+             f"{session.max_examples} cases and {session.budget or '-'} s per pair"
+             + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
+        session.open_campaign()
+        if config.pluginmanager.hasplugin("xdist"):
+            config.pluginmanager.register(_XdistController(session), "harness-xdist-controller")
+
+
+class _XdistController:
+    """xdist hooks, registered only when xdist is present (its hook names are unknown otherwise)."""
+
+    def __init__(self, session: FuzzSession) -> None:
+        self.session = session
+
+    def pytest_configure_node(self, node: Any) -> None:
+        s = self.session
+        node.workerinput["harness"] = {"seed": s.seed, "seed_origin": s.seed_origin,
+                                       "campaign_run_id": s.campaign_run_id,
+                                       "tracking_uri": s.tracking_uri if s.tracker is not None else None}
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        out = getattr(node, "workeroutput", None) or {}
+        self.session.config.stash[RESULTS_KEY].extend(json.loads(out.get("harness_results", "[]")))
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With --harness-fuzz the session is the fuzz items: the test files are not even imported."""
+    if _enabled(config):
+        return True
+    return None
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    if not _enabled(config):
+        return
+    fs = config.stash[SESSION_KEY]
+    from harness.errors import HarnessError
+
+    try:
+        pairs = fs.select()
+    except HarnessError as e:
+        raise pytest.UsageError(str(e)) from None
+    if items:
+        config.hook.pytest_deselected(items=list(items))
+    items[:] = [FuzzItem.from_parent(session, name=f"{NODE_PREFIX}[{p.name}]",
+                                     nodeid=f"{NODE_PREFIX}::{p.name}", pair_name=p.name, expected=p.expected)
+                for p in pairs]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not _enabled(config):
+        return
+    fs = config.stash[SESSION_KEY]
+    if fs.is_worker:
+        config.workeroutput["harness_results"] = json.dumps(fs.results)
+        return
+    results = config.stash[RESULTS_KEY] + fs.results
+    config.stash[RESULTS_KEY] = results
+    fs.close_campaign(results, interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+    _write_summary(fs, results)
+
+
+def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
+    rows = []
+    for d in sorted(results, key=lambda d: d["pair"]):
+        verdict = d["verdict"]
+        if verdict == "REGRESSION":
+            verdict = "REGRESSION (new)" if any(f["new"] or f["recurrence"] for f in d["findings"]) \
+                else "REGRESSION (known)"
+        rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
+        found = ", ".join(f"{f['id']} {f['symptom']} k3={_fmt(f['metrics'].get('k3_kl'))}"
+                          + (" new" if f["new"] else "") for f in d["findings"]) or "-"
+        rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), f"{rate:.1f}", _fmt(d["max_k3"]),
+                     d.get("worker", "main"), found))
+    return rows
+
+
+HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "max k3", "worker", "findings")
+
+
+def _fmt(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
+def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
+    fs.out.mkdir(parents=True, exist_ok=True)
+    cases = sum(d["examples"] for d in results)
+    seconds = sum(d["seconds"] for d in results)
+    summary = {
+        "seed": fs.seed, "seed_origin": fs.seed_origin, "profile": fs.profile_name,
+        "shard": list(fs.shard) if fs.shard else None, "device": fs.device_option,
+        "max_examples": fs.max_examples, "budget_per_pair": fs.budget, "threshold": fs.threshold,
+        "campaign_run_id": fs.campaign_run_id, "tracking_error": fs.tracking_error,
+        "cases": cases, "pair_seconds": seconds, "wall_seconds": time.time() - fs.start,
+        "new_aligned_regressions": [f["id"] for d in results if d["expected"] == "aligned"
+                                    for f in d["findings"] if f["new"] or f["recurrence"]],
+        "pairs": sorted(results, key=lambda d: d["pair"]),
+    }
+    (fs.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    rows = _rows(fs, results)
+    md = [f"# harness fuzz: {len(results)} pair(s), {cases} cases, seed {fs.seed}", "",
+          f"{fs.seed_origin}; profile {fs.profile_name or '-'}"
+          + (f"; shard {fs.shard[0]}/{fs.shard[1]}" if fs.shard else "")
+          + (f"; MLflow campaign run {fs.campaign_run_id}" if fs.campaign_run_id else ""), "",
+          "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    md += ["| " + " | ".join(r) + " |" for r in rows]
+    replays = [(d["pair"], f) for d in results for f in d["findings"] if f["new"] or f["recurrence"]]
+    if replays:
+        md += ["", "New findings:", ""]
+        md += [f"- {p} {f['id']} ({f['symptom']}): `{fs.replay_command(f['path'])}`" for p, f in replays]
+    (fs.out / "summary.md").write_text("\n".join(md) + "\n")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    if not _enabled(config) or SESSION_KEY not in config.stash or config.stash[SESSION_KEY].is_worker:
+        return
+    fs = config.stash[SESSION_KEY]
+    results = config.stash[RESULTS_KEY]
+    tr = terminalreporter
+    tr.write_sep("=", "harness fuzz")
+    rows = [HEADER] + _rows(fs, results)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
+    for r in rows:
+        tr.write_line("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+    cases = sum(d["examples"] for d in results)
+    caught = [d["pair"] for d in results if d["verdict"] == "caught"]
+    clean = [d["pair"] for d in results if d["verdict"] == "clean"]
+    reported = [f"{d['pair']} ({d['verdict']})" for d in results if d["verdict"] in ("MISSED", "BROKEN", "not run")]
+    tr.write_line(f"{len(results)} pair(s), {cases} cases; demonstrations caught: {len(caught)}; aligned clean: "
+                  f"{len(clean)}" + (f"; reported: {', '.join(reported)}" if reported else ""))
+    tr.write_line(f"campaign seed {fs.seed} ({fs.seed_origin}); rerun: pytest --harness-fuzz --harness-seed {fs.seed}"
+                  + (f" --shard {fs.shard[0]}/{fs.shard[1]}" if fs.shard else ""))
+    if fs.campaign_run_id:
+        tr.write_line(f"MLflow campaign run {fs.campaign_run_id}")
+    elif fs.tracking:
+        tr.write_line("MLflow: no campaign run" + (f" ({fs.tracking_error})" if fs.tracking_error else ""))
+    tr.write_line(f"summary: {fs.out / 'summary.md'}")
