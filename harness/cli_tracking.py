@@ -1,0 +1,137 @@
+"""Triage commands on the MLflow store: `harness regressions [show|close]` and `harness sync`.
+
+    harness regressions [--status open] [--pair 'router_*'] [--json]   # list
+    harness regressions show ID                                          # note, metrics, artifacts
+    harness regressions close ID --status fixed|wontfix --note TEXT      # MLflow and corpus file
+    harness sync                                                         # upload reports/pending/
+
+ID is the 12-hex finding id (also the corpus file's name) or the MLflow run id. Every command takes
+--tracking-uri (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/reports/mlflow.db).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from .corpus import STATUSES
+
+URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<abs>/reports/mlflow.db)."
+
+
+def _fmt_k3(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else "-"
+
+
+def _day(iso: str) -> str:
+    return iso.replace("T", " ")[:16] if iso else "-"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = ("id", "pair", "symptom", "k3", "first seen", "last seen", "count", "status", "severity")
+    body = [(r["id"], r["pair"], r["symptom"], _fmt_k3(r["k3"]), _day(r["first_seen"]), _day(r["last_seen"]),
+             str(r["seen_count"]), r["status"] + (" (recurrence)" if r["recurrence"] else ""), r["severity"])
+            for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body])
+
+
+@click.group(invoke_without_command=True)
+@click.option("--status", type=click.Choice(STATUSES), default=None, help="Only regressions in this state.")
+@click.option("--pair", default=None, metavar="PAIR|GLOB", help="Only this pair (globs like 'moe_*' work).")
+@click.option("--json", "as_json", is_flag=True, help="Print the list as JSON.")
+@click.option("--tracking-uri", default=None, help=URI_HELP)
+@click.pass_context
+def regressions(ctx: click.Context, status: str | None, pair: str | None, as_json: bool,
+                tracking_uri: str | None) -> None:
+    """List the regressions in MLflow (id, pair, symptom, k3, first/last seen, count, status)."""
+    ctx.ensure_object(dict)
+    ctx.obj["tracking_uri"] = tracking_uri
+    if ctx.invoked_subcommand is not None:
+        return
+    from .mlflow_tracking import list_regressions, resolve_uri
+
+    rows = list_regressions(tracking_uri, status=status, pair=pair)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        what = " ".join(x for x in (f"status {status}" if status else "", f"pair {pair}" if pair else "") if x)
+        click.echo(f"no regressions{' with ' + what if what else ''} in {resolve_uri(tracking_uri)}.")
+        return
+    click.echo(_table(rows))
+    click.echo(f"\n{len(rows)} regression(s) in {resolve_uri(tracking_uri)}. "
+               "`harness regressions show ID` for one; `harness replay --run-id ID` replays it.")
+
+
+@regressions.command("show")
+@click.argument("ident", metavar="ID")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+@click.option("--tracking-uri", default=None, help=URI_HELP)
+@click.pass_context
+def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None) -> None:
+    """Print one regression: its note, triage tags, metrics and artifacts."""
+    from .mlflow_tracking import show_regression
+
+    r = show_regression(ident, tracking_uri or ctx.obj.get("tracking_uri"))
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+        return
+    click.echo(r["note"] or f"(no note) regression {r['id']} of {r['pair']}")
+    click.echo(f"\nrun {r['run_id']}  status {r['status']}  severity {r['severity']}  seen {r['seen_count']}x "
+               f"({_day(r['first_seen'])} .. {_day(r['last_seen'])})" + ("  RECURRENCE" if r["recurrence"] else ""))
+    if r["tags"].get("harness.triage_note"):
+        click.echo(f"last triage note: {r['tags']['harness.triage_note']}")
+    click.echo("metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(r["metrics"].items())))
+    click.echo("artifacts: " + (", ".join(r["artifacts"]) or "-"))
+    if r["corpus_path"]:
+        click.echo(f"corpus file: {r['corpus_path']}")
+
+
+@regressions.command("close")
+@click.argument("ident", metavar="ID")
+@click.option("--status", type=click.Choice(["fixed", "wontfix"]), required=True,
+              help="fixed: replays must stay under the threshold from now on; wontfix: accepted.")
+@click.option("--note", required=True, help="Why: the fix (commit, PR) or why it is accepted.")
+@click.option("--corpus-file", default=None, type=click.Path(dir_okay=False),
+              help="The repro file to update when the path recorded in MLflow is not on this machine.")
+@click.option("--tracking-uri", default=None, help=URI_HELP)
+@click.pass_context
+def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: str | None,
+          tracking_uri: str | None) -> None:
+    """Close a regression: set its status in MLflow and in its corpus file, with a note."""
+    from .mlflow_tracking import close_regression
+
+    r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file)
+    click.echo(f"regression {r['id']} ({r['pair']}, run {r['run_id']}): status {r['status']} in MLflow.")
+    if r["corpus_updated"]:
+        click.echo(f"corpus file {r['corpus_updated']}: status {r['status']}, note added to its history "
+                   "(commit it so the replay tests follow).")
+    elif r["corpus_missing"]:
+        click.echo(f"warning: corpus file {r['corpus_missing']} is not on this machine; update it where it lives, "
+                   "or pass --corpus-file PATH.", err=True)
+
+
+@click.command()
+@click.option("--tracking-uri", default=None, help=URI_HELP)
+@click.option("--pending", "pending_dir", default=None, type=click.Path(file_okay=False),
+              help="Spool folder (default: reports/pending of the working directory).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def sync(tracking_uri: str | None, pending_dir: str | None, as_json: bool) -> None:
+    """Upload findings spooled while the MLflow store was unreachable (safe to run twice).
+
+    Exit 0 when the spool is empty afterwards, 1 when some findings are still pending.
+    """
+    from .mlflow_tracking import sync_pending
+
+    s = sync_pending(tracking_uri, pending_dir, log=lambda m: click.echo(m, err=True))
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+    else:
+        click.echo(f"sync to {s['uri']}: {s['campaigns']} campaign(s); regressions created {s['created']}, "
+                   f"seen again {s['seen']}, reopened {s['reopened']}, already uploaded {s['already']}; "
+                   f"failed {s['failed']}, still pending {s['remaining']}.")
+    sys.exit(1 if s["remaining"] else 0)
