@@ -209,6 +209,24 @@ class Case:
 
         return torch.randn(*shape, generator=self.generator(*salt)).to(device)
 
+    def smaller_neighbours(self) -> list["Case"]:
+        """The cases one removal away: one sequence (batch row) dropped, or one token dropped from
+        the end of one sequence, all else equal. A minimal repro diverges and none of these does."""
+        out: list[Case] = []
+        n = self.batch_size
+        for i in range(n if n > 1 else 0):
+            lens = self.seq_lens[:i] + self.seq_lens[i + 1:]
+            order = tuple(j - (j > i) for j in self.order if j != i)
+            probe = self.probe - (self.probe > i) if self.probe != i else 0
+            cap = self.row_capacity if self.row_capacity < sum(lens) else 0
+            out.append(self.replace(seq_lens=lens, order=order, probe=probe, row_capacity=cap))
+        for i, m in enumerate(self.seq_lens):
+            if m > 1:
+                lens = self.seq_lens[:i] + (m - 1,) + self.seq_lens[i + 1:]
+                cap = self.row_capacity if max(lens) <= self.row_capacity < sum(lens) else 0
+                out.append(self.replace(seq_lens=lens, row_capacity=cap))
+        return out
+
     def replace(self, **changes: Any) -> "Case":
         return dataclasses.replace(self, **changes)
 

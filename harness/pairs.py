@@ -41,6 +41,7 @@ Nothing in `harness/` changes. Registration validates eagerly and says how to fi
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -90,7 +91,8 @@ class Outcome:
 @dataclass(frozen=True)
 class Readout:
     """A fixed seeded head, shared by both paths and computed in float64: RMS-normalise each
-    hidden row (a final norm), project (H -> vocab) with W ~ N(0, 1) drawn from case.seed, scale,
+    hidden row (a final norm), project (H -> vocab) with a fixed W ~ N(0, 1) (seeded by its shape,
+    so one model head serves every case and is drawn once per process), scale by the case's logit_scale,
     log-softmax. Logits have standard deviation `case.logit_scale` (the peakedness axis) whatever
     the magnitude of the hidden states, so relative errors of the paths are what is judged.
     """
@@ -102,11 +104,18 @@ class Readout:
 
         h = hidden.to(torch.float64)  # (T, H)
         width = h.shape[-1]
-        w = torch.randn(width, self.vocab, generator=case.generator("readout", width, self.vocab),
-                        dtype=torch.float64).to(h.device)  # (H, V)
+        w = _readout_weight(width, self.vocab, str(h.device))  # (H, V)
         h = h / h.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-300)  # (T, H) unit RMS
         logits = (h @ w) * (case.logit_scale / math.sqrt(width))  # (T, V)
         return torch.log_softmax(logits, dim=-1)
+
+
+@functools.lru_cache(maxsize=16)
+def _readout_weight(width: int, vocab: int, device: str) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(0x5EED + 7919 * width + vocab)
+    return torch.randn(width, vocab, generator=g, dtype=torch.float64).to(device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +236,7 @@ class TargetPair:
             raise PairError(f"{where}: readout.vocab must be >= 2.")
 
 
+@functools.lru_cache(maxsize=1024)
 def _positional_arity(fn: Callable) -> int | None:
     try:
         sig = inspect.signature(fn)

@@ -204,6 +204,8 @@ class FuzzSession:
                 from harness.mlflow_tracking import MlflowTracker
 
                 self.tracker = MlflowTracker(self.tracking_uri, log=_log, campaign_run_id=self.campaign_run_id)
+                pairs = self.select()  # attaches to the controller's run: creates nothing
+                self.tracker.campaign_started(self.campaign_config(pairs), self.seed, pairs)
             except Exception as e:
                 self.tracking_error = f"{type(e).__name__}: {e}"
                 _log(f"harness: worker tracking is off ({self.tracking_error}); findings are in the corpus")
@@ -427,7 +429,7 @@ class _XdistController:
         s = self.session
         node.workerinput["harness"] = {"seed": s.seed, "seed_origin": s.seed_origin,
                                        "campaign_run_id": s.campaign_run_id,
-                                       "tracking_uri": s.tracking_uri if s.tracker is not None else None}
+                                       "tracking_uri": getattr(s.tracker, "uri", s.tracking_uri)}
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         out = getattr(node, "workeroutput", None) or {}

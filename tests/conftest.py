@@ -1,0 +1,27 @@
+"""Shared fixtures. Tests are sorted by purpose: unit/ (fast, the engine), test_corpus.py (replay of
+every committed repro), quality/ (detection power), gpu/ (CUDA only), and one folder per feature."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGINS = ROOT / "tests" / "plugins"
+
+
+@pytest.fixture
+def harness_cli():
+    """Run the real command line in a subprocess: returns (exit code, stdout, stderr)."""
+
+    def run(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
+        full_env = {**os.environ, **(env or {})}
+        proc = subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd or ROOT, env=full_env,
+                              capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout, proc.stderr
+
+    return run

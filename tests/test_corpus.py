@@ -1,0 +1,49 @@
+"""Replays every committed repro under corpora/: the regression tests that grow with each finding.
+
+- `fixed`: must replay under the threshold (it failing again is a regression);
+- `expected`: a demonstration pair's divergence: must still diverge (the harness still sees it);
+- `open`: a known, unfixed regression: an expected failure (xfail) that shows its k3 now;
+- `wontfix`: replayed; reported, never failing.
+Each replay must also reproduce the recorded metrics bit-for-bit when the environment matches.
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness.corpus import iter_corpus, load_repro, replay
+
+CORPUS = Path(__file__).resolve().parents[1] / "corpora"
+FILES = iter_corpus(CORPUS)
+
+
+def same_environment(env: dict) -> bool:
+    return env.get("torch") == torch.__version__ and env.get("platform") == \
+        f"{__import__('sys').platform}-{platform.machine()}" and env.get("device") == "cpu"
+
+
+@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(CORPUS)) for p in FILES])
+def test_replay(path):
+    repro = load_repro(path)
+    result = replay(repro)
+    ev = result.evaluation
+    if repro.status == "fixed":
+        assert not ev.failed, f"{path}: fixed regression is back: {ev.symptom.value}, k3 {ev.k3:.6g}"
+    elif repro.status == "expected":
+        assert ev.failed, f"{path}: demonstration no longer diverges (k3 {ev.k3:.6g}): detection power lost"
+    elif repro.status == "open":
+        if ev.failed:
+            pytest.xfail(f"open regression still diverges: {ev.symptom.value}, k3 {ev.k3:.6g}")
+        pytest.fail(f"{path}: open regression no longer diverges (k3 {ev.k3:.6g}): close it as fixed")
+    if same_environment(repro.environment):
+        assert result.bit_for_bit, f"{path}: replay differs from the recorded metrics: {result.mismatches}"
+
+
+def test_corpus_files_are_named_by_signature():
+    for path in FILES:
+        repro = load_repro(path)
+        assert path.parent.name == repro.pair and path.stem == repro.signature[:12]

@@ -1,0 +1,82 @@
+import json
+
+import pytest
+
+from harness.case import Case, CaseError
+
+
+def test_json_round_trip_is_exact():
+    c = Case(seed=7, seq_lens=(3, 1, 5), probe=2, row_capacity=6, order=(2, 0, 1), pad_side="left",
+             n_experts=6, top_k=3, tie_fraction=0.25, tie_gap=1.5e-7, logit_scale=3.25, dtype="float16",
+             params={"shards": 4, "temperature": 0.7, "mode": "ring", "flag": True})
+    text = json.dumps(c.to_json())
+    back = Case.from_json(json.loads(text))
+    assert back == c
+    assert back.key() == c.key()
+    assert c.to_json()["schema"] == 1
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("seq_lens", (), "at least one"),
+    ("seq_lens", (2, 0), ">= 1"),
+    ("probe", 3, "0 <= probe < 2"),
+    ("row_capacity", 2, "longest sequence (5)"),
+    ("order", (0, 0), "permutation"),
+    ("pad_side", "middle", "one of"),
+    ("top_k", 9, "top_k <= n_experts"),
+    ("tie_fraction", 1.5, "[0, 1]"),
+    ("tie_gap", -1e-3, "0 = exact tie"),
+    ("logit_scale", 0.0, "> 0"),
+    ("dtype", "int8", "one of"),
+    ("seed", -1, "[0, 2**63)"),
+])
+def test_invalid_fields_name_the_field_and_rule(field, value, words):
+    base = dict(seed=1, seq_lens=(5, 2), n_experts=8, top_k=2)
+    base[field] = value
+    with pytest.raises(CaseError) as err:
+        Case(**base)
+    msg = str(err.value)
+    assert f"'{field}'" in msg and words in msg
+
+
+def test_from_json_rejects_unknown_fields_wrong_schema_and_missing_seed():
+    with pytest.raises(CaseError, match="unknown field"):
+        Case.from_json({"seed": 1, "batch": 3})
+    with pytest.raises(CaseError, match="schema 99"):
+        Case.from_json({"schema": 99, "seed": 1})
+    with pytest.raises(CaseError, match="'seed' is missing"):
+        Case.from_json({"seq_lens": [1]})
+    with pytest.raises(CaseError, match="must be a list"):
+        Case.from_json({"seed": 1, "seq_lens": 4})
+    with pytest.raises(CaseError, match="params.x"):
+        Case.from_json({"seed": 1, "params": {"x": [1, 2]}})
+
+
+def test_packed_rows_first_fit_in_packing_order():
+    c = Case(seed=0, seq_lens=(3, 2, 4, 1), row_capacity=5, order=(2, 0, 1, 3))
+    assert c.packed_rows() == [[2], [0, 1], [3]]
+    assert Case(seed=0, seq_lens=(3, 2)).packed_rows() == [[0, 1]]  # default: one row
+
+
+def test_generators_are_deterministic_and_independent_per_salt():
+    import torch
+
+    c = Case(seed=3)
+    assert torch.equal(c.randn((4, 4), "a"), c.randn((4, 4), "a"))
+    assert not torch.equal(c.randn((4, 4), "a"), c.randn((4, 4), "b"))
+    assert not torch.equal(c.randn((4, 4), "a"), Case(seed=4).randn((4, 4), "a"))
+
+
+def test_one_line_shows_only_non_default_fields():
+    line = Case(seed=5, seq_lens=(2,), top_k=3, tie_gap=0.001).one_line()
+    assert line == "seed=5 seq_lens=[2] top_k=3 tie_gap=0.001"
+
+
+def test_smaller_neighbours_drop_one_row_or_one_token():
+    c = Case(seed=1, seq_lens=(3, 1, 2), probe=2, order=(2, 0, 1), row_capacity=4)
+    got = {(n.seq_lens, n.probe, n.order, n.row_capacity) for n in c.smaller_neighbours()}
+    assert got == {
+        ((1, 2), 1, (1, 0), 0), ((3, 2), 1, (1, 0), 4), ((3, 1), 0, (0, 1), 0),  # a row dropped
+        ((2, 1, 2), 2, (2, 0, 1), 4), ((3, 1, 1), 2, (2, 0, 1), 4),  # a token dropped
+    }
+    assert Case(seed=1, seq_lens=(1,)).smaller_neighbours() == []

@@ -1,0 +1,91 @@
+"""The command-line contract: exit codes and one-paragraph errors for bad input."""
+
+import json
+
+import pytest
+
+from harness.corpus import iter_corpus
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory):
+    """A real repro, found once for the module."""
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, run_campaign
+    from harness.tracking import NullTracker
+
+    corpus = tmp_path_factory.mktemp("corpus")
+    cfg = CampaignConfig(pairs=[REGISTRY.get("router_topk.bf16")], seed=1, max_examples=50, corpus=corpus)
+    run_campaign(cfg, NullTracker(), log=lambda m: None)
+    [path] = iter_corpus(corpus)
+    return path
+
+
+def test_list_shows_pairs_and_json(harness_cli):
+    code, out, _ = harness_cli("list")
+    assert code == 0
+    for name in ("moe_aggregate.bf16", "moe_aggregate.aligned", "router_topk.bf16", "router_topk.replay"):
+        assert name in out
+    code, out, _ = harness_cli("list", "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["router_topk.bf16"]["expected"] == "diverges" and rows["router_topk.bf16"]["kind"] == "op"
+    assert "routing" in rows["router_topk.bf16"]["axes"] and rows["router_topk.replay"]["devices"]
+
+
+def test_show_and_replay_a_repro(found, harness_cli):
+    code, out, _ = harness_cli("show", str(found))
+    assert code == 0
+    assert "router_topk.bf16" in out and "inputs:" in out and "w_router" in out
+    assert f"replay: harness replay {found}" in out
+    code, out, _ = harness_cli("replay", str(found))
+    assert code == 1 and "bit-for-bit yes" in out
+    code, out, _ = harness_cli("replay", str(found), "--json")
+    [row] = json.loads(out)
+    assert row["bit_for_bit"] and row["symptom"] == "divergence"
+
+
+def test_replay_exits_0_once_the_case_no_longer_diverges(found, harness_cli):
+    code, out, _ = harness_cli("replay", str(found), "--threshold", "100")
+    assert code == 0 and "now clean" in out
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("make,words", [
+    (lambda d, f: str(d / "missing.json"), "does not exist"),
+    (lambda d, f: write(d / "bad.json", "{not json"), "is not valid JSON"),
+    (lambda d, f: write(d / "schema.json", json.dumps({"schema": "other/9", "pair": "x"})), "has schema"),
+    (lambda d, f: write(d / "case.json", f.read_text().replace('"top_k": ', '"top_k": 99, "x": ')),
+     "invalid case"),
+    (lambda d, f: write(d / "pair.json", f.read_text().replace("router_topk.bf16", "gone.pair")),
+     "not registered"),
+])
+def test_bad_repro_files_get_a_message_and_exit_2(tmp_path, found, harness_cli, make, words):
+    code, out, err = harness_cli("replay", make(tmp_path, found))
+    assert code == 2, (out, err)
+    assert words in err and "Traceback" not in err and err.startswith("error: ")
+    code, _, err = harness_cli("show", make(tmp_path, found))
+    if words != "not registered":  # show prints a repro even when its pair is gone
+        assert code == 2 and words in err and "Traceback" not in err
+
+
+def test_unknown_pair_and_broken_plugin_exit_2(tmp_path, harness_cli):
+    code, _, err = harness_cli("fuzz", "no.such.pair", "--no-tracking")
+    assert code == 2 and "no target pair named 'no.such.pair'" in err and "Traceback" not in err
+    broken = write(tmp_path / "broken.py", "raise ValueError('half-written plugin')\n")
+    code, _, err = harness_cli("list", "--plugin", broken)
+    assert code == 2 and "half-written plugin" in err and "Traceback" not in err
+    bad_pair = write(tmp_path / "badpair.py", "from harness import TargetPair, register\n"
+                     "register(TargetPair(name='x.y', kind='op', expected='sometimes', build=None,"
+                     " trainer=None, rollout=None))\n")
+    code, _, err = harness_cli("list", "--plugin", bad_pair)
+    assert code == 2 and "expected='sometimes'" in err and "Traceback" not in err
+
+
+def test_replay_of_a_missing_pair_skips_during_git_bisect(tmp_path, found, harness_cli):
+    path = write(tmp_path / "pair.json", found.read_text().replace("router_topk.bf16", "gone.pair"))
+    code, _, err = harness_cli("replay", "--bisect", path)
+    assert code == 125 and "not registered" in err

@@ -1,0 +1,190 @@
+"""The campaign engine end to end: find, shrink, record, replay; symptoms; dedup; interrupts."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import REGISTRY, Case
+from harness.corpus import iter_corpus, load_repro, replay
+from harness.execute import Symptom, run_case
+from harness.fuzz import CampaignConfig, run_campaign
+from harness.tracking import NullTracker
+
+from ..conftest import PLUGINS
+
+SYMPTOM_PLUGIN = '''
+import torch
+from harness import Axes, Outcome, TargetPair, register
+
+def build(case, device):
+    return {"x": case.randn((case.n_tokens, 16), "x", device=device), "n": case.batch_size,
+            "longest": max(case.seq_lens)}
+
+def fine(inp):
+    return Outcome(logprobs=torch.log_softmax(inp["x"], -1))
+
+def crashes_on_batches(inp):
+    if inp["n"] >= 2:
+        raise RuntimeError("shape mismatch in the fused kernel")
+    return fine(inp)
+
+def nan_on_long(inp):
+    out = torch.log_softmax(inp["x"], -1)
+    if inp["longest"] >= 4:
+        out = out.clone(); out[-1, 0] = float("nan")
+    return Outcome(logprobs=out)
+
+AX = Axes(n_seqs=(1, 4), seq_len=(1, 8))
+register(TargetPair(name="sym.crash", kind="op", expected="aligned", build=build, trainer=fine,
+                    rollout=crashes_on_batches, axes=AX))
+register(TargetPair(name="sym.nan", kind="op", expected="aligned", build=build, trainer=fine,
+                    rollout=nan_on_long, axes=AX))
+'''
+
+
+def campaign(tmp_path, names, **kw):
+    cfg = CampaignConfig(pairs=REGISTRY.select(names), corpus=tmp_path / "corpus", **kw)
+    return run_campaign(cfg, NullTracker(), log=lambda m: None)
+
+
+def assert_minimal(pair_name, case):
+    pair = REGISTRY.get(pair_name)
+    assert run_case(pair, case).symptom is Symptom.DIVERGENCE
+    still = [n.one_line() for n in case.smaller_neighbours() if run_case(pair, n).failed]
+    assert not still, f"not minimal: these smaller cases still diverge: {still}"
+
+
+def test_moe_aggregate_bf16_is_caught_minimal_and_replays_bit_for_bit(tmp_path):
+    result = campaign(tmp_path, ["moe_aggregate.bf16"], max_examples=300, seed=1)
+    [f] = result.findings
+    assert f.symptom is Symptom.DIVERGENCE and f.status == "expected" and f.k3 > 1e-3
+    assert f.path.exists() and list(iter_corpus(tmp_path / "corpus")) == [f.path]
+    assert_minimal("moe_aggregate.bf16", f.case)
+    repro = load_repro(f.path)
+    assert repro.case == f.case and repro.metrics["k3_kl"] == f.k3
+    again = replay(repro)
+    assert again.bit_for_bit and again.diverges and again.evaluation.k3 == f.k3
+
+
+def test_aligned_twins_are_clean(tmp_path):
+    result = campaign(tmp_path, ["moe_aggregate.aligned", "router_topk.replay"], max_examples=150, seed=1)
+    assert result.findings == [] and all(r.verdict == "clean" for r in result.results)
+    assert not (tmp_path / "corpus").exists()
+
+
+def test_router_topk_bf16_shrinks_to_one_token_at_a_bf16_tie(tmp_path):
+    result = campaign(tmp_path, ["router_topk.bf16"], max_examples=300, seed=1)
+    [f] = result.findings
+    case = f.case
+    assert case.seq_lens == (1,)
+    pair = REGISTRY.get("router_topk.bf16")
+    inputs = pair.build(case, "cpu")
+    logits = (inputs["x"] @ inputs["w_router"])[0]  # the token's fp32 router scores
+    boundary = logits.topk(case.top_k + 1).values[-2:]
+    bf16_ulp = 2.0 ** (math.floor(math.log2(float(boundary.abs().max()))) - 7)
+    assert case.tie_fraction > 0 and case.tie_gap <= bf16_ulp
+    ev = run_case(pair, case)
+    assert ev.divergence.flip_rate + ev.divergence.tie_flip_rate == 1.0
+
+
+def test_plugin_outside_the_repo_is_fuzzed_caught_and_shrunk(tmp_path, harness_cli):
+    plugin = tmp_path / "elsewhere" / "my_backend.py"
+    plugin.parent.mkdir()
+    shutil.copy(PLUGINS / "lm_head_bf16.py", plugin)
+    corpus = tmp_path / "corpus"
+    code, out, err = harness_cli("fuzz", "example.lm_head_bf16", "--plugin", str(plugin), "--seed", "3",
+                                 "--max-examples", "200", "--corpus", str(corpus), "--no-tracking")
+    assert code == 1, err
+    [path] = iter_corpus(corpus)
+    repro = load_repro(path)
+    assert repro.pair == "example.lm_head_bf16" and repro.status == "expected"
+    REGISTRY.load_plugin(str(plugin))
+    assert_minimal("example.lm_head_bf16", repro.case)
+    code, out, err = harness_cli("replay", str(path), "--plugin", str(plugin))
+    assert code == 1 and "bit-for-bit yes" in out
+
+
+def test_crashes_and_nonfinite_are_typed_findings_and_the_campaign_goes_on(tmp_path):
+    plugin = tmp_path / "symptoms.py"
+    plugin.write_text(SYMPTOM_PLUGIN)
+    REGISTRY.load_plugin(str(plugin))
+    result = campaign(tmp_path, ["sym.crash", "sym.nan", "moe_aggregate.aligned"], max_examples=60, seed=2)
+    by_pair = {r.pair: r for r in result.results}
+    [crash] = by_pair["sym.crash"].findings
+    assert crash.symptom is Symptom.ERROR and crash.case.batch_size == 2
+    repro = load_repro(crash.path)
+    assert repro.error["type"] == "RuntimeError" and "fused kernel" in repro.error["traceback"]
+    [nan] = by_pair["sym.nan"].findings
+    assert nan.symptom is Symptom.NONFINITE and nan.case.seq_lens == (4,)
+    assert by_pair["moe_aggregate.aligned"].verdict == "clean"
+    assert by_pair["sym.crash"].verdict == "REGRESSION"
+
+
+def test_same_signature_is_recorded_once_and_a_fixed_one_is_reopened(tmp_path):
+    first = campaign(tmp_path, ["router_topk.bf16"], max_examples=50, seed=1)
+    [f1] = first.findings
+    second = campaign(tmp_path, ["router_topk.bf16"], max_examples=50, seed=9)
+    [f2] = second.findings
+    assert f2.path == f1.path and not f2.new and len(iter_corpus(tmp_path / "corpus")) == 1
+    repro = load_repro(f1.path)
+    repro.status = "fixed"
+    repro.save()
+    third = campaign(tmp_path, ["router_topk.bf16"], max_examples=50, seed=4)
+    assert third.findings[0].recurrence
+    reopened = load_repro(f1.path)
+    assert reopened.status == "open" and reopened.history[-1]["event"] == "recurred"
+
+
+def test_interrupt_keeps_what_was_found(tmp_path):
+    plugin = tmp_path / "interrupt.py"
+    plugin.write_text('''
+import torch
+from harness import Axes, Outcome, TargetPair, register
+CALLS = [0]
+def build(case, device):
+    CALLS[0] += 1
+    if CALLS[0] > 3:
+        raise KeyboardInterrupt
+    return torch.log_softmax(case.randn((case.n_tokens, 8), "x"), -1)
+register(TargetPair(name="aaa.interrupted", kind="op", expected="aligned", build=build,
+    trainer=lambda x: Outcome(logprobs=x), rollout=lambda x: Outcome(logprobs=x * 0.5),
+    axes=Axes(n_seqs=(1, 3), seq_len=(1, 8))))
+''')
+    REGISTRY.load_plugin(str(plugin))
+    result = campaign(tmp_path, ["aaa.interrupted", "moe_aggregate.aligned"], max_examples=100, seed=1)
+    assert result.interrupted and [r.pair for r in result.results] == ["aaa.interrupted"]
+    [f] = result.findings
+    assert not f.shrink_complete and f.path.exists()
+    assert json.loads(f.path.read_text())["found"]["shrink_complete"] is False
+
+
+def test_budget_bounds_the_campaign(tmp_path):
+    import time
+
+    t = time.monotonic()
+    result = campaign(tmp_path, ["moe_aggregate.aligned", "router_topk.replay"], max_examples=10**6,
+                      budget=3.0, seed=1)
+    assert time.monotonic() - t < 3.0 + 2.0
+    assert all(r.examples > 0 for r in result.results)
+
+
+def test_the_campaign_seed_is_chosen_printed_and_reproducible_even_under_ci(tmp_path, harness_cli):
+    seeds = []
+    for i in range(2):
+        code, out, err = harness_cli("fuzz", "router_topk.bf16", "--max-examples", "20", "--no-tracking",
+                                     "--corpus", str(tmp_path / f"c{i}"), env={"CI": "true"})
+        assert code == 1
+        seeds.append(int(err.split("campaign seed ")[1].split()[0]))
+    assert seeds[0] != seeds[1]  # CI does not derandomize the campaign
+    files = []
+    for i in range(2):
+        code, out, err = harness_cli("fuzz", "router_topk.bf16", "--max-examples", "20", "--no-tracking",
+                                     "--seed", str(seeds[0]), "--corpus", str(tmp_path / f"s{i}"),
+                                     env={"CI": "true"})
+        [p] = iter_corpus(tmp_path / f"s{i}")
+        files.append(json.loads(p.read_text()))
+    assert files[0]["case"] == files[1]["case"] and files[0]["metrics"] == files[1]["metrics"]

@@ -1,0 +1,86 @@
+import subprocess
+import sys
+
+import pytest
+
+import harness
+from harness import Axes, Outcome, PairError, RoutingAxes, TargetPair
+from harness.errors import UsageError
+from harness.pairs import REGISTRY, Registry
+
+
+def _pair(**kw):
+    base = dict(name="t.ok", kind="op", expected="aligned", build=lambda case, device: None,
+                trainer=lambda inputs: Outcome(), rollout=lambda inputs: Outcome())
+    base.update(kw)
+    return TargetPair(**base)
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"name": "Bad Name"}, "rename it"),
+    ({"kind": "layer"}, "kind='op' or 'model'"),
+    ({"expected": "maybe"}, "'aligned' for pairs"),
+    ({"build": lambda case: None}, "build(case, device)"),
+    ({"trainer": lambda a, b, c: None}, "trainer(inputs) or trainer(inputs, rollout_outcome)"),
+    ({"rollout": 3}, "rollout must be a function"),
+    ({"axes": Axes(seq_len=(4, 2))}, "axes.seq_len"),
+    ({"axes": Axes(dtypes=("int4",))}, "axes.dtypes"),
+    ({"axes": Axes(routing=RoutingAxes(n_experts=(4, 8), top_k=(4, 4)))}, "so a boundary exists"),
+    ({"devices": ("tpu",)}, "devices"),
+])
+def test_registration_validates_eagerly_with_the_fix(changes, words):
+    with pytest.raises(PairError) as err:
+        Registry().register(_pair(**changes))
+    assert words in str(err.value)
+
+
+def test_duplicate_names_from_different_sources_clash():
+    reg = Registry()
+    reg.register(_pair(source="a.py"))
+    with pytest.raises(PairError, match="clashes"):
+        reg.register(_pair(source="b.py"))
+
+
+def test_trainer_reading_the_rollout_is_detected():
+    assert _pair(trainer=lambda inputs, rollout: Outcome()).trainer_reads_rollout
+    assert not _pair().trainer_reads_rollout
+
+
+def test_builtins_are_registered_and_selected_by_glob():
+    names = [p.name for p in REGISTRY.select(["moe_aggregate.*", "router_topk.bf16"])]
+    assert names[:2] == ["moe_aggregate.aligned", "moe_aggregate.bf16"] and "router_topk.bf16" in names
+    with pytest.raises(UsageError, match="harness list"):
+        REGISTRY.get("no.such.pair")
+    with pytest.raises(UsageError, match="no registered pair matches"):
+        REGISTRY.select(["zzz*"])
+
+
+def test_plugin_from_file_and_bad_plugins(tmp_path):
+    good = tmp_path / "my_pairs.py"
+    good.write_text(
+        "from harness import TargetPair, Outcome, register\n"
+        "register(TargetPair(name='plug.ok', kind='op', expected='aligned', build=lambda c, d: None,\n"
+        "    trainer=lambda i: Outcome(), rollout=lambda i: Outcome()))\n")
+    REGISTRY.load_plugin(str(good))
+    assert REGISTRY.get("plug.ok").source == str(good)
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(UsageError, match="failed to import: ModuleNotFoundError"):
+        REGISTRY.load_plugin(str(broken))
+    with pytest.raises(UsageError, match="does not exist"):
+        REGISTRY.load_plugin(str(tmp_path / "missing.py"))
+    with pytest.raises(UsageError, match="failed to import"):
+        REGISTRY.load_plugin("no_such_package.pairs")
+
+
+def test_import_harness_is_light():
+    code = ("import sys, harness, harness.cli, harness.fuzz, harness.corpus, harness.execute; "
+            "bad = [m for m in ('mlflow', 'onnxruntime', 'onnx') if m in sys.modules]; "
+            "import torch; cuda = torch.cuda.is_initialized(); print(bad, cuda)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] False"
+
+
+def test_public_names():
+    for name in ("Case", "TargetPair", "Outcome", "Routing", "Readout", "Axes", "register", "check_pair"):
+        assert hasattr(harness, name)
