@@ -415,6 +415,7 @@ def pytest_configure(config: pytest.Config) -> None:
              f"{session.max_examples} cases and {session.budget or '-'} s per pair"
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
         session.open_campaign()
+        session.start = time.time()  # campaign seconds (and cases/s) count fuzzing, not tracking setup
         if config.pluginmanager.hasplugin("xdist"):
             config.pluginmanager.register(_XdistController(session), "harness-xdist-controller")
 

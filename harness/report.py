@@ -1,0 +1,259 @@
+"""The morning report: `harness report [--since 24h]` writes reports/nightly.md from MLflow.
+
+What it reads (the names `harness.mlflow_tracking` writes): campaign runs (tag
+`harness.kind=campaign`, metrics cases, cases_per_second, findings) and regression runs (tag
+`harness.kind=regression`, tags pair, expected, status, first_seen, last_seen, seen_count,
+recurrence, closed_at, corpus_path). Relative to the window (the last `--since`):
+
+- new: first seen inside the window;
+- recurring: seen inside the window, first seen before it (`reopened` when it had been marked fixed);
+- fixed: marked fixed (`harness regressions close ID --status fixed`) inside the window.
+
+Each regression row carries the command that replays it. Cases and cases per second come from the
+campaign runs that started inside the window. A PNG plot beside the report shows, for each of the
+last `--nights` nights (UTC dates), the findings the campaigns made and the regressions first seen.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .errors import UsageError
+
+DEFAULT_OUT = Path("reports") / "nightly.md"
+_UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_since(value: str, now: _dt.datetime | None = None) -> _dt.datetime:
+    """'24h', '90m', '7d', '2w' back from now, or an ISO date/time (UTC when no zone is given)."""
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([mhdw])\s*", value or "")
+    if m:
+        return now - _dt.timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+    try:
+        t = _dt.datetime.fromisoformat(value.strip())
+    except (ValueError, AttributeError):
+        raise UsageError(f"--since {value!r} is neither a duration like 24h, 90m, 7d, 2w nor an ISO date like "
+                         "2026-01-31 or 2026-01-31T06:00; pass one of those.") from None
+    return t if t.tzinfo else t.replace(tzinfo=_dt.timezone.utc)
+
+
+def _parse_iso(s: str | None) -> _dt.datetime | None:
+    if not s:
+        return None
+    try:
+        t = _dt.datetime.fromisoformat(s)
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=_dt.timezone.utc)
+
+
+def _ms(t: _dt.datetime) -> int:
+    return int(t.timestamp() * 1000)
+
+
+def _from_ms(ms: int) -> _dt.datetime:
+    return _dt.datetime.fromtimestamp(ms / 1000, tz=_dt.timezone.utc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading MLflow
+# ---------------------------------------------------------------------------------------------
+def _campaign_metric(metrics: dict[str, float], key: str) -> float:
+    """A campaign metric; a campaign run shared by shards holds it per shard (`shard1of4.cases`)."""
+    if key in metrics:
+        return float(metrics[key])
+    return float(sum(v for k, v in metrics.items() if k.endswith("." + key)))
+
+
+def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
+    """(campaigns, regressions) as plain dicts, from the store at `uri` (default: as `harness fuzz`)."""
+    from .mlflow_tracking import CAMPAIGN, open_store, regression_dict, resolve_uri, sqlite_path
+
+    db = sqlite_path(resolve_uri(uri))
+    if db is not None and not db.exists():
+        raise UsageError(f"there is no MLflow store at {db}; run a campaign first (`harness fuzz` or "
+                         "`pytest --harness-fuzz`), or pass --tracking-uri (or set MLFLOW_TRACKING_URI) to the "
+                         "store the campaigns log to.")
+    store = open_store(uri)
+    campaigns = []
+    for run in store.search(f"tags.`harness.kind` = '{CAMPAIGN}'"):
+        m, p = run.data.metrics, run.data.params
+        cases = _campaign_metric(m, "cases")
+        seconds = _campaign_metric(m, "seconds")
+        rate = m.get("cases_per_second")
+        if rate is None:
+            rate = cases / seconds if seconds > 0 else 0.0
+        campaigns.append({
+            "run_id": run.info.run_id, "start": _from_ms(run.info.start_time), "status": run.info.status,
+            "seed": p.get("seed", "?"), "profile": p.get("profile", "none"), "shard": p.get("shard", "none"),
+            "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
+            "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
+            "findings": _campaign_metric(m, "findings"),
+        })
+    regressions = []
+    from .mlflow_tracking import REGRESSION
+
+    for run in store.search(f"tags.`harness.kind` = '{REGRESSION}'"):
+        d = regression_dict(run)
+        d["closed_at"] = run.data.tags.get("harness.closed_at", "")
+        regressions.append(d)
+    campaigns.sort(key=lambda c: c["start"])
+    return campaigns, regressions
+
+
+def classify(regressions: list[dict], since: _dt.datetime) -> dict[str, list[dict]]:
+    """Split regressions into new / recurring / fixed relative to the window starting at `since`."""
+    out: dict[str, list[dict]] = {"new": [], "recurring": [], "fixed": []}
+    for r in regressions:
+        first, last, closed = _parse_iso(r["first_seen"]), _parse_iso(r["last_seen"]), _parse_iso(r.get("closed_at"))
+        if r["status"] == "fixed" and closed is not None and closed >= since:
+            out["fixed"].append(r)
+        if first is not None and first >= since:
+            out["new"].append(r)
+        elif last is not None and last >= since:
+            out["recurring"].append(r)
+    for rows in out.values():
+        rows.sort(key=lambda r: (r["pair"], r["id"]))
+    return out
+
+
+def replay_command(r: dict) -> str:
+    if r.get("corpus_path"):
+        return f"harness replay {r['corpus_path']}"
+    return f"harness replay --run-id {r['run_id']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+def nights(campaigns: list[dict], regressions: list[dict], n: int, today: _dt.date) -> list[tuple]:
+    """(date, findings made by campaigns that night, regressions first seen that night) for n nights."""
+    findings: dict[_dt.date, float] = defaultdict(float)
+    first: dict[_dt.date, int] = defaultdict(int)
+    for c in campaigns:
+        findings[c["start"].date()] += c["findings"]
+    for r in regressions:
+        t = _parse_iso(r["first_seen"])
+        if t is not None:
+            first[t.date()] += 1
+    days = [today - _dt.timedelta(days=i) for i in range(n - 1, -1, -1)]
+    return [(d, findings.get(d, 0.0), first.get(d, 0)) for d in days]
+
+
+def plot_nights(rows: list[tuple], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = list(range(len(rows)))
+    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=100)
+    try:
+        ax.bar([x - 0.2 for x in xs], [r[1] for r in rows], width=0.4, label="findings (campaigns)")
+        ax.bar([x + 0.2 for x in xs], [r[2] for r in rows], width=0.4, label="regressions first seen")
+        step = max(1, len(rows) // 10)
+        ax.set_xticks(xs[::step], [r[0].isoformat() for r in rows][::step], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("count")
+        ax.set_title("Findings over nights (UTC)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _g(x: Any) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) else "-"
+
+
+def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, now: _dt.datetime,
+           plot_name: str | None, uri: str) -> str:
+    window = [c for c in campaigns if c["start"] >= since]
+    groups = classify(regressions, since)
+    cases = sum(c["cases"] for c in window)
+    seconds = sum(c["seconds"] for c in window)
+    lines = [f"# Nightly report: {since:%Y-%m-%d %H:%M} to {now:%Y-%m-%d %H:%M} UTC", "",
+             f"Store: `{uri}`. {len(window)} campaign run(s), {int(cases)} cases"
+             + (f" at {cases / seconds:.1f} cases/s overall" if seconds > 0 else "")
+             + f"; regressions: {len(groups['new'])} new, {len(groups['recurring'])} recurring, "
+               f"{len(groups['fixed'])} fixed.", ""]
+    new_aligned = [r for r in groups["new"] if r["expected"] == "aligned"]
+    if new_aligned:
+        lines += [f"**{len(new_aligned)} new regression(s) of aligned pairs**: "
+                  + ", ".join(f"{r['pair']} {r['id']}" for r in new_aligned), ""]
+    # per pair
+    pairs = sorted({r["pair"] for rows in groups.values() for r in rows})
+    lines += ["## Per pair", ""]
+    if pairs:
+        lines += ["| pair | expected | new | recurring | fixed |", "|---|---|---|---|---|"]
+        for p in pairs:
+            exp = next(r["expected"] for rows in groups.values() for r in rows if r["pair"] == p)
+            counts = [sum(1 for r in groups[k] if r["pair"] == p) for k in ("new", "recurring", "fixed")]
+            lines.append(f"| {p} | {exp} | " + " | ".join(map(str, counts)) + " |")
+    else:
+        lines.append("No regression was new, seen again or fixed in this window.")
+    lines.append("")
+    titles = {"new": "New", "recurring": "Recurring", "fixed": "Fixed"}
+    for key in ("new", "recurring", "fixed"):
+        rows = groups[key]
+        lines += [f"## {titles[key]} ({len(rows)})", ""]
+        if not rows:
+            lines += ["None.", ""]
+            continue
+        lines += ["| pair | id | expected | status | symptom | k3 | first seen | last seen | seen | replay |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            status = r["status"] + (" (reopened)" if r["recurrence"] and key == "recurring" else "")
+            lines.append(f"| {r['pair']} | {r['id']} | {r['expected']} | {status} | {r['symptom']} | {_g(r['k3'])} | "
+                         f"{r['first_seen']} | {r['last_seen']} | {r['seen_count']} | `{replay_command(r)}` |")
+        lines.append("")
+    lines += ["## Campaigns", ""]
+    if window:
+        lines += ["| started (UTC) | profile | shard | device | seed | pairs | cases | cases/s | findings | run |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for c in window:
+            lines.append(f"| {c['start']:%Y-%m-%d %H:%M} | {c['profile']} | {c['shard']} | {c['device']} | {c['seed']} | "
+                         f"{c['n_pairs']} | {int(c['cases'])} | {c['cases_per_second']:.1f} | {int(c['findings'])} | "
+                         f"{c['run_id'][:12]} |")
+        lines += ["", f"Rerun a night exactly: `harness fuzz --seed SEED` (or `pytest --harness-fuzz --harness-seed "
+                      f"SEED --shard i/N`) with the seed above.", ""]
+    else:
+        lines += ["No campaign run started in this window.", ""]
+    if plot_name:
+        lines += ["## Findings over nights", "", f"![findings over nights]({plot_name})", ""]
+    return "\n".join(lines)
+
+
+@click.command("report")
+@click.option("--since", default="24h", show_default=True,
+              help="Window: a duration back from now (90m, 24h, 7d, 2w) or an ISO date.")
+@click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, "
+              "else sqlite:///<abs>/reports/mlflow.db).")
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_OUT,
+              show_default=True, help="Markdown file to write; the plot goes beside it.")
+@click.option("--nights", "n_nights", type=click.IntRange(1, 366), default=30, show_default=True,
+              help="Nights shown in the plot.")
+def report_command(since: str, tracking_uri: str | None, out: Path, n_nights: int) -> None:
+    """Write the morning report (new, recurring, fixed regressions per pair; cases; a plot) from MLflow."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    start = parse_since(since, now)
+    from .mlflow_tracking import resolve_uri
+
+    campaigns, regressions = read_store(tracking_uri)
+    plot = out.with_name(out.stem + "_findings.png")
+    plot_nights(nights(campaigns, regressions, n_nights, now.date()), plot)
+    text = render(campaigns, regressions, start, now, plot.name, resolve_uri(tracking_uri))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    groups = classify(regressions, start)
+    click.echo(f"wrote {out} and {plot}: {len(groups['new'])} new, {len(groups['recurring'])} recurring, "
+               f"{len(groups['fixed'])} fixed regression(s) since {start:%Y-%m-%d %H:%M} UTC.")
