@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .case import Case
-from .metrics import Divergence, compare, sample_tokens, with_routing
+from .metrics import Divergence, compare, with_routing
 from .pairs import Outcome, TargetPair
 
 DEFAULT_THRESHOLD = 1e-3  # mean k3 above which two paths are not equivalent
@@ -76,10 +76,8 @@ def run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Outcome, Outco
 def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
           threshold: float = DEFAULT_THRESHOLD) -> Evaluation:
     """Metrics and verdict for two finished outcomes."""
-    tokens = rollout.tokens
-    if tokens is None:
-        tokens = sample_tokens(rollout.logprobs, case.generator("tokens"))
-    div = with_routing(compare(trainer, rollout, case.seq_lens, tokens), trainer, rollout)
+    gen = case.generator("tokens") if rollout.tokens is None else None
+    div = with_routing(compare(trainer, rollout, case.seq_lens, rollout.tokens, gen), trainer, rollout)
     if div.nonfinite:
         symptom = Symptom.NONFINITE
     elif div.k3_kl > threshold:

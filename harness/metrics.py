@@ -67,10 +67,16 @@ def sample_tokens(logp_rollout: Any, generator: Any) -> Any:
     """One token per row from the rollout distribution (rows that are not distributions: argmax)."""
     import torch
 
-    p = torch.exp(logp_rollout.to(torch.float64).cpu())
+    return _sample(torch.exp(logp_rollout.to(torch.float64).cpu()), generator)
+
+
+def _sample(p: Any, generator: Any) -> Any:
+    import torch
+
     p = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
     bad = p.sum(-1) <= 0
-    p[bad] = 1.0
+    if bool(bad.any()):
+        p[bad] = 1.0
     return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
 
@@ -103,8 +109,12 @@ def routing_flips(routing_t: dict, routing_r: dict) -> dict[str, dict[str, int]]
     return out
 
 
-def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any) -> Divergence:
-    """Compare two (T, V) log-probability tensors at the given (T,) tokens; rows in case order."""
+def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any = None,
+            generator: Any = None) -> Divergence:
+    """Compare two (T, V) log-probability tensors at (T,) tokens; rows in case order.
+
+    With `tokens=None` one token per row is sampled from the rollout distribution with `generator`.
+    """
     import torch
 
     lt_all = trainer.logprobs.detach().to(torch.float64).cpu()  # (T, V)
@@ -115,13 +125,16 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any) 
     n = sum(seq_lens)
     if lt_all.shape[0] != n:
         raise ValueError(f"logprobs have {lt_all.shape[0]} rows but the case has {n} tokens")
+    p_r = torch.exp(lr_all)  # (T, V); NaN where the rollout is NaN
+    if tokens is None:
+        tokens = _sample(p_r, generator)
     tokens = torch.as_tensor(tokens).long().cpu()  # (T,)
     idx = tokens.unsqueeze(-1)
     lt = lt_all.gather(-1, idx).squeeze(-1)  # (T,)
     lr = lr_all.gather(-1, idx).squeeze(-1)  # (T,)
 
     def nonfinite(rows, picked):
-        bad_rows = torch.isnan(rows).any(-1) | torch.isposinf(rows).any(-1)
+        bad_rows = ~(rows < math.inf).all(-1)  # NaN or +inf anywhere in the row
         return int((bad_rows | ~torch.isfinite(picked)).sum())
 
     d = lt - lr
@@ -131,11 +144,10 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any) 
     k3_seq = torch.zeros(len(seq_lens), dtype=torch.float64).index_add_(0, seg, k3) / counts
     d_seq = torch.zeros(len(seq_lens), dtype=torch.float64).index_add_(0, seg, d) / counts
 
-    p_r = torch.exp(lr_all)
-    with torch.no_grad():
-        terms = torch.where(p_r > 0, p_r * (lr_all - lt_all), torch.zeros_like(p_r))
-    kl = terms.sum(-1)  # (T,)
-    entropy = -torch.where(p_r > 0, p_r * lr_all, torch.zeros_like(p_r)).sum(-1)  # (T,)
+    mass = p_r > 0  # (T, V): 0 * log 0 terms are 0, not NaN
+    zero = torch.zeros((), dtype=torch.float64)
+    kl = torch.where(mass, p_r * (lr_all - lt_all), zero).sum(-1)  # (T,)
+    entropy = -torch.where(mass, p_r * lr_all, zero).sum(-1)  # (T,)
     pt, pr = torch.exp(lt), torch.exp(lr)
     if n >= 2 and float(pt.std()) > 0 and float(pr.std()) > 0:
         pearson = float(torch.corrcoef(torch.stack([pt, pr]))[0, 1])
