@@ -1,0 +1,284 @@
+"""MLflow as the system of record: runs, notes, artifacts, dedup, triage, offline spool and sync.
+
+Real MLflow throughout (an embedded sqlite store in a temporary folder), no mocks.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import REGISTRY, Case
+from harness.corpus import load_repro
+from harness.fuzz import CampaignConfig, run_campaign
+
+from .conftest import free_port, logged, make_finding
+
+ROTARY = ("rotary.bf16_angles", Case(seed=0, seq_lens=(2,), params={"start": 256}))
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """The real command line, in process: (exit code, stdout, stderr)."""
+    from harness.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def store(uri=None):
+    from harness.mlflow_tracking import Store
+
+    return Store(uri, create=False)
+
+
+def campaign_runs(s):
+    return s.search("tags.`harness.kind` = 'campaign'")
+
+
+def regression_runs(s):
+    return s.search("tags.`harness.kind` = 'regression'")
+
+
+# ---------------------------------------------------------------------------------------------
+def test_import_harness_does_not_import_mlflow():
+    code = "import sys, harness, harness.tracking, harness.fuzz; print('mlflow' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_store_location_defaults_to_reports_of_cwd_and_honours_env(fresh_cwd, monkeypatch):
+    from harness.mlflow_tracking import default_spool, resolve_uri, sqlite_path
+
+    assert resolve_uri() == f"sqlite:///{fresh_cwd.resolve()}/reports/mlflow.db"
+    assert default_spool() == fresh_cwd.resolve() / "reports" / "pending"
+    assert sqlite_path("sqlite:///rel/x.db") == fresh_cwd.resolve() / "rel" / "x.db"
+    assert resolve_uri("sqlite:///rel/x.db") == f"sqlite:///{fresh_cwd.resolve()}/rel/x.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert resolve_uri() == "http://127.0.0.1:5999"
+    assert resolve_uri("sqlite:////abs/y.db") == "sqlite:////abs/y.db"  # an explicit URI wins
+
+
+def test_severity_bands():
+    from harness.mlflow_tracking import severity
+
+    assert severity("divergence", 0.002, 1e-3) == "low"
+    assert severity("divergence", 0.02, 1e-3) == "medium"
+    assert severity("divergence", 0.2, 1e-3) == "high"
+    assert severity("nonfinite", float("nan"), 1e-3) == "critical"
+    assert severity("error", None, 1e-3) == "critical"
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_campaigns_round_trip_on_embedded_store(fresh_cwd):
+    """One campaign run, one nested regression run per signature; a second campaign dedups."""
+    from harness.mlflow_tracking import MlflowTracker
+
+    pairs = REGISTRY.select(["router_topk.bf16", ROTARY[0]])
+
+    def campaign(seed):
+        tracker = MlflowTracker(log=lambda m: None)
+        cfg = CampaignConfig(pairs=pairs, seed=seed, max_examples=15, corpus=fresh_cwd / "corpora")
+        result = run_campaign(cfg, tracker, log=lambda m: None)
+        assert not tracker.spooled and tracker.offline_reason is None
+        return result
+
+    first = campaign(1)
+    sigs = {f.signature for f in first.findings}
+    assert len(sigs) == 2, [f.pair for f in first.findings]
+    assert (fresh_cwd / "reports" / "mlflow.db").exists()  # the default store, under the cwd
+
+    s = store()
+    [camp] = campaign_runs(s)
+    assert camp.data.params["seed"] == "1" and camp.data.params["max_examples"] == "15"
+    assert set(camp.data.params["pairs"].split(",")) == {p.name for p in pairs}
+    for key in ("threshold", "device", "shard", "harness_version", "torch_version", "git_commit", "budget"):
+        assert key in camp.data.params
+    assert camp.data.metrics["findings"] == 2 and camp.data.metrics["findings_divergence"] == 2
+    assert camp.data.metrics["cases"] == first.examples and camp.data.metrics["cases_per_second"] > 0
+    assert camp.info.status == "FINISHED"
+
+    regs = regression_runs(s)
+    assert len(regs) == 2
+    for f in first.findings:
+        [run] = [r for r in regs if r.data.tags["harness.signature"] == f.signature]
+        t = run.data.tags
+        assert t["mlflow.parentRunId"] == camp.info.run_id
+        assert t["harness.finding_id"] == f.id and t["harness.pair"] == f.pair
+        assert t["harness.status"] == "expected" and t["harness.expected"] == "diverges"
+        assert t["harness.seen_count"] == "1" and t["harness.recurrence"] == "false"
+        assert t["harness.first_seen"] == t["harness.last_seen"]
+        assert t["harness.severity"] in ("low", "medium", "high")
+        assert Path(t["harness.corpus_path"]) == f.path.resolve()
+        note = t["mlflow.note.content"]
+        assert f.case.one_line() in note and f"harness replay --run-id {run.info.run_id}" in note
+        assert f"{f.k3:.4g}" in note
+        assert run.data.params["case.seed"] == str(f.case.seed)
+        assert json.loads(run.data.params["case.seq_lens"]) == list(f.case.seq_lens)
+        assert run.data.metrics["k3_kl"] == pytest.approx(f.k3)
+        for m in ("k3_seq_max", "kl", "max_abs_dlogp", "flip_rate"):
+            assert m in run.data.metrics
+        # artifacts: the repro replays the same case, the table has one row per token, the plot is a PNG
+        tmp = fresh_cwd / "dl" / f.id
+        repro = load_repro(s.client.download_artifacts(run.info.run_id, f"repro/{f.id}.json", str(tmp)))
+        assert repro.case == f.case and repro.signature == f.signature
+        with open(s.client.download_artifacts(run.info.run_id, f"per_token/{f.id}.csv", str(tmp))) as fh:
+            rows = list(csv.DictReader(fh))
+        assert len(rows) == f.case.n_tokens
+        assert sum(float(r["k3"]) for r in rows) / len(rows) == pytest.approx(f.k3)
+        png = Path(s.client.download_artifacts(run.info.run_id, f"plots/{f.id}_k3.png", str(tmp)))
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    second = campaign(2)
+    assert {f.signature for f in second.findings} == sigs
+    assert len(campaign_runs(s)) == 2
+    regs2 = regression_runs(s)
+    assert len(regs2) == 2  # no new regression run
+    for run in regs2:
+        t = run.data.tags
+        assert t["harness.seen_count"] == "2" and t["harness.last_seen"] >= t["harness.first_seen"]
+        assert t["mlflow.parentRunId"] == camp.info.run_id  # stays under the campaign that found it
+    history = s.client.get_metric_history(regs2[0].info.run_id, "k3_kl")
+    assert sorted(m.step for m in history) == [0, 1]  # one k3 per night that saw it
+
+
+def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
+    """`regressions close` sets the status in MLflow and in the corpus file; replay shows it; a
+    fixed regression seen again is reopened as a recurrence, and a re-upload counts once."""
+    from harness.mlflow_tracking import MlflowTracker, list_regressions
+
+    f = make_finding(fresh_cwd)
+    t1 = logged(MlflowTracker(log=lambda m: None), [f])
+    run_id, what = t1.logged[f.id]
+    assert what == "created"
+
+    code, out, err = run_cli(capsys, "regressions", "--status", "open")
+    assert code == 0 and f.id in out and "open" in out
+    code, out, err = run_cli(capsys, "regressions", "show", f.id)
+    assert code == 0 and f.case.one_line() in out and f"plots/{f.id}_k3.png" in out
+
+    code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "fixed", "--note", "fixed by abc123")
+    assert code == 0, err
+    [row] = list_regressions(status="fixed")
+    assert row["run_id"] == run_id and row["id"] == f.id
+    repro = load_repro(f.path)
+    assert repro.status == "fixed"
+    assert repro.history[-1]["event"] == "closed" and repro.history[-1]["note"] == "fixed by abc123"
+    assert repro.history[-1]["run_id"] == run_id
+    assert "fixed by abc123" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
+
+    code, out, err = run_cli(capsys, "replay", "--run-id", run_id)
+    assert code == 1 and "[fixed]" in out  # still diverges: exit 1, and the status comes from MLflow
+    code, out, err = run_cli(capsys, "replay", "--run-id", f.id, "--json")
+    assert json.loads(out)[0]["status"] == "fixed"
+
+    t2 = logged(MlflowTracker(log=lambda m: None), [f], seed=8)
+    assert t2.logged[f.id] == (run_id, "reopened")
+    [row] = list_regressions()
+    assert row["status"] == "open" and row["recurrence"] and row["seen_count"] == 2
+    assert "Recurrence" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
+
+    # the same campaign uploading the same finding again (a retried sync) changes nothing
+    from harness.mlflow_tracking import Store, finding_payload, log_regression
+
+    payload = finding_payload(f, 1e-3, 8, "cpu")
+    assert log_regression(Store(), payload, None, t2.uid) == (run_id, "already")
+    assert list_regressions()[0]["seen_count"] == 2
+
+
+def test_bad_ids_and_statuses_are_usage_errors(fresh_cwd, capsys):
+    f = make_finding(fresh_cwd)
+    from harness.mlflow_tracking import MlflowTracker
+
+    logged(MlflowTracker(log=lambda m: None), [f])
+    code, out, err = run_cli(capsys, "regressions", "close", "ffffffffffff", "--status", "fixed", "--note", "x")
+    assert code == 2 and "no regression 'ffffffffffff'" in err and "Traceback" not in err
+    code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "open", "--note", "x")
+    assert code == 2
+    code, out, err = run_cli(capsys, "replay", "--run-id", "not-an-id")
+    assert code == 2 and "not a regression id" in err
+    code, out, err = run_cli(capsys, "regressions", "--tracking-uri", f"sqlite:///{fresh_cwd}/none.db")
+    assert code == 0 and "no regressions" in out
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_unreachable_store_spools_and_sync_uploads_once(fresh_cwd, capsys):
+    """A closed port: the campaign ends within budget + ~10 s, findings are in corpora/ and
+    reports/pending/, and `harness sync` uploads each exactly once even when run twice."""
+    from harness.mlflow_tracking import MlflowTracker, list_regressions
+
+    port = free_port()  # bound then released: nothing listens there
+    warnings = []
+    budget = 8.0
+    t0 = time.monotonic()
+    tracker = MlflowTracker(f"http://127.0.0.1:{port}", log=warnings.append)
+    cfg = CampaignConfig(pairs=REGISTRY.select(["router_topk.bf16", ROTARY[0]]), seed=1, max_examples=15,
+                         budget=budget, corpus=fresh_cwd / "corpora")
+    result = run_campaign(cfg, tracker, log=lambda m: None)
+    elapsed = time.monotonic() - t0
+    assert elapsed < budget + 10, f"campaign with an unreachable store took {elapsed:.1f}s"
+    assert tracker.seconds < 10
+    ids = {f.id for f in result.findings}
+    assert len(ids) == 2
+    assert all(f.path.exists() for f in result.findings)  # the corpus has every finding
+    spool = fresh_cwd / "reports" / "pending" / tracker.uid
+    assert {p.stem for p in spool.glob("*.json")} == ids | {"campaign"}
+    assert any("harness sync" in w and "unreachable" in w for w in warnings), warnings
+    assert "cannot connect" in json.loads((spool / "campaign.json").read_text())["offline_reason"]
+    backup = fresh_cwd / "spool-copy"
+    shutil.copytree(spool, backup)
+
+    live = f"sqlite:///{fresh_cwd}/live/mlflow.db"
+    code, out, err = run_cli(capsys, "sync", "--tracking-uri", live)
+    assert code == 0, err
+    assert "created 2" in out and not spool.exists()
+    code, out, err = run_cli(capsys, "sync", "--tracking-uri", live)
+    assert code == 0 and "0 campaign(s)" in out
+    # even a spool that was uploaded but not deleted (a crash in between) is not counted twice
+    shutil.copytree(backup, spool)
+    code, out, err = run_cli(capsys, "sync", "--tracking-uri", live, "--json")
+    summary = json.loads(out)
+    assert summary["already"] == 2 and summary["created"] == 0 and summary["remaining"] == 0
+
+    rows = list_regressions(live)
+    assert {r["id"] for r in rows} == ids and all(r["seen_count"] == 1 for r in rows)
+    s = store(live)
+    [camp] = campaign_runs(s)
+    assert camp.data.params["seed"] == "1" and camp.data.metrics["findings"] == 2
+    assert all(r["campaign_run_id"] == camp.info.run_id for r in rows)
+
+
+def test_sync_to_an_unreachable_store_keeps_the_spool(fresh_cwd, capsys):
+    from harness.mlflow_tracking import MlflowTracker
+
+    f = make_finding(fresh_cwd)
+    dead = f"http://127.0.0.1:{free_port()}"
+    t = logged(MlflowTracker(dead, log=lambda m: None), [f])
+    assert len(t.spooled) == 1
+    code, out, err = run_cli(capsys, "sync", "--tracking-uri", dead)
+    assert code == 1 and "still pending 1" in out
+    assert (fresh_cwd / "reports" / "pending" / t.uid / f"{f.id}.json").exists()
+
+
+@pytest.mark.slow
+def test_cli_fuzz_quick_path_logs_to_the_default_store(fresh_cwd, capsys):
+    """`harness fuzz` with tracking on by default, from a fresh folder."""
+    code, out, err = run_cli(capsys, "fuzz", ROTARY[0], "--max-examples", "10", "--seed", "1")
+    assert code == 1, err  # a finding
+    assert (fresh_cwd / "reports" / "mlflow.db").exists() and "warning" not in err
+    code, out, err = run_cli(capsys, "regressions", "--json")
+    [row] = json.loads(out)
+    assert row["pair"] == ROTARY[0] and row["status"] == "expected"
+    code, out, err = run_cli(capsys, "fuzz", ROTARY[0], "--max-examples", "10", "--seed", "1", "--no-tracking")
+    assert code == 1
+    assert json.loads(run_cli(capsys, "regressions", "--json")[1])[0]["seen_count"] == 1
