@@ -254,7 +254,7 @@ class FuzzSession:
             raise KeyboardInterrupt
         r = result.results[0]
         data = _pair_result_json(r)
-        data["worker"] = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        data["worker"] = self.config.workerinput["workerid"] if self.is_worker else "main"
         self.results.append(data)
         item.user_properties.append(("harness", data))
         self.judge(pair, r)

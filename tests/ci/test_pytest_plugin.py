@@ -1,0 +1,152 @@
+"""The pytest plugin (`pytest --harness-fuzz`): off by default and free, one item per pair, xdist
+aggregation into one summary and one MLflow campaign run, a planted aligned regression fails the
+run, a known one does not, and Hypothesis's CI profile does not take over under CI=true."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PLANTED = Path(__file__).with_name("planted_pair.py")
+
+
+def clean_env(**extra: str) -> dict:
+    """The environment for a nested pytest: without the xdist variables of the session running us."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST") and k != "PYTEST_ADDOPTS"}
+    return {**env, **extra}
+
+
+def run_pytest(args: list[str], cwd: Path = ROOT, env: dict | None = None, timeout: float = 400):
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd,
+                          env=clean_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_off_by_default_imports_nothing_heavy(tmp_path):
+    """Installed through pytest11 but off: a plain session never imports torch, MLflow or the engine."""
+    (tmp_path / "test_plain.py").write_text(textwrap.dedent("""
+        import sys
+
+        def test_lazy():
+            heavy = [m for m in ("torch", "mlflow", "harness.fuzz", "harness.execute") if m in sys.modules]
+            assert not heavy, heavy
+            assert "harness.pytest_plugin" in sys.modules  # loaded through the entry point
+    """))
+    rc, out = run_pytest(["-q", str(tmp_path / "test_plain.py")], cwd=tmp_path)
+    assert rc == 0, out
+    assert "1 passed" in out
+
+
+def test_options_are_registered():
+    rc, out = run_pytest(["--help"])
+    assert rc == 0
+    for flag in ("--harness-fuzz", "--harness-pairs", "--harness-budget", "--harness-seed", "--harness-profile",
+                 "--shard", "--harness-no-tracking", "--harness-plugin"):
+        assert flag in out, flag
+
+
+def test_bad_profile_is_a_usage_error(tmp_path):
+    rc, out = run_pytest(["--harness-fuzz", "--harness-profile", "weekly", "--harness-no-tracking",
+                          "--harness-out", str(tmp_path)])
+    assert rc == 4, out  # pytest's usage-error exit code
+    assert "no campaign profile named 'weekly'" in out
+    assert "Traceback" not in out
+
+
+@pytest.mark.slow
+def test_xdist_one_summary_one_campaign_run(tmp_path):
+    """Two workers share the pairs; the controller aggregates one summary and one campaign run."""
+    from mlflow import MlflowClient
+
+    from harness.fuzz import pair_seed
+    from harness.profiles import nightly_seed
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out_dir = tmp_path / "out"
+    rc, out = run_pytest(["--harness-fuzz", "-n", "2", "--harness-pairs", "router_topk.*", "--harness-budget", "15",
+                          "--harness-max-examples", "40", "--harness-profile", "nightly", "--harness-run-id", "4242",
+                          "--harness-tracking-uri", uri, "--harness-corpus", str(tmp_path / "corpus"),
+                          "--harness-out", str(out_dir)])
+    assert rc == 0, out
+    summary = json.loads((out_dir / "summary.json").read_text())
+    seed = nightly_seed("4242")
+    assert summary["seed"] == seed and "run id 4242" in summary["seed_origin"]
+    verdicts = {d["pair"]: d["verdict"] for d in summary["pairs"]}
+    assert verdicts == {"router_topk.bf16": "caught", "router_topk.replay": "clean"}, out
+    assert {d["worker"] for d in summary["pairs"]} == {"gw0", "gw1"}  # one pair on each worker
+    assert all(d["seed"] == pair_seed(seed, d["pair"]) for d in summary["pairs"])  # the controller's seed
+    assert "demonstrations caught: 1; aligned clean: 1" in out
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("harness")
+    campaigns = client.search_runs([exp.experiment_id], "tags.`harness.kind` = 'campaign'")
+    assert len(campaigns) == 1
+    camp = campaigns[0]
+    assert camp.info.run_id == summary["campaign_run_id"]
+    assert camp.data.params["seed"] == str(seed) and camp.data.params["profile"] == "nightly"
+    assert camp.data.metrics["cases"] == sum(d["examples"] for d in summary["pairs"])
+    assert camp.data.metrics["findings"] == 1
+    regressions = client.search_runs([exp.experiment_id], "tags.`harness.kind` = 'regression'")
+    assert [r.data.tags["harness.pair"] for r in regressions] == ["router_topk.bf16"]
+    assert regressions[0].data.tags["mlflow.parentRunId"] == camp.info.run_id  # logged by a worker, under it
+
+
+@pytest.mark.slow
+def test_planted_aligned_regression_fails_then_is_known(tmp_path):
+    """A new finding of an aligned pair fails its item with a readable message; once in the corpus,
+    the same finding is a known regression (xfail) and the run passes."""
+    args = ["--harness-fuzz", "--harness-plugin", str(PLANTED), "--harness-pairs", "planted.*", "--harness-seed", "7",
+            "--harness-max-examples", "20", "--harness-no-tracking", "--harness-corpus", str(tmp_path / "corpus"),
+            "--harness-out", str(tmp_path / "out")]
+    rc, out = run_pytest(args)
+    assert rc == 1, out
+    assert "aligned pair planted.aligned_bias: 1 new regression(s)" in out
+    assert "minimal case: " in out and "k3 " in out
+    repro = next((tmp_path / "corpus" / "planted.aligned_bias").glob("*.json"))
+    assert f"replay: harness replay --plugin {PLANTED} {repro}" in out
+    assert (tmp_path / "out" / "new-repros" / "planted.aligned_bias" / repro.name).exists()
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["new_aligned_regressions"] == [repro.stem]
+
+    rc, out = run_pytest(args + ["-rx"])
+    assert rc == 0, out
+    assert "1 xfailed" in out and f"known regression(s) of planted.aligned_bias" in out
+
+
+def test_hypothesis_ci_profile_does_not_take_over(tmp_path):
+    """Under CI=true Hypothesis loads its derandomizing `ci` profile; the engine's explicit settings
+    still make the campaign seed decide the cases (different seeds, different cases)."""
+    script = textwrap.dedent("""
+        import json
+        import hypothesis
+        from harness import REGISTRY
+        from harness import fuzz
+
+        assert hypothesis.settings.default.derandomize, "the ci profile should be active under CI=true"
+        seen = []
+        real = fuzz.run_case
+        def spy(pair, case, *a, **k):
+            seen.append(case.key())
+            return real(pair, case, *a, **k)
+        fuzz.run_case = spy
+        pair = REGISTRY.get("router_topk.replay")
+        keys = {}
+        for run, seed in (("a", 1), ("b", 2), ("c", 1)):
+            seen.clear()
+            fuzz.fuzz_pair(pair, fuzz.CampaignConfig(pairs=[pair], max_examples=8), seed, None)
+            keys[run] = list(seen)
+        print(json.dumps(keys))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CI": "true"})
+    assert proc.returncode == 0, proc.stderr
+    keys = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert keys["a"] == keys["c"]  # the seed reproduces the cases
+    assert keys["a"] != keys["b"]  # and a different seed draws different ones: not derandomized
