@@ -1,0 +1,79 @@
+"""Sharding: N shards of one campaign cover what one unsharded run covers, with no overlap.
+
+What one unsharded run covers (harness.fuzz.shard_pairs): for campaign seed S, one Hypothesis
+stream per selected pair, seeded pair_seed(S, pair). These tests check it on the real engine: the
+cases every pair evaluates, unsharded, equal the cases it evaluates in whichever shard runs it,
+and each pair runs in exactly one shard."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+from harness import REGISTRY
+from harness import fuzz
+from harness.fuzz import CampaignConfig, run_campaign, shard_pairs
+
+
+def _names(pairs):
+    return [p.name for p in pairs]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 40])
+def test_shards_partition_the_pairs(n):
+    pairs = REGISTRY.all()
+    shards = [_names(shard_pairs(pairs, (i, n))) for i in range(1, n + 1)]
+    flat = [name for s in shards for name in s]
+    assert sorted(flat) == sorted(_names(pairs))  # covered
+    assert len(flat) == len(set(flat))  # no overlap
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1  # balanced
+    # deterministic: independent of the order the pairs come in
+    assert shards == [_names(shard_pairs(list(reversed(pairs)), (i, n))) for i in range(1, n + 1)]
+
+
+def test_bad_shard_is_rejected():
+    with pytest.raises(ValueError):
+        shard_pairs(REGISTRY.all(), (3, 2))
+
+
+@pytest.mark.slow
+def test_two_shards_evaluate_exactly_the_cases_of_one_unsharded_run(monkeypatch, tmp_path):
+    evaluated: list[tuple[str, str]] = []
+    real = fuzz.run_case
+
+    def spy(pair, case, *args, **kwargs):
+        evaluated.append((pair.name, case.key()))
+        return real(pair, case, *args, **kwargs)
+
+    monkeypatch.setattr(fuzz, "run_case", spy)
+    pairs = REGISTRY.select(["router_topk.*", "rmsnorm.aligned"])
+
+    def campaign(shard):
+        evaluated.clear()
+        cfg = CampaignConfig(pairs=pairs, seed=3, max_examples=10, shard=shard, corpus=tmp_path / str(shard),
+                             write_corpus=False)
+        result = run_campaign(cfg, log=lambda msg: None)
+        return Counter(evaluated), {r.pair for r in result.results}
+
+    whole, whole_pairs = campaign(None)
+    one, pairs_one = campaign((1, 2))
+    two, pairs_two = campaign((2, 2))
+    assert whole_pairs == set(_names(pairs)) and pairs_one and pairs_two
+    assert not pairs_one & pairs_two  # no pair in both shards
+    assert not set(one) & set(two)  # so no case evaluated twice
+    assert one + two == whole  # and together exactly the unsharded run's cases
+
+
+def test_plugin_shards_collect_disjoint_items(tmp_path):
+    from tests.ci.test_pytest_plugin import run_pytest
+
+    items = []
+    for i in (1, 2):
+        rc, out = run_pytest(["--harness-fuzz", "--collect-only", "-q", "--shard", f"{i}/2", "--harness-no-tracking",
+                              "--harness-out", str(tmp_path)])
+        assert rc == 0, out
+        items.append(set(re.findall(r"harness-fuzz::([\w.]+)", out)))
+    assert items[0] and items[1] and not items[0] & items[1]
+    assert items[0] | items[1] == set(_names(REGISTRY.all()))
