@@ -1,0 +1,85 @@
+"""`harness report`: new, recurring and fixed regressions per pair from a real MLflow store, with
+cases, cases/s, replay commands and the findings-over-nights plot."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from harness.errors import UsageError
+from harness.report import classify, parse_since, report_command
+
+NOW = dt.datetime(2026, 1, 31, 6, 0, tzinfo=dt.timezone.utc)
+
+
+def test_parse_since():
+    assert parse_since("24h", NOW) == NOW - dt.timedelta(hours=24)
+    assert parse_since("7d", NOW) == NOW - dt.timedelta(days=7)
+    assert parse_since("90m", NOW) == NOW - dt.timedelta(minutes=90)
+    assert parse_since("2026-01-30", NOW) == dt.datetime(2026, 1, 30, tzinfo=dt.timezone.utc)
+    with pytest.raises(UsageError, match="24h"):
+        parse_since("yesterday", NOW)
+
+
+def test_classify_against_the_window():
+    def reg(i, first, last, status="open", closed=""):
+        return {"id": i, "pair": "p", "first_seen": first, "last_seen": last, "status": status, "closed_at": closed}
+
+    since = NOW - dt.timedelta(hours=24)
+    old, recent = "2026-01-20T00:00:00+00:00", "2026-01-31T01:00:00+00:00"
+    groups = classify([reg("new", recent, recent), reg("again", old, recent), reg("quiet", old, old),
+                       reg("fixed", old, old, "fixed", recent), reg("fixed_long_ago", old, old, "fixed", old)], since)
+    assert [r["id"] for r in groups["new"]] == ["new"]
+    assert [r["id"] for r in groups["recurring"]] == ["again"]
+    assert [r["id"] for r in groups["fixed"]] == ["fixed"]
+
+
+@pytest.mark.slow
+def test_report_from_a_real_store(tmp_path):
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, run_campaign
+    from harness.mlflow_tracking import MlflowTracker, close_regression
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    pair = REGISTRY.get("router_topk.bf16")
+
+    def campaign():
+        cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=20, corpus=tmp_path / "corpus")
+        cfg.profile = "nightly"
+        return run_campaign(cfg, tracker=MlflowTracker(uri, log=lambda m: None), log=lambda m: None)
+
+    first = campaign()
+    (finding,) = first.findings
+    close_regression(finding.id, "fixed", "fixed upstream", uri=uri)
+    out = tmp_path / "reports" / "nightly.md"
+    runner = CliRunner()
+    res = runner.invoke(report_command, ["--since", "24h", "--tracking-uri", uri, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert "## New (1)" in text and "## Fixed (1)" in text and "## Recurring (0)" in text
+    assert f"`harness replay {finding.path}`" in text
+    assert f"| router_topk.bf16 | diverges | 1 | 0 | 1 |" in text  # per pair: new, recurring, fixed
+    assert f"| nightly | none | cpu | 1 | 1 | {first.examples} |" in text  # the campaign row: cases
+    png = out.with_name("nightly_findings.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![findings over nights](nightly_findings.png)" in text
+
+    time.sleep(1.1)  # seen-times have one-second resolution
+    between = dt.datetime.now(dt.timezone.utc).isoformat()
+    time.sleep(1.1)
+    second = campaign()  # finds the same bug again: the fixed regression recurs
+    assert [f.id for f in second.findings] == [finding.id]
+    res = runner.invoke(report_command, ["--since", between, "--tracking-uri", uri, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    text = out.read_text()
+    assert "## New (0)" in text and "## Recurring (1)" in text and "## Fixed (0)" in text
+    assert "| open (reopened) |" in text and "| 2 |" in text  # seen twice
+    assert text.count("| nightly |") == 1  # only the second campaign started in the window
+
+
+def test_missing_store_is_a_usage_error(tmp_path, harness_cli):
+    rc, out, err = harness_cli("report", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}",
+                               "--out", str(tmp_path / "r.md"))
+    assert rc == 2 and "no MLflow store" in err and "Traceback" not in err
