@@ -217,6 +217,7 @@ class FuzzSession:
             return
         try:
             self.tracker.campaign_finished(self.campaign_result(results, interrupted))
+            _log_pair_metrics(self.tracker, results)
         except Exception as e:
             self.tracking_error = f"{type(e).__name__}: {e}"
             _log(f"harness: could not close the campaign run ({self.tracking_error})")
@@ -302,6 +303,23 @@ class _FindingsOnly:
 
     def campaign_finished(self, result: Any) -> None:
         pass
+
+
+def _log_pair_metrics(tracker: Any, results: list[dict]) -> None:
+    """Per-pair cases and cases/s on the campaign run (`pair.<name>.cases`), for the morning report."""
+    store, run_id = getattr(tracker, "store", None), getattr(tracker, "run_id", None)
+    if store is None or not run_id or not results:
+        return
+    from mlflow.entities import Metric
+
+    ts = int(time.time() * 1000)
+    metrics = []
+    for d in results:
+        rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
+        metrics += [Metric(f"pair.{d['pair']}.cases", float(d["examples"]), ts, 0),
+                    Metric(f"pair.{d['pair']}.cases_per_second", rate, ts, 0)]
+    with store.lock():
+        store.client.log_batch(run_id, metrics=metrics)
 
 
 def _campaign_run_id(tracker: Any) -> str | None:

@@ -69,7 +69,17 @@ def _campaign_metric(metrics: dict[str, float], key: str) -> float:
     """A campaign metric; a campaign run shared by shards holds it per shard (`shard1of4.cases`)."""
     if key in metrics:
         return float(metrics[key])
-    return float(sum(v for k, v in metrics.items() if k.endswith("." + key)))
+    return float(sum(v for k, v in metrics.items() if k.endswith("." + key) and not k.startswith("pair.")))
+
+
+def pair_cases(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """pair -> (cases, cases/s) from a campaign run of `pytest --harness-fuzz` (`pair.<name>.cases`)."""
+    out = {}
+    for k, v in metrics.items():
+        if k.startswith("pair.") and k.endswith(".cases"):
+            name = k[len("pair."):-len(".cases")]
+            out[name] = (float(v), float(metrics.get(f"pair.{name}.cases_per_second", 0.0)))
+    return out
 
 
 def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
@@ -95,7 +105,7 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
             "seed": p.get("seed", "?"), "profile": p.get("profile", "none"), "shard": p.get("shard", "none"),
             "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
-            "findings": _campaign_metric(m, "findings"),
+            "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m),
         })
     regressions = []
     from .mlflow_tracking import REGRESSION
@@ -152,6 +162,7 @@ def plot_nights(rows: list[tuple], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     xs = list(range(len(rows)))
     fig, ax = plt.subplots(figsize=(8, 3.2), dpi=100)
@@ -161,6 +172,7 @@ def plot_nights(rows: list[tuple], path: Path) -> Path:
         step = max(1, len(rows) // 10)
         ax.set_xticks(xs[::step], [r[0].isoformat() for r in rows][::step], rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("count")
+        ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_title("Findings over nights (UTC)")
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -190,17 +202,25 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
     if new_aligned:
         lines += [f"**{len(new_aligned)} new regression(s) of aligned pairs**: "
                   + ", ".join(f"{r['pair']} {r['id']}" for r in new_aligned), ""]
-    # per pair
-    pairs = sorted({r["pair"] for rows in groups.values() for r in rows})
+    # per pair: regressions, and cases where the campaigns logged them per pair (pytest --harness-fuzz)
+    per_cases: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # pair -> [cases, seconds]
+    for c in window:
+        for name, (n, rate) in c.get("pairs", {}).items():
+            per_cases[name][0] += n
+            per_cases[name][1] += n / rate if rate > 0 else 0.0
+    pairs = sorted({r["pair"] for rows in groups.values() for r in rows} | set(per_cases))
+    expected = {r["pair"]: r["expected"] for r in regressions}
     lines += ["## Per pair", ""]
     if pairs:
-        lines += ["| pair | expected | new | recurring | fixed |", "|---|---|---|---|---|"]
+        lines += ["| pair | expected | new | recurring | fixed | cases | cases/s |", "|---|---|---|---|---|---|---|"]
         for p in pairs:
-            exp = next(r["expected"] for rows in groups.values() for r in rows if r["pair"] == p)
             counts = [sum(1 for r in groups[k] if r["pair"] == p) for k in ("new", "recurring", "fixed")]
-            lines.append(f"| {p} | {exp} | " + " | ".join(map(str, counts)) + " |")
+            n, secs = per_cases.get(p, (0.0, 0.0))
+            cases = (f"{int(n)} | {n / secs:.1f}" if secs > 0 else f"{int(n)} | -") if p in per_cases else "- | -"
+            lines.append(f"| {p} | {expected.get(p, '-')} | " + " | ".join(map(str, counts)) + f" | {cases} |")
     else:
-        lines.append("No regression was new, seen again or fixed in this window.")
+        lines.append("No regression was new, seen again or fixed in this window, and no campaign logged cases "
+                     "per pair.")
     lines.append("")
     titles = {"new": "New", "recurring": "Recurring", "fixed": "Fixed"}
     for key in ("new", "recurring", "fixed"):

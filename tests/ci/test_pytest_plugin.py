@@ -97,6 +97,18 @@ def test_xdist_one_summary_one_campaign_run(tmp_path):
     assert [r.data.tags["harness.pair"] for r in regressions] == ["router_topk.bf16"]
     assert regressions[0].data.tags["mlflow.parentRunId"] == camp.info.run_id  # logged by a worker, under it
 
+    # the morning report reads the per-pair cases the controller logged on the campaign run
+    from click.testing import CliRunner
+
+    from harness.report import report_command
+
+    report = tmp_path / "nightly.md"
+    res = CliRunner().invoke(report_command, ["--tracking-uri", uri, "--out", str(report)])
+    assert res.exit_code == 0, res.output
+    cases = {d["pair"]: d["examples"] for d in summary["pairs"]}
+    assert f"| router_topk.replay | - | 0 | 0 | 0 | {cases['router_topk.replay']} |" in report.read_text()
+    assert f"| router_topk.bf16 | diverges | 1 | 0 | 0 | {cases['router_topk.bf16']} |" in report.read_text()
+
 
 @pytest.mark.slow
 def test_planted_aligned_regression_fails_then_is_known(tmp_path):

@@ -61,7 +61,7 @@ def test_report_from_a_real_store(tmp_path):
     text = out.read_text()
     assert "## New (1)" in text and "## Fixed (1)" in text and "## Recurring (0)" in text
     assert f"`harness replay {finding.path}`" in text
-    assert f"| router_topk.bf16 | diverges | 1 | 0 | 1 |" in text  # per pair: new, recurring, fixed
+    assert f"| router_topk.bf16 | diverges | 1 | 0 | 1 | - | - |" in text  # per pair: new, recurring, fixed
     assert f"| nightly | none | cpu | 1 | 1 | {first.examples} |" in text  # the campaign row: cases
     png = out.with_name("nightly_findings.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![findings over nights](nightly_findings.png)" in text
