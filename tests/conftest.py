@@ -14,12 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ROOT / "tests" / "plugins"
 
 
+def pytest_configure(config):
+    # The pairs are small: one intra-op thread per test process. Two threads per xdist worker on a
+    # two-core machine oversubscribe it and make every case 20-50x slower.
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def harness_cli():
     """Run the real command line in a subprocess: returns (exit code, stdout, stderr)."""
 
     def run(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
-        full_env = {**os.environ, **(env or {})}
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         proc = subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd or ROOT, env=full_env,
                               capture_output=True, text=True, timeout=timeout)
         return proc.returncode, proc.stdout, proc.stderr
