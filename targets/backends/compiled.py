@@ -79,6 +79,6 @@ def compiled_forward(inp: Any, nx: Numerics) -> Callable:
 
 
 register(model_pairs.model_pair(
-    "model.compiled", "aligned", FP32, FP32, rollout_forward=compiled_forward, axes=model_pairs.AXES_NO_TIES,
+    "model.compiled", "aligned", FP32, FP32, rollout_forward=compiled_forward,
     description="float32 eager torch trainer vs the same model under torch.compile (Inductor) as the rollout",
 ))

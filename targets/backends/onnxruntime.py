@@ -116,6 +116,6 @@ def ort_forward(inp: Any, nx: Numerics) -> Callable:
 
 
 register(model_pairs.model_pair(
-    "model.onnxruntime", "aligned", FP32, FP32, rollout_forward=ort_forward, axes=model_pairs.AXES_NO_TIES,
+    "model.onnxruntime", "aligned", FP32, FP32, rollout_forward=ort_forward,
     description="float32 torch trainer vs the same model exported to ONNX and decoded in ONNX Runtime",
 ))
