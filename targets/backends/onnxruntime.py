@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -71,7 +72,8 @@ def exported(cfg: ModelConfig, nx: Numerics) -> tuple[str, tuple[str, ...]]:
     folder = tempfile.mkdtemp(prefix="harness-onnx-")
     path = os.path.join(folder, "moe_decoder.onnx")
     names = tuple(n for n, _ in m.named_parameters())
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is chosen on purpose
         torch.onnx.export(_Fixed(m, nx), _example_inputs(cfg), path, dynamo=False, export_params=True,
                           keep_initializers_as_inputs=True, do_constant_folding=False,
                           input_names=INPUTS, output_names=OUTPUTS,
