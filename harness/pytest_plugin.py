@@ -429,6 +429,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
     config.stash[RESULTS_KEY] = []
     if not session.is_worker:
+        from harness.errors import HarnessError
+
+        try:  # a bad device, glob or plugin file is a usage error before anything starts
+            session.select()
+        except HarnessError as e:
+            raise pytest.UsageError(str(e)) from None
         _log(f"harness fuzz: campaign {session.seed_origin}; profile {session.profile_name or '-'}, "
              f"{session.max_examples} cases and {session.budget or '-'} s per pair"
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))

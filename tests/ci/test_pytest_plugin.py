@@ -162,3 +162,20 @@ def test_hypothesis_ci_profile_does_not_take_over(tmp_path):
     keys = json.loads(proc.stdout.strip().splitlines()[-1])
     assert keys["a"] == keys["c"]  # the seed reproduces the cases
     assert keys["a"] != keys["b"]  # and a different seed draws different ones: not derandomized
+
+
+def test_cuda_device(tmp_path):
+    """On a machine without CUDA --harness-device cuda is a usage error that says what to do; with
+    CUDA, one pair is fuzzed on the GPU."""
+    import torch
+
+    args = ["--harness-fuzz", "--harness-device", "cuda", "--harness-pairs", "router_topk.replay",
+            "--harness-max-examples", "10", "--harness-no-tracking", "--harness-corpus", str(tmp_path / "corpus"),
+            "--harness-out", str(tmp_path / "out")]
+    rc, out = run_pytest(args)
+    if torch.cuda.is_available():
+        assert rc == 0, out
+        assert json.loads((tmp_path / "out" / "summary.json").read_text())["pairs"][0]["verdict"] == "clean"
+    else:
+        assert rc == 4, out
+        assert "--device cuda was asked for but torch sees no CUDA device" in out and "Traceback" not in out
