@@ -173,6 +173,32 @@ def store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
+def _marker(db: Path) -> Path:
+    return Path(str(db) + ".initialised")
+
+
+def _marker_text(db: Path) -> str:
+    import mlflow
+
+    return f"{os.stat(db).st_ino} {mlflow.__version__}"
+
+
+def _initialised(db: Path | None) -> bool:
+    """True when `db` was created and migrated by this MLflow version (per its marker file)."""
+    if db is None or not db.exists():
+        return False
+    try:
+        return _marker(db).read_text() == _marker_text(db)
+    except OSError:
+        return False
+
+
+def _mark_initialised(db: Path) -> None:
+    tmp = _marker(db).with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(_marker_text(db))
+    os.replace(tmp, _marker(db))
+
+
 def _quiet_mlflow_logs() -> None:
     for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -207,9 +233,16 @@ class Store:
         from mlflow import MlflowClient
 
         try:
-            with self.lock():  # the first access of a fresh sqlite file migrates its schema
-                self.client = MlflowClient(tracking_uri=self.uri)
-                self.client._tracking_client.store  # noqa: B018 - creates (and migrates) the store now
+            # the first access of a fresh sqlite file migrates its schema: serialised, unless this
+            # file was already initialised by this MLflow version (a marker beside it says so)
+            if db is not None and not _initialised(db):
+                with self.lock():
+                    if not _initialised(db):
+                        MlflowClient(tracking_uri=self.uri)._tracking_client.store  # noqa: B018 - migrates now
+                        _mark_initialised(db)
+            self.client = MlflowClient(tracking_uri=self.uri)
+            self.client._tracking_client.store  # noqa: B018 - connects now (cached per process by MLflow)
+            with self.lock():
                 self.experiment_id = self._experiment(create)
         except StoreUnavailable:
             raise
@@ -797,7 +830,7 @@ class MlflowTracker:
                 self.log(f"warning: could not spool the campaign record ({type(e).__name__}: {_short(e)}).")
         if self.spooled:
             self.log(f"warning: {len(self.spooled)} record(s) spooled to {self.spool_dir / self.uid} because the "
-                     f"MLflow store was not reachable; upload them later with `harness sync`.")
+                     f"MLflow store could not be written ({self.offline_reason}); upload them later with `harness sync`.")
 
     # --- internals -----------------------------------------------------------------------------
     def _label(self) -> str | None:

@@ -83,7 +83,7 @@ def test_campaigns_round_trip_on_embedded_store(fresh_cwd):
     """One campaign run, one nested regression run per signature; a second campaign dedups."""
     from harness.mlflow_tracking import MlflowTracker
 
-    pairs = REGISTRY.select(["router_topk.bf16", ROTARY[0]])
+    pairs = REGISTRY.select(["rmsnorm.eps_placement", ROTARY[0]])
 
     def campaign(seed):
         tracker = MlflowTracker(log=lambda m: None)
@@ -222,7 +222,7 @@ def test_unreachable_store_spools_and_sync_uploads_once(fresh_cwd, capsys):
     budget = 8.0
     t0 = time.monotonic()
     tracker = MlflowTracker(f"http://127.0.0.1:{port}", log=warnings.append)
-    cfg = CampaignConfig(pairs=REGISTRY.select(["router_topk.bf16", ROTARY[0]]), seed=1, max_examples=15,
+    cfg = CampaignConfig(pairs=REGISTRY.select(["rmsnorm.eps_placement", ROTARY[0]]), seed=1, max_examples=15,
                          budget=budget, corpus=fresh_cwd / "corpora")
     result = run_campaign(cfg, tracker, log=lambda m: None)
     elapsed = time.monotonic() - t0
