@@ -79,6 +79,7 @@ LAZY_BENCHMARKS = {
     "neartie": "harness.bench_ops:neartie_command",
     "ops": "harness.bench_ops:ops_command",
     "models": "harness.bench_models:models_command",
+    "tracking": "harness.cli_tracking:bench_tracking_command",
 }
 
 

@@ -135,3 +135,77 @@ def sync(tracking_uri: str | None, pending_dir: str | None, as_json: bool) -> No
                    f"seen again {s['seen']}, reopened {s['reopened']}, already uploaded {s['already']}; "
                    f"failed {s['failed']}, still pending {s['remaining']}.")
     sys.exit(1 if s["remaining"] else 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# `harness bench tracking`: what MLflow tracking adds to a campaign
+# ---------------------------------------------------------------------------------------------
+def tracking_overhead(pair_names: tuple[str, ...], max_examples: int, seed: int) -> dict[str, Any]:
+    """One campaign without tracking, then the same campaign logged to a fresh embedded store, again
+    to that store (every finding already there: the dedup path), and to a closed port (the spool).
+    Tracker time is measured inside the tracker's own calls, so campaign noise does not enter it."""
+    import socket
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from .fuzz import CampaignConfig, run_campaign
+    from .mlflow_tracking import MlflowTracker
+    from .pairs import REGISTRY
+    from .tracking import NullTracker
+
+    REGISTRY.load_builtins()
+    pairs = REGISTRY.select(pair_names)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="harness-bench-tracking-") as tmp:
+        uri = f"sqlite:///{tmp}/store/mlflow.db"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        runs = [("off (--no-tracking)", None), ("fresh embedded store (includes `import mlflow` and schema "
+                                               "creation)", uri), ("same store again (findings dedup)", uri),
+                ("closed port (spooled)", dead)]
+        for label, target in runs:
+            tracker = NullTracker() if target is None else MlflowTracker(target, log=lambda m: None,
+                                                                         spool_dir=Path(tmp) / "pending")
+            cfg = CampaignConfig(pairs=pairs, seed=seed, max_examples=max_examples, corpus=Path(tmp) / "corpora")
+            t0 = time.perf_counter()
+            result = run_campaign(cfg, tracker, log=lambda m: None)
+            wall = time.perf_counter() - t0
+            timings = getattr(tracker, "timings", {})
+            n = len(result.findings)
+            rows.append({"tracking": label, "wall": wall, "cases": result.examples, "findings": n,
+                         "tracker": getattr(tracker, "seconds", 0.0), "start": timings.get("campaign_started", 0.0),
+                         "per_finding": timings.get("finding", 0.0) / n if n else 0.0,
+                         "finish": timings.get("campaign_finished", 0.0)})
+    return {"pairs": [p.name for p in pairs], "max_examples": max_examples, "seed": seed, "rows": rows}
+
+
+@click.command("tracking")
+@click.argument("pair_names", nargs=-1, metavar="[PAIR|GLOB]...")
+@click.option("--max-examples", type=click.IntRange(1), default=15, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=1, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default="reports/BENCHMARKS.md", show_default=True)
+def bench_tracking_command(pair_names: tuple[str, ...], max_examples: int, seed: int, out: str) -> None:
+    """Time MLflow tracking adds to a small campaign (fresh store, existing store, unreachable store)."""
+    from pathlib import Path
+
+    from .bench import machine, write_section
+
+    names = pair_names or ("rmsnorm.eps_placement", "rotary.bf16_angles")
+    r = tracking_overhead(names, max_examples, seed)
+    lines = [
+        "## Tracking overhead (MLflow)", "",
+        f"`harness bench tracking {' '.join(names)} --max-examples {max_examples} --seed {seed}` on {machine()}. "
+        "One process, campaigns in this order; `tracker` is the time spent inside the tracker's calls "
+        "(start: campaign run and store connection; per finding: regression run with note, params, metrics, "
+        "repro, CSV and plot; finish: campaign metrics).", "",
+        "| tracking | campaign wall s | cases | findings | tracker s | start s | per finding s | finish s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        lines.append(f"| {row['tracking']} | {row['wall']:.2f} | {row['cases']} | {row['findings']} | "
+                     f"{row['tracker']:.2f} | {row['start']:.2f} | {row['per_finding']:.3f} | {row['finish']:.3f} |")
+    write_section(Path(out), "tracking", "\n".join(lines))
+    click.echo("\n".join(lines))
+    click.echo(f"\nwritten to {out}")

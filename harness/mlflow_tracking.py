@@ -755,7 +755,8 @@ class MlflowTracker:
         self.seed = 0
         self.spooled: list[Path] = []
         self.logged: dict[str, tuple[str, str]] = {}  # finding id -> (run id, what happened)
-        self.seconds = 0.0  # time spent in this tracker (for the overhead benchmark)
+        self.seconds = 0.0  # time spent in this tracker's calls (`harness bench tracking`)
+        self.timings = {"campaign_started": 0.0, "finding": 0.0, "campaign_finished": 0.0}  # seconds per call kind
         self._warned = False
 
     # --- protocol ----------------------------------------------------------------------------
@@ -775,7 +776,7 @@ class MlflowTracker:
         except Exception as e:  # noqa: BLE001 - the tracker must never raise into the campaign
             self._go_offline(e)
         finally:
-            self.seconds += time.monotonic() - t0
+            self._spent("campaign_started", t0)
 
     def finding(self, finding: Any) -> None:
         t0 = time.monotonic()
@@ -794,7 +795,7 @@ class MlflowTracker:
         except Exception as e:  # noqa: BLE001
             self._go_offline(e)
         finally:
-            self.seconds += time.monotonic() - t0
+            self._spent("finding", t0)
         t0 = time.monotonic()
         try:
             if payload is None:
@@ -808,7 +809,7 @@ class MlflowTracker:
             self.log(f"warning: could not spool finding {getattr(finding, 'id', '?')} ({type(e).__name__}: "
                      f"{_short(e)}); it is in the corpus at {getattr(finding, 'path', None)}.")
         finally:
-            self.seconds += time.monotonic() - t0
+            self._spent("finding", t0)
 
     def campaign_finished(self, result: Any) -> None:
         t0 = time.monotonic()
@@ -821,7 +822,7 @@ class MlflowTracker:
         except Exception as e:  # noqa: BLE001
             self._go_offline(e)
         finally:
-            self.seconds += time.monotonic() - t0
+            self._spent("campaign_finished", t0)
         if self.campaign is not None:
             try:
                 self.campaign["metrics"] = metrics or {}
@@ -833,6 +834,11 @@ class MlflowTracker:
                      f"MLflow store could not be written ({self.offline_reason}); upload them later with `harness sync`.")
 
     # --- internals -----------------------------------------------------------------------------
+    def _spent(self, kind: str, t0: float) -> None:
+        dt = time.monotonic() - t0
+        self.seconds += dt
+        self.timings[kind] += dt
+
     def _label(self) -> str | None:
         if not self.shared_run_id:
             return None
