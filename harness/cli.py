@@ -172,8 +172,8 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     if profile:
         echo_err(f"profile {profile}: {s.max_examples} cases per pair, budget {s.budget}s, {s.origin}")
     cfg = CampaignConfig(pairs=pairs, seed=s.seed, max_examples=s.max_examples, budget=s.budget,
-                         threshold=threshold, device=dev, corpus=corpus_dir, shard=parse_shard(shard))
-    cfg.profile = profile  # stored with the campaign run
+                         threshold=threshold, device=dev, corpus=corpus_dir, shard=parse_shard(shard),
+                         profile=profile)
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err)
 
     def announce(f: Any) -> None:

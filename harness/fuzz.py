@@ -100,6 +100,7 @@ class CampaignConfig:
     corpus: Path = Path("corpora")
     shard: tuple[int, int] | None = None  # (i, N), 1-based: this job's share of pair x seed
     write_corpus: bool = True
+    profile: str | None = None  # the named profile the settings came from (stored with the campaign run)
 
 
 @dataclass
