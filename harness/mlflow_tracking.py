@@ -78,7 +78,7 @@ HTTP_LIMITS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",  # one retry after the first failure
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # ~1 s before that retry
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",  # at most 0.5 s added to it
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",  # seconds per request
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "4",  # seconds per request: 4 + ~1 + 4 s in all on a silent server
 }
 PROBE_TIMEOUT = 3.0  # seconds for the TCP connect that tells a reachable server from a dead one
 
@@ -712,6 +712,8 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
     if parent_run_id:
         updates["harness.last_campaign_run_id"] = parent_run_id
     what = "seen"
+    if p.get("corpus_recurrence"):  # the corpus file said fixed and the engine reopened it
+        updates["harness.recurrence"] = "true"
     if tags.get("harness.status") == "fixed":
         what = "reopened"
         updates["harness.status"] = "open"

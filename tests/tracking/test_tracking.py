@@ -282,3 +282,31 @@ def test_cli_fuzz_quick_path_logs_to_the_default_store(fresh_cwd, capsys):
     code, out, err = run_cli(capsys, "fuzz", ROTARY[0], "--max-examples", "10", "--seed", "1", "--no-tracking")
     assert code == 1
     assert json.loads(run_cli(capsys, "regressions", "--json")[1])[0]["seen_count"] == 1
+
+
+@pytest.mark.slow
+def test_a_server_that_accepts_but_never_answers_is_given_up_within_about_10s(fresh_cwd, monkeypatch):
+    """The TCP probe passes; MLflow's bounded timeout and single retry end the wait (its defaults
+    would wait about four minutes); the finding is spooled."""
+    import socket
+    import threading
+
+    from harness.mlflow_tracking import HTTP_LIMITS, MlflowTracker
+
+    for key in HTTP_LIMITS:  # the bounds the tracker sets, not whatever the calling shell has
+        monkeypatch.delenv(key, raising=False)
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held = []
+    threading.Thread(target=lambda: [held.append(srv.accept()) for _ in range(16)], daemon=True).start()
+    try:
+        f = make_finding(fresh_cwd)
+        t = logged(MlflowTracker(f"http://127.0.0.1:{srv.getsockname()[1]}", log=lambda m: None), [f])
+    finally:
+        srv.close()
+        for conn, _ in held:
+            conn.close()
+    assert t.offline_reason and "MlflowException" in t.offline_reason
+    assert t.seconds < 12, f"gave up after {t.seconds:.1f}s"
+    assert [p.name for p in t.spooled] == [f"{f.id}.json"]
