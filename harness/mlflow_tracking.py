@@ -230,18 +230,17 @@ class Store:
         db = sqlite_path(self.uri)
         if db is not None and not create and not db.exists():
             raise StoreUnavailable(f"MLflow store {self.uri} does not exist (no file {db})")
-        from mlflow import MlflowClient
-
         try:
+            from mlflow import MlflowClient
+
             # the first access of a fresh sqlite file migrates its schema: serialised, unless this
             # file was already initialised by this MLflow version (a marker beside it says so)
             if db is not None and not _initialised(db):
                 with self.lock():
                     if not _initialised(db):
-                        MlflowClient(tracking_uri=self.uri)._tracking_client.store  # noqa: B018 - migrates now
+                        MlflowClient(tracking_uri=self.uri).search_experiments(max_results=1)  # migrates
                         _mark_initialised(db)
             self.client = MlflowClient(tracking_uri=self.uri)
-            self.client._tracking_client.store  # noqa: B018 - connects now (cached per process by MLflow)
             with self.lock():
                 self.experiment_id = self._experiment(create)
         except StoreUnavailable:
