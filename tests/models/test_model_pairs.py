@@ -109,12 +109,17 @@ def test_diverging_model_pair_is_caught_within_200_examples_and_shrunk(name, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["model.aligned", "model.onnxruntime"])
-def test_aligned_model_pair_is_clean_over_200_examples(name, tmp_path):
-    n = 200 if name == "model.aligned" else 60
-    cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=n, corpus=tmp_path, write_corpus=False)
-    (r,) = run_campaign(cfg, log=lambda m: None).results
-    assert r.verdict == "clean" and r.max_k3 < 1e-9, (r.verdict, r.max_k3)
+@pytest.mark.parametrize("name,n", [("model.aligned", 200), ("model.onnxruntime", 60)])
+def test_aligned_model_pair_is_clean_over_sampled_examples(name, n):
+    """Cases drawn from the pair's axes (Hypothesis generation only: the campaign's target phase
+    spends most of its time hill-climbing on k3 values of ~1e-12, which proves nothing more)."""
+    from harness.conformance import sample_cases
+
+    pair = REGISTRY.get(name)
+    cases = sample_cases(pair, n, seed=1)
+    assert len(cases) >= 0.9 * n
+    worst = max(run_case(pair, c).k3 for c in cases)
+    assert worst < 1e-9, worst
 
 
 @pytest.mark.slow
