@@ -832,7 +832,8 @@ class MlflowTracker:
                 self.log(f"warning: could not spool the campaign record ({type(e).__name__}: {_short(e)}).")
         if self.spooled:
             self.log(f"warning: {len(self.spooled)} record(s) spooled to {self.spool_dir / self.uid} because the "
-                     f"MLflow store could not be written ({self.offline_reason}); upload them later with `harness sync`.")
+                     f"MLflow store could not be written ({self.offline_reason}); upload them later with "
+                     "`harness sync`.")
 
     # --- internals -----------------------------------------------------------------------------
     def _spent(self, kind: str, t0: float) -> None:
