@@ -2,7 +2,6 @@
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -94,16 +93,17 @@ def test_router_topk_bf16_shrinks_to_one_token_at_a_bf16_tie(tmp_path):
 def test_plugin_outside_the_repo_is_fuzzed_caught_and_shrunk(tmp_path, harness_cli):
     plugin = tmp_path / "elsewhere" / "my_backend.py"
     plugin.parent.mkdir()
-    shutil.copy(PLUGINS / "lm_head_bf16.py", plugin)
+    # the README's example, under its own name (this process may have loaded the original already)
+    plugin.write_text((PLUGINS / "lm_head_bf16.py").read_text().replace("example.", "elsewhere."))
     corpus = tmp_path / "corpus"
-    code, out, err = harness_cli("fuzz", "example.lm_head_bf16", "--plugin", str(plugin), "--seed", "3",
+    code, out, err = harness_cli("fuzz", "elsewhere.lm_head_bf16", "--plugin", str(plugin), "--seed", "3",
                                  "--max-examples", "200", "--corpus", str(corpus), "--no-tracking")
     assert code == 1, err
     [path] = iter_corpus(corpus)
     repro = load_repro(path)
-    assert repro.pair == "example.lm_head_bf16" and repro.status == "expected"
+    assert repro.pair == "elsewhere.lm_head_bf16" and repro.status == "expected"
     REGISTRY.load_plugin(str(plugin))
-    assert_minimal("example.lm_head_bf16", repro.case)
+    assert_minimal("elsewhere.lm_head_bf16", repro.case)
     code, out, err = harness_cli("replay", str(path), "--plugin", str(plugin))
     assert code == 1 and "bit-for-bit yes" in out
 
