@@ -80,33 +80,44 @@ def _sample(p: Any, generator: Any) -> Any:
     return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
 
-def boundary_tie(scores: Any, k: int) -> Any:
+def boundary_tie(scores: Any, k: int) -> np.ndarray:
     """(T,) bool: the k-th and (k+1)-th largest scores are exactly equal."""
-    import torch
-
-    if scores is None or scores.shape[-1] <= k:
-        return torch.zeros(0 if scores is None else scores.shape[0], dtype=torch.bool)
-    top = torch.topk(scores.float(), k + 1, dim=-1).values
+    if scores is None:
+        return np.zeros(0, dtype=bool)
+    s = _np(scores).astype(np.float32)
+    if s.shape[-1] <= k:
+        return np.zeros(s.shape[0], dtype=bool)
+    top = -np.partition(-s, (k - 1, k), axis=-1)  # ranks k-1 and k (0-based) in place
     return top[:, k - 1] == top[:, k]
 
 
 def routing_flips(routing_t: dict, routing_r: dict) -> dict[str, dict[str, int]]:
     """Per router layer present in both paths: tokens routed, flips at an exact tie, other flips."""
-    import torch
-
     out: dict[str, dict[str, int]] = {}
     for layer in sorted(set(routing_t) & set(routing_r)):
-        et = torch.sort(torch.as_tensor(routing_t[layer].experts).cpu(), dim=-1).values
-        er = torch.sort(torch.as_tensor(routing_r[layer].experts).cpu(), dim=-1).values
+        et = np.sort(_np(routing_t[layer].experts), axis=-1)
+        er = np.sort(_np(routing_r[layer].experts), axis=-1)
         flipped = (et != er).any(-1)
         k = et.shape[-1]
-        tie = torch.zeros_like(flipped)
+        tie = np.zeros_like(flipped)
         for s in (routing_t[layer].scores, routing_r[layer].scores):
             if s is not None:
-                tie |= boundary_tie(torch.as_tensor(s).cpu(), k)
-        out[layer] = {"tokens": int(flipped.numel()), "tie_flips": int((flipped & tie).sum()),
+                tie |= boundary_tie(s, k)
+        out[layer] = {"tokens": int(flipped.size), "tie_flips": int((flipped & tie).sum()),
                       "flips": int((flipped & ~tie).sum())}
     return out
+
+
+def _np(t: Any) -> np.ndarray:
+    """A CPU numpy view of a tensor (bf16/fp16 widened to float32 first: numpy has no bf16)."""
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        t = t.detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.cpu().numpy()
+    return np.asarray(t)
 
 
 def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any = None,
@@ -114,72 +125,70 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
     """Compare two (T, V) log-probability tensors at (T,) tokens; rows in case order.
 
     With `tokens=None` one token per row is sampled from the rollout distribution with `generator`.
+    Computed in float64 numpy: dozens of small torch ops cost more than the metrics themselves.
     """
     import torch
 
-    lt_all = trainer.logprobs.detach().to(torch.float64).cpu()  # (T, V)
-    lr_all = rollout.logprobs.detach().to(torch.float64).cpu()  # (T, V)
+    lt_all = trainer.logprobs.detach().to(torch.float64).cpu().numpy()  # (T, V)
+    lr_all = rollout.logprobs.detach().to(torch.float64).cpu().numpy()  # (T, V)
     if lt_all.shape != lr_all.shape:
         raise ValueError(f"trainer logprobs {tuple(lt_all.shape)} and rollout logprobs "
                          f"{tuple(lr_all.shape)} differ in shape")
     n = sum(seq_lens)
     if lt_all.shape[0] != n:
         raise ValueError(f"logprobs have {lt_all.shape[0]} rows but the case has {n} tokens")
-    p_r = torch.exp(lr_all)  # (T, V); NaN where the rollout is NaN
-    if tokens is None:
-        tokens = _sample(p_r, generator)
-    tokens = torch.as_tensor(tokens).long().cpu()  # (T,)
-    idx = tokens.unsqueeze(-1)
-    lt = lt_all.gather(-1, idx).squeeze(-1)  # (T,)
-    lr = lr_all.gather(-1, idx).squeeze(-1)  # (T,)
+    with np.errstate(all="ignore"):
+        p_r = np.exp(lr_all)  # (T, V); NaN where the rollout is NaN
+        if tokens is None:
+            tokens = _sample(torch.from_numpy(p_r), generator)
+        tok = _np(tokens).astype(np.int64)  # (T,)
+        rows = np.arange(n)
+        lt, lr = lt_all[rows, tok], lr_all[rows, tok]  # (T,)
 
-    def nonfinite(rows, picked):
-        bad_rows = ~(rows < math.inf).all(-1)  # NaN or +inf anywhere in the row
-        return int((bad_rows | ~torch.isfinite(picked)).sum())
+        def nonfinite(all_rows: np.ndarray, picked: np.ndarray) -> int:
+            bad_rows = ~(all_rows < math.inf).all(-1)  # NaN or +inf anywhere in the row
+            return int((bad_rows | ~np.isfinite(picked)).sum())
 
-    d = lt - lr
-    k3 = torch.expm1(d) - d  # (T,)
-    seg = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))  # (T,)
-    counts = torch.tensor(seq_lens, dtype=torch.float64)
-    k3_seq = torch.zeros(len(seq_lens), dtype=torch.float64).index_add_(0, seg, k3) / counts
-    d_seq = torch.zeros(len(seq_lens), dtype=torch.float64).index_add_(0, seg, d) / counts
-
-    mass = p_r > 0  # (T, V): 0 * log 0 terms are 0, not NaN
-    zero = torch.zeros((), dtype=torch.float64)
-    kl = torch.where(mass, p_r * (lr_all - lt_all), zero).sum(-1)  # (T,)
-    entropy = -torch.where(mass, p_r * lr_all, zero).sum(-1)  # (T,)
-    pt, pr = torch.exp(lt), torch.exp(lr)
-    if n >= 2 and float(pt.std()) > 0 and float(pr.std()) > 0:
-        pearson = float(torch.corrcoef(torch.stack([pt, pr]))[0, 1])
-    else:
-        pearson = float("nan")
-
-    return Divergence(
-        k3_kl=float(k3.mean()),
-        k3_seq_max=float(k3_seq.max()),
-        kl=float(kl.mean()),
-        max_abs_dlogp=float(d.abs().max()),
-        probs_diff_max=float((pt - pr).abs().max()),
-        log_ppl_diff=float(d_seq.mean()),
-        ppl_ratio=float(torch.exp(d_seq).mean()),
-        chi2_token=float(torch.exp(2 * d).mean() - 1),
-        pearson=pearson,
-        entropy=float(entropy.mean()),
-        flip_rate=0.0,
-        tie_flip_rate=0.0,
-        nonfinite_trainer=nonfinite(lt_all, lt),
-        nonfinite_rollout=nonfinite(lr_all, lr),
-        n_tokens=n,
-        per_token={
-            "sequence": seg.numpy(),
-            "position": torch.cat([torch.arange(m) for m in seq_lens]).numpy(),
-            "token": tokens.numpy(),
-            "logp_trainer": lt.numpy(),
-            "logp_rollout": lr.numpy(),
-            "k3": k3.numpy(),
-            "kl": kl.numpy(),
-        },
-    )
+        d = lt - lr
+        k3 = np.expm1(d) - d  # (T,)
+        seg = np.repeat(np.arange(len(seq_lens)), seq_lens)  # (T,)
+        counts = np.asarray(seq_lens, dtype=np.float64)
+        k3_seq = np.bincount(seg, weights=k3, minlength=len(seq_lens)) / counts
+        d_seq = np.bincount(seg, weights=d, minlength=len(seq_lens)) / counts
+        mass = p_r > 0  # (T, V): 0 * log 0 terms are 0, not NaN
+        kl = np.where(mass, p_r * (lr_all - lt_all), 0.0).sum(-1)  # (T,)
+        entropy = -np.where(mass, p_r * lr_all, 0.0).sum(-1)  # (T,)
+        pt, pr = np.exp(lt), np.exp(lr)
+        if n >= 2 and pt.std() > 0 and pr.std() > 0:
+            pearson = float(np.corrcoef(pt, pr)[0, 1])
+        else:
+            pearson = float("nan")
+        return Divergence(
+            k3_kl=float(k3.mean()),
+            k3_seq_max=float(k3_seq.max()),
+            kl=float(kl.mean()),
+            max_abs_dlogp=float(np.abs(d).max()),
+            probs_diff_max=float(np.abs(pt - pr).max()),
+            log_ppl_diff=float(d_seq.mean()),
+            ppl_ratio=float(np.exp(d_seq).mean()),
+            chi2_token=float(np.exp(2 * d).mean() - 1),
+            pearson=pearson,
+            entropy=float(entropy.mean()),
+            flip_rate=0.0,
+            tie_flip_rate=0.0,
+            nonfinite_trainer=nonfinite(lt_all, lt),
+            nonfinite_rollout=nonfinite(lr_all, lr),
+            n_tokens=n,
+            per_token={
+                "sequence": seg,
+                "position": np.concatenate([np.arange(m) for m in seq_lens]),
+                "token": tok,
+                "logp_trainer": lt,
+                "logp_rollout": lr,
+                "k3": k3,
+                "kl": kl,
+            },
+        )
 
 
 def with_routing(div: Divergence, trainer: Any, rollout: Any) -> Divergence:
