@@ -2,8 +2,8 @@
 
 `harness bench overhead`: the harness's cost per case against bare calls of the same pair on the
 same inputs, measured side by side in one run (rounds alternate bare and harness so machine noise
-hits both). Bare = `build` + `rollout` + `trainer`. Harness = drawing the case with Hypothesis +
-`run_case` (the same calls, plus readout, token sampling, metrics and the verdict).
+hits both). Harness = a real campaign of the pair, wall time per case it evaluated; bare = `build`
++ `rollout` + `trainer` called directly on exactly the cases that campaign evaluated.
 """
 
 from __future__ import annotations
@@ -46,56 +46,59 @@ def _time(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int = 5) -> str:
-    from hypothesis import HealthCheck, Phase, Verbosity, given, settings
-    from hypothesis import seed as hseed
+def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int = 3) -> str:
+    import dataclasses
 
-    from .conformance import sample_cases
-    from .execute import run_case
+    import torch
+
+    from .fuzz import CampaignConfig, fuzz_pair, pair_seed
     from .pairs import REGISTRY
-    from .strategies import cases as case_strategy
 
     rows = []
     for pair in REGISTRY.select(pair_names):
         if "cpu" not in pair.devices:
             continue
-        cases = sample_cases(pair, n_cases, seed=0)
+        seen: list = []
+
+        def recording_build(case, device, _build=pair.build):
+            seen.append(case)
+            return _build(case, device)
+
+        recorded = dataclasses.replace(pair, build=recording_build)
+        cfg = CampaignConfig(pairs=[recorded], seed=0, max_examples=n_cases, write_corpus=False)
+
+        def campaign() -> int:
+            seen.clear()
+            r = fuzz_pair(recorded, cfg, pair_seed(0, pair.name), deadline=None)
+            return r.examples
 
         def bare() -> None:
-            import torch
-
             with torch.inference_mode():
                 for c in cases:
                     inputs = pair.build(c, "cpu")
                     r = pair.rollout(inputs)
                     pair.trainer(inputs, r) if pair.trainer_reads_rollout else pair.trainer(inputs)
 
-        def harness() -> None:
-            for c in cases:
-                run_case(pair, c, "cpu")
-
-        @settings(max_examples=len(cases), database=None, deadline=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet)
-        @hseed(0)
-        @given(case_strategy(pair.axes))
-        def draw_only(case: Any) -> None:
-            pass
-
+        campaign()  # warm up (compilation, exports, caches), and record the cases
+        cases = list(seen)
         bare()
-        harness()  # warm up both
-        t_bare, t_harness, t_draw = [], [], []
+        t_bare, t_harness = [], []
         for _ in range(rounds):
+            t = time.perf_counter()
+            n = campaign()
+            t_harness.append((time.perf_counter() - t) / n)
             t_bare.append(_time(bare) / len(cases))
-            t_harness.append(_time(harness) / len(cases))
-            t_draw.append(_time(draw_only) / len(cases))
-        b, h, d = statistics.median(t_bare), statistics.median(t_harness), statistics.median(t_draw)
-        rows.append((pair.name, len(cases), b * 1e3, (h + d) * 1e3, (h + d) / b))
+        b, h = statistics.median(t_bare), statistics.median(t_harness)
+        rows.append((pair.name, len(cases), b * 1e3, h * 1e3, h / b))
     body = [
         "## Harness overhead per case",
         "",
-        f"Command: `harness bench overhead --cases {n_cases}` ({machine()}). Median of {rounds} alternating rounds.",
-        "Bare = build + rollout + trainer; harness = Hypothesis draw + run_case (same calls + readout, token",
-        "sampling, float64 metrics, verdict). Goal: ratio <= 1.10 where the bare paths take >= 10 ms per case.",
+        f"Command: `OMP_NUM_THREADS=1 harness bench overhead --cases {n_cases} {' '.join(pair_names)}`".rstrip()
+        + f"` ({machine()}). Median of {rounds} alternating rounds.",
+        "Harness = a real campaign of the pair (`fuzz_pair`: Hypothesis generation, targeting and shrinking,",
+        "readout, token sampling, float64 metrics, verdicts), wall time per case it evaluated; bare = build +",
+        "rollout + trainer called directly on exactly those cases. Goal: ratio <= 1.10 where the bare paths",
+        "take >= 10 ms per case (full-model pairs: <= 1.05).",
         "",
         "| pair | cases | bare ms/case | harness ms/case | ratio |",
         "|---|---:|---:|---:|---:|",
@@ -108,7 +111,8 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
 
 @click.command("overhead")
 @click.argument("pair_names", nargs=-1)
-@click.option("--cases", type=click.IntRange(5), default=40, show_default=True, help="Cases per pair.")
+@click.option("--cases", type=click.IntRange(5), default=100, show_default=True,
+              help="max_examples of each pair's campaign.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE", help="Load pairs from a plugin.")
 def overhead_command(pair_names: tuple[str, ...], cases: int, out: Path, plugins: tuple[str, ...]) -> None:
