@@ -93,7 +93,8 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
     body = [
         "## Harness overhead per case",
         "",
-        f"Command: `OMP_NUM_THREADS=1 harness bench overhead --cases {n_cases} {' '.join(pair_names)}`".rstrip()
+        "Command: `" + " ".join(["OMP_NUM_THREADS=1 harness bench overhead --cases", str(n_cases),
+                                 *(f"'{p}'" for p in pair_names)])
         + f"` ({machine()}). Median of {rounds} alternating rounds.",
         "Harness = a real campaign of the pair (`fuzz_pair`: Hypothesis generation, targeting and shrinking,",
         "readout, token sampling, float64 metrics, verdicts), wall time per case it evaluated; bare = build +",
