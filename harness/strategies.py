@@ -111,13 +111,23 @@ def near_tie_logits(logits: Any, case: Case, salt: str = "ties") -> Any:
     return out
 
 
-def near_tie_hidden(x: Any, w_router: Any, case: Case, salt: str = "ties", rounds: int = 3) -> Any:
+def near_tie_hidden(x: Any, w_router: Any, case: Case, salt: str = "ties", rounds: int = 3,
+                    aim_rounds: int = 4) -> Any:
     """Hidden states (T, H) nudged so that the router logits x @ w_router (E columns) of forced
-    tokens have their top-k boundary at exactly `case.tie_gap` (to float64 precision).
+    tokens have their top-k boundary at exactly `case.tie_gap` (to float64 precision before x is
+    stored in its own dtype).
 
-    The nudge moves x along w[:, winner] - w[:, runner_up], the one direction that changes the gap
-    between the two fastest; a few rounds settle which pair sits at the boundary. This is the router
-    weight-row construction: the tie survives into the GEMM, so a bf16 GEMM can reorder the pair.
+    The nudge moves x along w[:, a] - w[:, b], the one direction that changes the gap between the
+    boundary pair (a, b) and nothing else about them; a few rounds settle which pair sits at the
+    boundary. This is the router weight-row construction: the tie survives into the GEMM, so a GEMM
+    in `case.dtype` can reorder the pair.
+
+    Then it aims at the flip. Which of the pair leads by the gap is a free choice, so for each forced
+    token both routers are evaluated as a rollout would run them (x @ w_router in x's dtype, and
+    with x and w_router in `case.dtype`, the GEMM's output rounded too, top-k by torch.topk), and
+    where they pick the same experts the other expert of the pair is made to lead instead (up to
+    `aim_rounds` times: re-nudging moves x's own rounding). Rounding noise in the GEMM is
+    symmetric, so without this about half of the near-tie tokens flip; with it most do.
     """
     import torch
 
@@ -128,12 +138,31 @@ def near_tie_hidden(x: Any, w_router: Any, case: Case, salt: str = "ties", round
     rows = t.nonzero().squeeze(-1)
     xs = out[rows].to(torch.float64)  # (F, H)
     w = w_router.to(torch.float64)  # (H, E)
-    for _ in range(rounds):
+
+    def set_gap(xs, lead, trail):  # move xs along w[:, lead] - w[:, trail] until lead - trail == gap
+        d = (w[:, lead] - w[:, trail]).T  # (F, H)
         logits = xs @ w  # (F, E)
-        win, run = _boundary_pair(logits, case.top_k)
-        d = (w[:, win] - w[:, run]).T  # (F, H)
-        gap_now = logits.gather(1, win[:, None]) - logits.gather(1, run[:, None])  # (F, 1)
-        alpha = (case.tie_gap - gap_now) / (d * d).sum(-1, keepdim=True).clamp_min(1e-30)  # (F, 1)
-        xs = xs + alpha * d
+        gap_now = logits.gather(1, lead[:, None]) - logits.gather(1, trail[:, None])  # (F, 1)
+        return xs + (case.tie_gap - gap_now) / (d * d).sum(-1, keepdim=True).clamp_min(1e-30) * d
+
+    for _ in range(rounds):
+        lead, trail = _boundary_pair(xs @ w, case.top_k)
+        xs = set_gap(xs, lead, trail)
+    low = getattr(torch, case.dtype)
+    if case.tie_gap > 0 and low in (torch.bfloat16, torch.float16):
+        hi, lo = _boundary_pair(xs @ w, case.top_k)  # the boundary pair by id; `hi` leads now
+        lead, trail = hi, lo
+        w_low, w_full = w_router.to(low), w_router.to(out.dtype)
+        for _ in range(aim_rounds):
+            stored = xs.to(out.dtype)  # (F, H) as the pair will see it
+            s_full = stored @ w_full  # (F, E) the full-precision router's scores
+            s_low = (stored.to(low) @ w_low).float()  # (F, E) the low-precision router's scores
+            k = case.top_k
+            same = (torch.sort(s_full.topk(k, -1).indices, -1).values
+                    == torch.sort(s_low.topk(k, -1).indices, -1).values).all(-1)  # (F,) no flip yet
+            if not bool(same.any()):
+                break
+            lead, trail = torch.where(same, trail, lead), torch.where(same, lead, trail)
+            xs = torch.where(same[:, None], set_gap(xs, lead, trail), xs)
     out[rows] = xs.to(out.dtype)
     return out

@@ -60,3 +60,21 @@ def test_fraction_zero_changes_nothing():
     case = Case(seed=2, seq_lens=(8,), n_experts=4, tie_fraction=0.0, tie_gap=0.0)
     x = torch.randn(8, 4)
     assert torch.equal(near_tie_logits(x, case), x)
+
+
+def test_near_tie_hidden_aims_at_the_flip():
+    from harness.bench_ops import flip_rate
+
+    case = Case(seed=3, seq_lens=(512,), n_experts=8, top_k=2, tie_fraction=1.0, tie_gap=1e-5)
+    w = case.randn((32, 8), "router") / 32**0.5
+    x = case.randn((512, 32), "hidden")
+    assert flip_rate(x, w, 2) < 0.02  # random inputs: rare
+    assert flip_rate(near_tie_hidden(x, w, case), w, 2) > 0.95  # near ties, aimed: almost all
+
+
+def test_neartie_benchmark_writes_its_section(tmp_path):
+    from harness.bench_ops import neartie
+
+    out = tmp_path / "B.md"
+    text = neartie(tokens=256, trials=1, shapes=((8, 2),), gaps=(1e-5,), out=out)
+    assert "| 8 | 2 | 1e-05 |" in text and "<!-- bench:neartie -->" in out.read_text()
