@@ -526,21 +526,10 @@ def write_report(t: Triage, reports: Path) -> Path:
 
 def attach_to_mlflow(t: Triage, run_id: str, uri: str | None) -> str:
     """Log the report folder to the regression run (artifact dir `triage`). Returns what happened."""
-    folder = t.report.parent
-    try:
-        from . import mlflow_tracking as mt
-    except ImportError:
-        mt = None
-    try:
-        fn = getattr(mt, "log_triage_report", None) if mt is not None else None
-        if fn is not None:
-            fn(run_id, folder, uri)
-        elif mt is not None and hasattr(mt, "open_store"):
-            mt.open_store(uri).client.log_artifacts(run_id, str(folder), "triage")
-        else:
-            from mlflow.tracking import MlflowClient
+    from .mlflow_tracking import open_store
 
-            MlflowClient(tracking_uri=uri).log_artifacts(run_id, str(folder), "triage")
+    try:
+        open_store(uri).client.log_artifacts(run_id, str(t.report.parent), "triage")
     except Exception as e:  # noqa: BLE001 - the report on disk is the record; tracking is a copy
         return f"not attached to MLflow run {run_id}: {type(e).__name__}: {e}"
     return f"attached to MLflow run {run_id} (artifacts/triage)"
@@ -581,7 +570,7 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
     t = triage(repro, resolve_device(device), threshold)
     write_report(t, reports)
     attached = None
-    rid = run_id or (repro.tracking or {}).get("run_id")
+    rid = (repro.tracking or {}).get("run_id") or run_id  # the MLflow run id, also when ID was a finding id
     if rid and not no_tracking:
         attached = attach_to_mlflow(t, rid, tracking_uri or (repro.tracking or {}).get("uri"))
     if as_json:

@@ -310,3 +310,24 @@ def test_a_server_that_accepts_but_never_answers_is_given_up_within_about_10s(fr
     assert t.offline_reason and "MlflowException" in t.offline_reason
     assert t.seconds < 12, f"gave up after {t.seconds:.1f}s"
     assert [p.name for p in t.spooled] == [f"{f.id}.json"]
+
+
+def test_triage_by_finding_id_attaches_its_report_to_the_regression_run(tmp_path, harness_cli):
+    from harness.fuzz import CampaignConfig
+    from harness.mlflow_tracking import MlflowTracker, open_store
+
+    from .conftest import make_finding
+
+    uri = f"sqlite:///{tmp_path}/store.db"
+    finding = make_finding(tmp_path)
+    tracker = MlflowTracker(uri)
+    tracker.campaign_started(CampaignConfig(pairs=[], seed=1), 1, [])
+    tracker.finding(finding)
+    code, out, err = harness_cli("triage", "--run-id", finding.id, "--tracking-uri", uri, "--reports",
+                                 str(tmp_path / "reports"), cwd=tmp_path)
+    assert code == 0, err
+    assert "attached to MLflow run" in err
+    store = open_store(uri)
+    run = store.find_regression(finding.id)
+    names = {a.path for a in store.client.list_artifacts(run.info.run_id, "triage")}
+    assert "triage/report.md" in names
