@@ -379,6 +379,9 @@ def campaign_metrics(result: Any) -> dict[str, float]:
     }
     for symptom in ("divergence", "nonfinite", "error"):
         out[f"findings_{symptom}"] = float(sum(1 for f in findings if _symptom(f) == symptom))
+    for r in getattr(result, "results", ()):  # per pair, as the morning report reads them
+        out[f"pair.{r.pair}.cases"] = float(r.examples)
+        out[f"pair.{r.pair}.cases_per_second"] = float(r.rate)
     return out
 
 

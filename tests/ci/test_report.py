@@ -4,6 +4,7 @@ cases, cases/s, replay commands and the findings-over-nights plot."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 import time
 
 import pytest
@@ -61,7 +62,8 @@ def test_report_from_a_real_store(tmp_path):
     text = out.read_text()
     assert "## New (1)" in text and "## Fixed (1)" in text and "## Recurring (0)" in text
     assert f"`harness replay {finding.path}`" in text
-    assert f"| router_topk.bf16 | diverges | 1 | 0 | 1 | - | - |" in text  # per pair: new, recurring, fixed
+    # per pair: new, recurring, fixed, then the cases the campaigns in the window ran on it
+    assert re.search(r"\| router_topk\.bf16 \| diverges \| 1 \| 0 \| 1 \| \d+ \| [\d.]+ \|", text), text
     assert f"| nightly | none | cpu | 1 | 1 | {first.examples} |" in text  # the campaign row: cases
     png = out.with_name("nightly_findings.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![findings over nights](nightly_findings.png)" in text
