@@ -89,3 +89,27 @@ def test_replay_of_a_missing_pair_skips_during_git_bisect(tmp_path, found, harne
     path = write(tmp_path / "pair.json", found.read_text().replace("router_topk.bf16", "gone.pair"))
     code, _, err = harness_cli("replay", "--bisect", path)
     assert code == 125 and "not registered" in err
+
+
+def test_ctrl_c_exits_130_and_keeps_what_was_found(tmp_path):
+    """SIGINT during a campaign: exit 130, the findings made so far already on disk."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    corpus = tmp_path / "corpus"
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "fuzz", "moe_aggregate.bf16", "router_topk.replay",
+                             "--max-examples", "1000000", "--seed", "1", "--no-tracking", "--corpus", str(corpus)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not iter_corpus(corpus) and time.monotonic() < deadline:  # pairs run in name order
+        time.sleep(0.5)
+    time.sleep(1.0)  # now inside the long clean pair
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert [p.parent.name for p in iter_corpus(corpus)] == ["moe_aggregate.bf16"]

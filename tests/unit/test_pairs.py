@@ -84,3 +84,24 @@ def test_import_harness_is_light():
 def test_public_names():
     for name in ("Case", "TargetPair", "Outcome", "Routing", "Readout", "Axes", "register", "check_pair"):
         assert hasattr(harness, name)
+
+
+def test_pairs_from_the_entry_point_group(tmp_path):
+    """A package exposing a module in the `harness.targets` group is loaded without --plugin."""
+    site = tmp_path / "site"
+    (site / "acme_pairs-1.0.dist-info").mkdir(parents=True)
+    (site / "acme_pairs-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-pairs\nVersion: 1.0\n")
+    (site / "acme_pairs-1.0.dist-info" / "entry_points.txt").write_text("[harness.targets]\nacme = acme_pairs\n")
+    (site / "acme_pairs.py").write_text(
+        "from harness import TargetPair, Outcome, register\n"
+        "register(TargetPair(name='acme.engine', kind='op', expected='aligned', build=lambda c, d: None,\n"
+        "    trainer=lambda i: Outcome(), rollout=lambda i: Outcome()))\n")
+    import os
+
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "harness", "list", "--json"], capture_output=True, text=True,
+                         env=env, check=True).stdout
+    import json
+
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert rows["acme.engine"]["source"] == "entry point acme"
