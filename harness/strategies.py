@@ -23,37 +23,53 @@ from .pairs import Axes
 GAP_DECADES = 7
 
 
-@st.composite
-def cases(draw: Any, axes: Axes) -> Case:
-    """A Case within the bounds `axes` declares; fields of axes not fuzzed keep their defaults."""
-    seed = draw(st.integers(0, 2**32 - 1))
-    seq_lens = draw(st.lists(st.integers(*axes.seq_len), min_size=axes.n_seqs[0], max_size=axes.n_seqs[1]))
-    n = len(seq_lens)
-    fields: dict[str, Any] = {"seed": seed, "seq_lens": tuple(seq_lens)}
-    fields["probe"] = draw(st.integers(0, n - 1)) if n > 1 else 0
+def cases(axes: Axes) -> st.SearchStrategy[Case]:
+    """A Case within the bounds `axes` declares; fields of axes not fuzzed keep their defaults.
 
-    if axes.packing:
-        total, longest = sum(seq_lens), max(seq_lens)
-        cut = draw(st.integers(0, total - longest))  # 0 = one row holding everything
-        fields["row_capacity"] = total - cut if cut else 0
-        order = draw(st.permutations(range(n))) if n > 1 else [0]
-        fields["order"] = () if list(order) == list(range(n)) else tuple(order)
-        fields["pad_side"] = draw(st.sampled_from(("right", "left")))
-
-    if axes.routing is not None:
-        r = axes.routing
-        n_experts = draw(st.integers(*r.n_experts))
-        fields["n_experts"] = n_experts
-        fields["top_k"] = draw(st.integers(r.top_k[0], min(r.top_k[1], n_experts - 1)))
-        fields["tie_fraction"] = draw(st.floats(*r.tie_fraction, allow_nan=False))
-        fields["tie_gap"] = draw(tie_gaps(r.max_gap))
-
+    The fixed-bound strategies are built once per axes, not on every draw: building a bounded
+    float strategy costs more than drawing from it.
+    """
+    r = axes.routing
+    seeds = st.integers(0, 2**32 - 1)
+    lengths = st.lists(st.integers(*axes.seq_len), min_size=axes.n_seqs[0], max_size=axes.n_seqs[1])
+    pad_sides = st.sampled_from(("right", "left"))
+    experts = st.integers(*r.n_experts) if r is not None else None
+    fractions = st.floats(*r.tie_fraction, allow_nan=False) if r is not None else None
+    gaps = tie_gaps(r.max_gap) if r is not None else None
     lo, hi = axes.logit_scale
-    fields["logit_scale"] = draw(st.floats(lo, hi, allow_nan=False)) if hi > lo else lo
-    fields["dtype"] = draw(st.sampled_from(axes.dtypes)) if len(axes.dtypes) > 1 else axes.dtypes[0]
-    if axes.params:
-        fields["params"] = {k: draw(axes.params[k]) for k in sorted(axes.params)}
-    return Case(**fields)
+    scales = st.floats(lo, hi, allow_nan=False) if hi > lo else None
+    dtypes = st.sampled_from(axes.dtypes) if len(axes.dtypes) > 1 else None
+
+    @st.composite
+    def draw_case(draw: Any) -> Case:
+        seed = draw(seeds)  # the draw order is part of what a campaign seed reproduces: keep it
+        seq_lens = draw(lengths)
+        n = len(seq_lens)
+        fields: dict[str, Any] = {"seed": seed, "seq_lens": tuple(seq_lens)}
+        fields["probe"] = draw(st.integers(0, n - 1)) if n > 1 else 0
+
+        if axes.packing:
+            total, longest = sum(seq_lens), max(seq_lens)
+            cut = draw(st.integers(0, total - longest))  # 0 = one row holding everything
+            fields["row_capacity"] = total - cut if cut else 0
+            order = draw(st.permutations(range(n))) if n > 1 else [0]
+            fields["order"] = () if list(order) == list(range(n)) else tuple(order)
+            fields["pad_side"] = draw(pad_sides)
+
+        if r is not None:
+            n_experts = draw(experts)
+            fields["n_experts"] = n_experts
+            fields["top_k"] = draw(st.integers(r.top_k[0], min(r.top_k[1], n_experts - 1)))
+            fields["tie_fraction"] = draw(fractions)
+            fields["tie_gap"] = draw(gaps)
+
+        fields["logit_scale"] = draw(scales) if scales is not None else lo
+        fields["dtype"] = draw(dtypes) if dtypes is not None else axes.dtypes[0]
+        if axes.params:
+            fields["params"] = {k: draw(axes.params[k]) for k in sorted(axes.params)}
+        return Case(**fields)
+
+    return draw_case()
 
 
 def tie_gaps(max_gap: float) -> st.SearchStrategy[float]:
