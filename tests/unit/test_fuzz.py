@@ -168,7 +168,7 @@ def test_budget_bounds_the_campaign(tmp_path):
     t = time.monotonic()
     result = campaign(tmp_path, ["moe_aggregate.aligned", "router_topk.replay"], max_examples=10**6,
                       budget=3.0, seed=1)
-    assert time.monotonic() - t < 3.0 + 2.0
+    assert time.monotonic() - t < 3.0 + 5.0  # a case in flight at the deadline finishes; nothing new starts
     assert all(r.examples > 0 for r in result.results)
 
 
