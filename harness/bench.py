@@ -46,10 +46,19 @@ def _time(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
+def bare_calls(pair: Any, cases: list, device: str = "cpu") -> None:
+    """The pair's own functions on the cases, nothing of the harness: build, rollout, trainer."""
+    import torch
+
+    with torch.inference_mode():
+        for c in cases:
+            inputs = pair.build(c, device)
+            r = pair.rollout(inputs)
+            pair.trainer(inputs, r) if pair.trainer_reads_rollout else pair.trainer(inputs)
+
+
 def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int = 3) -> str:
     import dataclasses
-
-    import torch
 
     from .fuzz import CampaignConfig, fuzz_pair, pair_seed
     from .pairs import REGISTRY
@@ -73,11 +82,7 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
             return r.examples
 
         def bare() -> None:
-            with torch.inference_mode():
-                for c in cases:
-                    inputs = pair.build(c, "cpu")
-                    r = pair.rollout(inputs)
-                    pair.trainer(inputs, r) if pair.trainer_reads_rollout else pair.trainer(inputs)
+            bare_calls(pair, cases)
 
         campaign()  # warm up (compilation, exports, caches), and record the cases
         cases = list(seen)

@@ -21,19 +21,14 @@ import click
 
 
 def measure(pair, n_cases: int, rounds: int, seed: int = 0) -> dict:
-    import torch
-
+    from .bench import bare_calls
     from .conformance import sample_cases
     from .execute import run_case
 
     cases = sample_cases(pair, n_cases, seed=seed)
 
     def bare() -> None:
-        with torch.inference_mode():
-            for c in cases:
-                inputs = pair.build(c, "cpu")
-                r = pair.rollout(inputs)
-                pair.trainer(inputs, r) if pair.trainer_reads_rollout else pair.trainer(inputs)
+        bare_calls(pair, cases)
 
     def harness() -> None:
         for c in cases:
