@@ -55,14 +55,6 @@ class Divergence:
         return self.nonfinite_trainer > 0 or self.nonfinite_rollout > 0 or not math.isfinite(self.k3_kl)
 
 
-def k3_per_token(logp_train: Any, logp_rollout: Any) -> Any:
-    """k3 = (r - 1) - log r with log r = logp_train - logp_rollout, elementwise, float64."""
-    import torch
-
-    d = torch.as_tensor(logp_train, dtype=torch.float64) - torch.as_tensor(logp_rollout, dtype=torch.float64)
-    return torch.expm1(d) - d
-
-
 def sample_tokens(logp_rollout: Any, generator: Any) -> Any:
     """One token per row from the rollout distribution (rows that are not distributions: argmax)."""
     import torch

@@ -73,22 +73,21 @@ def split_k_low(inp):
     return Outcome(hidden=split_k(inp["x"], inp["w"], inp["chunks"], inp["dtype"]))
 
 
-def full_tf32(inp):
-    old = torch.backends.cuda.matmul.allow_tf32
+def _matmul(inp, allow_tf32: bool):
+    old = torch.backends.cuda.matmul.allow_tf32  # a global flag: always restored
     try:
-        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
         return Outcome(hidden=inp["x"] @ inp["w"])
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def full_tf32(inp):
+    return _matmul(inp, allow_tf32=True)
 
 
 def full_strict_fp32(inp):
-    old = torch.backends.cuda.matmul.allow_tf32
-    try:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        return Outcome(hidden=inp["x"] @ inp["w"])
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+    return _matmul(inp, allow_tf32=False)
 
 
 # --- pairs ----------------------------------------------------------------------------------------

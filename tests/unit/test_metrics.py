@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from harness.metrics import boundary_tie, compare, k3_per_token, routing_flips
+from harness.metrics import boundary_tie, compare, routing_flips
 from harness.pairs import Outcome, Routing
 
 
@@ -13,9 +13,11 @@ def lp(rows):
 
 def test_k3_hand_computed():
     # r = 2: k3 = (2 - 1) - ln 2; r = 1/2: k3 = -1/2 + ln 2; r = 1: 0
-    k3 = k3_per_token(torch.log(torch.tensor([2.0, 0.5, 1.0], dtype=torch.float64)), torch.zeros(3))
-    assert k3.tolist() == pytest.approx([1 - math.log(2), -0.5 + math.log(2), 0.0], abs=1e-15)
-    assert k3.dtype == torch.float64
+    trainer = Outcome(logprobs=lp([[0.5, 0.5], [0.25, 0.75], [0.5, 0.5]]))
+    rollout = Outcome(logprobs=lp([[0.25, 0.75], [0.5, 0.5], [0.5, 0.5]]))
+    d = compare(trainer, rollout, (3,), torch.tensor([0, 0, 1]))
+    assert d.per_token["k3"].tolist() == pytest.approx([1 - math.log(2), -0.5 + math.log(2), 0.0], abs=1e-15)
+    assert d.per_token["k3"].dtype.name == "float64"
 
 
 def test_compare_hand_computed_two_sequences():
