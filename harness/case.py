@@ -1,17 +1,30 @@
-"""The `Case`: one fuzz input, as pure data.
+"""The `Case`: one fuzz input, an RL batch as pure data.
 
-A case is everything a target pair needs to rebuild its tensors: a seed and the layout knobs
-the fuzzer draws (batch layout, packing, near-tie routing, peakedness, dtype, free parameters).
-It holds no tensors. `pair.build(case, device)` draws every tensor from `case.seed` through
-`case.generator(...)`, so a repro file is a few hundred bytes of JSON and replays bit-for-bit.
+A case is everything a target pair needs to rebuild its tensors: a seed and the knobs the fuzzer
+draws. It holds no tensors. `pair.build(case, device)` draws every tensor from the case's seed, so a
+repro file is a few hundred bytes of JSON and replays bit-for-bit.
 
-What "smaller" means (the order Hypothesis shrinks toward, and why a minimal case is minimal):
-fewer sequences, then shorter sequences, then a probe nearer the front, a packing that keeps the
-given order in as few rows as the longest sequence allows, right padding, fewer experts and a
-smaller top-k, fewer tokens forced to the router boundary, a boundary gap nearer the exact tie
-(0.0), a smaller logit scale, the first listed dtype, and free parameters at their strategy's
-simplest value. Hypothesis shrinks the choices behind these fields (see `strategies`), so each
-field moves toward its simplest value only while the case still diverges.
+An RL batch (schema 2): each sequence j is a prompt of `prompt_lens[j]` tokens and a response of
+`seq_lens[j]` tokens. The rollout prefills the prompt and decodes every response token from its KV
+cache, sampling with the case's `temperature` / `top_p` / `sample_top_k`; the trainer scores the
+response tokens in one teacher-forced forward over the packed prompt+response rows. Outcome rows
+are the response tokens, `n_tokens = sum(seq_lens)`, in case order. Op pairs have no prompt
+(`prompt_lens = ()`, every prompt empty) and see `seq_lens` as before.
+
+Streams. Tensors come from named streams of the seed. Schema-2 cases give each sequence its own
+stream, keyed by its stable id `seq_ids[j]` (`seq_generator`, `token_randn`, `prompt_tokens`), and
+draw token rows one at a time, so dropping a sequence, or the last token of one, leaves every other
+row bit-identical: the shrinker moves one knob at a time. A schema-1 repro loads as schema 2 with
+`streams="single"`: the same helpers then draw from the schema-1 single stream, so it replays
+bit-for-bit. `harness corpus upgrade DIR` rewrites schema-1 files in the schema-2 format (still
+`streams="single"`, same tensors); a repro re-found by a new campaign is recorded with per-sequence
+streams.
+
+What "smaller" means (why a minimal case is minimal): fewer sequences, shorter responses, shorter
+prompts, and every knob at its neutral value: temperature 1.0, top-p 1.0, top-k 0 (off), right
+padding, one packed row in the given order, no forced router ties, logit scale at its lower bound,
+the first listed dtype. `smaller_neighbours()` lists the cases one removal away; `simpler_neighbours()`
+adds one knob moved to neutral. A minimal repro diverges and none of its simpler neighbours does.
 """
 
 from __future__ import annotations
@@ -23,7 +36,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)  # schema 1 (an op case: no prompts, no sampling fields) loads upgraded
+STREAMS = ("sequence", "single")
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "sample_top_k": 0, "pad_side": "right"}  # knob -> neutral
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 PAD_SIDES = ("right", "left")
@@ -45,7 +61,7 @@ class Case:
     # --- identity -----------------------------------------------------------------------------
     seed: int  # every tensor of the case is drawn from this (0 <= seed < 2**63)
     # --- batch layout -------------------------------------------------------------------------
-    seq_lens: tuple[int, ...] = (8,)  # tokens per sequence; the batch size is len(seq_lens)
+    seq_lens: tuple[int, ...] = (8,)  # response (scored) tokens per sequence; batch size = len(seq_lens)
     probe: int = 0  # index of the probe sequence: the one whose placement in the batch is fuzzed
     # --- packing ------------------------------------------------------------------------------
     row_capacity: int = 0  # trainer: tokens per packed row; 0 = one row holding every sequence
@@ -61,10 +77,19 @@ class Case:
     dtype: str = "bfloat16"  # the low-precision dtype of the rollout path, where a pair fuzzes it
     # --- free per-pair parameters -------------------------------------------------------------
     params: Mapping[str, ParamValue] = field(default_factory=dict)
+    # --- RL batch (schema 2) ------------------------------------------------------------------
+    prompt_lens: tuple[int, ...] = ()  # prompt (unscored, prefilled) tokens per sequence; () = no prompts
+    seq_ids: tuple[int, ...] = ()  # each sequence's stream id; () = 0..n-1. Kept when others are dropped
+    temperature: float = 1.0  # sampling temperature (> 0); neutral 1.0
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; neutral 1.0 (off)
+    sample_top_k: int = 0  # sampling top-k; 0 = off (neutral). `top_k` above is the router's
+    streams: str = "sequence"  # "sequence": per-sequence streams; "single": an upgraded schema-1 repro
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "seq_lens", tuple(self.seq_lens))
-        object.__setattr__(self, "order", tuple(self.order))
+        for name in ("seq_lens", "order", "prompt_lens", "seq_ids"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, name, tuple(value))
         object.__setattr__(self, "params", dict(self.params))
         self.validate()
 
@@ -75,7 +100,41 @@ class Case:
 
     @property
     def n_tokens(self) -> int:
+        """Scored (response) tokens: the rows of both outcomes."""
         return sum(self.seq_lens)
+
+    @property
+    def response_lens(self) -> tuple[int, ...]:
+        return self.seq_lens
+
+    def prompt_len(self, j: int) -> int:
+        return self.prompt_lens[j] if self.prompt_lens else 0
+
+    def total_len(self, j: int) -> int:
+        """Prompt plus response tokens of sequence j (what a packed trainer row holds of it)."""
+        return self.prompt_len(j) + self.seq_lens[j]
+
+    @property
+    def total_lens(self) -> tuple[int, ...]:
+        return tuple(self.total_len(j) for j in range(self.batch_size))
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """Each sequence's stream id, with the default (0..n-1) made explicit."""
+        return self.seq_ids or tuple(range(self.batch_size))
+
+    @property
+    def offsets(self) -> list[int]:
+        """The first outcome row of each sequence."""
+        out, at = [], 0
+        for n in self.seq_lens:
+            out.append(at)
+            at += n
+        return out
+
+    @property
+    def sampling(self) -> dict[str, float | int]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.sample_top_k}
 
     @property
     def packing_order(self) -> tuple[int, ...]:
@@ -85,18 +144,20 @@ class Case:
     @property
     def capacity(self) -> int:
         """The trainer's row capacity, with the default (one row) made explicit."""
-        return self.row_capacity or self.n_tokens
+        return self.row_capacity or sum(self.total_lens)
 
     def packed_rows(self) -> list[list[int]]:
-        """Sequences per trainer row: first-fit in packing order, a new row when one is full."""
+        """Sequences per trainer row: first-fit in packing order, a new row when one is full
+        (a sequence counts its prompt and its response)."""
         rows: list[list[int]] = [[]]
         used = 0
         for i in self.packing_order:
-            if rows[-1] and used + self.seq_lens[i] > self.capacity:
+            n = self.total_len(i)
+            if rows[-1] and used + n > self.capacity:
                 rows.append([])
                 used = 0
             rows[-1].append(i)
-            used += self.seq_lens[i]
+            used += n
         return rows
 
     def validate(self) -> None:
@@ -105,22 +166,45 @@ class Case:
         if not self.seq_lens:
             _fail("seq_lens", self.seq_lens, "must hold at least one sequence length")
         for n in self.seq_lens:
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            if not _int(n) or n < 1:
                 _fail("seq_lens", self.seq_lens, "every length must be an integer >= 1")
-        if not isinstance(self.probe, int) or not 0 <= self.probe < self.batch_size:
+        if not _int(self.probe) or not 0 <= self.probe < self.batch_size:
             _fail("probe", self.probe, f"must index a sequence, 0 <= probe < {self.batch_size}")
-        if not isinstance(self.row_capacity, int) or self.row_capacity < 0:
+        if self.prompt_lens:
+            if len(self.prompt_lens) != self.batch_size:
+                _fail("prompt_lens", self.prompt_lens,
+                      f"must be empty or hold one length per sequence ({self.batch_size})")
+            for n in self.prompt_lens:
+                if not _int(n) or n < 0:
+                    _fail("prompt_lens", self.prompt_lens, "every prompt length must be an integer >= 0")
+        if self.seq_ids:
+            if len(self.seq_ids) != self.batch_size:
+                _fail("seq_ids", self.seq_ids, f"must be empty or hold one id per sequence ({self.batch_size})")
+            for n in self.seq_ids:
+                if not _int(n) or not 0 <= n < 2**32:
+                    _fail("seq_ids", self.seq_ids, "every id must be an integer in [0, 2**32)")
+        if not _int(self.row_capacity) or self.row_capacity < 0:
             _fail("row_capacity", self.row_capacity, "must be an integer >= 0 (0 = one row)")
-        if self.row_capacity and self.row_capacity < max(self.seq_lens):
+        longest = max(self.total_len(j) for j in range(self.batch_size))
+        if self.row_capacity and self.row_capacity < longest:
             _fail("row_capacity", self.row_capacity,
-                  f"must be 0 or at least the longest sequence ({max(self.seq_lens)})")
-        if self.order and sorted(self.order) != list(range(self.batch_size)):
+                  f"must be 0 or at least the longest sequence ({longest}) counting prompt + response")
+        if not _finite(self.temperature) or self.temperature <= 0:
+            _fail("temperature", self.temperature, "must be a finite number > 0 (1.0 = neutral)")
+        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", self.top_p, "must be a number in (0, 1] (1.0 = off)")
+        if not _int(self.sample_top_k) or self.sample_top_k < 0:
+            _fail("sample_top_k", self.sample_top_k, "must be an integer >= 0 (0 = off)")
+        if self.streams not in STREAMS:
+            _fail("streams", self.streams, f"must be one of {STREAMS}")
+        if self.order and (not all(_int(i) for i in self.order)
+                           or sorted(self.order) != list(range(self.batch_size))):
             _fail("order", self.order, f"must be empty or a permutation of 0..{self.batch_size - 1}")
-        if self.pad_side not in PAD_SIDES:
+        if not isinstance(self.pad_side, str) or self.pad_side not in PAD_SIDES:
             _fail("pad_side", self.pad_side, f"must be one of {PAD_SIDES}")
-        if not isinstance(self.n_experts, int) or self.n_experts < 1:
+        if not _int(self.n_experts) or self.n_experts < 1:
             _fail("n_experts", self.n_experts, "must be an integer >= 1")
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_experts:
+        if not _int(self.top_k) or not 1 <= self.top_k <= self.n_experts:
             _fail("top_k", self.top_k, f"must be an integer with 1 <= top_k <= n_experts ({self.n_experts})")
         if not _finite(self.tie_fraction) or not 0.0 <= self.tie_fraction <= 1.0:
             _fail("tie_fraction", self.tie_fraction, "must be a number in [0, 1]")
@@ -128,7 +212,7 @@ class Case:
             _fail("tie_gap", self.tie_gap, f"must be a number in [0, {MAX_TIE_GAP}] (0 = exact tie)")
         if not _finite(self.logit_scale) or self.logit_scale <= 0:
             _fail("logit_scale", self.logit_scale, "must be a finite number > 0")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"must be one of {DTYPES}")
         for key, value in self.params.items():
             if not isinstance(key, str) or not key:
@@ -141,8 +225,8 @@ class Case:
     # --- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["seq_lens"] = list(self.seq_lens)
-        out["order"] = list(self.order)
+        for name in ("seq_lens", "order", "prompt_lens", "seq_ids"):
+            out[name] = list(getattr(self, name))
         out["params"] = dict(sorted(self.params.items()))
         return {"schema": SCHEMA_VERSION, **out}
 
@@ -150,20 +234,24 @@ class Case:
     def from_json(cls, data: Any) -> "Case":
         if not isinstance(data, dict):
             raise CaseError(f"a case must be a JSON object, got {type(data).__name__}.")
-        schema = data.get("schema", SCHEMA_VERSION)
-        if schema != SCHEMA_VERSION:
+        schema = data.get("schema", 1)
+        if schema not in READABLE_SCHEMAS or isinstance(schema, bool):
             raise CaseError(
-                f"case schema {schema!r} is not supported (this harness reads schema {SCHEMA_VERSION}); "
+                f"case schema {schema!r} is not supported (this harness reads schemas {READABLE_SCHEMAS}); "
                 "re-record the repro with this version of the harness."
             )
         names = {f.name for f in dataclasses.fields(cls)}
+        if schema == 1:  # an op case of schema 1: no prompts, no sampling, one stream per named tensor
+            names -= set(SCHEMA2_FIELDS)
         unknown = sorted(set(data) - names - {"schema"})
         if unknown:
             raise CaseError(f"case has unknown field(s) {unknown}; known fields are {sorted(names)}.")
         if "seed" not in data:
             raise CaseError("case field 'seed' is missing; every case needs the seed its tensors come from.")
         kwargs = {k: v for k, v in data.items() if k != "schema"}
-        for seq_field in ("seq_lens", "order"):
+        if schema == 1:
+            kwargs["streams"] = "single"
+        for seq_field in ("seq_lens", "order", "prompt_lens", "seq_ids"):
             if seq_field in kwargs and not isinstance(kwargs[seq_field], (list, tuple)):
                 _fail(seq_field, kwargs[seq_field], "must be a list of integers")
         if "params" in kwargs and not isinstance(kwargs["params"], dict):
@@ -182,7 +270,7 @@ class Case:
         default = Case(seed=0)
         parts = [f"seed={self.seed}", f"seq_lens={list(self.seq_lens)}"]
         for f in dataclasses.fields(self):
-            if f.name in ("seed", "seq_lens"):
+            if f.name in ("seed", "seq_lens", "seq_ids"):
                 continue
             value = getattr(self, f.name)
             if value != getattr(default, f.name):
@@ -209,26 +297,119 @@ class Case:
 
         return torch.randn(*shape, generator=self.generator(*salt)).to(device)
 
+    def seq_generator(self, j: int, *salt: Any):
+        """A CPU torch.Generator for sequence j's own stream (keyed by its id, not its position).
+        For an upgraded schema-1 case (streams="single") there is one stream: `generator(*salt)`."""
+        if self.streams == "single":
+            return self.generator(*salt)
+        return self.generator("seq", self.ids[j], *salt)
+
+    def token_randn(self, width: int | tuple[int, ...], *salt: Any, device: str = "cpu"):
+        """(T, *width) float32 standard normal, one row per scored token in case order.
+
+        Sequence j's rows come from its own stream, drawn one row at a time, so removing a sequence
+        or the last token of one leaves every other row bit-identical. For a schema-1 case this is
+        exactly `randn((T, *width), *salt)`, the schema-1 draw."""
+        import torch
+
+        shape = (width,) if isinstance(width, int) else tuple(width)
+        if self.streams == "single":
+            return self.randn((self.n_tokens, *shape), *salt, device=device)
+        rows = []
+        for j, n in enumerate(self.seq_lens):
+            g = self.seq_generator(j, *salt)
+            rows.extend(torch.randn(*shape, generator=g) for _ in range(n))
+        return torch.stack(rows).to(device)
+
+    def seq_randn(self, j: int, shape: tuple[int, ...], *salt: Any, device: str = "cpu"):
+        """A float32 standard-normal tensor of sequence j's own stream."""
+        import torch
+
+        return torch.randn(*shape, generator=self.seq_generator(j, "seq_randn", *salt)).to(device)
+
+    def prompt_tokens(self, j: int, vocab: int, *salt: Any, low: int = 0):
+        """(prompt_len(j),) int64 token ids in [low, vocab) from sequence j's own stream (one draw per
+        token, so a shorter prompt is a prefix of a longer one)."""
+        import torch
+
+        g = self.seq_generator(j, "prompt", *salt)
+        n = self.prompt_len(j)
+        if n == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.cat([torch.randint(low, vocab, (1,), generator=g) for _ in range(n)])
+
+    def token_uniforms(self, *salt: Any):
+        """(T,) float64 uniforms in [0, 1), sequence j's from its own stream (for sampling tokens or
+        choosing forced tokens). For a schema-1 case: one stream."""
+        import torch
+
+        if self.streams == "single":
+            return torch.rand(self.n_tokens, generator=self.generator(*salt), dtype=torch.float64)
+        parts = [torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for _ in range(n)])
+                 for g, n in ((self.seq_generator(j, *salt), n) for j, n in enumerate(self.seq_lens))]
+        return torch.cat(parts)
+
     def smaller_neighbours(self) -> list["Case"]:
-        """The cases one removal away: one sequence (batch row) dropped, or one token dropped from
-        the end of one sequence, all else equal. A minimal repro diverges and none of these does."""
+        """The cases one removal away: one sequence (batch row) dropped, one token dropped from the
+        end of one response, or one from the front of one prompt, all else equal."""
         out: list[Case] = []
         n = self.batch_size
         for i in range(n if n > 1 else 0):
-            lens = self.seq_lens[:i] + self.seq_lens[i + 1:]
-            order = tuple(j - (j > i) for j in self.order if j != i)
-            probe = self.probe - (self.probe > i) if self.probe != i else 0
-            cap = self.row_capacity if self.row_capacity < sum(lens) else 0
-            out.append(self.replace(seq_lens=lens, order=order, probe=probe, row_capacity=cap))
+            out.append(self.drop_sequence(i))
         for i, m in enumerate(self.seq_lens):
             if m > 1:
                 lens = self.seq_lens[:i] + (m - 1,) + self.seq_lens[i + 1:]
-                cap = self.row_capacity if max(lens) <= self.row_capacity < sum(lens) else 0
-                out.append(self.replace(seq_lens=lens, row_capacity=cap))
+                out.append(self._with_lens(lens, self.prompt_lens))
+        for i, m in enumerate(self.prompt_lens):
+            if m > 0:
+                prompts = self.prompt_lens[:i] + (m - 1,) + self.prompt_lens[i + 1:]
+                out.append(self._with_lens(self.seq_lens, prompts if any(prompts) else ()))
         return out
+
+    def simpler_neighbours(self) -> list["Case"]:
+        """`smaller_neighbours()` plus one knob moved to its neutral value (sampling off, right
+        padding, one packed row in the given order, no forced router ties)."""
+        out = self.smaller_neighbours()
+        for name, neutral in NEUTRAL.items():
+            if getattr(self, name) != neutral:
+                out.append(self.replace(**{name: neutral}))
+        if self.row_capacity:
+            out.append(self.replace(row_capacity=0))
+        if self.order:
+            out.append(self.replace(order=()))
+        if self.tie_fraction > 0:
+            out.append(self.replace(tie_fraction=0.0))
+        return out
+
+    def drop_sequence(self, i: int) -> "Case":
+        """This case without sequence i; every other sequence keeps its id (and so its tensors)."""
+        keep = [j for j in range(self.batch_size) if j != i]
+        lens = tuple(self.seq_lens[j] for j in keep)
+        prompts = tuple(self.prompt_lens[j] for j in keep) if self.prompt_lens else ()
+        order = tuple(j - (j > i) for j in self.order if j != i)
+        probe = self.probe - (self.probe > i) if self.probe != i else 0
+        ids = tuple(self.ids[j] for j in keep) if self.streams == "sequence" else ()
+        if ids == tuple(range(len(keep))):
+            ids = ()
+        total = sum(lens) + sum(prompts)
+        cap = self.row_capacity if self.row_capacity < total else 0
+        return self.replace(seq_lens=lens, prompt_lens=prompts if any(prompts) else (), order=order,
+                            probe=probe, row_capacity=cap, seq_ids=ids)
+
+    def _with_lens(self, lens: tuple[int, ...], prompts: tuple[int, ...]) -> "Case":
+        totals = [a + (prompts[j] if prompts else 0) for j, a in enumerate(lens)]
+        cap = self.row_capacity if max(totals) <= self.row_capacity < sum(totals) else 0
+        return self.replace(seq_lens=lens, prompt_lens=prompts, row_capacity=cap)
 
     def replace(self, **changes: Any) -> "Case":
         return dataclasses.replace(self, **changes)
+
+
+SCHEMA2_FIELDS = ("prompt_lens", "seq_ids", "temperature", "top_p", "sample_top_k", "streams")
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x: Any) -> bool:

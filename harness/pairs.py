@@ -133,30 +133,123 @@ class RoutingAxes:
 
 @dataclass(frozen=True)
 class Axes:
-    """The fuzz axes of a pair and their bounds. Fields left at None/False are held fixed."""
+    """The fuzz axes of a pair and their bounds (inclusive). An axis whose bounds are equal is held
+    fixed; each axis has a neutral value that is also what shrinking moves it toward.
 
-    n_seqs: tuple[int, int] = (1, 4)  # sequences in the batch, inclusive range
-    seq_len: tuple[int, int] = (1, 32)  # tokens per sequence, inclusive range
-    packing: bool = False  # fuzz the trainer's row capacity and order and the rollout's pad side
+    The defaults are what real trigger classes need on a CPU while keeping a case cheap: up to 16
+    sequences (kernels switch at batch 8/16), responses up to 64 tokens, logits up to 16x peaked,
+    both pad sides. Sampling axes and prompts are off (neutral) unless a pair widens them.
+    """
+
+    n_seqs: tuple[int, int] = (1, 16)  # sequences in the batch (neutral: fewer)
+    seq_len: tuple[int, int] = (1, 64)  # response (scored) tokens per sequence (neutral: fewer)
+    packing: bool = False  # fuzz the trainer's row capacity and packing order (neutral: one row, as given)
     routing: RoutingAxes | None = None  # fuzz near-tie routing; None = no router in this pair
-    logit_scale: tuple[float, float] = (1.0, 1.0)  # peakedness range (both equal: fixed)
+    logit_scale: tuple[float, float] = (1.0, 16.0)  # peakedness, drawn log-uniform (neutral: the low bound)
     dtypes: tuple[str, ...] = ("bfloat16",)  # low-precision dtypes to draw; the first is the simplest
-    params: Mapping[str, Any] = field(default_factory=dict)  # name -> Hypothesis strategy
+    params: Mapping[str, Any] = field(default_factory=dict)  # name -> Hypothesis strategy (free parameters)
+    prompt_len: tuple[int, int] = (0, 0)  # prompt tokens per sequence, prefilled (neutral: fewer; 0 = none)
+    pad_sides: tuple[str, ...] = ("right", "left")  # rollout padding sides to draw (neutral: the first)
+    temperature: tuple[float, float] = (1.0, 1.0)  # sampling temperature (neutral 1.0)
+    top_p: tuple[float, float] = (1.0, 1.0)  # nucleus mass (neutral 1.0 = off)
+    sample_top_k: tuple[int, int] = (0, 0)  # sampling top-k (neutral 0 = off)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"n_seqs": list(self.n_seqs), "seq_len": list(self.seq_len)}
+        if self.prompt_len != (0, 0):
+            out["prompt_len"] = list(self.prompt_len)
         if self.packing:
             out["packing"] = True
+        if len(self.pad_sides) > 1:
+            out["pad_sides"] = list(self.pad_sides)
         if self.routing:
             r = self.routing
             out["routing"] = {"n_experts": list(r.n_experts), "top_k": list(r.top_k),
                               "max_gap": r.max_gap, "tie_fraction": list(r.tie_fraction)}
         if self.logit_scale[0] != self.logit_scale[1]:
             out["logit_scale"] = list(self.logit_scale)
+        for name in ("temperature", "top_p", "sample_top_k"):
+            lo, hi = getattr(self, name)
+            if lo != hi:
+                out[name] = [lo, hi]
         out["dtypes"] = list(self.dtypes)
         if self.params:
             out["params"] = {k: repr(v) for k, v in self.params.items()}
         return out
+
+    def problems(self) -> list[str]:
+        """Every way these axes break the rules, each with its fix (empty when valid)."""
+        from .case import DTYPES, PAD_SIDES
+
+        out: list[str] = []
+
+        def int_range(name: str, floor: int) -> None:
+            v = getattr(self, name)
+            if not (isinstance(v, tuple) and len(v) == 2 and all(_int(x) for x in v) and floor <= v[0] <= v[1]):
+                out.append(f"axes.{name}={v!r} must be a tuple (low, high) of integers with {floor} <= low <= high")
+
+        def float_range(name: str, low_ok: Callable[[float], bool], high_ok: Callable[[float], bool], rule: str) -> None:
+            v = getattr(self, name)
+            if not (isinstance(v, tuple) and len(v) == 2 and all(_num(x) for x in v)
+                    and low_ok(v[0]) and high_ok(v[1]) and v[0] <= v[1]):
+                out.append(f"axes.{name}={v!r} must be a tuple (low, high) of numbers with {rule}")
+
+        int_range("n_seqs", 1)
+        int_range("seq_len", 1)
+        int_range("prompt_len", 0)
+        int_range("sample_top_k", 0)
+        float_range("logit_scale", lambda x: x > 0, math.isfinite, "0 < low <= high < inf")
+        float_range("temperature", lambda x: x > 0, math.isfinite, "0 < low <= high < inf (1.0 is neutral)")
+        float_range("top_p", lambda x: x > 0, lambda x: x <= 1, "0 < low <= high <= 1 (1.0 is neutral: off)")
+        if not isinstance(self.packing, bool):
+            out.append(f"axes.packing={self.packing!r} must be True or False")
+        if (not isinstance(self.dtypes, tuple) or not self.dtypes
+                or any(not isinstance(d, str) or d not in DTYPES for d in self.dtypes)):
+            out.append(f"axes.dtypes={self.dtypes!r} must be a non-empty tuple drawn from {DTYPES}, "
+                       "e.g. dtypes=(\"bfloat16\",)")
+        if (not isinstance(self.pad_sides, tuple) or not self.pad_sides
+                or any(not isinstance(d, str) or d not in PAD_SIDES for d in self.pad_sides)):
+            out.append(f"axes.pad_sides={self.pad_sides!r} must be a non-empty tuple drawn from {PAD_SIDES}")
+        if not isinstance(self.params, Mapping):
+            out.append(f"axes.params={self.params!r} must be a dict of name -> Hypothesis strategy")
+        else:
+            from hypothesis.strategies import SearchStrategy
+
+            for k, v in self.params.items():
+                if not isinstance(k, str) or not k:
+                    out.append(f"axes.params key {k!r} must be a non-empty string")
+                elif not isinstance(v, SearchStrategy):
+                    out.append(f"axes.params[{k!r}]={v!r} is a {type(v).__name__}, not a Hypothesis strategy; "
+                               f"write e.g. params={{{k!r}: st.floats(0.5, 2.0)}} with "
+                               "`from hypothesis import strategies as st`")
+        r = self.routing
+        if r is not None:
+            if not isinstance(r, RoutingAxes):
+                out.append(f"axes.routing must be a harness.RoutingAxes or None, got {type(r).__name__}")
+            else:
+                ok_e = (isinstance(r.n_experts, tuple) and len(r.n_experts) == 2 and all(_int(x) for x in r.n_experts)
+                        and 2 <= r.n_experts[0] <= r.n_experts[1])
+                if not ok_e:
+                    out.append(f"axes.routing.n_experts={r.n_experts!r} needs integers 2 <= low <= high")
+                ok_k = (isinstance(r.top_k, tuple) and len(r.top_k) == 2 and all(_int(x) for x in r.top_k)
+                        and 1 <= r.top_k[0] <= r.top_k[1])
+                if not ok_k or (ok_e and r.top_k[0] >= r.n_experts[0]):
+                    out.append(f"axes.routing.top_k={r.top_k!r} needs integers 1 <= low <= high and low < the fewest "
+                               f"experts ({r.n_experts[0] if ok_e else '?'}), so a boundary exists")
+                if not (_num(r.max_gap) and 0 <= r.max_gap <= 1.0):
+                    out.append(f"axes.routing.max_gap={r.max_gap!r} must lie in [0, 1]")
+                tf = r.tie_fraction
+                if not (isinstance(tf, tuple) and len(tf) == 2 and all(_num(x) for x in tf) and 0 <= tf[0] <= tf[1] <= 1):
+                    out.append(f"axes.routing.tie_fraction={tf!r} must be a tuple (low, high) with 0 <= low <= high <= 1")
+        return out
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,29 +299,10 @@ class TargetPair:
                 raise PairError(f"{where}: {role} takes {arity} positional argument(s); write it as {sig}.")
         if not isinstance(self.axes, Axes):
             raise PairError(f"{where}: axes must be a harness.Axes, got {type(self.axes).__name__}.")
-        a = self.axes
-        for nm, (lo, hi), floor in (("n_seqs", a.n_seqs, 1), ("seq_len", a.seq_len, 1)):
-            if not (isinstance(lo, int) and isinstance(hi, int) and floor <= lo <= hi):
-                raise PairError(f"{where}: axes.{nm}={(lo, hi)!r} must be integers with {floor} <= low <= high.")
-        lo, hi = a.logit_scale
-        if not (0 < lo <= hi and math.isfinite(hi)):
-            raise PairError(f"{where}: axes.logit_scale={a.logit_scale!r} must satisfy 0 < low <= high < inf.")
-        from .case import DTYPES
-
-        if not a.dtypes or any(d not in DTYPES for d in a.dtypes):
-            raise PairError(f"{where}: axes.dtypes={a.dtypes!r} must be a non-empty tuple drawn from {DTYPES}.")
-        if a.routing is not None:
-            r = a.routing
-            if not (2 <= r.n_experts[0] <= r.n_experts[1]):
-                raise PairError(f"{where}: axes.routing.n_experts={r.n_experts!r} needs 2 <= low <= high.")
-            if not (1 <= r.top_k[0] <= r.top_k[1] and r.top_k[0] < r.n_experts[0]):
-                raise PairError(
-                    f"{where}: axes.routing.top_k={r.top_k!r} needs 1 <= low <= high and low < the fewest "
-                    f"experts ({r.n_experts[0]}), so a boundary exists."
-                )
-            if not (0 <= r.max_gap <= 1.0):
-                raise PairError(f"{where}: axes.routing.max_gap={r.max_gap!r} must lie in [0, 1].")
-        if not self.devices or any(d not in DEVICES for d in self.devices):
+        problems = self.axes.problems()
+        if problems:
+            raise PairError(f"{where}: " + "; ".join(problems) + ". Fix the Axes(...) the pair registers with.")
+        if not isinstance(self.devices, tuple) or not self.devices or any(d not in DEVICES for d in self.devices):
             raise PairError(f"{where}: devices={self.devices!r} must be a non-empty tuple drawn from {DEVICES}.")
         if self.readout is not None and not isinstance(self.readout, Readout):
             raise PairError(f"{where}: readout must be a harness.Readout or None.")

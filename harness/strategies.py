@@ -1,9 +1,23 @@
 """Hypothesis strategies that draw Cases, and the near-tie tensor generators pairs build from.
 
-Cases are drawn as a handful of small choices (sizes, layout, a seed, a gap); tensors are never
-drawn element by element: `pair.build` generates them from `case.seed`. So generation is fast and
-Hypothesis shrinks what matters, the sizes and layout, toward the simplest case that still diverges
-(see `harness.case` for what "simpler" means field by field).
+Cases are drawn as a handful of small choices (sizes, layout, sampling knobs, a seed, a gap);
+tensors are never drawn element by element: `pair.build` generates them from the case's streams.
+So generation is fast and Hypothesis shrinks what matters, the sizes and knobs, toward the simplest
+case that still diverges (see `harness.case` for what "simpler" means field by field).
+
+What breaks engines is not what Hypothesis draws by default (it favours small collections and the
+bounds of floats), so every axis is drawn on purpose:
+
+- sizes (batch, response and prompt lengths, sampling top-k) from a mixture: uniform over the
+  declared range, or a boundary value (the bounds, and every power of two with its neighbours
+  2^k - 1, 2^k + 1 inside them: kernels switch there). The batch size is drawn as a number, then
+  that many sequences, so a large batch is as likely as a small one.
+- peakedness (logit scale) log-uniform over its range; floats uniform (drawn from 24-bit integers,
+  not Hypothesis's bound-favouring floats).
+- sampling knobs from a mixture of neutral (1.0 / 1.0 / off), near neutral, and far: each shrinks
+  toward neutral first (it is the first branch), then toward the simpler end of its range.
+- each sequence carries a drawn stream id: removing a sequence leaves the others' tensors alone.
+- the seed is drawn last, so the shrinker reaches it after every structural knob.
 
 The near-tie gap is drawn as its own value, `gap = mantissa * max_gap * 10**(exponent - 7)`, with
 both the mantissa (toward 0.0) and the exponent (toward 1e-7 * max_gap) shrinking toward the exact
@@ -13,6 +27,7 @@ gaps log-uniformly over seven decades, so the interesting region is hit often.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import strategies as st
@@ -21,40 +36,133 @@ from .case import Case
 from .pairs import Axes
 
 GAP_DECADES = 7
+_U_BITS = 24  # resolution of the uniform draws
+
+
+def boundary_values(lo: int, hi: int) -> list[int]:
+    """The bounds and every 2^k - 1, 2^k, 2^k + 1 inside [lo, hi], ascending."""
+    vals = {lo, hi}
+    k = 1
+    while k <= hi + 1:
+        vals.update(v for v in (k - 1, k, k + 1) if lo <= v <= hi)
+        k *= 2
+    return sorted(vals)
+
+
+def sizes(lo: int, hi: int) -> st.SearchStrategy[int]:
+    """An integer in [lo, hi]: uniform half the time, a boundary value (powers of two) otherwise.
+    Shrinks toward lo."""
+    if lo == hi:
+        return st.just(lo)
+    span = hi - lo + 1
+    uniform = _uniform_bits().map(lambda u: lo + (u * span >> _U_BITS))
+    return st.one_of(uniform, st.sampled_from(boundary_values(lo, hi)))
+
+
+def _uniform_bits() -> st.SearchStrategy[int]:
+    """A uniform integer in [0, 2**24), shrinking toward 0. (Hypothesis draws wide integer ranges
+    heavily toward small values, measured: 86% in the lowest 1/16 of [0, 2**24); fixed-size bytes
+    are drawn uniformly.)"""
+    return st.binary(min_size=_U_BITS // 8, max_size=_U_BITS // 8).map(lambda b: int.from_bytes(b, "big"))
+
+
+def unit_floats() -> st.SearchStrategy[float]:
+    """Uniform in [0, 1), shrinking toward 0."""
+    return _uniform_bits().map(lambda u: u / 2**_U_BITS)
+
+
+def uniform_floats(lo: float, hi: float) -> st.SearchStrategy[float]:
+    if hi <= lo:
+        return st.just(float(lo))
+    return unit_floats().map(lambda u: float(lo + (hi - lo) * u))
+
+
+def log_uniform(lo: float, hi: float) -> st.SearchStrategy[float]:
+    """Log-uniform in [lo, hi] (lo > 0), shrinking toward lo."""
+    if hi <= lo:
+        return st.just(float(lo))
+    return unit_floats().map(lambda u: float(min(hi, lo * (hi / lo) ** u)))
+
+
+def temperatures(lo: float, hi: float) -> st.SearchStrategy[float]:
+    """Neutral 1.0 (when in range), near it (within 10%), or anywhere log-uniform."""
+    if hi <= lo:
+        return st.just(float(lo))
+    branches = [st.just(1.0)] if lo <= 1.0 <= hi else []
+    near_lo, near_hi = max(lo, 0.9), min(hi, 1.1)
+    if near_lo < near_hi:
+        branches.append(uniform_floats(near_lo, near_hi))
+    branches.append(log_uniform(lo, hi))
+    return st.one_of(*branches)
+
+
+def top_ps(lo: float, hi: float) -> st.SearchStrategy[float]:
+    """Neutral 1.0 (off, when in range), near it (>= 0.9), or anywhere in range."""
+    if hi <= lo:
+        return st.just(float(lo))
+    branches = [st.just(1.0)] if hi >= 1.0 else []
+    if max(lo, 0.9) < hi:
+        branches.append(uniform_floats(max(lo, 0.9), hi).map(lambda p: 1.0 - (1.0 - p)))
+    branches.append(uniform_floats(lo, hi).map(lambda p: max(p, 1e-6)))
+    return st.one_of(*branches)
+
+
+def sample_top_ks(lo: int, hi: int) -> st.SearchStrategy[int]:
+    """0 (off, when in range) or a size in range (boundary values included)."""
+    if hi <= lo:
+        return st.just(lo)
+    branches = [st.just(0)] if lo == 0 else []
+    branches.append(sizes(max(lo, 1), hi))
+    return st.one_of(*branches)
 
 
 def cases(axes: Axes) -> st.SearchStrategy[Case]:
-    """A Case within the bounds `axes` declares; fields of axes not fuzzed keep their defaults.
+    """A Case within the bounds `axes` declares; axes not fuzzed keep their neutral values.
 
     The fixed-bound strategies are built once per axes, not on every draw: building a bounded
-    float strategy costs more than drawing from it.
+    strategy costs more than drawing from it.
     """
     r = axes.routing
-    seeds = st.integers(0, 2**32 - 1)
-    lengths = st.lists(st.integers(*axes.seq_len), min_size=axes.n_seqs[0], max_size=axes.n_seqs[1])
-    pad_sides = st.sampled_from(("right", "left"))
+    seeds = st.binary(min_size=4, max_size=4).map(lambda b: int.from_bytes(b, "big"))
+    ids = st.binary(min_size=2, max_size=2).map(lambda b: int.from_bytes(b, "big"))
+    batch = sizes(*axes.n_seqs)
+    responses = sizes(*axes.seq_len)
+    prompts = sizes(*axes.prompt_len) if axes.prompt_len != (0, 0) else None
+    pad_sides = st.sampled_from(axes.pad_sides) if len(axes.pad_sides) > 1 else None
     experts = st.integers(*r.n_experts) if r is not None else None
-    fractions = st.floats(*r.tie_fraction, allow_nan=False) if r is not None else None
+    fractions = uniform_floats(*r.tie_fraction) if r is not None else None
     gaps = tie_gaps(r.max_gap) if r is not None else None
     lo, hi = axes.logit_scale
-    scales = st.floats(lo, hi, allow_nan=False) if hi > lo else None
+    scales = log_uniform(lo, hi) if hi > lo else None
+    temps = temperatures(*axes.temperature) if axes.temperature[0] != axes.temperature[1] else None
+    tops = top_ps(*axes.top_p) if axes.top_p[0] != axes.top_p[1] else None
+    topks = sample_top_ks(*axes.sample_top_k) if axes.sample_top_k[0] != axes.sample_top_k[1] else None
     dtypes = st.sampled_from(axes.dtypes) if len(axes.dtypes) > 1 else None
 
     @st.composite
     def draw_case(draw: Any) -> Case:
-        seed = draw(seeds)  # the draw order is part of what a campaign seed reproduces: keep it
-        seq_lens = draw(lengths)
-        n = len(seq_lens)
-        fields: dict[str, Any] = {"seed": seed, "seq_lens": tuple(seq_lens)}
+        # the draw order is part of what a campaign seed reproduces; the seed comes last on purpose
+        n = draw(batch)
+        seq_lens, prompt_lens, seq_ids = [], [], []
+        for _ in range(n):
+            seq_lens.append(draw(responses))
+            if prompts is not None:
+                prompt_lens.append(draw(prompts))
+            seq_ids.append(draw(ids))
+        fields: dict[str, Any] = {"seq_lens": tuple(seq_lens)}
+        if prompts is not None and any(prompt_lens):
+            fields["prompt_lens"] = tuple(prompt_lens)
+        fields["seq_ids"] = () if seq_ids == list(range(n)) else tuple(seq_ids)
         fields["probe"] = draw(st.integers(0, n - 1)) if n > 1 else 0
 
         if axes.packing:
-            total, longest = sum(seq_lens), max(seq_lens)
+            totals = [a + (prompt_lens[j] if prompt_lens else 0) for j, a in enumerate(seq_lens)]
+            total, longest = sum(totals), max(totals)
             cut = draw(st.integers(0, total - longest))  # 0 = one row holding everything
             fields["row_capacity"] = total - cut if cut else 0
             order = draw(st.permutations(range(n))) if n > 1 else [0]
             fields["order"] = () if list(order) == list(range(n)) else tuple(order)
-            fields["pad_side"] = draw(pad_sides)
+        fields["pad_side"] = draw(pad_sides) if pad_sides is not None else axes.pad_sides[0]
 
         if r is not None:
             n_experts = draw(experts)
@@ -64,12 +172,50 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
             fields["tie_gap"] = draw(gaps)
 
         fields["logit_scale"] = draw(scales) if scales is not None else lo
+        fields["temperature"] = draw(temps) if temps is not None else float(axes.temperature[0])
+        fields["top_p"] = draw(tops) if tops is not None else float(axes.top_p[0])
+        fields["sample_top_k"] = draw(topks) if topks is not None else axes.sample_top_k[0]
         fields["dtype"] = draw(dtypes) if dtypes is not None else axes.dtypes[0]
         if axes.params:
             fields["params"] = {k: draw(axes.params[k]) for k in sorted(axes.params)}
+        fields["seed"] = draw(seeds)
         return Case(**fields)
 
     return draw_case()
+
+
+def uniform_cases(axes: Axes, rng: Any) -> Case:
+    """One case drawn uniformly at random over the same axes (the baseline a fuzzer must beat):
+    every size uniform over its range, every float uniform, no boundary or neutral preference.
+    `rng` is a `random.Random`."""
+    r = axes.routing
+    n = rng.randint(*axes.n_seqs)
+    seq_lens = tuple(rng.randint(*axes.seq_len) for _ in range(n))
+    fields: dict[str, Any] = {"seed": rng.randrange(2**32), "seq_lens": seq_lens,
+                              "seq_ids": tuple(rng.randrange(2**16) for _ in range(n))}
+    if axes.prompt_len != (0, 0):
+        prompts = tuple(rng.randint(*axes.prompt_len) for _ in range(n))
+        fields["prompt_lens"] = prompts if any(prompts) else ()
+    fields["probe"] = rng.randrange(n)
+    if axes.packing:
+        totals = [a + (fields.get("prompt_lens") or (0,) * n)[j] for j, a in enumerate(seq_lens)]
+        cut = rng.randint(0, sum(totals) - max(totals))
+        fields["row_capacity"] = sum(totals) - cut if cut else 0
+        order = list(range(n))
+        rng.shuffle(order)
+        fields["order"] = tuple(order)
+    fields["pad_side"] = rng.choice(axes.pad_sides)
+    if r is not None:
+        fields["n_experts"] = rng.randint(*r.n_experts)
+        fields["top_k"] = rng.randint(r.top_k[0], min(r.top_k[1], fields["n_experts"] - 1))
+        fields["tie_fraction"] = rng.uniform(*r.tie_fraction)
+        fields["tie_gap"] = rng.uniform(0.0, r.max_gap)
+    fields["logit_scale"] = rng.uniform(*axes.logit_scale)
+    fields["temperature"] = rng.uniform(*axes.temperature)
+    fields["top_p"] = max(1e-6, rng.uniform(*axes.top_p))
+    fields["sample_top_k"] = rng.randint(*axes.sample_top_k)
+    fields["dtype"] = rng.choice(axes.dtypes)
+    return Case(**fields)
 
 
 def tie_gaps(max_gap: float) -> st.SearchStrategy[float]:
@@ -78,7 +224,7 @@ def tie_gaps(max_gap: float) -> st.SearchStrategy[float]:
         return st.just(0.0)
     return st.builds(
         lambda m, e: float(m * max_gap * 10.0 ** (e - GAP_DECADES)),
-        st.floats(0.0, 1.0, allow_nan=False),
+        unit_floats(),
         st.integers(0, GAP_DECADES),
     )
 
@@ -87,9 +233,14 @@ def tie_gaps(max_gap: float) -> st.SearchStrategy[float]:
 # Near-tie tensors (called from pair.build, deterministic given the case)
 # ---------------------------------------------------------------------------------------------
 def forced_tokens(case: Case, n_tokens: int, salt: str = "ties") -> Any:
-    """(T,) bool: which tokens the case forces to the top-k boundary (a `tie_fraction` of them)."""
+    """(T,) bool: which tokens the case forces to the top-k boundary (a `tie_fraction` of them).
+
+    For the case's own tokens (n_tokens == case.n_tokens) each sequence decides from its own stream,
+    so dropping a sequence keeps the others' forced tokens; other lengths use one stream."""
     import torch
 
+    if n_tokens == case.n_tokens and case.streams == "sequence":
+        return case.token_uniforms(salt) < case.tie_fraction  # (T,)
     u = torch.rand(n_tokens, generator=case.generator(salt))  # (T,)
     return u < case.tie_fraction
 

@@ -13,7 +13,7 @@ def test_json_round_trip_is_exact():
     back = Case.from_json(json.loads(text))
     assert back == c
     assert back.key() == c.key()
-    assert c.to_json()["schema"] == 1
+    assert c.to_json()["schema"] == 2
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -80,3 +80,48 @@ def test_smaller_neighbours_drop_one_row_or_one_token():
         ((2, 1, 2), 2, (2, 0, 1), 4), ((3, 1, 1), 2, (2, 0, 1), 4),  # a token dropped
     }
     assert Case(seed=1, seq_lens=(1,)).smaller_neighbours() == []
+
+
+def test_schema1_repro_loads_upgraded_with_its_single_stream():
+    import torch
+
+    old = Case.from_json({"schema": 1, "seed": 5, "seq_lens": [2, 3], "pad_side": "left"})
+    assert old.streams == "single" and old.to_json()["schema"] == 2
+    assert Case.from_json(old.to_json()) == old  # rewritten as schema 2, still the same case
+    assert torch.equal(old.token_randn(4, "x"), old.randn((5, 4), "x"))  # schema-1 tensors, bit-for-bit
+    with pytest.raises(CaseError, match="unknown field"):
+        Case.from_json({"schema": 1, "seed": 5, "temperature": 0.5})  # schema 1 had no sampling fields
+
+
+def test_dropping_a_sequence_or_a_token_leaves_every_other_row_bit_identical():
+    import torch
+
+    c = Case(seed=3, seq_lens=(3, 5, 2), prompt_lens=(4, 0, 2))
+    rows = c.token_randn(6, "h")
+    assert torch.equal(c.drop_sequence(0).token_randn(6, "h"), rows[3:])
+    assert torch.equal(c.drop_sequence(1).token_randn(6, "h"), torch.cat([rows[:3], rows[8:]]))
+    shorter = c.replace(seq_lens=(3, 4, 2))
+    assert torch.equal(shorter.token_randn(6, "h"), torch.cat([rows[:7], rows[8:]]))
+    assert torch.equal(c.drop_sequence(0).prompt_tokens(1, 100), c.prompt_tokens(2, 100))
+    assert torch.equal(c.replace(prompt_lens=(2, 0, 2)).prompt_tokens(0, 100), c.prompt_tokens(0, 100)[:2])
+    u = c.token_uniforms("tokens")
+    assert torch.equal(c.drop_sequence(1).token_uniforms("tokens"), torch.cat([u[:3], u[8:]]))
+
+
+def test_rl_batch_fields_validate_and_pack_prompt_plus_response():
+    c = Case(seed=1, seq_lens=(2, 3), prompt_lens=(4, 1), row_capacity=6)
+    assert c.total_lens == (6, 4) and c.packed_rows() == [[0], [1]] and c.offsets == [0, 2]
+    for field, value, words in [("prompt_lens", (1,), "one length per sequence"), ("temperature", 0.0, "> 0"),
+                                ("top_p", 1.5, "(0, 1]"), ("sample_top_k", -1, ">= 0"),
+                                ("row_capacity", 5, "longest sequence (6) counting prompt + response"), ("streams", "x", "one of"),
+                                ("seq_ids", (1, 2, 3), "one id per sequence")]:
+        with pytest.raises(CaseError) as err:
+            Case(**{**dict(seed=1, seq_lens=(2, 3), prompt_lens=(4, 1)), field: value})
+        assert f"'{field}'" in str(err.value) and words in str(err.value)
+
+
+def test_simpler_neighbours_move_one_knob_to_neutral():
+    c = Case(seed=1, seq_lens=(2,), temperature=0.5, top_p=0.9, sample_top_k=7, pad_side="left")
+    knobs = {(n.temperature, n.top_p, n.sample_top_k, n.pad_side) for n in c.simpler_neighbours()}
+    assert (1.0, 0.9, 7, "left") in knobs and (0.5, 1.0, 7, "left") in knobs
+    assert (0.5, 0.9, 0, "left") in knobs and (0.5, 0.9, 7, "right") in knobs

@@ -83,6 +83,12 @@ def test_unknown_pair_and_broken_plugin_exit_2(tmp_path, harness_cli):
                      " trainer=None, rollout=None))\n")
     code, _, err = harness_cli("list", "--plugin", bad_pair)
     assert code == 2 and "expected='sometimes'" in err and "Traceback" not in err
+    tuple_params = write(tmp_path / "tupleparams.py", "from harness import Axes, Outcome, TargetPair, register\n"
+                         "register(TargetPair(name='x.t', kind='op', expected='aligned', build=lambda c, d: None,"
+                         " trainer=lambda i: Outcome(), rollout=lambda i: Outcome(),"
+                         " axes=Axes(params={'temperature': (0.5, 2.0)})))\n")
+    code, _, err = harness_cli("fuzz", "x.t", "--plugin", tuple_params, "--no-tracking")
+    assert code == 2 and "not a Hypothesis strategy" in err and "Traceback" not in err
 
 
 def test_replay_of_a_missing_pair_skips_during_git_bisect(tmp_path, found, harness_cli):

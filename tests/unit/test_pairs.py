@@ -2,6 +2,7 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import strategies as st
 
 import harness
 from harness import Axes, Outcome, PairError, RoutingAxes, TargetPair
@@ -27,6 +28,17 @@ def _pair(**kw):
     ({"axes": Axes(dtypes=("int4",))}, "axes.dtypes"),
     ({"axes": Axes(routing=RoutingAxes(n_experts=(4, 8), top_k=(4, 4)))}, "so a boundary exists"),
     ({"devices": ("tpu",)}, "devices"),
+    ({"axes": Axes(params={"temperature": (0.5, 2.0)})}, "not a Hypothesis strategy; write e.g."),
+    ({"axes": Axes(params={"": st.integers()})}, "non-empty string"),
+    ({"axes": Axes(n_seqs=4)}, "axes.n_seqs=4 must be a tuple"),
+    ({"axes": Axes(dtypes="bfloat16")}, "axes.dtypes"),
+    ({"axes": Axes(temperature=(0.0, 2.0))}, "axes.temperature"),
+    ({"axes": Axes(top_p=(0.5, 1.5))}, "axes.top_p"),
+    ({"axes": Axes(sample_top_k=(-1, 4))}, "axes.sample_top_k"),
+    ({"axes": Axes(prompt_len=(4, 2))}, "axes.prompt_len"),
+    ({"axes": Axes(pad_sides=("up",))}, "axes.pad_sides"),
+    ({"axes": Axes(routing=(4, 8))}, "axes.routing must be a harness.RoutingAxes"),
+    ({"axes": Axes(routing=RoutingAxes(tie_fraction=(0.5, 2.0)))}, "axes.routing.tie_fraction"),
 ])
 def test_registration_validates_eagerly_with_the_fix(changes, words):
     with pytest.raises(PairError) as err:

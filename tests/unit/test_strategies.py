@@ -23,7 +23,7 @@ def test_cases_stay_within_the_declared_axes(case):
 
 def test_fixed_axes_keep_defaults():
     @settings(max_examples=10, deadline=None)
-    @given(cases(Axes(n_seqs=(1, 1), seq_len=(4, 4))))
+    @given(cases(Axes(n_seqs=(1, 1), seq_len=(4, 4), logit_scale=(1.0, 1.0), pad_sides=("right",))))
     def check(case):
         assert case.seq_lens == (4,) and case.row_capacity == 0 and case.order == ()
         assert case.tie_fraction == 0.0 and case.dtype == "bfloat16" and case.logit_scale == 1.0
@@ -78,3 +78,34 @@ def test_neartie_benchmark_writes_its_section(tmp_path):
     out = tmp_path / "B.md"
     text = neartie(tokens=256, trials=1, shapes=((8, 2),), gaps=(1e-5,), out=out)
     assert "| 8 | 2 | 1e-05 |" in text and "<!-- bench:neartie -->" in out.read_text()
+
+
+def test_generator_draws_large_batches_boundaries_and_peaked_logits():
+    import collections
+
+    from harness.strategies import boundary_values
+
+    assert boundary_values(1, 16) == [1, 2, 3, 4, 5, 7, 8, 9, 15, 16]
+    got = []
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(cases(Axes(temperature=(0.5, 2.0), top_p=(0.5, 1.0), sample_top_k=(0, 64))))
+    def collect(case):
+        got.append(case)
+
+    collect()
+    batch = collections.Counter(c.batch_size for c in got)
+    assert batch[1] / len(got) < 0.25  # Hypothesis's own lists give batch 1 about 42% of the time
+    assert sum(v for k, v in batch.items() if k >= 9) / len(got) > 0.25
+    assert sum(c.logit_scale > 8 for c in got) / len(got) > 0.1  # log-uniform, not stuck on the bound
+    assert 0.15 < sum(c.temperature == 1.0 for c in got) / len(got) < 0.6  # neutral, near and far
+    assert sum(c.pad_side == "left" for c in got) / len(got) > 0.3
+
+
+def test_sampling_knobs_shrink_to_neutral_not_to_their_lower_bound():
+    from hypothesis import find
+
+    case = find(cases(Axes(temperature=(0.5, 2.0), top_p=(0.5, 1.0), sample_top_k=(0, 64))),
+                lambda c: c.temperature > 1.02)
+    assert 1.02 < case.temperature < 1.1  # the near-neutral branch, not 0.5 or 2.0
+    assert case.top_p == 1.0 and case.sample_top_k == 0 and case.batch_size == 1
