@@ -19,6 +19,7 @@ import click
 from .errors import CannotEvaluate, HarnessError, UsageError
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_SKIP, EXIT_INTERRUPTED = 0, 1, 2, 125, 130
+EXIT_UNSAVED = 3  # fuzz: a finding could not be written to the corpus (it was printed as JSON on stderr)
 
 
 def plugin_option(fn: Callable) -> Callable:
@@ -150,10 +151,18 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
 @click.option("--profile", default=None, type=click.Choice(["dev", "ci", "nightly"]),
               help="Named settings (harness/profiles.py) for what is not given explicitly: cases and seconds "
               "per pair, seed policy (nightly: seed derived from $HARNESS_RUN_ID or $GITHUB_RUN_ID).")
+@click.option("--timeout", "timeouts", multiple=True, metavar="SECONDS|GLOB=SECONDS",
+              help="Per-case wall seconds before a case is a `timeout` finding [default: 60]; GLOB=SECONDS sets "
+              "it for the matching pairs (repeatable).")
+@click.option("--no-isolation", is_flag=True, help="Run cases in this process instead of a supervised worker "
+              "(for debugging: no timeouts, and a crash of a target ends the campaign).")
+@click.option("--streams", type=click.IntRange(1), default=1, show_default=True,
+              help="Independently seeded streams per pair (each runs its share of the cases); --shard spreads them.")
 @plugin_option
 def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | None, seed: int | None,
          threshold: float, device: str, corpus_dir: Path, shard: str | None, tracking_uri: str | None,
-         no_tracking: bool, profile: str | None, plugins: tuple[str, ...]) -> None:
+         no_tracking: bool, profile: str | None, timeouts: tuple[str, ...], no_isolation: bool, streams: int,
+         plugins: tuple[str, ...]) -> None:
     """Fuzz pairs (all registered pairs when none are named); shrink and record what diverges."""
     from .env import resolve_device
     from .fuzz import CampaignConfig, run_campaign, summary_table
@@ -165,21 +174,25 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     pairs = [p for p in REGISTRY.select(pair_names) if dev in p.devices]
     if not pairs:
         raise UsageError(f"none of the selected pairs runs on {dev}; run `harness list` to see their devices.")
-    from .fuzz import shard_pairs
+    from .fuzz import campaign_units
     from .profiles import campaign_settings
 
-    s = campaign_settings(profile, len(shard_pairs(pairs, parse_shard(shard))), max_examples, budget, seed)
+    n_units = len(campaign_units(pairs, streams, parse_shard(shard)))
+    s = campaign_settings(profile, max(1, -(-n_units // streams)), max_examples, budget, seed)
+    default_timeout, per_pair = parse_timeouts(timeouts, pairs)
     if profile:
         echo_err(f"profile {profile}: {s.max_examples} cases per pair, budget {s.budget}s, {s.origin}")
     cfg = CampaignConfig(pairs=pairs, seed=s.seed, max_examples=s.max_examples, budget=s.budget,
                          threshold=threshold, device=dev, corpus=corpus_dir, shard=parse_shard(shard),
-                         profile=profile)
+                         profile=profile, isolation=not no_isolation, timeout=default_timeout, timeouts=per_pair,
+                         plugins=tuple(plugins), streams=streams)
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err)
 
     def announce(f: Any) -> None:
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
         echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, k3 {f.k3:.4g}, minimal case "
-                 f"{f.case.one_line()}\n    replay: harness replay {f.path}")
+                 f"{f.case.one_line()}\n    replay: "
+                 + (f"harness replay {f.path}" if f.path else "(not written: saved as JSON on stderr above)"))
 
     result = run_campaign(cfg, tracker=tracker, on_finding=announce)
     click.echo(summary_table(result))
@@ -189,10 +202,42 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     if missed:
         click.echo(f"warning: demonstration pair(s) not caught: {', '.join(missed)} (more examples or budget?)",
                    err=True)
+    if result.unsaved:
+        click.echo(f"error: {len(result.unsaved)} finding(s) could not be written to {corpus_dir} (each was printed "
+                   f"as JSON on stderr): {', '.join(f.id for f in result.unsaved)}.", err=True)
     if result.interrupted:
-        click.echo("interrupted: the findings above are on disk.", err=True)
+        click.echo("interrupted: the findings above are on disk." if not result.unsaved else "interrupted.", err=True)
+    if result.unsaved:
+        sys.exit(EXIT_UNSAVED)
+    if result.interrupted:
         sys.exit(EXIT_INTERRUPTED)
     sys.exit(EXIT_FOUND if n else EXIT_OK)
+
+
+def parse_timeouts(values: tuple[str, ...], pairs: list) -> tuple[float, dict[str, float]]:
+    """`--timeout 30` (every pair) and `--timeout 'model.*=300'` (the matching pairs)."""
+    import fnmatch
+
+    from .worker import DEFAULT_TIMEOUT
+
+    default, per_pair = DEFAULT_TIMEOUT, {}
+    for v in values:
+        glob, _, secs = v.rpartition("=")
+        try:
+            t = float(secs)
+        except ValueError:
+            t = float("nan")
+        if not (t > 0 and t != float("inf")):
+            raise UsageError(f"--timeout {v!r} must be SECONDS or GLOB=SECONDS with SECONDS > 0, e.g. --timeout 30 "
+                             "or --timeout 'model.*=300'.")
+        if not glob:
+            default = t
+            continue
+        hits = [p.name for p in pairs if fnmatch.fnmatchcase(p.name, glob)]
+        if not hits:
+            raise UsageError(f"--timeout {v!r}: no selected pair matches {glob!r}; run `harness list` to see them.")
+        per_pair.update((h, t) for h in hits)
+    return default, per_pair
 
 
 # ---------------------------------------------------------------------------------------------

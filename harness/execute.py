@@ -24,6 +24,8 @@ class Symptom(str, enum.Enum):
     DIVERGENCE = "divergence"  # mean k3 above the threshold
     NONFINITE = "nonfinite"  # NaN or inf in either path's log-probabilities
     ERROR = "error"  # the target raised
+    TIMEOUT = "timeout"  # the case ran past the per-case timeout (isolated runs: harness.worker)
+    CRASH = "crash"  # the worker process died running the case: a signal (segfault, abort, OOM kill) or exit
 
 
 @dataclass

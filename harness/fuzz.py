@@ -13,12 +13,29 @@ stores it, so a night can be rerun exactly with `--seed`.
 Signature (dedup key, within a campaign and across campaigns): sha256 of
 `pair | symptom | detail`, where detail is empty for `divergence` and `nonfinite` (one pair, one
 numerical mismatch) and `ExceptionType@file:function` of the innermost frame for `error` (one
-crash site, one bug). The corpus file of a finding is `corpora/<pair>/<signature[:12]>.json`.
+crash site, one bug), the signal or exit status for `crash` (one way to die, one bug), and empty
+for `timeout`. The corpus file of a finding is `corpora/<pair>/<signature[:12]>.json`.
+
+Where cases run: with `CampaignConfig.isolation` (the command line's default) every case runs in a
+supervised worker process (`harness.worker`): a hang becomes a `timeout` finding, a dead worker a
+`crash` finding, and the campaign goes on with a fresh worker; without it, in this process (for
+debugging: a hang then hangs the campaign). `fuzz_pair` itself only calls `evaluate(case)`.
+
+Budget: `budget` is a hard wall for the whole campaign, shared fairly: each pair (each stream) gets
+an equal share of what is left when it starts, and the first case of a pair, which pays its cold
+start (a worker's imports, a torch.compile of a model: about a minute cold), is not counted against
+that share but against what is left for everyone, so a slow starter does not starve the pairs after it.
+
+Streams: a pair's campaign can be split into `streams` independently seeded Hypothesis streams (each
+with its share of `max_examples`), the units that shards and pytest-xdist workers spread; findings
+are deduplicated across streams by signature. With one stream (the default) a pair's stream is
+exactly the one a campaign has always drawn for it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 import sys
@@ -30,6 +47,9 @@ from typing import Any, Callable
 from .case import Case
 from .execute import DEFAULT_THRESHOLD, Evaluation, Symptom, run_case
 from .pairs import TargetPair
+from .worker import DEFAULT_TIMEOUT
+
+Evaluate = Callable[[Case], Evaluation]  # one case of one pair -> its evaluation (never raises for the target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +93,8 @@ class PairResult:
     max_k3: float = 0.0
     findings: list[Finding] = field(default_factory=list)
     seed: int = 0
+    streams: int = 1  # Hypothesis streams merged into this result
+    warmup: float = 0.0  # seconds of the first case (cold start), not counted against the pair's budget share
 
     @property
     def verdict(self) -> str:
@@ -101,6 +123,15 @@ class CampaignConfig:
     shard: tuple[int, int] | None = None  # (i, N), 1-based: this job's share of pair x seed
     write_corpus: bool = True
     profile: str | None = None  # the named profile the settings came from (stored with the campaign run)
+    isolation: bool = False  # run cases in a supervised worker process (the command line's default)
+    timeout: float = DEFAULT_TIMEOUT  # per-case wall seconds in a worker before the case is a `timeout`
+    timeouts: dict[str, float] = field(default_factory=dict)  # pair name -> its own per-case timeout
+    plugins: tuple[str, ...] = ()  # plugin specs the workers load (pairs are found by name there)
+    streams: int = 1  # independently seeded streams per pair (each runs max_examples / streams cases)
+    stream: int | None = None  # run only this stream of each pair (0-based; a pytest item, a CI job)
+
+    def timeout_for(self, pair: str) -> float:
+        return self.timeouts.get(pair, self.timeout)
 
 
 @dataclass
@@ -110,6 +141,8 @@ class CampaignResult:
     results: list[PairResult] = field(default_factory=list)
     seconds: float = 0.0
     interrupted: bool = False
+    unsaved: list[Finding] = field(default_factory=list)  # findings the corpus could not take (printed as JSON)
+    worker_restarts: int = 0  # isolated runs: workers replaced after a timeout or crash
 
     @property
     def findings(self) -> list[Finding]:
@@ -124,12 +157,26 @@ def signature(pair: str, ev: Evaluation) -> str:
     detail = ""
     if ev.symptom is Symptom.ERROR and ev.error:
         detail = f"{ev.error['type']}@{ev.error['where']}"
+    elif ev.symptom is Symptom.CRASH and ev.error:
+        detail = ev.error["type"]  # the signal (SIGSEGV, SIGABRT, SIGKILL) or exit status
     return hashlib.sha256(f"{pair}|{ev.symptom.value}|{detail}".encode()).hexdigest()
 
 
 def pair_seed(campaign_seed: int, pair: str) -> int:
     """Each pair's own Hypothesis seed: adding or sharding pairs leaves the others' streams alone."""
     return int.from_bytes(hashlib.sha256(f"{campaign_seed}/{pair}".encode()).digest()[:8], "little") >> 1
+
+
+def stream_seed(campaign_seed: int, pair: str, stream: int = 0, streams: int = 1) -> int:
+    """The Hypothesis seed of one stream of a pair; a one-stream pair keeps its `pair_seed`."""
+    if streams <= 1:
+        return pair_seed(campaign_seed, pair)
+    return pair_seed(campaign_seed, f"{pair}#{stream}/{streams}")
+
+
+def stream_examples(max_examples: int, stream: int, streams: int) -> int:
+    """Stream `stream`'s share of a pair's max_examples (the shares add up to max_examples)."""
+    return max_examples // streams + (1 if stream < max_examples % streams else 0)
 
 
 def fresh_seed() -> int:
@@ -160,7 +207,16 @@ class _Crashed(_Failed):
     pass
 
 
-_RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.ERROR: _Crashed}
+class _TimedOut(_Failed):
+    pass
+
+
+class _WorkerDied(_Failed):
+    pass
+
+
+_RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.ERROR: _Crashed,
+          Symptom.TIMEOUT: _TimedOut, Symptom.CRASH: _WorkerDied}
 
 
 def _size(case: Case) -> tuple:
@@ -168,14 +224,25 @@ def _size(case: Case) -> tuple:
 
 
 def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float | None,
-              progress: Callable[[PairResult, bool], None] | None = None) -> PairResult:
-    """Fuzz one pair until max_examples or the deadline (time.monotonic()); shrink what fails."""
+              progress: Callable[[PairResult, bool], None] | None = None, evaluate: Evaluate | None = None,
+              max_examples: int | None = None, wall: float | None = None) -> PairResult:
+    """Fuzz one pair until max_examples or the deadline (time.monotonic()); shrink what fails.
+
+    `evaluate(case)` runs one case (default: in this process); it may raise `worker.OutOfTime`
+    when the campaign's hard wall (`wall`) came while the case ran. The first case's time is added
+    to the deadline (a cold start is not the pair's share), never past `wall`.
+    """
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
     from hypothesis import seed as hseed
 
     from .strategies import cases
+    from .worker import OutOfTime
 
+    if evaluate is None:
+        def evaluate(case: Case) -> Evaluation:
+            return run_case(pair, case, cfg.device, cfg.threshold)
     result = PairResult(pair.name, pair.expected, seed=seed)
+    limit = {"deadline": deadline}
     # case key -> the evaluation of a failing case, or just the k3 of a passing one (a long nightly
     # evaluates tens of thousands of cases; Hypothesis only needs their verdicts back on a replay)
     cache: dict[str, Evaluation | float] = {}
@@ -188,9 +255,19 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         key = case.key()
         ev = cache.get(key)
         if ev is None:
-            if deadline is not None and time.monotonic() > deadline:
+            began = time.monotonic()
+            if limit["deadline"] is not None and began > limit["deadline"]:
                 raise _OutOfTime  # a BaseException: Hypothesis lets it through instead of shrinking it
-            ev = run_case(pair, case, cfg.device, cfg.threshold)
+            try:
+                ev = evaluate(case)
+            except OutOfTime:
+                raise _OutOfTime from None
+            if result.examples == 0:  # the cold start: charged to everyone's remaining time, not this share
+                result.warmup = time.monotonic() - began
+                if limit["deadline"] is not None:
+                    limit["deadline"] += result.warmup
+                    if wall is not None:
+                        limit["deadline"] = min(limit["deadline"], wall)
             cache[key] = ev if ev.failed else ev.k3
             result.examples += 1
             if math.isfinite(ev.k3):
@@ -213,7 +290,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             raise _RAISE[ev.symptom](ev)
 
     test = settings(
-        max_examples=cfg.max_examples,
+        max_examples=max_examples if max_examples is not None else cfg.max_examples,
         deadline=None,
         database=None,
         derandomize=False,
@@ -298,9 +375,137 @@ def shard_pairs(pairs: list[TargetPair], shard: tuple[int, int] | None) -> list[
     return [p for j, p in enumerate(ordered) if j % n == i - 1]
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One stream of one pair: what a campaign, a shard or a pytest item runs."""
+
+    pair: TargetPair
+    stream: int = 0  # 0-based
+    streams: int = 1  # streams the pair is split into
+
+    @property
+    def label(self) -> str:
+        return self.pair.name if self.streams == 1 else f"{self.pair.name}#{self.stream}"
+
+
+def campaign_units(pairs: list[TargetPair], streams: int = 1, shard: tuple[int, int] | None = None,
+                   stream: int | None = None) -> list[Unit]:
+    """The units of a campaign in (pair name, stream) order; shard i/N takes unit j when j mod N = i - 1.
+
+    With one stream per pair this is exactly `shard_pairs`. More streams give shards (and pytest-xdist
+    workers) more units than there are pairs, so they scale past the number of pairs and past one
+    dominant model pair; `stream` keeps only that stream of each pair.
+    """
+    if not (isinstance(streams, int) and streams >= 1):
+        raise ValueError(f"streams={streams!r} must be an integer >= 1")
+    units = [Unit(p, k, streams) for p in sorted(pairs, key=lambda p: p.name) for k in range(streams)
+             if stream is None or k == stream]
+    if shard is None:
+        return units
+    i, n = shard
+    if not (isinstance(i, int) and isinstance(n, int) and 1 <= i <= n):
+        raise ValueError(f"shard {shard!r} must be (i, N) with 1 <= i <= N")
+    return [u for j, u in enumerate(units) if j % n == i - 1]
+
+
+class Executor:
+    """Where a campaign's cases run: one supervised worker process (isolation), or this process."""
+
+    def __init__(self, cfg: CampaignConfig) -> None:
+        self.cfg = cfg
+        self.worker: Any = None
+
+    def evaluator(self, pair: TargetPair, wall: float | None) -> Evaluate:
+        cfg = self.cfg
+        if not cfg.isolation:
+            return lambda case: run_case(pair, case, cfg.device, cfg.threshold)
+        from .worker import Worker
+
+        if self.worker is None:
+            self.worker = Worker(cfg.device, cfg.plugins, cfg.timeout)
+            self.worker.start()  # imports in the background while Hypothesis gets ready
+        worker, timeout = self.worker, cfg.timeout_for(pair.name)
+        return lambda case: worker.evaluate(pair, case, cfg.threshold, timeout, wall)
+
+    @property
+    def restarts(self) -> int:
+        return self.worker.restarts if self.worker is not None else 0
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+class _Signals:
+    """SIGTERM (what CI timeouts and Slurm send) handled like Ctrl-C, and neither of them lands in the
+    middle of writing a finding: inside `critical()` an interrupt waits until the write is done."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.pending = False
+        self.saved: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Signals":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+                    self.saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import signal
+
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.depth:
+            self.pending = True
+            return
+        raise KeyboardInterrupt
+
+    def critical(self) -> "_Critical":
+        return _Critical(self)
+
+
+class _Critical:
+    def __init__(self, signals: _Signals) -> None:
+        self.signals = signals
+
+    def __enter__(self) -> None:
+        self.signals.depth += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        self.signals.depth -= 1
+        if not self.signals.depth and self.signals.pending and exc[0] is None:
+            self.signals.pending = False
+            raise KeyboardInterrupt
+
+
+def _merge(into: PairResult, r: PairResult) -> list[Finding]:
+    """Add another stream's result to a pair's; returns the findings whose signature is new here."""
+    into.examples += r.examples
+    into.seconds += r.seconds
+    into.max_k3 = max(into.max_k3, r.max_k3)
+    into.streams += r.streams
+    into.warmup += r.warmup
+    known = {f.signature for f in into.findings}
+    fresh = [f for f in r.findings if f.signature not in known]
+    into.findings.extend(fresh)
+    return fresh
+
+
 def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], None] | None = None,
                  on_finding: Callable[[Finding], None] | None = None) -> CampaignResult:
-    """Fuzz every pair of the config; write each finding to the corpus, then to the tracker."""
+    """Fuzz every pair of the config; write each finding to the corpus, then to the tracker.
+
+    A finding the corpus cannot take (disk full, read-only folder) is printed in full as JSON on
+    stderr (the repro file it would have been) and kept in `CampaignResult.unsaved`; the campaign goes on.
+    """
     from . import corpus as corpus_mod
     from .tracking import NullTracker
 
@@ -309,48 +514,87 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     seed = cfg.seed if cfg.seed is not None else fresh_seed()
     cfg.seed = seed
     result = CampaignResult(seed=seed, config=cfg)
-    pairs = shard_pairs(cfg.pairs, cfg.shard)
+    units = campaign_units(cfg.pairs, cfg.streams, cfg.shard, cfg.stream)
+    pairs = list({u.pair.name: u.pair for u in units}.values())
     log(f"campaign seed {seed} (rerun exactly with --seed {seed}); {len(pairs)} pair(s), device {cfg.device}, "
-        f"threshold {cfg.threshold:g}" + (f", shard {cfg.shard[0]}/{cfg.shard[1]}" if cfg.shard else ""))
+        f"threshold {cfg.threshold:g}" + (f", {cfg.streams} streams per pair" if cfg.streams > 1 else "")
+        + (f", shard {cfg.shard[0]}/{cfg.shard[1]}" if cfg.shard else "")
+        + ("" if cfg.isolation else ", in-process (no isolation)"))
     tracker.campaign_started(cfg, seed, pairs)
     start = time.monotonic()
     end = start + cfg.budget if cfg.budget is not None else None
+    executor = Executor(cfg)
+    signals = _Signals()
+    by_pair: dict[str, PairResult] = {}
 
     def progress(r: PairResult, done: bool) -> None:
         if not done:
             log(f"  {r.pair}: {r.examples} cases, {r.rate:.1f}/s, max k3 {r.max_k3:.3g}")
 
     def record(f: Finding) -> None:
-        if cfg.write_corpus:
-            corpus_mod.record_finding(f, cfg.corpus, cfg.threshold, seed, cfg.device)
-        tracker.finding(f)
+        with signals.critical():
+            if cfg.write_corpus:
+                try:
+                    corpus_mod.record_finding(f, cfg.corpus, cfg.threshold, seed, cfg.device)
+                except OSError as e:
+                    _unsaved(f, e, cfg, seed, log)
+                    result.unsaved.append(f)
+            tracker.finding(f)
         if on_finding:
             on_finding(f)
 
-    try:
-        for n, pair in enumerate(pairs):
-            deadline = None
-            if end is not None:
-                now = time.monotonic()
-                deadline = now + max(0.0, end - now) / (len(pairs) - n)
-            try:
-                r = fuzz_pair(pair, cfg, pair_seed(seed, pair.name), deadline, progress)
-            except _Interrupted as stop:
-                result.results.append(stop.result)
-                for f in stop.result.findings:
-                    record(f)
-                raise KeyboardInterrupt from None
+    def add(r: PairResult) -> list[Finding]:
+        if r.pair not in by_pair:
+            by_pair[r.pair] = r
             result.results.append(r)
-            for f in r.findings:
-                record(f)
-            log(f"  {pair.name}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max k3 {r.max_k3:.3g}"
-                + (f", {len(r.findings)} finding(s)" if r.findings else "") + ")")
+            return list(r.findings)
+        return _merge(by_pair[r.pair], r)
+
+    try:
+        with signals:
+            for n, unit in enumerate(units):
+                pair = unit.pair
+                deadline = None
+                if end is not None:
+                    now = time.monotonic()
+                    deadline = now + max(0.0, end - now) / (len(units) - n)
+                try:
+                    r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
+                                  progress, evaluate=executor.evaluator(pair, end),
+                                  max_examples=stream_examples(cfg.max_examples, unit.stream, unit.streams),
+                                  wall=end)
+                except _Interrupted as stop:
+                    for f in add(stop.result):
+                        record(f)
+                    raise KeyboardInterrupt from None
+                for f in add(r):
+                    record(f)
+                log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max k3 {r.max_k3:.3g}"
+                    + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
+                    + (f", {len(r.findings)} finding(s)" if r.findings else "") + ")")
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
+        result.worker_restarts = executor.restarts
+        executor.close()
         result.seconds = time.monotonic() - start
         tracker.campaign_finished(result)
     return result
+
+
+def _unsaved(f: Finding, err: OSError, cfg: CampaignConfig, seed: int, log: Callable[[str], None]) -> None:
+    """A finding the corpus could not take: say why, and print it in full so it is not lost."""
+    from .corpus import finding_to_repro
+
+    target = f.path or Path(cfg.corpus) / f.pair / f"{f.id}.json"
+    f.path = None
+    reason = err.strerror or str(err)
+    log(f"error: could not write finding {f.id} ({f.pair}, {f.symptom.value}) to {target}: {reason} "
+        f"(errno {err.errno}). Free space or make the corpus folder writable (or pass --corpus DIR); the campaign "
+        f"goes on and exits 3 at the end. The finding follows on one line as JSON: save that line as {target} "
+        "to replay it.")
+    data = finding_to_repro(f, cfg.threshold, seed, cfg.device).to_json()
+    print(json.dumps(data, default=str), file=sys.stderr, flush=True)
 
 
 def summary_table(result: CampaignResult) -> str:

@@ -1,0 +1,276 @@
+"""Supervised worker processes: targets run isolated from the campaign (libFuzzer's fork mode).
+
+A campaign hands each case to a `Worker`: a child process, started with the `spawn` method (torch
+and `fork` do not mix: its thread pools and CUDA state do not survive a fork), that owns one device
+and is reused for every case of every pair until it dies. Only the case goes in; the pair's build,
+both paths and the metrics run in the worker, and only the `Evaluation` comes back (symptom,
+metrics, error; never the outcomes), so tensors stay on their device and the pipe carries a few
+hundred bytes. The pipe connects the campaign to its own child: nothing read from a file or a
+network is ever unpickled.
+
+What the supervisor turns into findings:
+
+- `timeout`: a case still running after the per-case timeout (wall seconds, default
+  `DEFAULT_TIMEOUT`). The worker dumps its Python stack just before the timeout (faulthandler), so
+  the finding says where it hung; then it is killed and a fresh one starts for the next case.
+- `crash`: the worker died while running the case (a signal: SIGSEGV in a kernel, SIGABRT from an
+  assert, SIGKILL from the OOM killer; or an exit). The stack faulthandler printed, if any, is kept.
+
+A worker finds a pair by name in its own registry, importing only the module the pair was
+registered from (a `targets.*` module, a plugin file or module named with `--plugin`), so a worker
+that runs op pairs never imports a model or the torch.compile backend. The campaign's
+`--budget` is a hard wall: a case still running when it ends is killed (and is not a finding).
+The worker ignores SIGINT: Ctrl-C in a terminal reaches the whole process group, and the campaign,
+not the worker, decides what an interrupt does (it stops the worker).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import HarnessError
+
+DEFAULT_TIMEOUT = 60.0  # wall seconds one case may take (build, both paths, metrics) before it is a hang
+_START_TIMEOUT = 300.0  # seconds a fresh worker may take to import torch and the pair's module
+
+
+class WorkerError(HarnessError):
+    """A worker cannot run a pair at all (the pair does not load there): a setup error, not a finding."""
+
+
+class OutOfTime(Exception):
+    """The campaign's hard wall came while a case was running; the worker was stopped."""
+
+
+def _signal_name(code: int | None) -> str:
+    if code is None:
+        return "unknown"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The supervisor side
+# ---------------------------------------------------------------------------------------------
+class Worker:
+    """One supervised child process on one device. `evaluate` is the only call a campaign needs."""
+
+    def __init__(self, device: str = "cpu", plugins: tuple[str, ...] | list[str] = (),
+                 timeout: float = DEFAULT_TIMEOUT, threads: int | None = None) -> None:
+        self.device = device
+        self.plugins = tuple(plugins)
+        self.timeout = timeout
+        self.threads = threads
+        self.proc: Any = None
+        self.conn: Any = None
+        self.restarts = 0  # workers started after the first (each timeout or crash costs one)
+        self._log: Path | None = None
+        self._dir = tempfile.mkdtemp(prefix="harness-worker-")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        import multiprocessing as mp
+
+        if self.threads is None:
+            import torch
+
+            self.threads = torch.get_num_threads()  # the same numerics as an in-process run
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        fd, log = tempfile.mkstemp(prefix="fault-", suffix=".log", dir=self._dir)
+        os.close(fd)
+        self._log = Path(log)
+        self.proc = ctx.Process(target=serve, args=(child, self.device, self.plugins, self.threads, str(log)),
+                                name="harness-worker", daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+        self.ready = False  # until the worker says it has imported what every case needs
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+        self.proc = self.conn = None
+
+    def close(self) -> None:
+        """Stop the worker (asked politely first) and remove its temporary files."""
+        if self.proc is not None and self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+                self.proc.join(2)
+            except (OSError, BrokenPipeError):
+                pass
+        self.kill()
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- one case --------------------------------------------------------------------------------
+    def evaluate(self, pair: Any, case: Any, threshold: float, timeout: float | None = None,
+                 wall: float | None = None) -> Any:
+        """The Evaluation of `case` on `pair`, computed in the worker.
+
+        `timeout` (default: the worker's) bounds this case; `wall` (time.monotonic()) is the
+        campaign's hard end: a case still running then is stopped and `OutOfTime` raised.
+        """
+        from .execute import Evaluation, Symptom
+
+        timeout = self.timeout if timeout is None else timeout
+        if self.proc is None or not self.proc.is_alive():
+            if self.proc is not None:
+                self.kill()
+                self.restarts += 1
+            self.start()
+        if not self.ready:
+            if not self._wait_ready(wall):
+                raise OutOfTime
+            self.ready = True
+        self._clear_log()
+        try:
+            self.conn.send(("case", pair.name, pair.source, case, threshold, timeout))
+        except (OSError, BrokenPipeError):  # died between cases: a crash of the previous case's making
+            self.kill()
+            self.restarts += 1
+            return self.evaluate(pair, case, threshold, timeout, wall)
+        now = time.monotonic()
+        limit = timeout if wall is None else min(timeout, max(0.0, wall - now))
+        ready = self.conn.poll(limit)
+        if ready:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            if msg is not None:
+                kind, payload = msg
+                if kind == "ok":
+                    return payload
+                raise WorkerError(payload)
+            self.proc.join(5)
+            code = self.proc.exitcode
+            what = _signal_name(code)
+            self.kill()
+            self.restarts += 1
+            return Evaluation(pair.name, case, Symptom.CRASH, error={
+                "type": what, "where": "worker",
+                "message": f"the worker process died ({what}) while running this case on {self.device}",
+                "traceback": self._read_log()})
+        # no answer within the limit
+        out_of_wall = wall is not None and time.monotonic() >= wall - 1e-3 and limit < timeout
+        time.sleep(0.05)  # the worker's own watchdog writes its stack just before the timeout
+        stack = self._read_log()
+        self.kill()
+        self.restarts += 1
+        if out_of_wall:
+            raise OutOfTime
+        return Evaluation(pair.name, case, Symptom.TIMEOUT, error={
+            "type": "Timeout", "where": "worker",
+            "message": f"the case ran longer than the per-case timeout of {timeout:g} s (build, both paths and "
+                       "metrics); raise it with --timeout SECONDS if the pair is just slow",
+            "traceback": stack})
+
+    def _wait_ready(self, wall: float | None) -> bool:
+        limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))
+        if self.conn.poll(limit):
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            if msg == ("ready",):
+                return True
+            detail = self._read_log() or f"it exited with {_signal_name(self.proc.exitcode)}"
+            self.kill()
+            raise WorkerError(f"a worker process for device {self.device} failed to start: {detail[-2000:]}. Run "
+                              "with --no-isolation to see the error in this process.")
+        self.kill()
+        return False
+
+    def _clear_log(self) -> None:
+        if self._log is not None and self._log.exists() and self._log.stat().st_size:
+            self._log.write_text("")
+
+    def _read_log(self) -> str:
+        try:
+            return self._log.read_text(errors="replace")[-8000:] if self._log else ""
+        except OSError:
+            return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker side
+# ---------------------------------------------------------------------------------------------
+def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: str) -> None:
+    """The worker's loop: load pairs on demand, evaluate cases, answer with Evaluations."""
+    import faulthandler
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fault = open(log, "w")
+    faulthandler.enable(file=fault)
+    import torch
+
+    torch.set_num_threads(threads)
+    from .execute import run_case
+
+    pairs: dict[tuple[str, str], Any] = {}
+    conn.send(("ready",))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the campaign is gone
+            return
+        if msg[0] == "stop":
+            return
+        _, name, source, case, threshold, timeout = msg
+        try:
+            pair = pairs.get((name, source))
+            if pair is None:
+                pair = pairs[(name, source)] = load_pair(name, source, plugins)
+        except Exception as e:
+            conn.send(("error", f"pair {name!r} does not load in the worker process: {type(e).__name__}: {e}"))
+            continue
+        # a stack dump just before the supervisor's timeout: where the case hung
+        faulthandler.dump_traceback_later(max(0.01, timeout - 0.02), file=fault)
+        ev = run_case(pair, case, device, threshold)
+        faulthandler.cancel_dump_traceback_later()
+        if not ev.failed and ev.divergence is not None:
+            ev.divergence.per_token = {}  # a passing case's verdict is all the campaign keeps
+        conn.send(("ok", ev))
+
+
+def load_pair(name: str, source: str, plugins: tuple[str, ...] = ()) -> Any:
+    """Find a pair by name, importing only what it needs: the module it was registered from."""
+    import importlib
+
+    from .pairs import REGISTRY
+
+    loaded = getattr(REGISTRY, "_pairs", {})  # what is registered so far, without loading every built-in
+    if name not in loaded and source:
+        if source.endswith(".py") or os.sep in source:
+            REGISTRY.load_plugin(source)
+        elif not source.startswith("entry point "):
+            importlib.import_module(source)
+    if name not in loaded:
+        for spec in plugins:
+            REGISTRY.load_plugin(spec)
+    return loaded[name] if name in loaded else REGISTRY.get(name)
