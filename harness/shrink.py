@@ -1,0 +1,85 @@
+"""The polish pass: after Hypothesis has shrunk a failure, make it the simplest trigger.
+
+Hypothesis shrinks the choices behind a case; it does not know that a temperature of 1.0 is simpler
+than 0.5, nor that sequence 3 can be removed without touching the others (it deletes list elements
+it drew, and a batch size drawn as a number is lowered from the end). This pass finishes the job on
+the case itself, one knob at a time, keeping a move only when the case still fails with the same
+signature:
+
+1. drop one sequence (every other sequence keeps its stream id, so its tensors are unchanged);
+2. move one knob to its neutral value (temperature 1.0, top-p 1.0, top-k off, right padding,
+   one packed row in the given order, no forced router ties);
+3. empty one prompt, halve one prompt or response, then drop their last token.
+
+It repeats until no move is accepted (the result is 1-minimal with respect to
+`Case.simpler_neighbours()`) or its evaluation budget or deadline is spent. Each evaluation is one
+case through the pair, so the budget is small next to a campaign's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+from .case import NEUTRAL, Case
+
+
+def moves(case: Case) -> Iterator[Case]:
+    """Simpler neighbours, the biggest simplifications first."""
+    for i in range(case.batch_size if case.batch_size > 1 else 0):
+        yield case.drop_sequence(i)
+    for name, neutral in NEUTRAL.items():
+        if getattr(case, name) != neutral:
+            yield case.replace(**{name: neutral})
+    if case.row_capacity:
+        yield case.replace(row_capacity=0)
+    if case.order:
+        yield case.replace(order=())
+    if case.tie_fraction > 0:
+        yield case.replace(tie_fraction=0.0)
+    for j in range(case.batch_size):
+        p = case.prompt_len(j)
+        if p:
+            for q in dict.fromkeys((0, p // 2, p - 1)):
+                yield _with(case, j, prompt=q)
+    for j, n in enumerate(case.seq_lens):
+        for m in dict.fromkeys((1, n // 2, n - 1)):
+            if 1 <= m < n:
+                yield _with(case, j, response=m)
+
+
+def _with(case: Case, j: int, prompt: int | None = None, response: int | None = None) -> Case:
+    lens = list(case.seq_lens)
+    prompts = list(case.prompt_lens) if case.prompt_lens else [0] * case.batch_size
+    if prompt is not None:
+        prompts[j] = prompt
+    if response is not None:
+        lens[j] = response
+    totals = [a + b for a, b in zip(lens, prompts)]
+    cap = case.row_capacity if max(totals) <= case.row_capacity < sum(totals) else 0
+    return case.replace(seq_lens=tuple(lens), prompt_lens=tuple(prompts) if any(prompts) else (), row_capacity=cap)
+
+
+def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,
+           deadline: float | None = None) -> tuple[Case, int, bool]:
+    """The simplest failing case reachable from `case` by accepted moves.
+
+    `fails(c)` says whether c still fails the same way. Returns (case, evaluations, complete):
+    complete is False when the budget or the deadline (time.monotonic()) stopped the pass early.
+    """
+    evals = 0
+    seen: set[str] = {case.key()}
+    while True:
+        for cand in moves(case):
+            key = cand.key()
+            if key in seen:
+                continue
+            if evals >= max_evals or (deadline is not None and time.monotonic() > deadline):
+                return case, evals, False
+            seen.add(key)
+            evals += 1
+            if fails(cand):
+                case = cand
+                break
+        else:
+            return case, evals, True

@@ -1,0 +1,23 @@
+"""The polish pass turns a 1-minimal Hypothesis result into the simplest trigger."""
+from harness.case import Case
+from harness.shrink import polish
+
+
+def test_polish_drops_bystanders_and_moves_knobs_to_neutral():
+    # the bug: any sequence of >= 39 tokens with temperature != 1 diverges
+    def fails(c):
+        return max(c.seq_lens) >= 39 and c.temperature != 1.0
+
+    start = Case(seed=7, seq_lens=(1, 39, 5), prompt_lens=(3, 0, 9), seq_ids=(4, 9, 2), temperature=0.5,
+                 top_p=0.9, sample_top_k=7, pad_side="left", row_capacity=45, order=(2, 1, 0))
+    got, evals, complete = polish(start, fails)
+    assert complete and fails(got)
+    assert got.seq_lens == (39,) and got.seq_ids == (9,)  # the trigger keeps its own stream
+    assert got.prompt_lens == () and got.top_p == 1.0 and got.sample_top_k == 0 and got.pad_side == "right"
+    assert got.temperature == 0.5  # the one knob the bug needs stays
+    assert all(not fails(n) for n in got.simpler_neighbours())  # 1-minimal
+
+
+def test_polish_stops_at_its_budget_and_says_so():
+    got, evals, complete = polish(Case(seed=1, seq_lens=(8, 8, 8)), lambda c: True, max_evals=2)
+    assert evals == 2 and not complete and got.seq_lens == (8,)
