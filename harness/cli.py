@@ -167,6 +167,7 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     from .env import resolve_device
     from .fuzz import CampaignConfig, run_campaign, summary_table
     from .pairs import REGISTRY
+    from .corpus import replay_command_for
     from .tracking import make_tracker
 
     load_plugins(plugins)
@@ -192,7 +193,7 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
         echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, k3 {f.k3:.4g}, minimal case "
                  f"{f.case.one_line()}\n    replay: "
-                 + (f"harness replay {f.path}" if f.path else "(not written: saved as JSON on stderr above)"))
+                 + (replay_command_for(f.pair, f.path) if f.path else "(not written: saved as JSON on stderr above)"))
 
     result = run_campaign(cfg, tracker=tracker, on_finding=announce)
     click.echo(summary_table(result))
@@ -200,6 +201,8 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     click.echo(f"\n{result.examples} cases in {result.seconds:.1f}s, {n} finding(s); seed {result.seed}.")
     missed = [r.pair for r in result.results if r.verdict == "MISSED"]
     if missed:
+        click.echo(f"missed demonstration(s): {len(missed)} of {sum(r.expected == 'diverges' for r in result.results)}"
+                   f" not caught: {', '.join(missed)} (more examples or budget?)")
         click.echo(f"warning: demonstration pair(s) not caught: {', '.join(missed)} (more examples or budget?)",
                    err=True)
     if result.unsaved:
@@ -264,30 +267,49 @@ def in_bisect() -> bool:
 @plugin_option
 def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None, device: str,
            threshold: float | None, bisect: bool | None, as_json: bool, plugins: tuple[str, ...]) -> None:
-    """Replay repro files (or folders of them): exit 1 if any still diverges, 0 if none does."""
-    from .corpus import load_many, replay as do_replay
+    """Replay repro files (or folders of them): exit 1 if any still diverges, 0 if none does.
+
+    A file that does not load (damaged, out of bounds) or whose pair cannot be loaded here is skipped
+    with its reason and the rest are replayed; the exit is then 2 (125 under --bisect) unless one
+    still diverges. A repro recorded from a plugin file inside this repository loads that file."""
+    from .corpus import Skipped, load_many_tolerant, load_plugin_for, replay as do_replay
     from .env import resolve_device
 
     bisect = in_bisect() if bisect is None else bisect
+    cannot = EXIT_SKIP if bisect else EXIT_USAGE
     try:
         if not files and not run_id:
             raise UsageError("replay needs at least one repro FILE (or folder), or --run-id ID.")
-        repros = load_many(files)
+        missing = [str(f) for f in files if not Path(f).exists()]
+        repros, skipped = load_many_tolerant(f for f in files if Path(f).exists())
+        skipped = [Skipped(Path(m), f"repro file {m!r} does not exist; pass a repro file written by `harness "
+                                    "fuzz` (corpora/<pair>/<id>.json).") for m in missing] + skipped
         if run_id:
             from .tracking import fetch_repro
 
             repros.append(fetch_repro(run_id, tracking_uri))
-        if not repros:
+        if not repros and not skipped:
             raise UsageError(f"no repro files found in {', '.join(map(str, files))}.")
         try:
             load_plugins(plugins)
         except UsageError as e:
             raise CannotEvaluate(str(e)) from None
         dev = resolve_device(device)
-        results = [do_replay(r, dev, threshold) for r in repros]
-    except CannotEvaluate as e:
+    except HarnessError as e:
         echo_err(f"error: {e}")
-        sys.exit(EXIT_SKIP if bisect else EXIT_USAGE)
+        sys.exit(cannot)
+    results = []
+    for r in repros:
+        why = load_plugin_for(r)
+        if why is not None:
+            skipped.append(Skipped(r.path, f"repro {r.path or r.id} cannot be replayed here: {why}."))
+            continue
+        try:
+            results.append(do_replay(r, dev, threshold))
+        except HarnessError as e:
+            skipped.append(Skipped(r.path, str(e)))
+    for s in skipped:
+        echo_err(f"skipped {s.path}: {s.reason}")
     out = []
     for res in results:
         r, ev = res.repro, res.evaluation
@@ -307,8 +329,13 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         if not as_json:
             click.echo(line)
     if as_json:
+        out += [{"file": str(s.path) if s.path else None, "skipped": s.reason} for s in skipped]
         click.echo(json.dumps(out, indent=2, default=str))
-    sys.exit(EXIT_FOUND if any(res.diverges for res in results) else EXIT_OK)
+    if skipped and not as_json:
+        echo_err(f"{len(skipped)} repro(s) skipped, {len(results)} replayed.")
+    if any(res.diverges for res in results):
+        sys.exit(EXIT_FOUND)
+    sys.exit(cannot if skipped else EXIT_OK)
 
 
 def _fmt(x: Any) -> str:
@@ -322,11 +349,12 @@ def _fmt(x: Any) -> str:
 @plugin_option
 def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     """Print a repro for a person: case, tensor shapes, metrics, and the command that replays it."""
-    from .corpus import load_repro
+    from .corpus import load_plugin_for, load_repro
     from .env import resolve_device
     from .pairs import REGISTRY
 
     r = load_repro(file)
+    unavailable = None
     click.echo(f"repro {r.id}  pair {r.pair}  status {r.status}  symptom {r.symptom}  threshold {r.threshold:g}")
     found = r.found
     if found:
@@ -340,6 +368,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     click.echo(f"  -> {r.case.batch_size} sequence(s), {r.case.n_tokens} token(s)")
     try:
         load_plugins(plugins)
+        why = load_plugin_for(r)
+        if why is not None:
+            raise CannotEvaluate(f"repro {file} cannot be evaluated here: {why}")
         pair = REGISTRY.get(r.pair)
         click.echo(f"\npair: {pair.description or pair.name} ({pair.kind}, expected {pair.expected})")
         import torch
@@ -350,6 +381,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         for name, value in _tensors(inputs):
             click.echo(f"  {name:13s} {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}")
     except HarnessError as e:
+        unavailable = e
         click.echo(f"\n(pair not available here: {e})")
     click.echo("\nmetrics when found:")
     for k, v in r.metrics.items():
@@ -362,7 +394,13 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     if r.history:
         click.echo(f"\nhistory: {len(r.history)} event(s), last: {r.history[-1].get('event')} at "
                    f"{r.history[-1].get('at')}")
-    click.echo(f"\nreplay: harness replay {file}")
+    env_loader = r.loader.get("kind")
+    if env_loader:
+        click.echo("loaded from: " + ", ".join(f"{k} {v}" for k, v in r.loader.items()))
+    click.echo(f"\nreplay: {r.replay_command(file)}")
+    if unavailable is not None:
+        echo_err(f"error: {unavailable}")
+        sys.exit(EXIT_USAGE)
 
 
 def _tensors(obj: Any, prefix: str = ""):

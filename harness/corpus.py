@@ -1,29 +1,44 @@
-"""The repro format, atomic writes, loading with clear errors, and replay.
+"""The repro format, atomic writes, loading with clear errors and bounds, and replay.
 
 A repro is one JSON file, `corpora/<pair>/<id>.json` (id = the first 12 hex digits of the
 finding's signature, see `harness.fuzz`). It holds the minimal case (a few hundred bytes: tensors
 are rebuilt from the case's seed), the metrics measured when it was found (non-finite values as the
-strings "nan", "inf", "-inf"), the environment, and a triage status:
+strings "nan", "inf", "-inf"), the environment (versions of torch, the harness and every backend
+library the pair had imported), how the pair was loaded (`loader`, below), and a triage status:
 
 - `open`: a regression nobody has fixed yet (tests mark it as an expected failure, showing its k3);
 - `fixed`: must replay under the threshold (a test fails if it diverges again);
 - `expected`: a demonstration pair's divergence that must keep being caught;
 - `wontfix`: accepted; replayed and reported, never failing a test.
 
-Files are written atomically (temporary file in the same folder, fsync, rename): a campaign killed
-mid-write leaves the old file or the new one, never half of one. Nothing is unpickled.
+Loading is strict, because a repro is input from outside: every field is type- and range-checked
+before anything runs, and a case's size is bounded (`LIMITS`: tokens, sequences, experts,
+vocabulary, free parameters; each can be raised with its environment variable). Nothing in a repro
+is imported or executed, with one exception a person can see: `loader` may name a plugin file, and
+the harness loads it only when it is a `.py` file inside the repository the corpus lives in (code
+the test suite runs anyway). A module, or a file elsewhere, must be given with `--plugin`.
+
+Files are written atomically (temporary file `.<name>.<pid>.<rand>.tmp` in the same folder, fsync,
+rename) with the mode the umask gives new files: a campaign killed mid-write leaves the old file or
+the new one, never half of one, and the next write there removes temporary files of dead writers.
+Nothing is unpickled.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import os
+import re
+import subprocess
+import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .case import Case, CaseError
 from .errors import CannotEvaluate, UsageError
@@ -32,8 +47,82 @@ from .metrics import METRIC_KEYS
 
 REPRO_SCHEMA = "harness.repro/1"
 STATUSES = ("open", "fixed", "expected", "wontfix")
+NONFINITE = ("nan", "inf", "-inf")
+LOADER_KINDS = ("builtin", "plugin_file", "module", "entry_point")
+# backend libraries a pair may use: their versions are recorded when the process has imported them
+BACKEND_LIBRARIES = ("transformers", "onnxruntime", "onnx", "accelerate", "safetensors", "triton", "vllm",
+                     "sglang", "flash_attn")
 
 
+# ---------------------------------------------------------------------------------------------
+# Bounds on what a repro may ask for (the environment variable raises one)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Limit:
+    name: str  # what is bounded, as a person says it
+    env: str  # the environment variable that raises it
+    default: int  # the bound when the variable is not set
+
+    def value(self) -> int:
+        raw = os.environ.get(self.env)
+        if raw is None or raw.strip() == "":
+            return self.default
+        try:
+            v = int(raw)
+        except ValueError:
+            raise UsageError(f"${self.env}={raw!r} is not an integer; set it to the largest {self.name} a repro "
+                             f"may ask for (default {self.default}).") from None
+        if v < 1:
+            raise UsageError(f"${self.env}={raw!r} must be >= 1 (the largest {self.name} a repro may ask for).")
+        return v
+
+
+LIMITS = {
+    "bytes": Limit("repro file size in bytes", "HARNESS_MAX_REPRO_BYTES", 16 * 2**20),
+    "tokens": Limit("total tokens of a case (prompt + response, all sequences)", "HARNESS_MAX_TOKENS", 65536),
+    "sequences": Limit("number of sequences of a case", "HARNESS_MAX_SEQUENCES", 4096),
+    "experts": Limit("number of router experts", "HARNESS_MAX_EXPERTS", 4096),
+    "vocab": Limit("vocabulary size", "HARNESS_MAX_VOCAB", 1 << 20),
+    "params": Limit("number of free case parameters", "HARNESS_MAX_PARAMS", 64),
+    "param_len": Limit("length of a string case parameter", "HARNESS_MAX_PARAM_LEN", 1024),
+    "param_int": Limit("magnitude of an integer case parameter", "HARNESS_MAX_PARAM_INT", 1 << 20),
+}
+
+
+def check_case_size(case: Case, where: str) -> None:
+    """Raise UsageError when the case asks for more than LIMITS allow (before anything is built)."""
+
+    def over(key: str, got: int, what: str) -> None:
+        lim = LIMITS[key]
+        raise UsageError(f"{where} asks for {what} = {got}, above the limit of {lim.value()} ({lim.name}); a repro "
+                         f"this large is refused before anything runs. If it is genuine, raise the limit: "
+                         f"{lim.env}={got} harness ... (environment variable).")
+
+    prompts = tuple(getattr(case, "prompt_lens", ()) or ())
+    tokens = sum(case.seq_lens) + sum(int(x) for x in prompts if isinstance(x, int))
+    if len(case.seq_lens) > LIMITS["sequences"].value():
+        over("sequences", len(case.seq_lens), "sequences")
+    if tokens > LIMITS["tokens"].value():
+        over("tokens", tokens, "total tokens")
+    if case.n_experts > LIMITS["experts"].value():
+        over("experts", case.n_experts, "n_experts")
+    if len(case.params) > LIMITS["params"].value():
+        over("params", len(case.params), "free parameters")
+    for key, value in case.params.items():
+        if len(key) > LIMITS["param_len"].value():
+            over("param_len", len(key), "a parameter name of length")
+        if isinstance(value, str) and len(value) > LIMITS["param_len"].value():
+            over("param_len", len(value), f"params.{key} of length")
+        if isinstance(value, int) and not isinstance(value, bool):
+            if "vocab" in key.lower() and value > LIMITS["vocab"].value():
+                over("vocab", value, f"params.{key}")
+            if abs(value) > LIMITS["param_int"].value() and "vocab" not in key.lower():
+                over("param_int", abs(value), f"|params.{key}|")
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
@@ -45,7 +134,7 @@ def encode_float(x: Any) -> Any:
 
 
 def decode_float(x: Any) -> Any:
-    return float(x) if x in ("nan", "inf", "-inf") else x
+    return float(x) if x in NONFINITE else x
 
 
 def metrics_json(ev: Evaluation) -> dict[str, Any]:
@@ -54,14 +143,64 @@ def metrics_json(ev: Evaluation) -> dict[str, Any]:
     return {k: encode_float(v) for k, v in ev.divergence.as_dict().items()}
 
 
+def _new_file_mode() -> int:
+    """The mode a new file gets under the current umask (0o666 & ~umask)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+STALE_TMP_SECONDS = 3600.0  # a temporary file this old is removed even when its writer's pid is alive
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_temps(folder: Path) -> list[Path]:
+    """Remove `.<name>.<pid>.<rand>.tmp` files left by killed writers (dead pid, or over an hour old)."""
+    removed = []
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return removed
+    now = time.time()
+    for p in entries:
+        m = TMP_RE.match(p.name)
+        if not m:
+            continue
+        try:
+            old = now - p.stat().st_mtime > STALE_TMP_SECONDS
+            if old or (int(m.group("pid")) != os.getpid() and not _pid_alive(int(m.group("pid")))):
+                p.unlink()
+                removed.append(p)
+        except OSError:
+            continue
+    return removed
+
+
 def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to `path` atomically; an existing file keeps its mode, a new one gets the umask's."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        mode = _new_file_mode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=2, sort_keys=False, allow_nan=False)
             fh.write("\n")
             fh.flush()
+            os.fchmod(fh.fileno(), mode)
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -70,6 +209,104 @@ def write_json_atomic(path: Path, data: Any) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+# ---------------------------------------------------------------------------------------------
+# How a pair was loaded, and where the repository is
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=64)
+def _git_toplevel(folder: str) -> str | None:
+    try:
+        proc = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=folder, capture_output=True, text=True,
+                              timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    top = proc.stdout.strip()
+    return top if proc.returncode == 0 and top else None
+
+
+def repo_root(near: str | Path | None = None) -> Path:
+    """The git checkout holding `near` (a file or folder; default the working directory), else the
+    working directory."""
+    p = Path(near).resolve() if near is not None else Path.cwd().resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    folder = p if p.is_dir() else p.parent
+    top = _git_toplevel(str(folder))
+    return Path(top).resolve() if top else Path.cwd().resolve()
+
+
+def loader_of(source: str, root: Path) -> dict[str, str]:
+    """What a pair's `source` (filled in by the registry) says about how to load it again."""
+    if not source or source.startswith("targets.") or source == "targets":
+        return {"kind": "builtin"}
+    if source.startswith("entry point "):
+        return {"kind": "entry_point", "name": source[len("entry point "):]}
+    if source.endswith(".py") or os.sep in source or "/" in source:
+        path = Path(source).resolve()
+        try:
+            return {"kind": "plugin_file", "path": path.relative_to(root).as_posix()}
+        except ValueError:
+            return {"kind": "plugin_file", "path": str(path), "outside_repository": "true"}
+    return {"kind": "module", "module": source}
+
+
+def pair_loader(pair_name: str, root: Path, registry: Any = None) -> dict[str, str]:
+    from .pairs import REGISTRY
+
+    registry = registry or REGISTRY
+    try:
+        pair = registry.get(pair_name)
+    except Exception:  # noqa: BLE001 - an unknown pair: nothing to say about its loader
+        return {"kind": "unknown"}
+    return loader_of(getattr(pair, "source", "") or "", root)
+
+
+def backend_versions() -> dict[str, str]:
+    """Versions of the backend libraries this process has imported (what the pairs ran on)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in BACKEND_LIBRARIES:
+        if name in sys.modules:
+            try:
+                out[name] = version(name.replace("_", "-"))
+            except PackageNotFoundError:
+                out[name] = str(getattr(sys.modules[name], "__version__", "unknown"))
+    return out
+
+
+def _display(path: Path) -> str:
+    """A path as a person types it from the working directory (relative when under it)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def plugin_spec_of(loader: dict[str, str], near: str | Path | None) -> str | None:
+    """The `--plugin` value a loader needs (None: built in or an entry point): a plugin file as a
+    path from the working directory, a module by name."""
+    kind = loader.get("kind")
+    if kind == "plugin_file":
+        p = Path(loader.get("path", ""))
+        if not p.is_absolute():
+            p = repo_root(near) / p
+        return _display(p)
+    if kind == "module":
+        return loader.get("module")
+    return None
+
+
+def format_replay(spec: str | None, path: Any) -> str:
+    plugin = f" --plugin {spec}" if spec else ""
+    return f"harness replay{plugin} {_display(Path(path)) if path else 'FILE'}"
+
+
+def replay_command_for(pair_name: str, path: str | Path | None, registry: Any = None) -> str:
+    """The replay command of a corpus file of `pair_name`, with `--plugin` when its pair needs one."""
+    loader = pair_loader(pair_name, repo_root(path), registry)
+    return format_replay(plugin_spec_of(loader, path), path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,14 +323,16 @@ class Repro:
     threshold: float
     case: Case
     metrics: dict[str, Any]
-    error: dict[str, str] | None = None
+    error: dict[str, Any] | None = None
     environment: dict[str, Any] = field(default_factory=dict)
     found: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
     tracking: dict[str, Any] = field(default_factory=dict)
+    loader: dict[str, str] = field(default_factory=dict)  # how the pair was loaded (see loader_of)
+    extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not read, kept as they are
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "schema": REPRO_SCHEMA,
             "id": self.id,
             "pair": self.pair,
@@ -105,10 +344,14 @@ class Repro:
             "metrics": {k: encode_float(v) for k, v in self.metrics.items()},
             "error": self.error,
             "environment": self.environment,
+            "loader": self.loader,
             "found": self.found,
             "history": self.history,
             "tracking": self.tracking,
         }
+        for k, v in self.extra.items():
+            out.setdefault(k, v)
+        return out
 
     def save(self, path: Path | None = None) -> Path:
         path = Path(path or self.path)
@@ -116,37 +359,88 @@ class Repro:
         self.path = path
         return path
 
-    def replay_command(self) -> str:
-        return f"harness replay {self.path}" if self.path else "harness replay FILE"
+    # --- loading the pair again -------------------------------------------------------------
+    def plugin_spec(self) -> str | None:
+        """What `--plugin` needs to be for this repro's pair (None: built in or an entry point)."""
+        return plugin_spec_of(self.loader, self.path)
+
+    def replay_command(self, path: Any = None) -> str:
+        """The command that replays this repro as printed, with `--plugin` when its pair needs one."""
+        return format_replay(self.plugin_spec(), path or self.path)
+
+    def auto_plugin(self) -> tuple[str | None, str | None]:
+        """(a plugin file this harness may load for the repro by itself, or why it may not).
+
+        Only a `.py` file inside the repository that holds the repro (no `..` escape, symlinks
+        resolved) is loaded without being asked for: the repro never makes the harness import code
+        the person did not choose."""
+        kind = self.loader.get("kind")
+        if kind != "plugin_file":
+            if kind == "module":
+                return None, (f"its pair {self.pair!r} comes from the module {self.loader.get('module')!r}; "
+                              f"pass --plugin {self.loader.get('module')} to load it")
+            if kind == "entry_point":
+                return None, (f"its pair {self.pair!r} comes from the entry point {self.loader.get('name')!r}; "
+                              "install the package that provides it")
+            return None, None
+        root = repo_root(self.path)
+        rel = Path(self.loader.get("path", ""))
+        full = (rel if rel.is_absolute() else root / rel).resolve()
+        try:
+            full.relative_to(root)
+        except ValueError:
+            return None, (f"its pair {self.pair!r} comes from the plugin file {str(full)!r}, outside this repository; "
+                          f"pass --plugin {full} to load it")
+        if full.suffix != ".py" or not full.is_file():
+            return None, (f"its pair {self.pair!r} comes from the plugin file {str(rel)!r}, which is not in this "
+                          "checkout; restore it, or pass --plugin PATH to where it lives")
+        return str(full), None
 
 
-def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device: str) -> Repro:
+def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device: str,
+                     corpus_dir: str | Path | None = None) -> Repro:
     from .env import environment
 
     ev = finding.evaluation
+    env = environment(device)
+    env.update(backend_versions())
+    root = repo_root(corpus_dir) if corpus_dir is not None else repo_root()
     return Repro(
         path=None, id=finding.id, pair=finding.pair, symptom=finding.symptom.value,
         signature=finding.signature, status=finding.status, threshold=threshold, case=finding.case,
-        metrics=metrics_json(ev), error=ev.error, environment=environment(device),
+        metrics=metrics_json(ev), error=ev.error, environment=env, loader=pair_loader(finding.pair, root),
         found={"at": now_iso(), "campaign_seed": campaign_seed, "examples": finding.examples,
                "shrink_complete": finding.shrink_complete},
     )
 
 
-def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_seed: int, device: str) -> Path:
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_seed: int, device: str,
+                   log: Callable[[str], None] | None = None) -> Path:
     """Write a finding to `corpus_dir/<pair>/<id>.json`, unless the corpus already has its signature.
 
     An existing file is left as it is, except a `fixed` one, which is reopened: its status becomes
-    `open` and the recurrence, with the new minimal case, is appended to its history.
+    `open` and the recurrence, with the new minimal case, is appended to its history. An existing
+    file that does not load (edited by hand, damaged) is never replaced silently: it is moved aside
+    to `<id>.json.broken-<time>` with a warning, and the new repro written in its place.
     """
+    log = log or _stderr
     path = Path(corpus_dir) / finding.pair / f"{finding.id}.json"
     finding.path = path
+    clean_stale_temps(path.parent)
     if path.exists():
         finding.new = False
         try:
             old = load_repro(path)
-        except UsageError:
+        except UsageError as e:
             old = None
+            aside = path.with_name(f"{path.name}.broken-{_dt.datetime.now():%Y%m%dT%H%M%S}")
+            os.replace(path, aside)
+            log(f"warning: corpus file {path} does not load ({e}); it was moved aside to {aside} (its history is "
+                "there) and the new finding written in its place. Merge the two by hand if the old one mattered.")
         if old is not None and old.status == "fixed":
             finding.recurrence = True
             old.status = "open"
@@ -155,51 +449,125 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
             old.save(path)
         if old is not None:
             return path
-    finding_to_repro(finding, threshold, campaign_seed, device).save(path)
+    finding_to_repro(finding, threshold, campaign_seed, device, corpus_dir).save(path)
     return path
 
 
 # ---------------------------------------------------------------------------------------------
-# Loading
+# Loading: every field checked before anything runs
 # ---------------------------------------------------------------------------------------------
+def _symptoms() -> tuple[str, ...]:
+    return tuple(s.value for s in Symptom if s is not Symptom.NONE)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def validate_repro_json(data: Any, where: str) -> None:
+    """Type- and range-check every field of a repro's JSON; UsageError names the field and the fix."""
+    fix = "Restore the file from git, or re-record it with `harness fuzz`."
+
+    def bad(name: str, value: Any, rule: str) -> None:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise UsageError(f"{where}: field {name!r} = {shown} is invalid: {rule}. {fix}")
+
+    if not isinstance(data, dict):
+        raise UsageError(f"{where} holds a JSON {type(data).__name__}, not an object; a repro is a JSON object. {fix}")
+    if data.get("schema") != REPRO_SCHEMA:
+        raise UsageError(f"{where} has schema {data.get('schema')!r}, but this harness reads {REPRO_SCHEMA!r}; pass a "
+                         f"repro file written by `harness fuzz` (corpora/<pair>/<id>.json), or re-record it with this "
+                         "version of the harness.")
+    missing = [k for k in ("pair", "case", "status") if k not in data]
+    if missing:
+        raise UsageError(f"{where} lacks the field(s) {missing}; every repro needs pair, case and status. {fix}")
+    pair = data["pair"]
+    if not isinstance(pair, str) or not pair or len(pair) > 200 or not re.fullmatch(r"[\w.\-:/]+", pair):
+        bad("pair", pair, "must be a registered pair's name (letters, digits, '_', '.', '-')")
+    if data["status"] not in STATUSES:
+        bad("status", data["status"], f"must be one of {STATUSES} (use `harness regressions close` to change it)")
+    if "id" in data and (not isinstance(data["id"], str) or not re.fullmatch(r"[A-Za-z0-9_\-]{1,128}", data["id"])):
+        bad("id", data["id"], "must be a string of letters, digits, '_' or '-' (the file's stem)")
+    if "symptom" in data and data["symptom"] not in _symptoms():
+        bad("symptom", data["symptom"], f"must be one of {_symptoms()}")
+    if "signature" in data and (not isinstance(data["signature"], str) or len(data["signature"]) > 256):
+        bad("signature", data["signature"], "must be a string (the finding's hex signature)")
+    if "threshold" in data:
+        t = data["threshold"]
+        if not _is_number(t) or not math.isfinite(t) or t <= 0:
+            bad("threshold", t, "must be a finite number > 0 (the mean k3 above which a case diverges)")
+    metrics = data.get("metrics")
+    if metrics is not None:
+        if not isinstance(metrics, dict):
+            bad("metrics", metrics, "must be an object of metric name -> number (or \"nan\", \"inf\", \"-inf\")")
+        for k, v in metrics.items():
+            if not isinstance(k, str) or not (_is_number(v) or v in NONFINITE):
+                bad(f"metrics.{k}", v, "must be a number or one of \"nan\", \"inf\", \"-inf\"")
+    err = data.get("error")
+    if err is not None and (not isinstance(err, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                                 for k, v in err.items())):
+        bad("error", err, "must be null or an object of strings (type, message, where, traceback)")
+    for name in ("environment", "found", "tracking", "loader"):
+        if data.get(name) is not None and not isinstance(data[name], dict):
+            bad(name, data[name], "must be an object")
+    loader = data.get("loader") or {}
+    if loader:
+        if loader.get("kind") not in LOADER_KINDS + ("unknown",):
+            bad("loader.kind", loader.get("kind"), f"must be one of {LOADER_KINDS}")
+        for k, v in loader.items():
+            if not isinstance(v, str) or len(v) > 1000:
+                bad(f"loader.{k}", v, "must be a string")
+    hist = data.get("history")
+    if hist is not None and (not isinstance(hist, list) or not all(isinstance(h, dict) for h in hist)):
+        bad("history", hist, "must be a list of objects")
+
+
 def load_repro(path: str | Path) -> Repro:
     path = Path(path)
     fix = "pass a repro file written by `harness fuzz` (corpora/<pair>/<id>.json)"
+    where = f"repro file {str(path)!r}"
     if not path.exists():
-        raise UsageError(f"repro file {str(path)!r} does not exist; {fix}.")
+        raise UsageError(f"{where} does not exist; {fix}.")
     if path.is_dir():
         raise UsageError(f"{str(path)!r} is a folder, not a repro file; {fix}, or list the folder's *.json files.")
     try:
+        size = path.stat().st_size
+        if size > LIMITS["bytes"].value():
+            lim = LIMITS["bytes"]
+            raise UsageError(f"{where} is {size} bytes, above the limit of {lim.value()} ({lim.name}); a repro is "
+                             f"a few kB. If it is genuine, raise the limit: {lim.env}={size} harness ...")
         data = json.loads(path.read_text())
+    except OSError as e:
+        raise UsageError(f"{where} cannot be read ({e.strerror or e}); check its permissions.") from None
     except UnicodeDecodeError:
-        raise UsageError(f"repro file {str(path)!r} is not text (JSON expected); {fix}.") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"repro file {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}, column "
-                         f"{e.colno}); restore it from git or re-run the campaign that found it.") from None
-    if not isinstance(data, dict) or data.get("schema") != REPRO_SCHEMA:
-        got = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise UsageError(f"repro file {str(path)!r} has schema {got!r}, but this harness reads {REPRO_SCHEMA!r}; "
-                         f"{fix}, or re-record it with this version of the harness.")
-    missing = [k for k in ("pair", "case", "status") if k not in data]
-    if missing:
-        raise UsageError(f"repro file {str(path)!r} lacks the field(s) {missing}; every repro needs pair, case "
-                         "and status. Restore it from git or re-run the campaign that found it.")
-    if data["status"] not in STATUSES:
-        raise UsageError(f"repro file {str(path)!r} has status {data['status']!r}; it must be one of {STATUSES}. "
-                         "Edit the status field or use `harness regressions close`.")
+        raise UsageError(f"{where} is not text (JSON expected); {fix}.") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        detail = f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else \
+            "nested too deeply"
+        raise UsageError(f"{where} is not valid JSON ({detail}); restore it from git or re-run the campaign that "
+                         "found it.") from None
+    return repro_from_json(data, where, path)
+
+
+def repro_from_json(data: Any, where: str, path: Path | None = None) -> Repro:
+    """A Repro from parsed JSON, every field checked and the case's size bounded."""
+    validate_repro_json(data, where)
     try:
         case = Case.from_json(data["case"])
     except CaseError as e:
-        raise UsageError(f"repro file {str(path)!r} holds an invalid case: {e} Fix the field or re-record the "
-                         "repro.") from None
-    metrics = {k: decode_float(v) for k, v in (data.get("metrics") or {}).items()}
+        raise UsageError(f"{where} holds an invalid case: {e} Fix the field or re-record the repro.") from None
+    check_case_size(case, where)
+    known = {"schema", "id", "pair", "symptom", "signature", "status", "threshold", "case", "metrics", "error",
+             "environment", "loader", "found", "history", "tracking"}
     return Repro(
-        path=path, id=str(data.get("id") or path.stem), pair=str(data["pair"]),
-        symptom=str(data.get("symptom", "divergence")), signature=str(data.get("signature", "")),
+        path=path, id=str(data.get("id") or (path.stem if path else "")), pair=data["pair"],
+        symptom=data.get("symptom", "divergence"), signature=data.get("signature", ""),
         status=data["status"], threshold=float(data.get("threshold", DEFAULT_THRESHOLD)), case=case,
-        metrics=metrics, error=data.get("error"), environment=data.get("environment") or {},
-        found=data.get("found") or {}, history=list(data.get("history") or []),
-        tracking=dict(data.get("tracking") or {}),
+        metrics={k: decode_float(v) for k, v in (data.get("metrics") or {}).items()}, error=data.get("error"),
+        environment=data.get("environment") or {}, found=data.get("found") or {},
+        history=list(data.get("history") or []), tracking=dict(data.get("tracking") or {}),
+        loader=dict(data.get("loader") or {}), extra={k: v for k, v in data.items() if k not in known},
     )
 
 
@@ -234,25 +602,98 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def compare_metrics(repro: Repro, ev: Evaluation) -> dict[str, tuple[Any, Any]]:
+    """What differs between the recorded and the replayed result. A metric the replay measured but
+    the repro lacks counts as a difference: a repro without metrics cannot claim bit-for-bit."""
+    now = {k: decode_float(v) for k, v in metrics_json(ev).items()}
+    mismatches: dict[str, tuple[Any, Any]] = {}
+    for k in METRIC_KEYS:
+        if k not in now and k not in repro.metrics:
+            continue
+        if k not in repro.metrics:
+            mismatches[k] = ("missing", now[k])
+        elif not _same(repro.metrics[k], now.get(k)):
+            mismatches[k] = (repro.metrics[k], now.get(k))
+    if repro.symptom != ev.symptom.value:
+        mismatches["symptom"] = (repro.symptom, ev.symptom.value)
+    if not now and not repro.metrics and ev.error is not None:  # an error both times: the same error?
+        rec = (repro.error or {}).get("type")
+        if rec != ev.error.get("type"):
+            mismatches["error"] = (rec or "missing", ev.error.get("type"))
+    return mismatches
+
+
 def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, registry: Any = None,
            keep_outcomes: bool = False) -> ReplayResult:
     from .pairs import REGISTRY
 
     registry = registry or REGISTRY
+    check_case_size(repro.case, f"repro {repro.path or repro.id}")
     try:
         pair = registry.get(repro.pair)
     except UsageError as e:
-        raise CannotEvaluate(f"repro {repro.path} needs pair {repro.pair!r}, which is not registered here: {e}") from None
+        hint = ""
+        spec = repro.plugin_spec()
+        if spec:
+            hint = f" It was recorded from a plugin: replay it with `{repro.replay_command()}`."
+        raise CannotEvaluate(f"repro {repro.path} needs pair {repro.pair!r}, which is not registered here: {e}"
+                             f"{hint}") from None
+    if threshold is not None and (not math.isfinite(threshold) or threshold <= 0):
+        raise UsageError(f"threshold {threshold!r} must be a finite number > 0.")
     ev = run_case(pair, repro.case, device, threshold if threshold is not None else repro.threshold,
                   keep_outcomes=keep_outcomes)
-    now = metrics_json(ev)
-    mismatches = {}
-    for k in METRIC_KEYS:
-        if k in repro.metrics and not _same(repro.metrics[k], decode_float(now.get(k))):
-            mismatches[k] = (repro.metrics[k], decode_float(now.get(k)))
-    if repro.symptom != ev.symptom.value:
-        mismatches["symptom"] = (repro.symptom, ev.symptom.value)
-    return ReplayResult(repro, ev, mismatches)
+    return ReplayResult(repro, ev, compare_metrics(repro, ev))
+
+
+def load_plugin_for(repro: Repro, registry: Any = None) -> str | None:
+    """Make the repro's pair available: load its plugin file when `auto_plugin` allows it.
+
+    Returns None when the pair is registered afterwards, else why it is not (a skip reason)."""
+    from .pairs import REGISTRY
+
+    registry = registry or REGISTRY
+    registry.load_builtins()
+    try:
+        registry.get(repro.pair)
+        return None
+    except UsageError:
+        pass
+    path, why = repro.auto_plugin()
+    if path is None:
+        return why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
+                       "loaded; pass --plugin FILE.py|MODULE")
+    try:
+        registry.load_plugin(path)
+    except UsageError as e:
+        return f"its plugin file {path} failed to load: {e}"
+    except Exception as e:  # noqa: BLE001 - a PairError or anything the plugin raises: a skip, with why
+        return f"its plugin file {path} failed to load: {type(e).__name__}: {e}"
+    try:
+        registry.get(repro.pair)
+    except UsageError:
+        return f"its plugin file {path} loaded but does not register pair {repro.pair!r}"
+    return None
+
+
+@dataclass
+class Skipped:
+    path: Path | None  # the file, or None for a repro fetched from MLflow
+    reason: str  # one paragraph: what is wrong and how to fix it
+
+
+def load_many_tolerant(paths: Iterable[str | Path]) -> tuple[list[Repro], list[Skipped]]:
+    """Repros from files and folders; one that does not load is skipped with its reason, not fatal."""
+    out: list[Repro] = []
+    skipped: list[Skipped] = []
+    for p in paths:
+        p = Path(p)
+        files = iter_corpus(p) if p.is_dir() else [p]
+        for q in files:
+            try:
+                out.append(load_repro(q))
+            except UsageError as e:
+                skipped.append(Skipped(q, str(e)))
+    return out, skipped
 
 
 def load_many(paths: Iterable[str | Path]) -> list[Repro]:

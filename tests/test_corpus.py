@@ -5,6 +5,9 @@
 - `open`: a known, unfixed regression: an expected failure (xfail) that shows its k3 now;
 - `wontfix`: replayed; reported, never failing.
 Each replay must also reproduce the recorded metrics bit-for-bit when the environment matches.
+A repro of a plugin's pair loads that plugin when it is a file inside this repository; one whose
+pair cannot be loaded here (a module, an uninstalled entry point, a file that is gone) is skipped
+with the reason, and the other files still run.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.corpus import iter_corpus, load_repro, replay
+from harness.corpus import iter_corpus, load_plugin_for, load_repro, replay
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpora"
 FILES = iter_corpus(CORPUS)
@@ -29,6 +32,9 @@ def same_environment(env: dict) -> bool:
 @pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(CORPUS)) for p in FILES])
 def test_replay(path):
     repro = load_repro(path)
+    why = load_plugin_for(repro)
+    if why is not None:
+        pytest.skip(f"{path.relative_to(CORPUS)}: {why}")
     result = replay(repro)
     ev = result.evaluation
     if repro.status == "fixed":

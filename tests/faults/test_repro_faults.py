@@ -1,0 +1,292 @@
+"""Faults a repro file can carry, and what the harness must do with each: refuse it before anything
+runs with a one-paragraph message naming the field (or the limit and how to raise it), exit 2
+(125 under --bisect, so `git bisect run` skips instead of blaming the commit), never a traceback,
+and never stop the other repros of a folder from being replayed. Also: plugin-aware corpus files,
+a hand-broken corpus file kept aside, temporary files of killed writers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import REGISTRY, Case
+from harness.corpus import (clean_stale_temps, load_plugin_for, load_repro, record_finding, replay,
+                            write_json_atomic)
+from harness.execute import run_case
+from harness.fuzz import Finding, signature
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGIN = "tests/plugins/lm_head_bf16.py"
+# diverges (mean k3 ~0.28): one token at an exact top-1 tie among 5 experts
+DIVERGING = ("router_topk.bf16", Case(seed=0, seq_lens=(1,), n_experts=5, top_k=1, tie_fraction=1.0))
+CLEAN = ("linear.aligned", Case(seed=3, seq_lens=(2,)))
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    from harness.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+def make_repro(folder: Path, pair_case=DIVERGING, expected="diverges") -> Path:
+    """A real finding written by the engine's own corpus code; returns its file."""
+    REGISTRY.load_builtins()
+    name, case = pair_case
+    ev = run_case(REGISTRY.get(name), case, "cpu", 1e-3)
+    f = Finding(pair=name, expected=expected, symptom=ev.symptom, signature=signature(name, ev) if ev.failed
+                else "0" * 64, case=case, evaluation=ev, examples=1)
+    if not ev.failed:  # a clean case recorded as `fixed`: a repro that must keep replaying clean
+        from harness.corpus import finding_to_repro
+
+        r = finding_to_repro(f, 1e-3, 0, "cpu", folder)
+        r.status, r.symptom = "fixed", "divergence"  # it diverged once, was fixed
+        return r.save(folder / name / "000000000000.json")
+    return record_finding(f, folder, 1e-3, 0, "cpu")
+
+
+def edit(path: Path, **changes) -> Path:
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if key.startswith("case."):
+            data["case"][key[5:]] = value
+        elif value is ...:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def repro(tmp_path):
+    return make_repro(tmp_path / "corpora")
+
+
+def assert_clean_error(code, err, expected_code, *needles):
+    assert code == expected_code, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, err
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded sizes
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, limit_env", [
+    ({"case.n_experts": 1_000_000_000, "case.top_k": 1}, "HARNESS_MAX_EXPERTS"),
+    ({"case.seq_lens": [1_000_000_000]}, "HARNESS_MAX_TOKENS"),
+    ({"case.seq_lens": [1] * 5000}, "HARNESS_MAX_SEQUENCES"),
+    ({"case.params": {"vocab": 10**9}}, "HARNESS_MAX_VOCAB"),
+    ({"case.params": {f"p{i}": i for i in range(100)}}, "HARNESS_MAX_PARAMS"),
+    ({"case.params": {"decode": 10**9}}, "HARNESS_MAX_PARAM_INT"),
+    ({"case.params": {"name": "x" * 5000}}, "HARNESS_MAX_PARAM_LEN"),
+])
+def test_an_oversized_case_is_refused_before_it_runs(repro, capsys, changes, limit_env):
+    edit(repro, **changes)
+    code, out, err = run_cli(capsys, "replay", "--no-bisect", str(repro))
+    assert_clean_error(code, err, 2, limit_env, "above the limit")
+    assert out == ""  # nothing replayed, nothing allocated
+    code, _, err = run_cli(capsys, "replay", "--bisect", str(repro))
+    assert_clean_error(code, err, 125, limit_env)
+    code, _, err = run_cli(capsys, "show", str(repro))
+    assert_clean_error(code, err, 2, limit_env)
+    assert json.loads(repro.read_text())["case"]  # the file itself is untouched
+
+
+def test_a_limit_is_raised_by_its_environment_variable(repro, monkeypatch):
+    edit(repro, **{"case.n_experts": 5000, "case.top_k": 1})
+    with pytest.raises(Exception, match="HARNESS_MAX_EXPERTS"):
+        load_repro(repro)
+    monkeypatch.setenv("HARNESS_MAX_EXPERTS", "5000")
+    assert load_repro(repro).case.n_experts == 5000
+    monkeypatch.setenv("HARNESS_MAX_EXPERTS", "many")
+    with pytest.raises(Exception, match=r"\$HARNESS_MAX_EXPERTS='many' is not an integer"):
+        load_repro(repro)
+
+
+def test_an_oversized_file_is_not_parsed(repro, capsys, monkeypatch):
+    monkeypatch.setenv("HARNESS_MAX_REPRO_BYTES", "100")
+    code, _, err = run_cli(capsys, "replay", "--no-bisect", str(repro))
+    assert_clean_error(code, err, 2, "HARNESS_MAX_REPRO_BYTES", "bytes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Field types and ranges
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, field", [
+    ({"threshold": "os.system"}, "threshold"),
+    ({"threshold": "nan"}, "threshold"),
+    ({"threshold": -1}, "threshold"),
+    ({"threshold": 0}, "threshold"),
+    ({"threshold": True}, "threshold"),
+    ({"metrics": [1, 2]}, "metrics"),
+    ({"metrics": {"k3_kl": "__import__('os')"}}, "metrics.k3_kl"),
+    ({"status": "closed"}, "status"),
+    ({"symptom": "exploded"}, "symptom"),
+    ({"pair": ["router_topk.bf16"]}, "pair"),
+    ({"pair": "../../etc/passwd x"}, "pair"),
+    ({"error": "boom"}, "error"),
+    ({"history": {"a": 1}}, "history"),
+    ({"loader": {"kind": "pickle"}}, "loader.kind"),
+    ({"environment": [1]}, "environment"),
+    ({"id": "../x"}, "id"),
+])
+def test_a_field_of_the_wrong_type_or_range_is_refused(repro, capsys, changes, field):
+    edit(repro, **changes)
+    code, out, err = run_cli(capsys, "replay", "--no-bisect", str(repro))
+    assert_clean_error(code, err, 2, f"field {field!r}")
+    assert out == ""
+    code, _, err = run_cli(capsys, "replay", "--bisect", str(repro))
+    assert_clean_error(code, err, 125, f"field {field!r}")
+    code, _, err = run_cli(capsys, "show", str(repro))
+    assert_clean_error(code, err, 2, f"field {field!r}")
+
+
+def test_a_repro_without_metrics_cannot_claim_bit_for_bit(repro, capsys):
+    assert replay(load_repro(repro)).bit_for_bit  # as recorded: bit-for-bit
+    edit(repro, metrics=...)
+    result = replay(load_repro(repro))
+    assert not result.bit_for_bit and result.mismatches["k3_kl"][0] == "missing"
+    code, out, _ = run_cli(capsys, "replay", str(repro))
+    assert code == 1 and "bit-for-bit no" in out
+
+
+def test_show_of_an_unknown_pair_exits_2_after_printing_the_case(repro, capsys):
+    edit(repro, pair="nowhere.to_be_found")
+    code, out, err = run_cli(capsys, "show", str(repro))
+    assert_clean_error(code, err, 2, "nowhere.to_be_found")
+    assert "case (minimal)" in out and "n_experts" in out  # what the file holds is still shown
+
+
+# ---------------------------------------------------------------------------------------------
+# One bad file does not stop the others
+# ---------------------------------------------------------------------------------------------
+def test_replay_of_a_folder_skips_unreadable_files_and_replays_the_rest(tmp_path, capsys):
+    corpus = tmp_path / "corpora"
+    good = make_repro(corpus, CLEAN, expected="aligned")
+    bad_json = corpus / "x" / "aaaaaaaaaaaa.json"
+    bad_json.parent.mkdir(parents=True)
+    bad_json.write_text("{ not json")
+    huge = shutil.copy(good, corpus / "x" / "bbbbbbbbbbbb.json")
+    edit(Path(huge), **{"case.seq_lens": [10**9]})
+    unknown = shutil.copy(good, corpus / "x" / "cccccccccccc.json")
+    edit(Path(unknown), pair="gone.pair")
+    code, out, err = run_cli(capsys, "replay", "--no-bisect", str(corpus))
+    assert code == 2, err  # the good one is clean, but not everything could be replayed
+    assert f"{good}: pair linear.aligned" in out and "now clean" in out, err
+    for p in (bad_json, huge, unknown):
+        assert f"skipped {p}" in err
+    assert "3 repro(s) skipped, 1 replayed" in err and "Traceback" not in err
+    code, _, _ = run_cli(capsys, "replay", "--bisect", str(corpus))
+    assert code == 125
+    # a diverging repro among them: exit 1 wins (bisect must see "bad")
+    make_repro(corpus)
+    code, out, err = run_cli(capsys, "replay", "--bisect", str(corpus))
+    assert code == 1 and "now divergence" in out and "skipped" in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_an_unreadable_file_is_skipped(tmp_path, capsys):
+    corpus = tmp_path / "corpora"
+    good = make_repro(corpus, CLEAN, expected="aligned")
+    locked = Path(shutil.copy(good, corpus / "linear.aligned" / "111111111111.json"))
+    locked.chmod(0)
+    try:
+        code, out, err = run_cli(capsys, "replay", "--no-bisect", str(corpus))
+    finally:
+        locked.chmod(0o644)
+    assert code == 2 and f"skipped {locked}" in err and "cannot be read" in err and "now clean" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Plugin-aware corpus
+# ---------------------------------------------------------------------------------------------
+def test_a_plugin_repro_records_its_loader_and_replays_in_a_fresh_process(tmp_path, capsys, monkeypatch,
+                                                                          harness_cli):
+    monkeypatch.chdir(ROOT)
+    corpus = tmp_path / "corpora"
+    code, out, err = run_cli(capsys, "fuzz", "example.lm_head_bf16", "--plugin", PLUGIN, "--seed", "1",
+                             "--max-examples", "30", "--corpus", str(corpus), "--no-tracking")
+    assert code == 1, err
+    [path] = list((corpus / "example.lm_head_bf16").glob("*.json"))
+    data = json.loads(path.read_text())
+    assert data["loader"] == {"kind": "plugin_file", "path": PLUGIN}
+    assert data["environment"]["torch"] and data["environment"]["harness"]
+    assert f"replay: harness replay --plugin {PLUGIN} {path}" in err  # the printed command works as printed
+    # a fresh process, no --plugin: the repro's own plugin file (inside this repository) is loaded
+    code, out, err = harness_cli("replay", str(corpus))
+    assert code == 1 and "pair example.lm_head_bf16" in out and "bit-for-bit yes" in out, err
+    code, out, err = harness_cli("show", str(path))
+    assert code == 0 and f"replay: harness replay --plugin {PLUGIN} {path}" in out, err
+    # a module plugin is never imported on the repro's say-so: skipped with the fix, the rest go on
+    mod = Path(shutil.copy(path, path.with_name("dddddddddddd.json")))
+    edit(mod, loader={"kind": "module", "module": "antigravity"}, pair="example.other")
+    code, out, err = harness_cli("replay", "--no-bisect", str(corpus))
+    assert code == 1 and "pass --plugin antigravity" in err and "bit-for-bit yes" in out
+    # a plugin file outside the repository is not loaded either
+    edit(mod, loader={"kind": "plugin_file", "path": "/tmp/evil.py"})
+    assert "outside this repository" in load_plugin_for(load_repro(mod))
+
+
+def test_a_repro_with_a_path_escaping_the_repository_is_not_loaded(repro):
+    edit(repro, pair="example.escape", loader={"kind": "plugin_file", "path": "../../../tmp/x.py"})
+    why = load_plugin_for(load_repro(repro))
+    assert why is not None and ("outside this repository" in why or "not in this checkout" in why)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing the corpus
+# ---------------------------------------------------------------------------------------------
+def test_a_hand_broken_corpus_file_is_kept_aside_not_replaced(tmp_path, capsys):
+    corpus = tmp_path / "corpora"
+    path = make_repro(corpus)
+    path.write_text(path.read_text().replace('"status": "expected"', '"status": "maybe"'))
+    broken = path.read_text()
+    name, case = DIVERGING
+    ev = run_case(REGISTRY.get(name), case, "cpu", 1e-3)
+    f = Finding(pair=name, expected="diverges", symptom=ev.symptom, signature=signature(name, ev), case=case,
+                evaluation=ev, examples=1)
+    messages = []
+    record_finding(f, corpus, 1e-3, 0, "cpu", log=messages.append)
+    [aside] = list(path.parent.glob(f"{path.name}.broken-*"))
+    assert aside.read_text() == broken  # nothing lost
+    assert load_repro(path).status == "expected"  # the new finding is in place
+    assert len(messages) == 1 and str(aside) in messages[0] and "status" in messages[0]
+
+
+def test_corpus_files_get_the_umask_mode_and_killed_writers_temps_are_removed(tmp_path):
+    old = os.umask(0o022)
+    try:
+        p = tmp_path / "a" / "x.json"
+        write_json_atomic(p, {"a": 1})
+        assert stat.S_IMODE(p.stat().st_mode) == 0o644
+        p.chmod(0o640)
+        write_json_atomic(p, {"a": 2})  # an existing file keeps its mode
+        assert stat.S_IMODE(p.stat().st_mode) == 0o640
+    finally:
+        os.umask(old)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = p.parent / f".x.json.{dead}.k2j3h4.tmp"
+    stale.write_text("{")
+    mine = p.parent / f".x.json.{os.getpid()}.abc.tmp"
+    mine.write_text("{")
+    assert clean_stale_temps(p.parent) == [stale]
+    assert not stale.exists() and mine.exists() and p.exists()
+
+
+def test_temporary_corpus_files_are_git_ignored():
+    out = subprocess.run(["git", "check-ignore", "-q", "corpora/pair.x/.abc123abc123.json.4242.x8y9.tmp"],
+                         cwd=ROOT, capture_output=True)
+    assert out.returncode == 0
