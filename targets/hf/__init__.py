@@ -1,0 +1,20 @@
+"""Hugging Face transformers backend (the optional `hf` extra): pairs for any causal LM.
+
+Registers built-in pairs over three tiny configs (`configs.TINY`: a Qwen3-MoE-style, a
+Mixtral-style and a dense Qwen3/Llama-style model) when transformers is installed. transformers
+itself is imported only when a pair first runs a case, so `harness list` stays fast.
+
+Public API for your own model (a checkpoint directory or a config): `hf_pairs`, `hf_pair`,
+`HFModel`, `Numerics`, `FP32`, `BF16`. See `backend.py` for what the paths do.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from .backend import BF16, FP32, HFModel, Numerics
+from .pairs import default_axes, hf_pair, hf_pairs
+
+AVAILABLE = importlib.util.find_spec("transformers") is not None
+
+__all__ = ["AVAILABLE", "BF16", "FP32", "HFModel", "Numerics", "default_axes", "hf_pair", "hf_pairs"]

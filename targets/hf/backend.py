@@ -1,0 +1,388 @@
+"""The Hugging Face transformers backend: any causal LM transformers builds, run as a trainer and as a
+rollout engine at identical weights.
+
+Nothing here imports transformers at import time: `harness list` stays fast (importing
+transformers costs ~1 s, a model class ~3.6 s on this CPU). The model is loaded when a pair first
+builds a case, then cached per (model, numerics).
+
+A case is an RL batch. Sequence j is `[BOS] + prompt_j + response_j`: the prompt has
+`case.prompt_lens[j]` tokens from `case.prompt_tokens(j, vocab, "prompt")`, the response
+`case.seq_lens[j]` tokens, each decoded by the rollout and scored by the trainer. Outcome rows are
+the response tokens in case order.
+
+- **Rollout** (`rollout`): the prompts left-padded into one batch, one prefill forward, then a KV-cache
+  decode loop of our own (not `generate`, whose default top_k=50 applies even when the generation
+  config shows None): each step's logits (float32) go through the case's temperature / top-k /
+  top-p, and a token is drawn by inverse CDF from that sequence's own CPU uniforms
+  (`case.seq_generator(j, "sample")`), so the tokens are a function of the case alone. The
+  log-probabilities reported are those of the distribution sampled from.
+- **Trainer** (`trainer`): the full sequences packed into rows (`case.packed_rows()`, packing
+  order from the case), position ids restarting at 0 for every sequence, one teacher-forced forward
+  with `attention_mask=None` and `use_cache=False`. transformers only builds the block-diagonal
+  (per-sequence) mask from restarting positions when no cache exists, and a causal-LM forward builds
+  a cache by default even in train mode: leave `use_cache` at its default (`Numerics(use_cache=
+  "default")`) and packed sequences attend to each other (packed vs alone differed by 0.54 in
+  logits). Padding at the end of a row is its own fake sequence (positions from 0), never attended.
+- **Routers** (MoE models): forward hooks on every router module (`*.mlp.gate`) record, per token
+  position, the experts chosen and the router logits (`Outcome.routing["layers.i"]`, for the
+  position whose output scores each response token), cast the router's input to its own dtype
+  (`Numerics.router`), nudge the router input of a drawn layer so a drawn fraction of positions sit
+  at the top-k boundary with the case's gap (near ties; the gap gets a floor of 1e-5, below which
+  float32 layout noise breaks exact ties differently), and replay recorded experts (router replay:
+  the trainer reuses the rollout's experts at every position, prompt included, and re-weights
+  them from its own router logits).
+
+Numerics (`Numerics`, one per path): body dtype (weights and activations), router dtype, LM-head
+dtype, attention implementation (eager / sdpa), experts implementation (eager / grouped_mm /
+batched_mm), and, for the trainer only, whether the packed forward passes `use_cache=False`. Each
+pair exposes both profiles in the triage protocol (`HFProfiles`), so `harness triage` swaps one
+component at a time.
+
+Recorded rollouts (`harness score`): a case may carry a recorded sample in its params (prompt ids,
+response ids, the rollout's per-token log-probs, optionally routed experts); the rollout path then
+returns the recording instead of decoding, and both paths report two-outcome rows ({the sampled
+token, everything else}): k3 and the other per-token metrics are exact, `kl` is the KL of that
+coarsening (a lower bound of the exact KL).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from harness.errors import UsageError
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("eager", "sdpa")
+EXPERTS = ("eager", "grouped_mm", "batched_mm")
+USE_CACHE = ("off", "default")
+TIE_FLOOR = 1e-5  # smallest near-tie gap: below it fp32 layout noise breaks ties differently on each path
+RECORDED_KEYS = ("rec_prompt", "rec_response", "rec_logprobs")  # case params holding a recorded sample
+
+# component -> what a person calls it (the triage labels)
+COMPONENTS = {
+    "body": "model dtype (weights, activations, attention, experts)",
+    "router": "router precision",
+    "lm_head": "LM head precision",
+    "attention": "attention implementation",
+    "experts": "experts implementation",
+    "use_cache": "use_cache in the packed trainer forward (block-diagonal mask)",
+}
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How one path runs the model. Every field is a component triage can swap."""
+
+    body: str = "float32"  # dtype of the weights and activations (DTYPES)
+    router: str = "float32"  # dtype the router GEMM runs in (input cast to it; DTYPES)
+    lm_head: str = "float32"  # dtype of the LM head GEMM (input cast to it; logits then float32)
+    attention: str = "sdpa"  # transformers attention implementation: "eager" or "sdpa"
+    experts: str = "eager"  # transformers experts implementation (MoE models): "eager", "grouped_mm", "batched_mm"
+    use_cache: str = "off"  # trainer only: "off" passes use_cache=False; "default" leaves it (the packed-mask trap)
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("body", DTYPES), ("router", DTYPES), ("lm_head", DTYPES), ("attention", ATTENTION),
+                              ("experts", EXPERTS), ("use_cache", USE_CACHE)):
+            if getattr(self, name) not in allowed:
+                raise UsageError(f"Numerics.{name}={getattr(self, name)!r} is not one of {allowed}; pick one of those.")
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: str) -> "Numerics":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def model_key(self) -> tuple:
+        """The fields that change the model object (use_cache only changes the call)."""
+        return (self.body, self.router, self.lm_head, self.attention, self.experts)
+
+
+FP32 = Numerics()
+BF16 = Numerics(body="bfloat16", router="bfloat16", lm_head="bfloat16")  # a bf16 engine
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a model comes from
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HFModel:
+    """A causal LM: built from a config (with `realistic_init`) or loaded from a local checkpoint
+    directory (`from_pretrained(..., local_files_only=True)`: nothing is ever downloaded)."""
+
+    key: str  # stable identity: "config:<sha>" or "path:<absolute path>"
+    config_json: str = ""  # the config fields as canonical JSON (config-built models)
+    path: str = ""  # checkpoint directory (loaded models)
+    init: str = "realistic"  # config-built: "realistic" (configs.realistic_init) or "default" (transformers')
+    init_seed: int = 0  # seed of the realistic init
+
+    @classmethod
+    def from_config(cls, config: Any, init: str = "realistic", init_seed: int = 0) -> "HFModel":
+        """`config`: a dict with `model_type` and config fields, or a transformers config object."""
+        fields = config if isinstance(config, Mapping) else config.to_dict()
+        fields = {k: v for k, v in dict(fields).items() if not k.startswith("_")}
+        if "model_type" not in fields:
+            raise UsageError("HFModel.from_config needs a `model_type` (e.g. 'qwen3_moe', 'llama'); add it to the "
+                             "config dict or pass a transformers config object.")
+        if init not in ("realistic", "default"):
+            raise UsageError(f"HFModel init={init!r}: use 'realistic' (peaked outputs) or 'default' (transformers').")
+        text = json.dumps(fields, sort_keys=True, default=str)
+        return cls(key="config:" + hashlib.sha256(f"{text}|{init}|{init_seed}".encode()).hexdigest()[:16],
+                   config_json=text, init=init, init_seed=int(init_seed))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "HFModel":
+        """A local checkpoint directory (config.json + weights). Checked now, loaded on first use."""
+        p = Path(path).expanduser()
+        if not (p / "config.json").is_file():
+            raise UsageError(f"{str(path)!r} is not a checkpoint directory (no config.json there); pass a folder "
+                             "written by `model.save_pretrained(...)` (nothing is downloaded).")
+        return cls(key=f"path:{p.resolve()}", path=str(p.resolve()), init="default")
+
+    def fields(self) -> dict[str, Any]:
+        """The config fields, without importing transformers."""
+        if self.path:
+            return json.loads((Path(self.path) / "config.json").read_text())
+        return json.loads(self.config_json)
+
+    @property
+    def vocab(self) -> int:
+        return int(self.fields()["vocab_size"])
+
+    def moe(self) -> tuple[int, int, int] | None:
+        """(experts, top_k, layers) for a MoE model, else None."""
+        f = self.fields()
+        experts = f.get("num_experts") or f.get("num_local_experts") or f.get("n_routed_experts")
+        if not experts:
+            return None
+        return int(experts), int(f.get("num_experts_per_tok", 2)), int(f.get("num_hidden_layers", 1))
+
+
+def model_from(source: Any) -> HFModel:
+    """An HFModel from an HFModel, a checkpoint path (str/Path) or a config (dict / transformers config)."""
+    if isinstance(source, HFModel):
+        return source
+    if isinstance(source, (str, Path)):
+        return HFModel.from_pretrained(source)
+    return HFModel.from_config(source)
+
+
+_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[name])
+
+
+@functools.lru_cache(maxsize=8)
+def base_model(spec: HFModel) -> Any:
+    """The float32 model (eval mode), built or loaded once per process."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    from transformers import AutoModelForCausalLM
+
+    if spec.path:
+        model = AutoModelForCausalLM.from_pretrained(spec.path, local_files_only=True, dtype=torch.float32)
+    else:
+        from .configs import make_config, realistic_init
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.init_seed)
+            model = AutoModelForCausalLM.from_config(make_config(json.loads(spec.config_json)), dtype=torch.float32)
+        if spec.init == "realistic":
+            realistic_init(model, spec.init_seed)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+@functools.lru_cache(maxsize=32)
+def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
+    """The model as one path runs it (a copy of the base converted to its numerics) with hooks."""
+    nx = Numerics(*model_key)
+    model = copy.deepcopy(base_model(spec))
+    model.to(device=device, dtype=_dtype(nx.body))
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(nx.attention)
+    gates = router_modules(model)
+    if gates and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(nx.experts)
+    for _, g in gates:
+        g.to(_dtype(nx.router))
+    head = model.get_output_embeddings()
+    head.to(_dtype(nx.lm_head))
+    return Runner(model, gates, head, nx)
+
+
+def router_modules(model: Any) -> list[tuple[str, Any]]:
+    """(layer name, router module) in layer order: every `mlp.gate` that picks top-k experts."""
+    out = []
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.gate") and hasattr(mod, "top_k") and hasattr(mod, "weight"):
+            idx = name.split("layers.")[1].split(".")[0] if "layers." in name else str(len(out))
+            out.append((f"layers.{idx}", mod))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Hooks: router capture, replay, near ties, dtype casts
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CallContext:
+    """What the hooks need to know about the forward being run."""
+
+    keys: Any = None  # (N,) int64: for each flattened (batch, position) row, j * stride + position; -1 = padding
+    forced: Any = None  # (n_keys,) bool: positions whose router input is nudged to the boundary
+    tie_layer: int = -1  # layer index whose router sees near-tie inputs (-1: none)
+    gap: float = 0.0  # boundary gap of forced positions
+    replay: dict[str, Any] | None = None  # layer -> (n_keys, k) int64 experts to impose (-1 = none recorded)
+    captured: dict[str, list] = field(default_factory=dict)  # layer -> [(keys, experts, logits), ...]
+
+
+class Runner:
+    """A model converted to one path's numerics, with its router and LM-head hooks installed."""
+
+    def __init__(self, model: Any, gates: list[tuple[str, Any]], head: Any, nx: Numerics) -> None:
+        self.model, self.gates, self.head, self.nx = model, gates, head, nx
+        self.ctx = CallContext()
+        self.body = _dtype(nx.body)
+        for i, (layer, g) in enumerate(gates):
+            g.register_forward_pre_hook(self._router_in(i, g))
+            g.register_forward_hook(self._router_out(layer, g))
+        if nx.lm_head != nx.body:
+            head.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),))
+            head.register_forward_hook(lambda m, args, out: out.float())
+
+    @property
+    def vocab(self) -> int:
+        return int(self.head.weight.shape[0])
+
+    def _router_in(self, i: int, gate: Any):
+        def pre(module: Any, args: tuple) -> tuple:
+            x = args[0].reshape(-1, module.weight.shape[-1])  # (N, H)
+            ctx = self.ctx
+            if ctx.tie_layer == i and ctx.forced is not None and ctx.keys is not None:
+                valid = ctx.keys >= 0
+                rows = torch_where(valid, ctx.keys)
+                force = valid.clone()
+                force[valid] = ctx.forced[rows]
+                if bool(force.any()):
+                    x = tie_nudge(x, module.weight, force, ctx.gap, int(module.top_k))
+            return (x.to(module.weight.dtype),)
+
+        return pre
+
+    def _router_out(self, layer: str, gate: Any):
+        def post(module: Any, args: tuple, out: tuple) -> tuple:
+            import torch
+
+            logits, scores, idx = out  # (N, E), (N, k), (N, k)
+            ctx = self.ctx
+            keys = ctx.keys
+            if ctx.replay is not None and layer in ctx.replay and keys is not None:
+                table = ctx.replay[layer]  # (n_keys, k)
+                valid = keys >= 0
+                want = torch.full_like(idx, -1)
+                want[valid] = table[keys[valid]].to(idx.device)
+                use = (want >= 0).all(-1)  # (N,)
+                if bool(use.any()):
+                    idx = torch.where(use[:, None], want, idx)
+                    probs = torch.softmax(logits.float(), dim=-1)
+                    vals = probs.gather(1, idx)
+                    if getattr(module, "norm_topk_prob", True):
+                        vals = vals / vals.sum(-1, keepdim=True)
+                    scores = torch.where(use[:, None], vals.to(scores.dtype), scores)
+            if keys is not None:
+                sel = keys >= 0
+                ctx.captured.setdefault(layer, []).append((keys[sel].cpu(), idx[sel].cpu(), logits[sel].detach().cpu()))
+            if scores.dtype != self.body and scores.is_floating_point():
+                scores = scores.to(self.body)
+            return logits, scores, idx
+
+        return post
+
+    def __call__(self, ctx: CallContext, **kwargs: Any) -> Any:
+        self.ctx = ctx
+        try:
+            return self.model(**kwargs)
+        finally:
+            self.ctx = CallContext()
+
+
+def torch_where(mask: Any, values: Any) -> Any:
+    return values[mask]
+
+
+def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, rounds: int = 3) -> Any:
+    """Router input x (N, H) moved, for forced rows, so that the router logits x @ w.T have their
+    top-k boundary (k-th vs (k+1)-th expert) at exactly `gap` in float64 (the higher expert id leads):
+    the move is along w[a] - w[b], the one direction that changes that gap and nothing else of the pair.
+    Row-wise, so a position gets the same nudge whichever batch it runs in."""
+    import torch
+
+    xs, wf = x.to(torch.float64), w.to(torch.float64)  # (N, H), (E, H)
+    for _ in range(rounds):
+        logits = xs @ wf.T  # (N, E)
+        top = torch.topk(logits, k + 1, dim=-1).indices  # (N, k+1)
+        a, b = top[:, k - 1], top[:, k]
+        win, run = torch.maximum(a, b), torch.minimum(a, b)
+        d = wf[win] - wf[run]  # (N, H)
+        now = logits.gather(1, win[:, None]) - logits.gather(1, run[:, None])  # (N, 1)
+        alpha = (gap - now) / (d * d).sum(-1, keepdim=True).clamp_min(1e-30)
+        xs = torch.where(forced[:, None], xs + alpha * d, xs)
+    return xs.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling (the case's temperature / top-k / top-p)
+# ---------------------------------------------------------------------------------------------
+def process_logits(logits: Any, temperature: float, top_k: int, top_p: float) -> Any:
+    """float32 log-probabilities of the distribution a sampler draws from (-inf outside the kept set)."""
+    try:
+        from harness.sampling import process_logits as shared
+    except ImportError:
+        shared = None
+    if shared is not None:
+        return shared(logits, temperature, top_k, top_p)
+    import torch
+
+    x = logits.float() / float(temperature)
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    lp = torch.log_softmax(x, dim=-1)
+    if top_p < 1.0:
+        srt, order = torch.sort(lp, dim=-1, descending=True)
+        before = torch.cumsum(srt.exp(), dim=-1) - srt.exp()  # mass strictly above each entry
+        drop = before >= top_p
+        lp = lp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        lp = torch.log_softmax(lp, dim=-1)
+    return lp
+
+
+def sample_rows(logprobs: Any, u: Any) -> Any:
+    """One token per row by inverse CDF on uniforms u (B,) drawn on CPU."""
+    try:
+        from harness.sampling import sample_rows as shared
+    except ImportError:
+        shared = None
+    if shared is not None:
+        return shared(logprobs, u)
+    import torch
+
+    cdf = torch.cumsum(logprobs.double().exp().cpu(), dim=-1)  # (B, V)
+    cdf = cdf / cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u.double()[:, None].contiguous()).squeeze(-1)
+    return tok.clamp_max(logprobs.shape[-1] - 1)

@@ -1,0 +1,101 @@
+"""Built-in tiny model configs for the Hugging Face backend, and the initialization that makes a
+random model behave like a trained one.
+
+Configs are plain dicts (model type + config fields) so this module imports without transformers;
+`make_config` turns one into a transformers config when a pair first runs.
+
+Why an initialization of our own
+--------------------------------
+transformers initializes weights with N(0, 0.02): on a tiny random model the output distribution is
+near-uniform (entropy ~ log(vocab)), and k3 between a float32 and a bf16 path shrinks with the
+entropy: a bf16 rollout of a default-initialized Qwen3-MoE stayed under k3 2.1e-4 in 100 cases and
+was never caught. A trained LM is peaked (1-3 nats) with a logit range of ~15-30. `realistic_init`
+gives a random model that shape of output:
+
+- embeddings N(0, 1); every norm weight 1; biases 0;
+- every input projection (q/k/v, gate/up, the experts' gate_up) N(0, 1/fan_in): activations keep
+  unit scale through the stack, attention logits are O(1), not ~0 (so attention is not uniform);
+- output projections (o_proj, down_proj, the experts' down) N(0, 1/(2 * layers * fan_in)): the
+  residual stream grows slowly, as in a trained pre-norm model;
+- router weights N(0, ROUTER_STD^2 / hidden): router logits with standard deviation ~ROUTER_STD,
+  so the top-k has clear winners on most tokens and close calls on some, as trained routers do;
+- LM head N(0, LOGIT_STD^2 / hidden): after the final RMSNorm (unit-RMS rows) the logits have
+  standard deviation ~LOGIT_STD; with a 512-token vocabulary that gives a mean output entropy of
+  about 1-3 nats on sampled continuations (measured in tests/hf/test_hf_backend.py).
+
+Weights are drawn from a fixed generator seeded by `init_seed`, so a model is a pure function of
+(config, init_seed), like a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+LOGIT_STD = 5.0  # target standard deviation of the LM-head logits (peakedness)
+ROUTER_STD = 2.0  # target standard deviation of the router logits
+
+VOCAB = 512
+
+# model type -> config fields. Small enough for ~50-200 cases/s on two CPU cores.
+TINY: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(  # Qwen3-MoE style: QK-norm, 8 experts top-2, renormalized top-k, no shared expert
+        model_type="qwen3_moe", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    ),
+    "mixtral": dict(  # Mixtral style: 8 experts top-2, softmax over the top-k
+        model_type="mixtral", vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+    ),
+    "qwen3": dict(  # dense Llama/Qwen style: GQA, SwiGLU, QK-norm
+        model_type="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    ),
+}
+
+
+def make_config(fields: dict[str, Any]) -> Any:
+    """A transformers config from a dict holding `model_type` and config fields."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _is_router(name: str, module: Any) -> bool:
+    cls = type(module).__name__.lower()
+    return "router" in cls or name.endswith(".gate") and hasattr(module, "top_k")
+
+
+def realistic_init(model: Any, init_seed: int, logit_std: float = LOGIT_STD, router_std: float = ROUTER_STD) -> Any:
+    """Re-draw every weight of `model` in place (see the module docstring); returns the model."""
+    import torch
+
+    cfg = model.config
+    layers = int(getattr(cfg, "num_hidden_layers", 1) or 1)
+    hidden = int(cfg.hidden_size)
+    g = torch.Generator().manual_seed(int(init_seed))
+    routers = {n for n, m in model.named_modules() if n and _is_router(n, m)}
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            owner = name.rsplit(".", 1)[0]
+            if p.dim() == 1:  # norm weights and biases
+                p.fill_(1.0 if "norm" in name else 0.0)
+                continue
+            if "embed_tokens" in name:
+                std = 1.0
+            elif name.startswith("lm_head"):
+                std = logit_std / math.sqrt(hidden)
+            elif owner in routers:
+                std = router_std / math.sqrt(hidden)
+            else:
+                fan_in = p.shape[-1]
+                std = 1.0 / math.sqrt(fan_in)
+                if any(k in name for k in ("o_proj", "down_proj", "w2")):
+                    std /= math.sqrt(2 * layers)
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * std)
+    return model

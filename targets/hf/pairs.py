@@ -1,0 +1,129 @@
+"""Pairs from any Hugging Face causal LM: `hf_pair` (one pair) and `hf_pairs` (the standard set).
+
+A user's own model is a handful of lines (README, "Your own Hugging Face model"):
+
+    from harness import register
+    from targets.hf import BF16, FP32, hf_pairs
+    for pair in hf_pairs("mine", "path/to/checkpoint"):
+        register(pair)
+
+`hf_pair(name, model, trainer, rollout, ...)` chooses exactly what differs: each side's `Numerics`
+(body / router / LM-head dtype, attention and experts implementation) and router replay. Pairs are
+cheap to create: transformers is imported and the model loaded when a case first runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from harness import Axes, Outcome, RoutingAxes, TargetPair
+from harness.errors import UsageError
+
+from . import paths
+from .backend import BF16, COMPONENTS, FP32, HFModel, Numerics, model_from
+
+MAX_PROMPT = 12  # prompt tokens per sequence (fuzzed 0..MAX_PROMPT)
+MAX_RESPONSE = 16  # response tokens per sequence (every one decoded from the KV cache)
+
+
+def default_axes(model: HFModel, max_seqs: int = 4, max_prompt: int = MAX_PROMPT,
+                 max_response: int = MAX_RESPONSE) -> Axes:
+    """Batch, prompt and response lengths, packing, sampling and (MoE) near-tie axes for a model."""
+    from hypothesis import strategies as st
+
+    moe = model.moe()
+    kw: dict[str, Any] = dict(
+        n_seqs=(1, max_seqs), seq_len=(1, max_response), packing=True,
+        logit_scale=(1.0, 1.0),  # peakedness comes from the model (realistic init or a trained checkpoint)
+        dtypes=("bfloat16",),
+    )
+    extra = {"prompt_len": (0, max_prompt), "pad_sides": ("left",), "temperature": (0.7, 1.0),
+             "top_p": (0.9, 1.0), "sample_top_k": (0, 0)}
+    names = {f.name for f in dataclasses.fields(Axes)}
+    kw.update({k: v for k, v in extra.items() if k in names})
+    if moe:
+        experts, top_k, layers = moe
+        kw["routing"] = RoutingAxes(n_experts=(experts, experts), top_k=(top_k, top_k), max_gap=1e-2,
+                                    tie_fraction=(0.0, 1.0))
+        kw["params"] = {"tie_layer": st.integers(0, layers - 1)}  # the layer whose router sees near ties
+    return Axes(**kw)
+
+
+@dataclass(frozen=True)
+class HFProfiles:
+    """The triage protocol (`harness.triage`): both paths' numerics, labels, and rebuilding the pair."""
+
+    trainer: Mapping[str, str]
+    rollout: Mapping[str, str]
+    labels: Mapping[str, str]
+    make: Callable[[Numerics, Numerics], TargetPair]
+
+    def variant(self, trainer: Mapping[str, str], rollout: Mapping[str, str]) -> TargetPair:
+        return self.make(Numerics(**trainer), Numerics(**rollout))
+
+
+def _bos(model: HFModel) -> int:
+    f = model.fields()
+    bos = f.get("bos_token_id")
+    return int(bos) if isinstance(bos, int) and 0 <= bos < model.vocab else 0
+
+
+def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics = FP32, *,
+            expected: str = "aligned", replay: bool = False, description: str = "", axes: Axes | None = None,
+            devices: tuple[str, ...] = ("cpu", "cuda")) -> TargetPair:
+    """A trainer/rollout pair for a causal LM.
+
+    model: an `HFModel`, a local checkpoint directory, or a config (dict with `model_type`, or a
+    transformers config; built with `realistic_init`). trainer / rollout: each path's `Numerics`.
+    replay: the trainer reuses the rollout's experts at every position (router replay).
+    """
+    spec = model_from(model)
+    bos = _bos(spec)
+    if replay and not spec.moe():
+        raise UsageError(f"hf_pair {name!r}: replay=True needs a MoE model; this config has no experts.")
+
+    def build(case: Any, device: str) -> paths.HFInputs:
+        return paths.make_inputs(case, spec, device, bos)
+
+    def run_rollout(inp: paths.HFInputs) -> Outcome:
+        return paths.rollout(inp, rollout)
+
+    def run_trainer(inp: paths.HFInputs, rollout_outcome: Outcome) -> Outcome:
+        return paths.trainer(inp, rollout_outcome, trainer, replay=replay)
+
+    def remake(t: Numerics, r: Numerics) -> TargetPair:
+        return hf_pair(name, spec, t, r, expected=expected, replay=replay, description=description, axes=axes,
+                       devices=devices)
+
+    diff = [f"{k} {trainer.as_dict()[k]} vs {rollout.as_dict()[k]}" for k in COMPONENTS
+            if trainer.as_dict()[k] != rollout.as_dict()[k]]
+    desc = description or ("trainer vs rollout: " + (", ".join(diff) if diff else "same numerics")
+                           + (", router replay" if replay else ""))
+    return TargetPair(
+        name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
+        axes=axes or default_axes(spec), devices=devices, description=desc,
+        profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=dict(COMPONENTS),
+                            make=remake),
+    )
+
+
+def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges") -> list[TargetPair]:
+    """The standard set for one model: `<prefix>.aligned` (float32 both sides),
+    `<prefix>.bf16_rollout` (float32 trainer vs bf16 engine), `<prefix>.bf16_rollout.replay` (the same
+    with router replay; MoE models only), `<prefix>.eager_vs_sdpa` (attention implementations, float32)."""
+    spec = model_from(model)
+    pairs = [
+        hf_pair(f"{prefix}.aligned", spec, FP32, FP32, expected="aligned",
+                description="float32 both sides: packed teacher-forced trainer vs KV-cache decode rollout"),
+        hf_pair(f"{prefix}.bf16_rollout", spec, FP32, BF16, expected=bf16_expected,
+                description="float32 trainer vs a bf16 engine (weights, activations, router, LM head)"),
+        hf_pair(f"{prefix}.eager_vs_sdpa", spec, FP32.replace(attention="eager"), FP32, expected="aligned",
+                description="eager attention (trainer) vs sdpa (rollout), float32"),
+    ]
+    if spec.moe():
+        pairs.append(hf_pair(f"{prefix}.bf16_rollout.replay", spec, FP32, BF16, replay=True,
+                             expected=bf16_expected,
+                             description="bf16 engine with router replay: flips gone, the precision gap remains"))
+    return pairs

@@ -1,0 +1,297 @@
+"""The two execution paths of a Hugging Face pair: a KV-cache rollout and a packed trainer forward.
+
+See `targets/hf/backend.py` for what each path does and why (the packed-mask trap, our own decode
+loop). Layout of sequence j (positions): 0 = BOS, 1..P_j = prompt, P_j+1..P_j+R_j = response.
+Response token i (position P_j+1+i) is scored by the output at position P_j+i; a position's key is
+j * stride + position, the index of per-position tables (near-tie flags, recorded experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from harness import Outcome, Routing
+
+from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, path_model, process_logits, \
+    sample_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Case helpers (schema-2 API, with schema-1 fallbacks)
+# ---------------------------------------------------------------------------------------------
+def prompt_lens(case: Any) -> list[int]:
+    p = tuple(getattr(case, "prompt_lens", ()) or ())
+    return list(p) if p else [0] * len(case.seq_lens)
+
+
+def seq_generator(case: Any, j: int, *salt: Any) -> Any:
+    if hasattr(case, "seq_generator"):
+        return case.seq_generator(j, *salt)
+    return case.generator(*salt, j)
+
+
+def prompt_tokens(case: Any, j: int, vocab: int, n: int) -> Any:
+    import torch
+
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if hasattr(case, "prompt_tokens"):
+        return case.prompt_tokens(j, vocab, "prompt").to(torch.int64)
+    return torch.randint(vocab, (n,), generator=case.generator("prompt", j))
+
+
+def sampling(case: Any) -> tuple[float, int, float]:
+    return (float(getattr(case, "temperature", 1.0)), int(getattr(case, "sample_top_k", 0)),
+            float(getattr(case, "top_p", 1.0)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class HFInputs:
+    case: Any
+    spec: HFModel
+    device: str
+    prompts: list  # per sequence: (1 + P_j,) int64, BOS first
+    resp_lens: list[int]  # R_j
+    stride: int  # key stride: longest sequence + 1
+    forced: Any  # (B * stride,) bool: near-tie positions
+    tie_layer: int  # -1: no near ties
+    gap: float
+    recorded: dict | None = None  # a recorded sample (harness score): tokens, logprobs, experts
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.prompts)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split()] if text.strip() else []
+
+
+def recorded_sample(case: Any) -> dict | None:
+    """The recorded sample a `harness score` repro carries in its case params, or None."""
+    p = case.params
+    if not all(k in p for k in RECORDED_KEYS):
+        return None
+    import torch
+
+    experts = None
+    if p.get("rec_experts"):  # "layer:e e;e e;...|layer:..." -> {layer: (positions, k)}
+        experts = {}
+        for part in str(p["rec_experts"]).split("|"):
+            layer, rows = part.split(":", 1)
+            experts[layer] = torch.tensor([_ints(r) for r in rows.split(";")], dtype=torch.int64)
+    return {"prompt": _ints(str(p["rec_prompt"])), "response": _ints(str(p["rec_response"])),
+            "logprobs": [float(v) for v in str(p["rec_logprobs"]).split()], "experts": experts}
+
+
+def make_inputs(case: Any, spec: HFModel, device: str, bos: int) -> HFInputs:
+    import torch
+
+    vocab = spec.vocab
+    rec = recorded_sample(case)
+    if rec is not None:
+        prompts = [torch.tensor(rec["prompt"], dtype=torch.int64)]  # as recorded (BOS included if it had one)
+        resp = [len(rec["response"])]
+    else:
+        plens = prompt_lens(case)
+        prompts = [torch.cat([torch.tensor([bos]), prompt_tokens(case, j, vocab, plens[j])])
+                   for j in range(len(case.seq_lens))]
+        resp = list(case.seq_lens)
+    stride = max(len(p) + r for p, r in zip(prompts, resp)) + 1
+    moe = spec.moe()
+    tie_layer, forced = -1, None
+    if moe and case.tie_fraction > 0 and rec is None:
+        tie_layer = int(case.params.get("tie_layer", 0)) % moe[2]
+        forced = torch.cat([torch.rand(stride, generator=seq_generator(case, j, "ties")) < case.tie_fraction
+                            for j in range(len(prompts))])
+    return HFInputs(case=case, spec=spec, device=device, prompts=prompts, resp_lens=resp, stride=stride,
+                    forced=forced, tie_layer=tie_layer, gap=max(float(case.tie_gap), TIE_FLOOR), recorded=rec)
+
+
+def _ctx(inp: HFInputs, keys: Any, replay: dict | None = None) -> CallContext:
+    return CallContext(keys=keys, forced=inp.forced, tie_layer=inp.tie_layer, gap=inp.gap, replay=replay)
+
+
+def _routing(captured: dict, keys_wanted: Any, n_keys: int, top_k: int | None = None) -> tuple[dict, dict]:
+    """Per layer: Routing at the wanted keys (case order), and the dense (n_keys, k) experts table."""
+    import torch
+
+    routing, tables = {}, {}
+    for layer, parts in captured.items():
+        keys = torch.cat([p[0] for p in parts])
+        idx = torch.cat([p[1] for p in parts])
+        logits = torch.cat([p[2] for p in parts])
+        table = torch.full((n_keys, idx.shape[-1]), -1, dtype=torch.int64)
+        table[keys] = idx.to(torch.int64)
+        where = torch.full((n_keys,), -1, dtype=torch.int64)
+        where[keys] = torch.arange(len(keys))
+        rows = where[keys_wanted]
+        if bool((rows < 0).any()):
+            continue
+        routing[layer] = Routing(experts=idx[rows].to(torch.int64), scores=logits[rows])
+        tables[layer] = table
+    return routing, tables
+
+
+def scored_keys(inp: HFInputs) -> Any:
+    """(T,) keys of the positions whose outputs score the response tokens, in case order."""
+    import torch
+
+    return torch.cat([j * inp.stride + len(p) - 1 + torch.arange(r)
+                      for j, (p, r) in enumerate(zip(inp.prompts, inp.resp_lens))])
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout: left-padded prefill + KV-cache decode, seeded inverse-CDF sampling
+# ---------------------------------------------------------------------------------------------
+def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
+    import torch
+
+    if inp.recorded is not None:
+        return recorded_outcome(inp)
+    run = path_model(inp.spec, nx.model_key, inp.device)
+    case, dev = inp.case, inp.device
+    temp, top_k, top_p = sampling(case)
+    b = inp.n_seqs
+    lens = [len(p) for p in inp.prompts]
+    lp_max = max(lens)
+    ids = torch.zeros(b, lp_max, dtype=torch.int64)
+    mask = torch.zeros(b, lp_max, dtype=torch.int64)
+    keys = torch.full((b, lp_max), -1, dtype=torch.int64)
+    for j, p in enumerate(inp.prompts):
+        ids[j, lp_max - len(p):] = p
+        mask[j, lp_max - len(p):] = 1
+        keys[j, lp_max - len(p):] = j * inp.stride + torch.arange(len(p))
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    ctx = _ctx(inp, keys.reshape(-1).to(dev))
+    out = run(ctx, input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
+    cache = _cache_of(out)
+    logits = out.logits[:, -1].float()  # (B, V)
+    captured = ctx.captured
+    steps = max(inp.resp_lens)
+    u = [torch.rand(r, generator=seq_generator(case, j, "sample")) for j, r in enumerate(inp.resp_lens)]
+    lp_rows: list[list] = [[] for _ in range(b)]
+    tok_rows: list[list] = [[] for _ in range(b)]
+    for i in range(steps):
+        lp = process_logits(logits, temp, top_k, top_p)  # (B, V)
+        ui = torch.tensor([float(u[j][i]) if i < inp.resp_lens[j] else 0.5 for j in range(b)])
+        tok = sample_rows(lp, ui).to(torch.int64).cpu()  # (B,)
+        for j in range(b):
+            if i < inp.resp_lens[j]:
+                lp_rows[j].append(lp[j])
+                tok_rows[j].append(tok[j])
+        if i == steps - 1:
+            break
+        active = torch.tensor([i + 1 < r for r in inp.resp_lens])
+        step_keys = torch.tensor([j * inp.stride + lens[j] + i for j in range(b)])
+        step_keys = torch.where(active, step_keys, torch.full_like(step_keys, -1))
+        mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.int64)], dim=1)
+        pos = torch.tensor([[lens[j] + i] for j in range(b)])
+        ctx = _ctx(inp, step_keys.to(dev))
+        ctx.captured = captured
+        out = run(ctx, input_ids=tok[:, None].to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
+                  cache=cache, use_cache=True)
+        cache = _cache_of(out)
+        logits = out.logits[:, -1].float()
+    logprobs = torch.stack([row for rows in lp_rows for row in rows])  # (T, V) case order
+    tokens = torch.stack([t for rows in tok_rows for t in rows])  # (T,)
+    routing, tables = _routing(captured, scored_keys(inp), inp.n_seqs * inp.stride)
+    return Outcome(logprobs=logprobs, tokens=tokens, routing=routing, intermediates={"route_table": tables})
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer: packed rows, per-sequence positions, one teacher-forced forward
+# ---------------------------------------------------------------------------------------------
+def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool = False) -> Outcome:
+    import torch
+
+    run = path_model(inp.spec, nx.model_key, inp.device)
+    case, dev = inp.case, inp.device
+    tokens = rollout_outcome.tokens.cpu().to(torch.int64)
+    full, start = [], 0
+    for p, r in zip(inp.prompts, inp.resp_lens):
+        full.append(torch.cat([p, tokens[start:start + r]]))
+        start += r
+    rows = [[0]] if inp.recorded is not None else case.packed_rows()
+    width = max(sum(len(full[j]) for j in row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    pos = torch.zeros(len(rows), width, dtype=torch.int64)
+    keys = torch.full((len(rows), width), -1, dtype=torch.int64)
+    at: dict[int, tuple[int, int]] = {}  # sequence -> (row, offset)
+    for r, row in enumerate(rows):
+        o = 0
+        for j in row:
+            n = len(full[j])
+            ids[r, o:o + n] = full[j]
+            pos[r, o:o + n] = torch.arange(n)
+            keys[r, o:o + n] = j * inp.stride + torch.arange(n)
+            at[j] = (r, o)
+            o += n
+        pos[r, o:] = torch.arange(width - o)  # padding: a fake sequence of its own
+    table = None
+    if replay:
+        table = {k: v.to(dev) for k, v in (rollout_outcome.intermediates.get("route_table") or {}).items()}
+    ctx = _ctx(inp, keys.reshape(-1).to(dev), table)
+    kwargs = {"use_cache": False} if nx.use_cache == "off" else {}
+    out = run(ctx, input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=None, **kwargs)
+    logits = out.logits.float()  # (rows, width, V)
+    sel_r, sel_c = [], []
+    for j, (p, rlen) in enumerate(zip(inp.prompts, inp.resp_lens)):
+        r, o = at[j]
+        sel_r += [r] * rlen
+        sel_c += list(range(o + len(p) - 1, o + len(p) - 1 + rlen))
+    picked = logits[torch.tensor(sel_r), torch.tensor(sel_c)]  # (T, V)
+    temp, top_k, top_p = sampling(case)
+    logprobs = process_logits(picked, temp, top_k, top_p)
+    routing, _ = _routing(ctx.captured, scored_keys(inp), inp.n_seqs * inp.stride)
+    if inp.recorded is not None:
+        logprobs = two_outcome(logprobs.gather(1, tokens[:, None].to(logprobs.device)).squeeze(1).cpu(), tokens,
+                               logprobs.shape[-1])
+    return Outcome(logprobs=logprobs, routing=routing)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recorded samples (harness score)
+# ---------------------------------------------------------------------------------------------
+def two_outcome(lp_token: Any, tokens: Any, vocab: int) -> Any:
+    """(T, V) rows holding only {the token: lp, one other column: log(1 - p)}; -inf elsewhere."""
+    import torch
+
+    lp = lp_token.to(torch.float64)
+    rows = torch.full((len(lp), vocab), float("-inf"), dtype=torch.float64)
+    ar = torch.arange(len(lp))
+    rows[ar, tokens] = lp
+    rows[ar, (tokens + 1) % vocab] = torch.log(-torch.expm1(lp.clamp_max(0.0)))
+    return rows
+
+
+def recorded_outcome(inp: HFInputs) -> Outcome:
+    import torch
+
+    rec = inp.recorded
+    tokens = torch.tensor(rec["response"], dtype=torch.int64)
+    lp = torch.tensor(rec["logprobs"], dtype=torch.float64)
+    routing, tables = {}, {}
+    if rec.get("experts"):
+        n_keys = inp.stride
+        wanted = scored_keys(inp)
+        for layer, ex in rec["experts"].items():
+            table = torch.full((n_keys, ex.shape[-1]), -1, dtype=torch.int64)
+            n = min(len(ex), n_keys)
+            table[:n] = ex[:n]  # recorded per position of the sequence (BOS, prompt, response)
+            tables[layer] = table
+            if bool((table[wanted] >= 0).all()):
+                routing[layer] = Routing(experts=table[wanted])
+    return Outcome(logprobs=two_outcome(lp, tokens, inp.spec.vocab), tokens=tokens, routing=routing,
+                   intermediates={"route_table": tables})
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache a forward returned (`cache` in newer transformers, `past_key_values` before)."""
+    got = getattr(out, "cache", None)
+    return got if got is not None else out.past_key_values
