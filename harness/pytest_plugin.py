@@ -114,13 +114,16 @@ class FuzzSession:
         self.globs = list(opt("harness_pairs") or [])
         self.plugins = list(opt("harness_plugin") or [])
         self.device_option = opt("harness_device")
-        self.max_examples = opt("harness_max_examples") or (
+        _check_options(opt)
+        max_examples = opt("harness_max_examples")
+        self.max_examples = max_examples if max_examples is not None else (
             self.profile.max_examples if self.profile else DEFAULT_MAX_EXAMPLES)
         budget = opt("harness_budget")
         self.budget = budget if budget is not None else (self.profile.budget_per_pair if self.profile else None)
         from harness.execute import DEFAULT_THRESHOLD
 
-        self.threshold = opt("harness_threshold") or DEFAULT_THRESHOLD
+        threshold = opt("harness_threshold")
+        self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLD
         self.corpus = Path(opt("harness_corpus"))
         self.out = Path(opt("harness_out"))
         self.tracking = not opt("harness_no_tracking")
@@ -341,6 +344,22 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _check_options(opt: Any) -> None:
+    """The CLI's checks on the numeric options: a bad value is a usage error, never a green run."""
+    import math
+
+    threshold, budget, max_examples = opt("harness_threshold"), opt("harness_budget"), opt("harness_max_examples")
+    if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
+        raise pytest.UsageError(f"--harness-threshold {threshold!r} must be a finite number > 0 (the mean k3 above "
+                                "which a case diverges; default 1e-3).")
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise pytest.UsageError(f"--harness-budget {budget!r} must be a finite number of seconds > 0 (wall time per "
+                                "pair, shrinking included); leave it out for no time limit.")
+    if max_examples is not None and max_examples < 1:
+        raise pytest.UsageError(f"--harness-max-examples {max_examples!r} must be >= 1 (cases per pair; default "
+                                f"the profile's, else {DEFAULT_MAX_EXAMPLES}).")
+
+
 def _parse_shard(value: str | None) -> tuple[int, int] | None:
     from harness.cli import parse_shard
 
@@ -533,6 +552,7 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
         "cases": cases, "pair_seconds": seconds, "wall_seconds": time.time() - fs.start,
         "new_aligned_regressions": [f["id"] for d in results if d["expected"] == "aligned"
                                     for f in d["findings"] if f["new"] or f["recurrence"]],
+        "missed_demonstrations": sorted(d["pair"] for d in results if d["verdict"] == "MISSED"),
         "pairs": sorted(results, key=lambda d: d["pair"]),
     }
     (fs.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -543,6 +563,10 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
           + (f"; MLflow campaign run {fs.campaign_run_id}" if fs.campaign_run_id else ""), "",
           "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
+    if summary["missed_demonstrations"]:
+        md += ["", f"**Missed demonstrations ({len(summary['missed_demonstrations'])})**: "
+               + ", ".join(summary["missed_demonstrations"])
+               + " (not caught: give them more cases or budget, or the harness lost detection power)."]
     replays = [(d["pair"], f) for d in results for f in d["findings"] if f["new"] or f["recurrence"]]
     if replays:
         md += ["", "New findings:", ""]
@@ -567,6 +591,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     reported = [f"{d['pair']} ({d['verdict']})" for d in results if d["verdict"] in ("MISSED", "BROKEN", "not run")]
     tr.write_line(f"{len(results)} pair(s), {cases} cases; demonstrations caught: {len(caught)}; aligned clean: "
                   f"{len(clean)}" + (f"; reported: {', '.join(reported)}" if reported else ""))
+    missed = [d["pair"] for d in results if d["verdict"] == "MISSED"]
+    if missed:
+        tr.write_line(f"missed demonstrations: {len(missed)} of {sum(d['expected'] == 'diverges' for d in results)} "
+                      f"not caught: {', '.join(sorted(missed))}")
     tr.write_line(f"campaign seed {fs.seed} ({fs.seed_origin}); rerun: pytest --harness-fuzz --harness-seed {fs.seed}"
                   + (f" --shard {fs.shard[0]}/{fs.shard[1]}" if fs.shard else ""))
     if fs.campaign_run_id:

@@ -60,6 +60,39 @@ def test_bad_profile_is_a_usage_error(tmp_path):
     assert "Traceback" not in out
 
 
+@pytest.mark.parametrize("option, value, needle", [
+    ("--harness-threshold", "-1", "--harness-threshold -1.0 must be a finite number > 0"),
+    ("--harness-threshold", "0", "--harness-threshold 0.0 must be a finite number > 0"),
+    ("--harness-threshold", "nan", "--harness-threshold nan must be a finite number > 0"),
+    ("--harness-budget", "0", "--harness-budget 0.0 must be a finite number of seconds > 0"),
+    ("--harness-budget", "inf", "--harness-budget inf must be a finite number of seconds > 0"),
+    ("--harness-max-examples", "0", "--harness-max-examples 0 must be >= 1"),
+    ("--harness-max-examples", "-5", "--harness-max-examples -5 must be >= 1"),
+])
+def test_invalid_numeric_options_are_usage_errors_never_green(tmp_path, option, value, needle):
+    corpus = tmp_path / "corpus"
+    rc, out = run_pytest(["--harness-fuzz", "--harness-pairs", "linear.aligned", option, value,
+                          "--harness-no-tracking", "--harness-corpus", str(corpus), "--harness-out", str(tmp_path)])
+    assert rc == 4, out  # pytest's usage-error exit code: not green, and nothing ran
+    assert needle in out and "Traceback" not in out
+    assert "passed" not in out and not corpus.exists()  # no bogus repros
+
+
+def test_a_missed_demonstration_is_in_the_summary(tmp_path):
+    """One case cannot catch the rotary demonstration (it needs a large start): MISSED is reported
+    on the terminal and in summary.json and summary.md, and the run is not failed for it."""
+    rc, out = run_pytest(["--harness-fuzz", "--harness-pairs", "rotary.bf16_angles", "--harness-max-examples", "1",
+                          "--harness-seed", "1", "--harness-no-tracking", "--harness-corpus", str(tmp_path / "c"),
+                          "--harness-out", str(tmp_path / "out")])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    if summary["pairs"][0]["verdict"] != "MISSED":
+        pytest.skip(f"seed 1 caught the demonstration in one case ({summary['pairs'][0]['verdict']})")
+    assert rc == 0, out
+    assert summary["missed_demonstrations"] == ["rotary.bf16_angles"]
+    assert "missed demonstrations: 1 of 1 not caught: rotary.bf16_angles" in out
+    assert "**Missed demonstrations (1)**: rotary.bf16_angles" in (tmp_path / "out" / "summary.md").read_text()
+
+
 @pytest.mark.slow
 def test_xdist_one_summary_one_campaign_run(tmp_path):
     """Two workers share the pairs; the controller aggregates one summary and one campaign run."""
