@@ -202,7 +202,7 @@ def base_model(spec: HFModel) -> Any:
             torch.manual_seed(spec.init_seed)
             model = AutoModelForCausalLM.from_config(make_config(json.loads(spec.config_json)), dtype=torch.float32)
         if spec.init == "realistic":
-            realistic_init(model, spec.init_seed)
+            realistic_init(model, spec.init_seed, logit_std=_logit_std())
     model.eval()
     model.requires_grad_(False)
     return model
@@ -386,3 +386,9 @@ def sample_rows(logprobs: Any, u: Any) -> Any:
     cdf = cdf / cdf[:, -1:]
     tok = torch.searchsorted(cdf, u.double()[:, None].contiguous()).squeeze(-1)
     return tok.clamp_max(logprobs.shape[-1] - 1)
+
+
+def _logit_std() -> float:
+    from .configs import LOGIT_STD
+
+    return LOGIT_STD
