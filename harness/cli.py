@@ -170,6 +170,7 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     from .corpus import replay_command_for
     from .tracking import make_tracker
 
+    terminate_like_ctrl_c()
     load_plugins(plugins)
     dev = resolve_device(device)
     pairs = [p for p in REGISTRY.select(pair_names) if dev in p.devices]
@@ -215,6 +216,16 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     if result.interrupted:
         sys.exit(EXIT_INTERRUPTED)
     sys.exit(EXIT_FOUND if n else EXIT_OK)
+
+
+def terminate_like_ctrl_c() -> None:
+    """SIGTERM (CI timeouts, Slurm, `kill`) ends a campaign as Ctrl-C does: findings on disk, exit 130."""
+    import signal
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def parse_timeouts(values: tuple[str, ...], pairs: list) -> tuple[float, dict[str, float]]:

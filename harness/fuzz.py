@@ -452,8 +452,7 @@ class _Signals:
 
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
-                if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
-                    self.saved[sig] = signal.signal(sig, self._handle)
+                self.saved[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: Any) -> None:

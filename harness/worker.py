@@ -1,7 +1,9 @@
 """Supervised worker processes: targets run isolated from the campaign (libFuzzer's fork mode).
 
-A campaign hands each case to a `Worker`: a child process, started with the `spawn` method (torch
-and `fork` do not mix: its thread pools and CUDA state do not survive a fork), that owns one device
+A campaign hands each case to a `Worker`: a child process, started with the `forkserver` method
+(torch and plain `fork` do not mix: its thread pools and CUDA state do not survive a fork; the fork
+server is a fresh single-threaded process that has imported torch and the engine once, so a worker
+that replaces a dead one starts in milliseconds, not the seconds of an import), that owns one device
 and is reused for every case of every pair until it dies. Only the case goes in; the pair's build,
 both paths and the metrics run in the worker, and only the `Evaluation` comes back (symptom,
 metrics, error; never the outcomes), so tensors stay on their device and the pipe carries a few
@@ -36,6 +38,7 @@ from typing import Any
 from .errors import HarnessError
 
 DEFAULT_TIMEOUT = 60.0  # wall seconds one case may take (build, both paths, metrics) before it is a hang
+PRELOAD = ["torch", "numpy", "hypothesis", "harness.execute"]  # imported once, by the fork server
 _START_TIMEOUT = 300.0  # seconds a fresh worker may take to import torch and the pair's module
 
 
@@ -84,7 +87,8 @@ class Worker:
             import torch
 
             self.threads = torch.get_num_threads()  # the same numerics as an in-process run
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
         parent, child = ctx.Pipe()
         fd, log = tempfile.mkstemp(prefix="fault-", suffix=".log", dir=self._dir)
         os.close(fd)
@@ -178,8 +182,12 @@ class Worker:
                 "traceback": self._read_log()})
         # no answer within the limit
         out_of_wall = wall is not None and time.monotonic() >= wall - 1e-3 and limit < timeout
-        time.sleep(0.05)  # the worker's own watchdog writes its stack just before the timeout
-        stack = self._read_log()
+        stack = ""
+        for _ in range(20):  # the worker's own watchdog writes its stack just before the timeout
+            stack = self._read_log()
+            if stack or out_of_wall:
+                break
+            time.sleep(0.05)
         self.kill()
         self.restarts += 1
         if out_of_wall:
@@ -225,7 +233,7 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
     import faulthandler
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    fault = open(log, "w")
+    fault = open(log, "a")  # appends: the supervisor empties it between cases
     faulthandler.enable(file=fault)
     import torch
 
@@ -250,7 +258,7 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
             conn.send(("error", f"pair {name!r} does not load in the worker process: {type(e).__name__}: {e}"))
             continue
         # a stack dump just before the supervisor's timeout: where the case hung
-        faulthandler.dump_traceback_later(max(0.01, timeout - 0.02), file=fault)
+        faulthandler.dump_traceback_later(max(0.01, timeout - min(0.5, 0.1 * timeout)), file=fault)
         ev = run_case(pair, case, device, threshold)
         faulthandler.cancel_dump_traceback_later()
         if not ev.failed and ev.divergence is not None:

@@ -1,0 +1,140 @@
+"""Fault injection: what a target or the machine does must never stop a campaign, lie to CI or lose a
+finding. Each test runs the real command line in a subprocess on the misbehaving pairs of
+tests/plugins/faults.py and asserts the message, the exit code and that every finding is on disk
+(or, when the disk cannot take it, printed in full)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.corpus import iter_corpus, load_repro
+
+from ..conftest import PLUGINS, ROOT
+
+FAULTS = str(PLUGINS / "faults.py")
+
+
+def fuzz(harness_cli, tmp_path, *args, env=None):
+    return harness_cli("fuzz", *args, "--plugin", FAULTS, "--no-tracking", "--seed", "1",
+                       "--corpus", str(tmp_path / "corpus"), env=env)
+
+
+def by_pair(corpus: Path) -> dict:
+    out: dict = {}
+    for p in iter_corpus(corpus):
+        r = load_repro(p)
+        out.setdefault(r.pair, []).append(r)
+    return out
+
+
+def test_a_hang_is_a_timeout_finding_and_the_campaign_goes_on(tmp_path, harness_cli):
+    t = time.monotonic()
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.hang", "faults.diverges", "--timeout", "1",
+                          "--budget", "40", "--max-examples", "30")
+    wall = time.monotonic() - t
+    assert code == 1, err
+    found = by_pair(tmp_path / "corpus")
+    [hang] = found["faults.hang"]
+    assert hang.symptom == "timeout" and hang.case.batch_size == 2  # shrunk to the smallest hanging batch
+    assert "per-case timeout of 1 s" in hang.error["message"]
+    assert "hangs_on_batches" in hang.error["traceback"]  # the worker's stack when it hung
+    assert [r.symptom for r in found["faults.diverges"]] == ["divergence"]  # the next pair still ran
+    assert "faults.hang: timeout" in err and "REGRESSION" in out
+    assert wall < 40 + 30  # the budget is a wall (startup and imports on a loaded machine aside)
+
+
+@pytest.mark.parametrize("pair, sig", [("faults.segfault", "SIGSEGV"), ("faults.abort", "SIGABRT")])
+def test_a_dead_worker_is_a_crash_finding_and_the_campaign_goes_on(tmp_path, harness_cli, pair, sig):
+    code, out, err = fuzz(harness_cli, tmp_path, pair, "faults.diverges", "--max-examples", "30")
+    assert code == 1, err
+    found = by_pair(tmp_path / "corpus")
+    [crash] = found[pair]
+    assert crash.symptom == "crash" and crash.case.batch_size == 2
+    assert crash.error["type"] == sig and "died" in crash.error["message"]
+    assert "segfaults_on_batches" in crash.error["traceback"] or "aborts_on_batches" in crash.error["traceback"]
+    assert [r.symptom for r in found["faults.diverges"]] == ["divergence"]
+    assert f"{pair}: crash" in err
+
+
+def test_without_isolation_a_crash_takes_the_campaign_down(tmp_path, harness_cli):
+    """What isolation buys (and why --no-isolation is for debugging only)."""
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.segfault", "--max-examples", "30", "--no-isolation")
+    assert code == -signal.SIGSEGV and not iter_corpus(tmp_path / "corpus")
+
+
+def test_sigterm_is_handled_like_ctrl_c(tmp_path):
+    corpus = tmp_path / "corpus"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "fuzz", "faults.diverges", "--plugin", FAULTS, "--no-tracking", "--seed",
+         "1", "--max-examples", "100000", "--corpus", str(corpus)],
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "FAULTS_SLEEP": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stderr:  # the campaign is running once the first case is in
+        lines.append(line)
+        if "faults.diverges:" in line and "cases" in line:
+            break
+    time.sleep(1.0)  # mid-shrink: every case diverges, so shrinking started with the first one
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    err = "".join(lines) + err
+    assert proc.returncode == 130, err
+    assert "interrupted: the findings above are on disk." in err
+    [path] = iter_corpus(corpus)
+    repro = load_repro(path)
+    assert repro.pair == "faults.diverges" and repro.found["shrink_complete"] is False
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.fixture
+def full_corpus(tmp_path):
+    """A corpus folder that cannot take a file: a full 64 kB tmpfs where this process may mount one, else
+    a read-only folder (or, as root without mount rights, a path under a plain file)."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                             capture_output=True).returncode == 0
+    try:
+        if mounted:
+            try:
+                with open(mnt / "filler", "wb") as fh:
+                    while True:
+                        fh.write(b"\0" * 4096)
+                        fh.flush()
+            except OSError:  # full
+                pass
+            yield mnt / "corpus", "No space left on device"
+        elif os.geteuid() != 0:
+            mnt.chmod(0o555)
+            yield mnt / "corpus", "Permission denied"
+        else:
+            (mnt / "file").write_text("")
+            yield mnt / "file" / "corpus", "Not a directory"
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+        mnt.chmod(0o755)
+
+
+def test_an_unwritable_corpus_prints_the_finding_and_exits_3(tmp_path, harness_cli, full_corpus):
+    corpus, reason = full_corpus
+    code, out, err = harness_cli("fuzz", "faults.diverges", "faults.segfault", "--plugin", FAULTS, "--no-tracking",
+                                 "--seed", "1", "--max-examples", "30", "--corpus", str(corpus))
+    assert code == 3, err
+    assert err.count("error: could not write finding") == 2 and reason in err
+    printed = [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+    assert sorted(d["pair"] for d in printed) == ["faults.diverges", "faults.segfault"]  # both pairs ran
+    saved = tmp_path / "saved.json"
+    for d in printed:  # each printed finding is a whole repro: saved to a file, it loads
+        saved.write_text(json.dumps(d))
+        r = load_repro(saved)
+        assert r.symptom in ("divergence", "crash") and r.case.batch_size >= 1
+    assert "2 finding(s) could not be written" in err
