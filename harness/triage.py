@@ -1,24 +1,40 @@
 """Triage: localize a divergence to the component that causes it, and write a report.
 
-`harness triage FILE` (or `--run-id ID`) replays one repro and answers "which component?":
+`harness triage FILE` (or `--run-id ID`) replays one repro and answers "which component, which layer?":
 
-1. **Per-module divergence.** Both paths' module outputs are captured by module name with forward
-   hooks, mapped to the case's token rows, and compared module by module (relative L2 error over
-   the tokens both paths computed). The *noise floor* of a module is what the same comparison gives
-   when both paths run the trainer's numerics (layout noise: packed rows vs padded decode), times
-   `FLOOR_FACTOR`, and never under `MIN_FLOOR`. The first module, in execution order, whose error
-   exceeds its floor is where the divergence starts.
+1. **Per-module divergence.** Forward hooks on every submodule of both paths' torch modules record
+   their outputs, by module name, for each call of the root module (a packed forward, a padded
+   prefill, every decode step). Each position is then tied to the case's token row it produced by
+   matching the root's output at that position against the row of the path's own outcome (the
+   Pearson correlation over the row's 16 largest finite log-probabilities: temperature, the
+   log-softmax shift and top-k/top-p truncation leave it at 1; any other position is far from 1).
+   No argument is added to the model's call. Modules with the same name are compared over the
+   tokens both paths computed (relative L2 error), in the trainer's execution order.
+   The *noise floor* of a module is the same comparison in an aligned run of the same modules
+   (same numerics profile on both sides: layout noise of packed rows vs padded decode), times
+   `FLOOR_FACTOR`, never under `MIN_FLOOR`. The aligned run is the pair with every differing
+   component aligned when that explains the divergence; otherwise (a code-level difference) a
+   registered `aligned` pair exposing the same modules (the same trainer module object, or the same
+   module names), run with the finding's trainer profile on both sides when it has profiles. The
+   first module whose error exceeds its floor is where the divergence starts; its layer (the
+   module path up to its first numeric index, `layers.3`) is named in the verdict.
 2. **Localization by swapping.** For every component whose setting differs between the two paths,
    the case is rerun with that one component aligned (the rollout takes the trainer's setting, and
    back: the trainer takes the rollout's), then the set of differing components is delta-debugged
    (ddmin) down to a minimal set that, left differing while every other component is aligned, still
-   puts k3 above the threshold. The verdict names that set and the k3 once it is aligned too:
-   "MoE aggregation precision, all layers: k3 0.0123 -> 0.0000 when aligned".
+   puts k3 above the threshold (or keeps the output non-finite).
 3. **Routing.** Expert-selection flips per router layer, split into near-tie flips (the k-th and
    (k+1)-th scores within `NEAR_TIE` in either path, exact ties included) and the rest.
-4. **A report**: `reports/<finding id>/report.md` with PNG plots (per-token k3 along the sequence,
+4. **Non-finite findings.** The first module, in execution order, whose output holds NaN or inf in
+   either path (every position it computed, padding included), and which path.
+5. **A report**: `reports/<finding id>/report.md` with PNG plots (per-token k3 along the sequence,
    divergence per module, flips per layer, k3 per swap), attached to the MLflow regression run when
    the repro came from one (`--run-id`) and tracking is on.
+
+Verdicts name the minimal component set and the first divergent layer ("MoE aggregation precision,
+from layers.0 (first divergent module layers.0.moe): k3 0.0123 -> 0.0000 when aligned"); a
+code-level finding (same numerics on both sides, or not explained by them) names the first module
+beyond the noise floor; a non-finite finding names the first module with NaN/inf.
 
 The protocol (what a pair provides to get each part; nothing else is model-specific)
 -------------------------------------------------------------------------------------
@@ -31,17 +47,22 @@ The protocol (what a pair provides to get each part; nothing else is model-speci
 
 *Per-module table*: the inputs `build` returns expose the torch modules each path runs, as
 `inputs.extra["modules"]`, `inputs["modules"]` or `inputs.modules`: `{"trainer": module, "rollout":
-module}` (the same object for both is fine; `None` for a path that is not torch, e.g. ONNX
-Runtime). Submodules with the same name are compared. The root module's forward takes a keyword
-`rows`: a (B, S) int64 tensor giving the case-order token row of every position it computes (-1 for
-padding and unscored positions); a submodule output whose two leading dimensions are (B, S) is
-filed under those rows (tuples: their first tensor). Pairs without these get the rest of the report.
+module}` (the same object for both is fine, or two copies whose submodules have the same names;
+`None` for a path that is not torch, e.g. ONNX Runtime). The root module is the one the path calls
+once per forward (a packed forward, a prefill, a decode step) with the input ids (or embeddings)
+as `input_ids`/`inputs_embeds` or its first (B, S, ...) argument, and whose output holds a
+(B, S', V) tensor of the log-probabilities or logits the outcome rows are made from (tuples,
+mappings and Hugging Face `ModelOutput`s are searched). A submodule output is filed under the
+call's positions when it is (B, S, ...), (B*S, ...) (flattened tokens, e.g. router logits) or, for
+a vocabulary-wide output, (B, S', V) covering the last S' positions (`logits_to_keep`). Pairs
+without these get the rest of the report.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -55,6 +76,10 @@ from .errors import UsageError
 FLOOR_FACTOR = 10.0  # a module diverges when its error exceeds this multiple of its aligned-run error
 MIN_FLOOR = 1e-6  # ... and this absolute relative error (float32 layout noise is ~1e-7)
 NEAR_TIE = 1e-3  # boundary score gap (k-th vs (k+1)-th) under which a routing flip counts as near-tie
+MATCH_TOP = 16  # largest finite log-probabilities of a row that tie a position to it
+MATCH_MIN_CORR = 0.999  # correlation over those at or above which a position produced the row
+ROOT = "output"  # the name the root module's own output is filed under
+REFERENCE_CANDIDATES = 12  # registered aligned pairs tried as the noise-floor reference, at most
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,6 +95,10 @@ class ModuleRow:
     @property
     def exceeds(self) -> bool:
         return self.error > self.floor
+
+    @property
+    def layer(self) -> str:
+        return layer_of(self.name)
 
 
 @dataclass
@@ -101,6 +130,13 @@ class Localization:
 
 
 @dataclass
+class NonFinite:
+    module: str  # the first module (execution order) whose output holds NaN/inf
+    paths: list[str]  # which paths show it there ("trainer", "rollout")
+    positions: int  # positions (token slots of every call) with NaN/inf there, over those paths
+
+
+@dataclass
 class Triage:
     repro: Any
     pair: Any
@@ -109,6 +145,8 @@ class Triage:
     evaluation: Any
     modules: list[ModuleRow] = field(default_factory=list)
     first_module: str | None = None
+    floor_from: str = ""  # what the noise floor was measured on
+    nonfinite: NonFinite | None = None
     localization: Localization | None = None
     flips: dict[str, dict[str, int]] = field(default_factory=dict)
     verdict: str = ""
@@ -117,9 +155,23 @@ class Triage:
     plots: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def first_layer(self) -> str | None:
+        return layer_of(self.first_module) if self.first_module else None
+
+
+def layer_of(name: str) -> str:
+    """The layer a module belongs to: its path up to the first numeric index ("model.layers.3.mlp"
+    -> "model.layers.3"); a module outside the numbered layers is its own ("lm_head")."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return name
+
 
 # ---------------------------------------------------------------------------------------------
-# 1. Per-module divergence
+# 1. Per-module divergence: hooks, positions tied to outcome rows, errors against a noise floor
 # ---------------------------------------------------------------------------------------------
 def exposed_modules(inputs: Any) -> dict[str, Any] | None:
     extra = getattr(inputs, "extra", None)
@@ -135,52 +187,185 @@ def exposed_modules(inputs: Any) -> dict[str, Any] | None:
     return mods
 
 
+def _tensors(out: Any) -> list[Any]:
+    """The tensors directly inside a module output: itself, a tuple/list's items, a mapping's values
+    (a Hugging Face ModelOutput is a mapping)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, Mapping):
+        items = list(out.values())
+    elif isinstance(out, (tuple, list)):
+        items = list(out)
+    else:
+        return []
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+@dataclass
+class _Call:
+    """One call of a path's root module: its (B, S) and what every module returned in it."""
+
+    batch: int
+    seq: int
+    raw: dict[str, Any] = field(default_factory=dict)  # module name -> its first floating output tensor
+    root: list[Any] = field(default_factory=list)  # the root's floating output tensors
+
+
 class _Recorder:
-    """Forward hooks filing module outputs under case-order token rows."""
+    """Forward hooks on every module under one path's root, recording each root call's outputs."""
 
     def __init__(self, root: Any) -> None:
         self.root = root
-        self.rows = None
-        self.store: dict[str, dict[int, Any]] = {}
+        self.calls: list[_Call] = []
         self.order: list[str] = []
         self.handles: list[Any] = []
+        self._depth = 0
 
     def __enter__(self) -> "_Recorder":
-        def pre(module: Any, args: Any, kwargs: dict) -> None:
-            self.rows = kwargs.get("rows")
-
-        self.handles.append(self.root.register_forward_pre_hook(pre, with_kwargs=True))
+        self.handles.append(self.root.register_forward_pre_hook(self._pre, with_kwargs=True))
         for name, mod in self.root.named_modules():
-            self.handles.append(mod.register_forward_hook(self._hook(name or "output")))
+            self.handles.append(mod.register_forward_hook(self._hook(name or ROOT)))
         return self
-
-    def _hook(self, name: str) -> Callable:
-        def hook(module: Any, args: Any, out: Any) -> None:
-            import torch
-
-            t = out[0] if isinstance(out, (tuple, list)) else out
-            rows = self.rows
-            if rows is None or not isinstance(t, torch.Tensor) or t.dim() < 2 or tuple(t.shape[:2]) != tuple(rows.shape):
-                return
-            sel = rows >= 0
-            ids = rows[sel].tolist()
-            vals = t[sel].detach().to(torch.float64).cpu().reshape(len(ids), -1)
-            slot = self.store.setdefault(name, {})
-            if name not in self.order:
-                self.order.append(name)
-            for i, v in zip(ids, vals):
-                slot[i] = v
-
-        return hook
 
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
 
+    def _pre(self, module: Any, args: tuple, kwargs: dict) -> None:
+        import torch
 
-def capture(pair: Any, case: Any, device: str) -> tuple[dict, dict, list[str]] | None:
-    """Module outputs of both paths by name and token row, or None when the pair exposes none."""
+        self._depth += 1
+        if self._depth > 1:  # the root called inside itself: one call
+            return
+        shape = (0, 0)
+        for t in [kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args, *kwargs.values()]:
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                shape = (int(t.shape[0]), int(t.shape[1]))
+                break
+        self.calls.append(_Call(*shape))
+
+    def _hook(self, name: str) -> Callable:
+        def hook(module: Any, args: Any, out: Any) -> None:
+            import torch
+
+            if module is self.root:
+                self._depth -= 1
+                if self._depth > 0:
+                    return
+            if not self.calls or self.calls[-1].batch == 0 or name in self.calls[-1].raw:
+                return  # outside a root call, or a module called twice in one call (the first is kept)
+            call = self.calls[-1]
+            tensors = [t for t in _tensors(out) if t.is_floating_point() and t.dim() >= 1]
+            if module is self.root:
+                call.root = [t.detach() for t in tensors]
+            if tensors:
+                call.raw[name] = tensors[0].detach().to(torch.float32, copy=True)
+                if name not in self.order:
+                    self.order.append(name)
+
+        return hook
+
+
+def _fit(call: _Call, t: Any, width: int) -> tuple[Any, int] | None:
+    """t as (B, S', F) and the offset of its first position in the call, or None when it is not per
+    token: (B, S, ...); (B, S', width) covering the last S' positions (logits_to_keep); (B*S, ...)."""
+    b, s = call.batch, call.seq
+    if t.dim() >= 2 and t.shape[0] == b and t.shape[1] == s:
+        return t.reshape(b, s, -1), 0
+    if t.dim() == 3 and t.shape[0] == b and t.shape[1] < s and t.shape[-1] == width:
+        return t, s - int(t.shape[1])
+    if t.dim() >= 2 and t.shape[0] == b * s:
+        return t.reshape(b, s, -1), 0
+    return None
+
+
+def _match_rows(calls: list[_Call], target: Any) -> dict[int, tuple[int, int, int]]:
+    """Case-order row -> (call, b, s) of the position whose root output produced it.
+
+    A row's MATCH_TOP largest finite values are correlated (Pearson) with the same entries of every
+    position's root output; the best position at or above MATCH_MIN_CORR wins. Affine changes
+    within a row (log-softmax shift, temperature) and truncation to -inf leave the true position at
+    correlation 1; rows with fewer than 3 finite values are left unmatched."""
     import torch
+
+    y = target.detach().to(torch.float32)
+    if y.dim() != 2 or y.shape[0] == 0:
+        return {}
+    dev, width = y.device, y.shape[1]
+    m = min(MATCH_TOP, width)
+    neg = torch.tensor(float("-inf"), device=dev)
+    vals, idx = torch.topk(torch.where(torch.isfinite(y), y, neg), m, dim=-1)  # (T, m)
+    w = torch.isfinite(vals).to(torch.float32)  # (T, m) 1 where the entry is finite
+    n = w.sum(-1, keepdim=True).clamp_min(1)  # (T, 1)
+    vals = torch.where(w > 0, vals, torch.zeros((), device=dev))
+    yc = (vals - (vals * w).sum(-1, keepdim=True) / n) * w  # (T, m) centred on the finite entries
+    ynorm = yc.pow(2).sum(-1).sqrt()  # (T,)
+    best = torch.full((y.shape[0],), -2.0, device=dev)
+    where = torch.full((y.shape[0], 3), -1, dtype=torch.long, device=dev)
+    for ci, call in enumerate(calls):
+        head = next((f for f in (_fit(call, t, width) for t in call.root if t.shape[-1] == width) if f), None)
+        if head is None:
+            continue
+        h, off = head
+        b, s2 = h.shape[0], h.shape[1]
+        flat = h.reshape(b * s2, width).to(device=dev, dtype=torch.float32)  # (N, W)
+        chunk = max(1, 4_000_000 // max(1, flat.shape[0] * m))
+        for lo in range(0, y.shape[0], chunk):
+            sl = slice(lo, lo + chunk)
+            ww = w[sl][None]  # (1, t, m)
+            x = torch.where(ww > 0, flat[:, idx[sl]], torch.zeros((), device=dev))  # (N, t, m)
+            xc = (x - (x * ww).sum(-1, keepdim=True) / n[sl][None]) * ww
+            corr = (xc * yc[sl][None]).sum(-1) / (xc.pow(2).sum(-1).sqrt() * ynorm[sl][None]).clamp_min(1e-30)
+            corr = torch.nan_to_num(corr, nan=-2.0, posinf=-2.0, neginf=-2.0)  # (N, t)
+            top, pos = corr.max(0)  # (t,)
+            better = top > best[sl]
+            best[sl] = torch.where(better, top, best[sl])
+            cand = torch.stack([torch.full_like(pos, ci), pos // s2, pos % s2 + off], -1)  # (t, 3)
+            where[sl] = torch.where(better[:, None], cand, where[sl])
+    ok = (best >= MATCH_MIN_CORR) & (w.sum(-1) >= 3)
+    return {int(j): (int(where[j, 0]), int(where[j, 1]), int(where[j, 2])) for j in torch.nonzero(ok).flatten()}
+
+
+@dataclass
+class PathCapture:
+    rows: dict[str, dict[int, Any]]  # module name -> case-order row -> (F,) float32
+    order: list[str]  # module names in execution order
+    nonfinite: dict[str, int]  # module name -> positions with NaN/inf (every call, every position)
+    matched: int  # outcome rows tied to a position
+    tokens: int  # outcome rows with at least 3 finite values (the rows a position can be tied to)
+
+
+def _gather(rec: _Recorder, out: Any) -> PathCapture:
+    """Module outputs of one path filed under the outcome rows their positions produced."""
+    import torch
+
+    target = out.logprobs if out.hidden is None else out.hidden  # what the root's output became
+    width = int(target.shape[-1])
+    fitted = [{name: _fit(call, t, width) for name, t in call.raw.items()} for call in rec.calls]
+    where = _match_rows(rec.calls, target)
+    rows: dict[str, dict[int, Any]] = {}
+    for j, (ci, b, s) in where.items():
+        for name, got in fitted[ci].items():
+            if got is not None and s - got[1] >= 0:
+                rows.setdefault(name, {})[j] = got[0][b, s - got[1]]
+    nonfinite: dict[str, int] = {}
+    for per_call in fitted:
+        for name, got in per_call.items():
+            if got is not None:
+                bad = int((~torch.isfinite(got[0])).any(-1).sum())
+                if bad:
+                    nonfinite[name] = nonfinite.get(name, 0) + bad
+    finite_rows = int((torch.isfinite(target).sum(-1) >= 3).sum())  # rows a position can be tied to
+    return PathCapture(rows, list(rec.order), nonfinite, len(where), finite_rows)
+
+
+def capture(pair: Any, case: Any, device: str) -> tuple[PathCapture, PathCapture] | None:
+    """Both paths' module outputs by name and case-order row, or None when the pair exposes no modules."""
+    import torch
+
+    from .execute import finalize
 
     with torch.inference_mode():
         inputs = pair.build(case, device)
@@ -188,48 +373,122 @@ def capture(pair: Any, case: Any, device: str) -> tuple[dict, dict, list[str]] |
         if mods is None:
             return None
         with _Recorder(mods["rollout"]) as rec_r:
-            rollout = pair.rollout(inputs)
+            rollout = finalize(pair, case, pair.rollout(inputs), "rollout")
         with _Recorder(mods["trainer"]) as rec_t:
-            if pair.trainer_reads_rollout:
-                pair.trainer(inputs, rollout)
-            else:
-                pair.trainer(inputs)
-    return rec_t.store, rec_r.store, rec_t.order
+            out = pair.trainer(inputs, rollout) if pair.trainer_reads_rollout else pair.trainer(inputs)
+            trainer = finalize(pair, case, out, "trainer")
+        return _gather(rec_t, trainer), _gather(rec_r, rollout)
 
 
-def module_errors(trainer: dict, rollout: dict, order: list[str]) -> dict[str, tuple[float, int]]:
+def _rel_error(a: list[Any], b: list[Any]) -> float:
+    """||A - B|| / ||B|| over rows (float64 accumulation, a few rows at a time)."""
     import torch
 
+    num = den = 0.0
+    for lo in range(0, len(a), 64):
+        ta = torch.stack(a[lo:lo + 64]).to(torch.float64)
+        tb = torch.stack(b[lo:lo + 64]).to(torch.float64)
+        num += float((ta - tb).pow(2).sum())
+        den += float(tb.pow(2).sum())
+    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
+
+
+def module_errors(trainer: PathCapture, rollout: PathCapture) -> dict[str, tuple[float, int]]:
+    """Module name -> (relative L2 error, tokens compared), in the trainer's execution order."""
     out = {}
-    for name in order:
-        a, b = trainer.get(name, {}), rollout.get(name, {})
+    for name in trainer.order + [n for n in rollout.order if n not in trainer.order]:
+        a, b = trainer.rows.get(name, {}), rollout.rows.get(name, {})
         common = sorted(set(a) & set(b))
-        if not common:
+        if not common or any(a[i].shape != b[i].shape for i in common[:1]):
             continue
-        ta = torch.stack([a[i] for i in common])
-        tb = torch.stack([b[i] for i in common])
-        if ta.shape != tb.shape:
-            continue
-        den = float(tb.norm())
-        err = float((ta - tb).norm()) / den if den > 0 else float((ta - tb).norm())
-        out[name] = (err, len(common))
+        out[name] = (_rel_error([a[i] for i in common], [b[i] for i in common]), len(common))
     return out
 
 
-def per_module(pair: Any, case: Any, device: str, aligned_pair: Any | None) -> tuple[list[ModuleRow], str | None]:
+def first_nonfinite(trainer: PathCapture, rollout: PathCapture) -> NonFinite | None:
+    order = trainer.order + [n for n in rollout.order if n not in trainer.order]
+    for name in order:
+        paths = [role for role, cap in (("trainer", trainer), ("rollout", rollout)) if cap.nonfinite.get(name)]
+        if paths:
+            return NonFinite(name, paths, sum((trainer.nonfinite.get(name, 0), rollout.nonfinite.get(name, 0))))
+    return None
+
+
+def _module_names(mods: Mapping[str, Any]) -> set[str]:
+    return {n for n, _ in mods["trainer"].named_modules()}
+
+
+def aligned_reference(pair: Any, case: Any, device: str, registry: Any, profile: Mapping[str, str] | None
+                      ) -> tuple[Any, str] | None:
+    """A registered `aligned` pair running the same modules as `pair` (the same trainer module object,
+    else the same module names), with `profile` on both sides when it has profiles of the same
+    components: the noise floor of a code-level finding, whose own pair carries the bug."""
+    import torch
+
+    listing = getattr(registry, "all", None)
+    if listing is None:
+        return None
+    family = pair.name.split(".")[0]
+    candidates = sorted((p for p in listing() if p.expected == "aligned" and p.kind == pair.kind
+                         and p.name != pair.name and device in p.devices),
+                        key=lambda p: (p.name.split(".")[0] != family, p.name))[:REFERENCE_CANDIDATES]
+    try:
+        with torch.inference_mode():
+            mine = exposed_modules(pair.build(case, device))
+    except Exception:  # noqa: BLE001 - no reference then; the report says so
+        return None
+    if mine is None:
+        return None
+    by_names = None
+    for cand in candidates:
+        try:
+            with torch.inference_mode():
+                theirs = exposed_modules(cand.build(case, device))
+        except Exception:  # noqa: BLE001 - a pair that cannot build this case is no reference
+            continue
+        if theirs is None:
+            continue
+        if theirs["trainer"] is mine["trainer"]:
+            by_names = cand
+            break
+        if by_names is None and _module_names(theirs) == _module_names(mine):
+            by_names = cand
+    if by_names is None:
+        return None
+    prof = getattr(by_names, "profiles", None)
+    if profile is not None and prof is not None and hasattr(prof, "variant") \
+            and set(getattr(prof, "trainer", {})) == set(profile):
+        try:
+            return prof.variant(dict(profile), dict(profile)), \
+                f"{by_names.name} with the finding's trainer numerics on both sides"
+        except Exception:  # noqa: BLE001 - a profile the reference does not accept: its own then
+            pass
+    return by_names, by_names.name
+
+
+def per_module(pair: Any, case: Any, device: str, reference: Any | None
+               ) -> tuple[list[ModuleRow], str | None, NonFinite | None, list[str]]:
+    """The module table (error vs floor), the first module over its floor, the first module with
+    NaN/inf, and notes on what could not be compared."""
+    notes: list[str] = []
     got = capture(pair, case, device)
     if got is None:
-        return [], None
-    errs = module_errors(*got)
+        return [], None, None, notes
+    t_cap, r_cap = got
+    for role, cap in (("trainer", t_cap), ("rollout", r_cap)):
+        if cap.matched < cap.tokens:
+            notes.append(f"per-module table: {cap.tokens - cap.matched} of the {role}'s {cap.tokens} token rows "
+                         "could not be tied to a position of its root module's output (see harness/triage.py)")
+    errs = module_errors(t_cap, r_cap)
     floors: dict[str, float] = {}
-    if aligned_pair is not None:
-        ref = capture(aligned_pair, case, device)
+    if reference is not None:
+        ref = capture(reference, case, device)
         if ref is not None:
             floors = {k: v[0] for k, v in module_errors(*ref).items()}
     rows = [ModuleRow(name, err, max(MIN_FLOOR, FLOOR_FACTOR * floors.get(name, 0.0)), n)
             for name, (err, n) in errs.items()]
     first = next((r.name for r in rows if r.exceeds), None)
-    return rows, first
+    return rows, first, first_nonfinite(t_cap, r_cap), notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,21 +606,71 @@ def _label(loc: Localization, comps: list[str]) -> str:
     return " + ".join(labels.get(c, c) for c in comps)
 
 
+def _at(t: Triage) -> str:
+    """Where the divergence starts, as the verdict says it."""
+    if not t.first_module:
+        return ""
+    layer = t.first_layer
+    return (f"from {layer} (first divergent module {t.first_module})" if layer != t.first_module
+            else f"at {t.first_module} (first divergent module)")
+
+
 def verdict_line(t: Triage) -> str:
-    loc = t.localization
-    if not math.isfinite(t.k3):
-        return f"the repro did not evaluate ({t.evaluation.symptom.value}); see the report."
+    loc, ev = t.localization, t.evaluation
+    symptom = getattr(ev.symptom, "value", str(ev.symptom))
+    if ev.error:
+        return f"the pair raised {ev.error['type']} on this case ({ev.error.get('where', '?')}): nothing to compare"
+    if symptom == "nonfinite" or not math.isfinite(t.k3):
+        nf = t.nonfinite
+        paths = sorted(p for p, n in (("trainer", getattr(ev.divergence, "nonfinite_trainer", 0)),
+                                      ("rollout", getattr(ev.divergence, "nonfinite_rollout", 0))) if n)
+        head = "non-finite output (NaN/inf)" + (f" in the {' and '.join(paths)} log-probabilities" if paths else "")
+        if nf is not None:
+            layer = layer_of(nf.module)
+            head += (f": first appears at module {nf.module} ({' and '.join(nf.paths)} path"
+                     f"{'s' if len(nf.paths) > 1 else ''}" + (f", layer {layer}" if layer != nf.module else "") + ")")
+        elif t.modules:
+            head += ": no exposed module shows NaN/inf; it arises after the last module (e.g. in the log-softmax)"
+        else:
+            head += "; the pair exposes no torch modules to trace it further"
+        if loc is not None and loc.explained:
+            head += f"; aligning {_label(loc, loc.minimal)} removes it (k3 {loc.k3_minimal_aligned:.4f})"
+        return head
     if t.k3 <= t.threshold:
         return f"k3 {t.k3:.4f} is under the threshold {t.threshold:g} now: nothing to localize."
+    at = _at(t)
     if loc is not None and loc.explained:
-        return (f"{_label(loc, loc.minimal)}, all layers: k3 {t.k3:.4f} -> {loc.k3_minimal_aligned:.4f} when aligned")
+        return (f"{_label(loc, loc.minimal)}{', ' + at if at else ''}: k3 {t.k3:.4f} -> "
+                f"{loc.k3_minimal_aligned:.4f} when aligned")
     if loc is not None and loc.differing:
-        return (f"not explained by numerics settings: with every differing component aligned "
-                f"({_label(loc, loc.differing)}) k3 stays {loc.k3_all_aligned:.4f}; the paths differ in "
-                f"code, not numerics" + (f" (first divergent module: {t.first_module})" if t.first_module else ""))
+        base = (f"code-level difference: with every differing numerics component aligned "
+                f"({_label(loc, loc.differing)}) k3 stays {loc.k3_all_aligned:.4f}")
+    elif loc is not None:
+        base = f"code-level difference (both paths run the same numerics profile; k3 {t.k3:.4f})"
+    else:
+        base = f"k3 {t.k3:.4f}"
     if t.first_module:
-        return f"divergence starts at module {t.first_module} (no numerics profiles to swap)"
-    return f"k3 {t.k3:.4f}; the pair exposes neither profiles nor modules to localize further"
+        return f"{base}: divergence starts {at}, beyond the noise floor of {t.floor_from or 'the absolute minimum'}"
+    if t.modules:
+        return (f"{base}: no exposed module exceeds its noise floor ({t.floor_from or 'the absolute minimum'}); "
+                "the paths differ after the last compared module or outside the exposed modules")
+    if loc is not None:
+        return f"{base}; the pair exposes no torch modules to find where"
+    return f"{base}; the pair exposes neither numerics profiles nor torch modules to localize further"
+
+
+def noise_reference(pair: Any, case: Any, device: str, registry: Any, loc: Localization | None
+                    ) -> tuple[Any | None, str]:
+    """The aligned run whose module errors are the noise floor, and what it is."""
+    prof = _profiles(pair)
+    if loc is not None and loc.explained:
+        return prof.variant(*loc.aligned_profiles), "the pair with every differing component aligned"
+    same = dict(loc.aligned_profiles[0]) if loc is not None and loc.differing else \
+        (dict(prof.trainer) if prof is not None else None)
+    found = aligned_reference(pair, case, device, registry, same)
+    if found is not None:
+        return found
+    return None, ""
 
 
 def triage(repro: Any, device: str = "cpu", threshold: float | None = None, registry: Any = None) -> Triage:
@@ -376,18 +685,17 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
     t = Triage(repro=repro, pair=pair, k3=ev.k3, threshold=thr, evaluation=ev)
     if ev.error:
         t.notes.append(f"the pair raised {ev.error['type']}: {ev.error['message']}")
-    prof = _profiles(pair)
     if ev.divergence is not None:
         if ev.trainer is not None and ev.rollout is not None:
             t.flips = routing_split(ev.trainer, ev.rollout)
-        if ev.k3 > thr or not math.isfinite(ev.k3):
+        if ev.k3 > thr or not math.isfinite(ev.k3) or ev.divergence.nonfinite:
             t.localization = localize(pair, repro.case, device, thr, ev.k3)
-        aligned_pair = None  # the noise floor: both paths with every differing component aligned
-        if t.localization is not None:
-            aligned_pair = prof.variant(*t.localization.aligned_profiles)
-        elif prof is not None:
-            aligned_pair = prof.variant(dict(prof.trainer), dict(prof.trainer))
-        t.modules, t.first_module = per_module(pair, repro.case, device, aligned_pair)
+        reference, t.floor_from = noise_reference(pair, repro.case, device, registry, t.localization)
+        t.modules, t.first_module, t.nonfinite, notes = per_module(pair, repro.case, device, reference)
+        t.notes += notes
+        if t.modules and reference is None:
+            t.notes.append("no aligned run of the same modules was found (a registered `aligned` pair exposing "
+                           f"the same modules); the noise floor is the absolute minimum {MIN_FLOOR:g}")
     t.verdict = verdict_line(t)
     t.seconds = time.monotonic() - start
     return t
@@ -471,6 +779,17 @@ def _plots(t: Triage, folder: Path) -> list[Path]:
     return out
 
 
+def _replay_command(r: Any) -> str:
+    cmd = getattr(r, "replay_command", None)
+    return cmd() if callable(cmd) else f"harness replay {r.path or r.id + '.json'}"
+
+
+def _triage_command(r: Any) -> str:
+    spec = r.plugin_spec() if callable(getattr(r, "plugin_spec", None)) else None
+    target = r.path or "--run-id " + str((r.tracking or {}).get("run_id", "?"))
+    return "harness triage" + (f" --plugin {spec}" if spec else "") + f" {target}"
+
+
 def write_report(t: Triage, reports: Path) -> Path:
     folder = Path(reports) / t.repro.id
     folder.mkdir(parents=True, exist_ok=True)
@@ -480,8 +799,7 @@ def write_report(t: Triage, reports: Path) -> Path:
              f"**Verdict:** {t.verdict}", "",
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",
              f"- case: `{r.case.one_line()}`",
-             f"- replay: `harness replay {r.path or r.id + '.json'}`; triage again: `harness triage "
-             f"{r.path or '--run-id ' + str(r.tracking.get('run_id', '?'))}`",
+             f"- replay: `{_replay_command(r)}`; triage again: `{_triage_command(r)}`",
              f"- k3 now {t.k3:.6g} (threshold {t.threshold:g}); recorded {r.metrics.get('k3_kl', '-')}; "
              f"triage took {t.seconds:.1f}s", ""]
     if ev.divergence is not None:
@@ -501,13 +819,21 @@ def write_report(t: Triage, reports: Path) -> Path:
         lines += [f"| {s.label} (`{s.component}`) | {s.trainer} | {s.rollout} | {s.k3_rollout_aligned:.6g} | "
                   f"{s.k3_trainer_aligned:.6g} |" for s in loc.swaps]
         lines.append("")
+    if t.nonfinite is not None:
+        nf = t.nonfinite
+        lines += ["## Non-finite values", "",
+                  f"First module (execution order) whose output holds NaN/inf: **{nf.module}** (layer "
+                  f"{layer_of(nf.module)}; {' and '.join(nf.paths)} path; {nf.positions} position(s)).", ""]
     if t.modules:
+        floor_from = t.floor_from or f"none found, the absolute minimum {MIN_FLOOR:g}"
         lines += ["## Divergence per module", "",
-                  f"First module over its noise floor: **{t.first_module or 'none'}** (floor = {FLOOR_FACTOR:g} x the "
-                  f"error with both paths on the trainer's numerics, at least {MIN_FLOOR:g}).", "",
-                  "| module | relative error | noise floor | tokens | over |", "|---|---:|---:|---:|---|"]
-        lines += [f"| {m.name} | {m.error:.3g} | {m.floor:.3g} | {m.tokens} | {'yes' if m.exceeds else ''} |"
-                  for m in t.modules]
+                  f"First module over its noise floor: **{t.first_module or 'none'}**"
+                  + (f" (layer {t.first_layer})" if t.first_module else "")
+                  + f". Floor = {FLOOR_FACTOR:g} x the module's error in an aligned run of the same modules "
+                  f"({floor_from}), at least {MIN_FLOOR:g}.", "",
+                  "| module | layer | relative error | noise floor | tokens | over |", "|---|---|---:|---:|---:|---|"]
+        lines += [f"| {m.name} | {m.layer} | {m.error:.3g} | {m.floor:.3g} | {m.tokens} | "
+                  f"{'yes' if m.exceeds else ''} |" for m in t.modules]
         lines.append("")
     if t.flips:
         lines += ["## Routing flips per layer", "", "| layer | tokens | near-tie flips | other flips |",
@@ -567,6 +893,12 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
 
         repro = fetch_repro(run_id, tracking_uri)
     load_plugins(plugins)
+    from . import corpus
+
+    if hasattr(corpus, "load_plugin_for"):  # a repro recorded from a plugin file of this repository
+        why = corpus.load_plugin_for(repro)
+        if why is not None:
+            raise UsageError(f"repro {file or run_id} cannot be triaged here: {why}.")
     t = triage(repro, resolve_device(device), threshold)
     write_report(t, reports)
     attached = None
@@ -577,13 +909,17 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         loc = t.localization
         click.echo(json.dumps({
             "id": repro.id, "pair": repro.pair, "k3": t.k3, "verdict": t.verdict, "first_module": t.first_module,
+            "first_layer": t.first_layer, "floor_from": t.floor_from,
+            "first_nonfinite": t.nonfinite.module if t.nonfinite else None,
             "minimal": loc.minimal if loc else None, "explained": loc.explained if loc else None,
             "k3_minimal_aligned": loc.k3_minimal_aligned if loc else None, "flips": t.flips,
             "report": str(t.report), "plots": [str(p) for p in t.plots], "seconds": t.seconds, "mlflow": attached,
         }, indent=2, default=str))
     else:
         if t.first_module:
-            click.echo(f"first divergent module: {t.first_module}")
+            click.echo(f"first divergent module: {t.first_module} (layer {t.first_layer})")
+        if t.nonfinite:
+            click.echo(f"first module with NaN/inf: {t.nonfinite.module} ({' and '.join(t.nonfinite.paths)})")
         if t.flips:
             click.echo("routing flips per layer (near-tie/other): " + ", ".join(
                 f"{l} {v['near_tie']}/{v['other']}" for l, v in t.flips.items()))

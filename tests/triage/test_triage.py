@@ -1,21 +1,36 @@
 """Triage: ddmin, localization by swapping, the per-module table, routing split, the report and CLI.
 
 The two done-when findings are the committed repros of `model.moe_aggregate_bf16` and
-`model.packing_positions_bug` (corpora/): triage must name MoE aggregation and positions/rotary.
+`model.packing_positions_bug` (corpora/): triage must name MoE aggregation and positions/rotary,
+and the layer where each starts. The planted pairs of `tests/plugins/planted_modules.py` carry a
+code-level bug in one module (same numerics on both sides) or a non-finite one: only the
+per-module table (forward hooks, no argument added to the model's call) can localize them.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from harness import REGISTRY, Case
 from harness.corpus import Repro, iter_corpus, load_repro
-from harness.triage import ddmin, routing_split, triage, write_report
+from harness.execute import Symptom
+from harness.triage import (FLOOR_FACTOR, Localization, ModuleRow, Swap, Triage, ddmin, layer_of, routing_split,
+                            triage, verdict_line, write_report)
+
+from ..conftest import PLUGINS
 
 ROOT = Path(__file__).resolve().parents[2]
+REGISTRY.load_plugin(str(PLUGINS / "planted_modules.py"))
+DECODER_CASE = Case(seed=3, seq_lens=(5, 3), prompt_lens=(2, 3), logit_scale=4.0, params={"tie_layer": 0})
+
+
+def made_repro(pair: str, case: Case, symptom: str = "divergence") -> Repro:
+    return Repro(path=None, id=pair.replace(".", "_"), pair=pair, symptom=symptom, signature="", status="open",
+                 threshold=1e-3, case=case, metrics={})
 
 
 def corpus_repro(pair: str) -> Repro:
@@ -34,43 +49,112 @@ def test_ddmin_finds_a_one_minimal_failing_subset():
     assert ddmin(["x"], lambda s: True) == ["x"]
 
 
-def test_triage_names_moe_aggregation(tmp_path):
+def test_triage_names_moe_aggregation_and_the_layer_it_starts_in(tmp_path):
     t = triage(corpus_repro("model.moe_aggregate_bf16"))
     assert t.localization.minimal == ["moe_aggregate"] and t.localization.explained
-    assert t.verdict.startswith("MoE aggregation precision, all layers: k3 ")
+    assert t.verdict.startswith("MoE aggregation precision, from layers.0 (first divergent module layers.0.moe): "
+                                "k3 ")
+    assert "all layers" not in t.verdict
     assert t.first_module == "layers.0.moe"  # attention and norms of layer 0 agree bit for bit
+    assert t.floor_from == "the pair with every differing component aligned"
     report = write_report(t, tmp_path)
     assert report == tmp_path / t.repro.id / "report.md"
     text = report.read_text()
-    assert "MoE aggregation precision" in text and "layers.0.moe" in text
+    assert "MoE aggregation precision" in text and "| layers.0.moe | layers.0 |" in text
     names = {p.name for p in t.plots}
     assert {"k3_per_token.png", "modules.png", "flips.png", "swaps.png"} <= names
     assert all(p.stat().st_size > 1000 and p.read_bytes()[:4] == b"\x89PNG" for p in t.plots)
 
 
 def test_triage_names_positions_for_the_packing_bug():
+    from targets.models.moe_decoder import COMPONENTS
+
     t = triage(corpus_repro("model.packing_positions_bug"))
     assert t.localization.minimal == ["positions"] and t.localization.explained
-    assert "positions of packed sequences (rotary)" in t.verdict
+    assert t.verdict.startswith(COMPONENTS["positions"][1] + ", from layers.0 (first divergent module layers.0.attn")
     assert t.first_module is not None and t.first_module.startswith("layers.0.attn")
 
 
 def test_swapping_explains_each_single_component_pair():
     """Generic check over the model registry: a pair whose profiles differ in one component is
-    localized to exactly that component on a case that diverges."""
+    localized to exactly that component on a case that diverges; the LM head of every decoded token
+    is in the module table."""
     pair = REGISTRY.get("model.moe_aggregate_bf16")
     prof = pair.profiles
     lm = prof.variant(prof.trainer, {**prof.trainer, "lm_head": "bfloat16"})
-    c = Case(seed=2, seq_lens=(6, 4), logit_scale=8.0, params={"decode": 2, "temperature": 0.7, "tie_layer": 0})
+    c = Case(seed=3, seq_lens=(6, 4), prompt_lens=(3, 2), logit_scale=16.0, temperature=0.7, params={"tie_layer": 0})
     from harness.execute import run_case
 
     assert run_case(lm, c).failed
-    repro = Repro(path=None, id="lmhead", pair=pair.name, symptom="divergence", signature="", status="open",
-                  threshold=1e-3, case=c, metrics={})
     reg = type("R", (), {"get": staticmethod(lambda name: lm)})()
-    t = triage(repro, registry=reg)
+    t = triage(made_repro(pair.name, c), registry=reg)
     assert t.localization.minimal == ["lm_head"]
-    assert t.first_module == "lm_head"
+    assert t.first_module == "lm_head" and t.first_layer == "lm_head"
+    assert t.verdict.startswith("LM-head precision, at lm_head (first divergent module): k3 ")
+    rows = {m.name: m for m in t.modules}
+    assert rows["lm_head"].tokens == c.n_tokens  # the prefill's row and every decode step's
+    assert all(m.tokens == c.n_tokens for m in t.modules)
+
+
+def test_a_code_level_bug_in_one_module_is_named_against_an_aligned_runs_floor():
+    """Same numerics profile on both sides, so swapping has nothing to swap: the per-module table
+    names the module, and its floor comes from model.aligned (the same modules), not from the
+    finding's own pair (whose errors include the bug)."""
+    t = triage(made_repro("planted.moe_norm_weight", DECODER_CASE))
+    assert t.k3 > 1e-3 and t.localization is not None and t.localization.differing == []
+    assert t.first_module == "layers.1.moe_norm" and t.first_layer == "layers.1"
+    assert t.floor_from.startswith("model.aligned")
+    assert t.verdict.startswith("code-level difference (both paths run the same numerics profile")
+    assert "divergence starts from layers.1 (first divergent module layers.1.moe_norm)" in t.verdict
+    rows = {m.name: m for m in t.modules}
+    bug = rows["layers.1.moe_norm"]
+    assert bug.error > 1e-2 and bug.floor < 1e-4  # the floor is layout noise, not the bug itself
+    assert not any(m.exceeds for m in t.modules[:t.modules.index(bug)])
+
+
+def test_a_plain_torch_model_needs_no_argument_in_its_call():
+    """A model whose forward takes only token ids, called once packed (trainer) and once per
+    sequence in reverse order at a temperature (rollout): positions are tied to rows by their output."""
+    import inspect
+
+    pair = REGISTRY.get("planted.tiny_lm.block_bias")
+    model = pair.build(Case(seed=0, seq_lens=(1,)), "cpu")["modules"]["rollout"]
+    assert list(inspect.signature(model.forward).parameters) == ["ids"]
+    t = triage(made_repro(pair.name, Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    assert [m.name for m in t.modules] == ["embed", "blocks.0", "blocks.1", "head", "output"]
+    assert all(m.tokens == 10 for m in t.modules)
+    assert t.first_module == "blocks.1" and t.floor_from == "planted.tiny_lm.aligned"
+    assert t.verdict.startswith("k3 ") and "divergence starts at blocks.1 (first divergent module)" in t.verdict
+    aligned = triage(made_repro("planted.tiny_lm.aligned", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    assert aligned.first_module is None and max(m.error for m in aligned.modules) < 1e-6
+
+
+def test_a_nonfinite_finding_names_the_first_module_with_nan_or_inf(tmp_path):
+    t = triage(made_repro("planted.moe_norm_overflow", DECODER_CASE, "nonfinite"))
+    assert t.evaluation.symptom is Symptom.NONFINITE
+    assert t.nonfinite is not None and t.nonfinite.module == "layers.1.moe_norm" and t.nonfinite.paths == ["trainer"]
+    assert t.verdict.startswith("non-finite output (NaN/inf) in the trainer log-probabilities: first appears at "
+                                "module layers.1.moe_norm (trainer path, layer layers.1)")
+    assert "did not evaluate" not in t.verdict
+    text = write_report(t, tmp_path).read_text()
+    assert "## Non-finite values" in text and "**layers.1.moe_norm**" in text
+
+
+def test_layer_names_and_single_layer_verdicts():
+    assert layer_of("model.layers.3.mlp.gate") == "model.layers.3"
+    assert layer_of("layers.0") == "layers.0" and layer_of("lm_head") == "lm_head"
+    ev = SimpleNamespace(symptom=Symptom.DIVERGENCE, error=None, divergence=None)
+    loc = Localization(differing=["router"], swaps=[Swap("router", "router score precision", "float32", "bfloat16",
+                                                         1e-5, 2e-2)],
+                       minimal=["router"], k3_minimal_only=0.02, k3_minimal_aligned=1e-5, k3_all_aligned=1e-5, runs=3,
+                       explained=True)
+    one_layer = Triage(repro=None, pair=None, k3=0.02, threshold=1e-3, evaluation=ev, localization=loc,
+                       modules=[ModuleRow("layers.0.mlp.gate", 0.3, 1e-6, 4)], first_module="layers.0.mlp.gate")
+    assert verdict_line(one_layer) == ("router score precision, from layers.0 (first divergent module "
+                                       "layers.0.mlp.gate): k3 0.0200 -> 0.0000 when aligned")
+    no_table = Triage(repro=None, pair=None, k3=0.02, threshold=1e-3, evaluation=ev, localization=loc)
+    assert verdict_line(no_table) == "router score precision: k3 0.0200 -> 0.0000 when aligned"
+    assert FLOOR_FACTOR > 1
 
 
 def test_routing_split_counts_near_tie_and_other_flips():
@@ -92,10 +176,9 @@ def test_triage_without_profiles_or_modules_still_reports(tmp_path):
     """An op pair exposes neither: triage reports metrics and routing, and says what is missing."""
     pair = REGISTRY.get("router_topk.bf16")
     c = Case(seed=1, seq_lens=(16,), n_experts=8, top_k=2, tie_fraction=1.0, tie_gap=1e-4, logit_scale=8.0)
-    repro = Repro(path=None, id="op", pair=pair.name, symptom="divergence", signature="", status="open",
-                  threshold=1e-3, case=c, metrics={})
-    t = triage(repro)
+    t = triage(made_repro(pair.name, c))
     assert t.localization is None and t.modules == []
+    assert t.verdict.endswith("the pair exposes neither numerics profiles nor torch modules to localize further")
     assert t.flips and sum(v["near_tie"] for v in t.flips.values()) > 0
     assert write_report(t, tmp_path).exists()
 
@@ -107,6 +190,7 @@ def test_cli_triage_writes_the_report_and_prints_the_verdict(harness_cli, tmp_pa
     assert code == 0, err
     got = json.loads(out)
     assert got["minimal"] == ["moe_aggregate"] and got["verdict"].startswith("MoE aggregation precision")
+    assert got["first_module"] == "layers.0.moe" and got["first_layer"] == "layers.0"
     assert Path(got["report"]).exists() and len(got["plots"]) == 4
 
 
