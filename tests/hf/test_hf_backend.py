@@ -1,0 +1,147 @@
+"""The Hugging Face backend (targets/hf): the packed-mask trap, the two paths' bookkeeping, the
+realistic init, router capture/replay, and detection quality of the built-in pairs.
+
+Skipped with a reason where transformers is not installed (`pip install -e '.[hf]'`).
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="the HF backend needs transformers: pip install -e '.[hf]'")
+
+import torch  # noqa: E402
+
+from harness import REGISTRY, Case, check_pair  # noqa: E402
+from harness.execute import run_case  # noqa: E402
+from harness.fuzz import CampaignConfig, run_campaign  # noqa: E402
+from targets.hf import BF16, FP32, hf_pair  # noqa: E402
+from targets.hf.backend import path_model  # noqa: E402
+from targets.hf.builtin import MODELS  # noqa: E402
+from targets.hf.paths import CallContext  # noqa: E402
+
+CONFIGS = sorted(MODELS)
+
+
+def rl_case(seed=3, **kw):
+    base = dict(seed=seed, seq_lens=(9, 5, 12), prompt_lens=(4, 0, 7))
+    base.update(kw)
+    return Case(**base)
+
+
+def test_registering_the_pairs_does_not_import_transformers():
+    code = ("import sys; from harness import REGISTRY; REGISTRY.load_builtins(); "
+            "names = [p.name for p in REGISTRY.all() if p.name.startswith('hf.')]; "
+            "print(len(names), 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert int(out[0]) >= 14 and out[1] == "False", out
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_packed_forward_equals_each_sequence_alone_only_with_use_cache_false(config, attention):
+    run = path_model(MODELS[config], FP32.replace(attention=attention).model_key, "cpu")
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(512, (n,), generator=g) for n in (7, 4, 9)]
+    alone = [run(CallContext(), input_ids=s[None], use_cache=False).logits[0] for s in seqs]
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    packed = run(CallContext(), input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False).logits[0]
+    trap = run(CallContext(), input_ids=ids, position_ids=pos, attention_mask=None).logits[0]
+    ref = torch.cat(alone)
+    assert (packed - ref).abs().max() < 1e-4  # float32 noise (different GEMM shapes)
+    assert (trap - ref).abs().max() > 0.05  # use_cache left at its default: sequences attend across the packing
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_realistic_init_gives_trained_like_entropy(config):
+    ev = run_case(REGISTRY.get(f"hf.{config}.aligned"), rl_case(), keep_outcomes=True)
+    assert ev.symptom.value == "none", ev.divergence
+    assert 0.8 < ev.divergence.entropy < 3.0, ev.divergence.entropy
+    logits_range = ev.rollout.logprobs.max(-1).values - ev.rollout.logprobs.min(-1).values
+    assert float(logits_range.mean()) > 15.0  # a trained LM's logit range, not a near-uniform one
+
+
+@pytest.mark.parametrize("name", ["hf.qwen3_moe.aligned", "hf.mixtral.bf16_rollout.replay", "hf.qwen3.eager_vs_sdpa"])
+def test_hf_pair_conforms(name):
+    check_pair(name, n_cases=2)
+
+
+def test_rollout_layout_tokens_and_sampling_are_from_the_case():
+    pair = REGISTRY.get("hf.qwen3_moe.aligned")
+    c = rl_case(temperature=0.8, top_p=0.9, sample_top_k=20)
+    inp = pair.build(c, "cpu")
+    out = pair.rollout(inp)
+    again = pair.rollout(pair.build(c, "cpu"))
+    assert torch.equal(out.tokens, again.tokens) and torch.equal(out.logprobs, again.logprobs)
+    assert out.logprobs.shape == (c.n_tokens, 512) and out.tokens.shape == (c.n_tokens,)
+    kept = torch.isfinite(out.logprobs).sum(-1)
+    assert int(kept.max()) <= 20  # top-k 20 (and top-p 0.9) truncate: -inf outside the kept set
+    picked = out.logprobs.gather(1, out.tokens[:, None]).squeeze(1)
+    assert torch.isfinite(picked).all()  # every token sampled from inside the kept set
+    assert set(out.routing) == {"layers.0", "layers.1"}
+    assert out.routing["layers.0"].experts.shape == (c.n_tokens, 2)
+    assert [len(p) for p in inp.prompts] == [5, 1, 8]  # BOS + prompt
+    other = pair.rollout(pair.build(c.replace(seed=4), "cpu"))
+    assert not torch.equal(out.tokens, other.tokens)
+
+
+def test_packing_layout_does_not_change_trainer_logprobs():
+    pair = REGISTRY.get("hf.qwen3_moe.aligned")
+    base = rl_case()
+    rollout = pair.rollout(pair.build(base, "cpu"))
+    ref = pair.trainer(pair.build(base, "cpu"), rollout).logprobs
+    for layout in (dict(row_capacity=19), dict(row_capacity=24, order=(2, 0, 1))):
+        c = base.replace(**layout)
+        got = pair.trainer(pair.build(c, "cpu"), rollout).logprobs
+        assert (got - ref).abs().max() < 1e-4, layout
+
+
+def test_router_replay_removes_flips_at_near_ties():
+    c = rl_case(tie_fraction=1.0, tie_gap=0.0, params={"tie_layer": 0})
+    flips = run_case(REGISTRY.get("hf.qwen3_moe.bf16_rollout"), c)
+    replay = run_case(REGISTRY.get("hf.qwen3_moe.bf16_rollout.replay"), c)
+    assert flips.divergence.flip_rate + flips.divergence.tie_flip_rate > 0.05, flips.divergence
+    assert replay.divergence.flip_rate == 0 and replay.divergence.tie_flip_rate == 0
+    assert replay.k3 < flips.k3
+
+
+def test_bf16_rollout_is_caught_across_cases():
+    for name in ("hf.qwen3.bf16_rollout", "hf.qwen3_moe.bf16_rollout", "hf.mixtral.bf16_rollout"):
+        k3 = [run_case(REGISTRY.get(name), rl_case(seed=s)).k3 for s in range(6)]
+        assert max(k3) > 1e-3, (name, k3)
+    aligned = [run_case(REGISTRY.get("hf.qwen3.aligned"), rl_case(seed=s)).k3 for s in range(6)]
+    assert max(aligned) < 1e-8
+
+
+def test_user_pair_from_config_dict_and_profiles_swap():
+    cfg = dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    pair = hf_pair("user.llama.bf16", cfg, FP32, BF16, expected="diverges")
+    assert pair.profiles.rollout["body"] == "bfloat16"
+    aligned = pair.profiles.variant(dict(pair.profiles.trainer), dict(pair.profiles.trainer))
+    ev = run_case(aligned, rl_case(seed=1))
+    assert ev.k3 < 1e-8 and math.isfinite(ev.k3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf.qwen3.bf16_rollout", "hf.qwen3_moe.bf16_rollout", "hf.mixtral.bf16_rollout",
+                                  "hf.qwen3_moe.packed_cache_trap"])
+def test_demonstration_caught_and_shrunk(name, tmp_path):
+    cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=100, corpus=tmp_path, write_corpus=False)
+    (r,) = run_campaign(cfg, log=lambda m: None).results
+    assert r.verdict == "caught", (name, r.verdict, r.max_k3)
+    (f,) = r.findings
+    assert f.case.n_tokens <= 16, f.case.one_line()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["hf.qwen3_moe.aligned", "hf.qwen3.eager_vs_sdpa"])
+def test_aligned_clean(name, tmp_path):
+    cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=60, corpus=tmp_path, write_corpus=False)
+    (r,) = run_campaign(cfg, log=lambda m: None).results
+    assert r.verdict == "clean", (name, r.verdict, r.max_k3)
