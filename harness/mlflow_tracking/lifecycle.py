@@ -1,0 +1,284 @@
+"""A regression's life in MLflow: campaign and regression runs created, seen again, reopened,
+listed, shown, fetched and closed."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from .payload import _append_note, _finite_metrics, _g, flatten_case, regression_note
+from .plots import write_artifacts
+from .store import (CAMPAIGN, REGRESSION, TRIAGE_STATUSES, Store, _q, _short, now_iso, open_store, resolve_uri,
+                    sqlite_path)
+
+# ---------------------------------------------------------------------------------------------
+# Writing runs
+# ---------------------------------------------------------------------------------------------
+def _tags(d: dict[str, Any]) -> list:
+    from mlflow.entities import RunTag
+
+    return [RunTag(k, str(v)) for k, v in d.items()]
+
+
+def start_campaign(store: Store, camp: dict[str, Any]) -> str:
+    """The campaign run of a payload: found by its uid (an earlier upload), else created."""
+    from mlflow.entities import Param
+
+    with store.lock():
+        run = store.campaign_with_uid(camp["uid"])
+        if run is not None:
+            return run.info.run_id
+        run = store.client.create_run(
+            store.experiment_id, start_time=camp.get("started_ms"),
+            run_name=f"campaign seed {camp['seed']}" + ("" if camp["shard"] == "none" else f" shard {camp['shard']}"),
+            tags={"harness.kind": CAMPAIGN, "harness.campaign_uid": camp["uid"], "harness.started": camp["started"]})
+        store.client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in camp["params"].items()])
+    return run.info.run_id
+
+
+def finish_campaign(store: Store, run_id: str, metrics: dict[str, float], label: str | None) -> None:
+    """Campaign metrics; `label` set when the run is shared by several workers (keys get a prefix)."""
+    from mlflow.entities import Metric
+
+    ts = int(time.time() * 1000)
+    prefix = f"{label}." if label else ""
+    with store.lock():
+        store.client.log_batch(run_id, metrics=[Metric(prefix + k, v, ts, 0) for k, v in metrics.items()])
+        if not label:
+            store.client.set_terminated(run_id, "KILLED" if metrics.get("interrupted") else "FINISHED")
+
+
+def log_regression(store: Store, p: dict[str, Any], parent_run_id: str | None, campaign_uid: str) -> tuple[str, str]:
+    """Log one finding; returns (run id, what happened: created | seen | reopened | already)."""
+    with store.lock():
+        existing = store.regressions_with_signature(p["signature"])
+        if existing:
+            return existing[0].info.run_id, _seen_again(store, existing[0], p, parent_run_id, campaign_uid)
+        run_id = _create_regression(store, p, parent_run_id, campaign_uid)
+        # a remote store has no lock: if another writer created the same signature meanwhile, the
+        # oldest run wins and this one is deleted and counted there
+        again = store.regressions_with_signature(p["signature"])
+        if len(again) > 1 and again[0].info.run_id != run_id:
+            store.client.delete_run(run_id)
+            return again[0].info.run_id, _seen_again(store, store.client.get_run(again[0].info.run_id), p,
+                                                     parent_run_id, campaign_uid)
+    return run_id, "created"
+
+
+def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | None, campaign_uid: str) -> str:
+    from mlflow.entities import Metric, Param
+
+    c = store.client
+    tags = {
+        "harness.kind": REGRESSION,
+        "harness.pair": p["pair"],
+        "harness.expected": p["expected"],
+        "harness.symptom": p["symptom"],
+        "harness.signature": p["signature"],
+        "harness.finding_id": p["id"],
+        "harness.status": p["status"],
+        "harness.severity": p["severity"],
+        "harness.first_seen": p["seen_at"],
+        "harness.last_seen": p["seen_at"],
+        "harness.seen_count": "1",
+        "harness.recurrence": "true" if p.get("corpus_recurrence") else "false",
+        "harness.corpus_path": p.get("corpus_path") or "",
+        "harness.case": p["case_line"][:5000],
+        "harness.last_campaign": campaign_uid,
+    }
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run = c.create_run(store.experiment_id, tags=tags, run_name=f"{p['pair']} {p['symptom']} {p['id']}")
+    run_id = run.info.run_id
+    ts = int(time.time() * 1000)
+    metrics = [Metric(k, v, ts, 0) for k, v in _finite_metrics(p["metrics"]).items()]
+    params = [Param(k, v[:6000]) for k, v in flatten_case(p["case"]).items()]
+    params.append(Param("threshold", str(p["threshold"])))
+    c.log_batch(run_id, metrics=metrics, params=params)
+    c.set_tag(run_id, "mlflow.note.content", regression_note(p, run_id))
+    with tempfile.TemporaryDirectory(prefix="harness-artifacts-") as tmp:
+        for artifact_dir, path in write_artifacts(p, Path(tmp)).items():
+            c.log_artifact(run_id, str(path), artifact_dir)
+    c.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | None, campaign_uid: str) -> str:
+    from mlflow.entities import Metric
+
+    c = store.client
+    tags = run.data.tags
+    if tags.get("harness.last_campaign") == campaign_uid:
+        return "already"
+    count = int(tags.get("harness.seen_count", "1") or 1) + 1
+    updates = {
+        "harness.seen_count": str(count),
+        "harness.last_seen": max(tags.get("harness.last_seen", ""), p["seen_at"]),
+        "harness.last_campaign": campaign_uid,
+    }
+    if parent_run_id:
+        updates["harness.last_campaign_run_id"] = parent_run_id
+    what = "seen"
+    if p.get("corpus_recurrence"):  # the corpus file said fixed and the engine reopened it
+        updates["harness.recurrence"] = "true"
+    if tags.get("harness.status") == "fixed":
+        what = "reopened"
+        updates["harness.status"] = "open"
+        updates["harness.recurrence"] = "true"
+        updates["mlflow.note.content"] = _append_note(
+            tags.get("mlflow.note.content", ""),
+            f"#### Recurrence {p['seen_at']}\n\nMarked fixed, seen again by campaign seed {p['campaign_seed']}: "
+            f"mean k3 {_g(p['metrics'].get('k3_kl'))}, minimal case `{p['case_line']}`. Reopened.")
+    c.log_batch(run.info.run_id, tags=_tags(updates))
+    ts = int(time.time() * 1000)
+    metrics = [Metric(k, v, ts, count - 1) for k, v in _finite_metrics(p["metrics"]).items()]
+    if metrics:
+        c.log_batch(run.info.run_id, metrics=metrics)
+    return what
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading back: list, show, fetch, close
+# ---------------------------------------------------------------------------------------------
+def _int(x: Any, default: int = 0) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return default
+
+
+def regression_dict(run: Any) -> dict[str, Any]:
+    t, m = run.data.tags, run.data.metrics
+    return {
+        "id": t.get("harness.finding_id", ""),
+        "run_id": run.info.run_id,
+        "pair": t.get("harness.pair", ""),
+        "expected": t.get("harness.expected", ""),
+        "symptom": t.get("harness.symptom", ""),
+        "status": t.get("harness.status", ""),
+        "severity": t.get("harness.severity", ""),
+        "k3": m.get("k3_kl"),
+        "k3_seq_max": m.get("k3_seq_max"),
+        "first_seen": t.get("harness.first_seen", ""),
+        "last_seen": t.get("harness.last_seen", ""),
+        "seen_count": _int(t.get("harness.seen_count"), 1),
+        "recurrence": t.get("harness.recurrence") == "true",
+        "case": t.get("harness.case", ""),
+        "corpus_path": t.get("harness.corpus_path") or None,
+        "campaign_run_id": t.get("mlflow.parentRunId"),
+        "signature": t.get("harness.signature", ""),
+    }
+
+
+def list_regressions(uri: str | None = None, status: str | None = None, pair: str | None = None) -> list[dict]:
+    """Regressions in the store as plain dicts, newest last_seen first; `pair` may be a glob."""
+    import fnmatch
+
+    db = sqlite_path(resolve_uri(uri))
+    if db is not None and not db.exists():
+        return []
+    store = open_store(uri)
+    flt = f"tags.`harness.kind` = '{REGRESSION}'"
+    if status:
+        flt += f" AND tags.`harness.status` = '{_q(status)}'"
+    glob = pair is not None and any(ch in pair for ch in "*?[")
+    if pair and not glob:
+        flt += f" AND tags.`harness.pair` = '{_q(pair)}'"
+    rows = [regression_dict(r) for r in store.search(flt)]
+    if glob:
+        rows = [r for r in rows if fnmatch.fnmatchcase(r["pair"], pair)]
+    rows.sort(key=lambda r: (r["last_seen"], r["first_seen"]), reverse=True)
+    return rows
+
+
+def show_regression(ident: str, uri: str | None = None) -> dict[str, Any]:
+    """One regression as a dict, with its note, params and artifact list."""
+    store = open_store(uri)
+    run = store.find_regression(ident)
+    out = regression_dict(run)
+    out["note"] = run.data.tags.get("mlflow.note.content", "")
+    out["params"] = dict(run.data.params)
+    out["metrics"] = dict(run.data.metrics)
+    out["tags"] = {k: v for k, v in run.data.tags.items() if k.startswith("harness.")}
+    try:
+        out["artifacts"] = [f.path for d in store.client.list_artifacts(run.info.run_id)
+                            for f in (store.client.list_artifacts(run.info.run_id, d.path) if d.is_dir else [d])]
+    except Exception:  # noqa: BLE001 - artifacts are optional for showing
+        out["artifacts"] = []
+    return out
+
+
+def fetch_repro(run_id: str, uri: str | None = None) -> Any:
+    """The repro of a regression run (by run id or finding id), with its status as MLflow has it."""
+    from ..corpus import load_repro
+
+    store = open_store(uri)
+    run = store.find_regression(run_id)
+    fid = run.data.tags.get("harness.finding_id", "")
+    with tempfile.TemporaryDirectory(prefix="harness-fetch-") as tmp:
+        try:
+            local = store.client.download_artifacts(run.info.run_id, f"repro/{fid}.json", tmp)
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"regression run {run.info.run_id} in {store.uri} has no artifact repro/{fid}.json "
+                             f"({_short(e)}); replay its corpus file instead: "
+                             f"{run.data.tags.get('harness.corpus_path') or 'corpora/<pair>/<id>.json'}.") from None
+        repro = load_repro(local)
+    repro.path = None
+    status = run.data.tags.get("harness.status")
+    if status:
+        repro.status = status
+    repro.tracking = {**repro.tracking, "run_id": run.info.run_id, "uri": store.uri}
+    return repro
+
+
+def close_regression(ident: str, status: str, note: str, uri: str | None = None,
+                     corpus_file: str | Path | None = None) -> dict[str, Any]:
+    """Set a regression's status (fixed | wontfix) in MLflow and in its corpus file, with the note.
+
+    Returns the regression dict plus `corpus_updated` (the file written, or None) and
+    `corpus_missing` (the path that was not found here, or None).
+    """
+    from ..corpus import load_repro
+
+    if status not in TRIAGE_STATUSES:
+        raise UsageError(f"--status {status!r} is not one of {TRIAGE_STATUSES}.")
+    if not note or not note.strip():
+        raise UsageError("--note is empty; say why (the fix commit, or why it is accepted) so the next reader knows.")
+    store = open_store(uri)
+    run = store.find_regression(ident)
+    tags = run.data.tags
+    at = now_iso()
+    who = os.environ.get("USER") or os.environ.get("USERNAME") or "unknown"
+    updates = {
+        "harness.status": status,
+        "harness.closed_at": at,
+        "harness.triage_note": note[:4000],
+        "mlflow.note.content": _append_note(tags.get("mlflow.note.content", ""),
+                                            f"#### Triage {at}: {tags.get('harness.status', '?')} -> {status} "
+                                            f"({who})\n\n{note}"),
+    }
+    with store.lock():
+        store.client.log_batch(run.info.run_id, tags=_tags(updates))
+    out = regression_dict(store.client.get_run(run.info.run_id))
+    path = Path(corpus_file) if corpus_file else (Path(tags["harness.corpus_path"]) if tags.get("harness.corpus_path")
+                                                  else None)
+    out["corpus_updated"] = None
+    out["corpus_missing"] = None
+    if path is not None and path.exists():
+        repro = load_repro(path)
+        old = repro.status
+        repro.status = status
+        repro.history.append({"at": at, "event": "closed", "from": old, "status": status, "note": note,
+                              "by": who, "run_id": run.info.run_id})
+        repro.tracking = {**repro.tracking, "run_id": run.info.run_id, "uri": store.uri}
+        repro.save(path)
+        out["corpus_updated"] = str(path)
+    elif path is not None:
+        out["corpus_missing"] = str(path)
+    return out
+
+

@@ -1,0 +1,226 @@
+"""What is logged, as plain JSON (the same data goes to MLflow or to the spool), and the note a
+person reads in the MLflow UI."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from .store import PENDING_SCHEMA, SEVERITIES, now_iso
+
+# ---------------------------------------------------------------------------------------------
+# Payloads: what is logged, as plain JSON (the same data goes to MLflow or to the spool)
+# ---------------------------------------------------------------------------------------------
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "none"
+
+
+def campaign_payload(cfg: Any, seed: int, pairs: list, uid: str) -> dict[str, Any]:
+    from .. import __version__
+    from ..env import git_commit
+
+    shard = getattr(cfg, "shard", None)
+    names = ",".join(p.name for p in pairs)
+    params = {
+        "pairs": names if len(names) <= 5000 else names[:4990] + ",...",
+        "n_pairs": len(pairs),
+        "seed": seed,
+        "max_examples": getattr(cfg, "max_examples", None),
+        "budget": getattr(cfg, "budget", None),
+        "threshold": getattr(cfg, "threshold", None),
+        "device": getattr(cfg, "device", None),
+        "shard": f"{shard[0]}/{shard[1]}" if shard else "none",
+        "profile": getattr(cfg, "profile", None) or "none",
+        "harness_version": __version__,
+        "torch_version": _version("torch"),
+        "git_commit": git_commit() or "unknown",
+    }
+    return {"uid": uid, "params": {k: str(v) for k, v in params.items()}, "started": now_iso(),
+            "started_ms": int(time.time() * 1000), "seed": seed, "shard": params["shard"]}
+
+
+def campaign_metrics(result: Any) -> dict[str, float]:
+    findings = list(result.findings)
+    out = {
+        "cases": float(result.examples),
+        "seconds": float(result.seconds),
+        "cases_per_second": float(result.examples / result.seconds) if result.seconds > 0 else 0.0,
+        "findings": float(len(findings)),
+        "interrupted": float(bool(getattr(result, "interrupted", False))),
+    }
+    for symptom in ("divergence", "nonfinite", "error"):
+        out[f"findings_{symptom}"] = float(sum(1 for f in findings if _symptom(f) == symptom))
+    for r in getattr(result, "results", ()):  # per pair, as the morning report reads them
+        out[f"pair.{r.pair}.cases"] = float(r.examples)
+        out[f"pair.{r.pair}.cases_per_second"] = float(r.rate)
+    return out
+
+
+def _symptom(f: Any) -> str:
+    return getattr(f.symptom, "value", str(f.symptom))
+
+
+def severity(symptom: str, k3: float | None, threshold: float) -> str:
+    ratio = (k3 / threshold) if (k3 is not None and math.isfinite(k3) and threshold > 0) else 0.0
+    for name, symptoms, at_least in SEVERITIES:
+        if symptom in symptoms and ratio >= at_least:
+            return name
+    return "low"
+
+
+def flatten_case(case_json: dict[str, Any]) -> dict[str, str]:
+    """The case as MLflow params: `case.<field>` (lists as JSON), `case.params.<name>`."""
+    out = {}
+    for k, v in case_json.items():
+        if k == "params":
+            for pk, pv in sorted((v or {}).items()):
+                out[f"case.params.{pk}"] = str(pv)
+        elif k != "schema":
+            out[f"case.{k}"] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
+
+
+def _finite_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in (metrics or {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v)):
+            out[k] = float(v)
+    return out
+
+
+def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -> dict[str, Any]:
+    """Everything a regression run needs, as JSON: written to MLflow now or spooled for later."""
+    from ..corpus import finding_to_repro, metrics_json
+
+    ev = f.evaluation
+    div = ev.divergence
+    repro = None
+    path = Path(f.path).resolve() if getattr(f, "path", None) else None
+    if path is not None and path.exists():
+        try:
+            on_disk = json.loads(path.read_text())
+            if on_disk.get("case") == f.case.to_json():
+                repro = on_disk
+        except (OSError, ValueError):
+            repro = None
+    if repro is None:  # no corpus file, or it holds an older minimal case of this signature
+        r = finding_to_repro(f, threshold, campaign_seed, device)
+        r.path = path
+        repro = r.to_json()
+    metrics = {k: v for k, v in metrics_json(ev).items()}
+    per_token = {}
+    if div is not None and div.per_token:
+        per_token = {k: [v.item() if hasattr(v, "item") else v for v in arr] for k, arr in div.per_token.items()}
+    k3 = ev.k3 if div is not None else None
+    return {
+        "schema": PENDING_SCHEMA,
+        "kind": "finding",
+        "id": f.id,
+        "pair": f.pair,
+        "expected": f.expected,
+        "symptom": _symptom(f),
+        "signature": f.signature,
+        "status": f.status,
+        "severity": severity(_symptom(f), k3, threshold),
+        "threshold": threshold,
+        "seen_at": now_iso(),
+        "case": f.case.to_json(),
+        "case_line": f.case.one_line(),
+        "metrics": metrics,
+        "flips_per_layer": (div.flips_per_layer if div is not None else {}),
+        "error": {k: v for k, v in (ev.error or {}).items() if k != "traceback"} or None,
+        "examples": f.examples,
+        "shrink_complete": bool(f.shrink_complete),
+        "corpus_path": str(path) if path is not None else None,
+        "corpus_new": bool(getattr(f, "new", True)),
+        "corpus_recurrence": bool(getattr(f, "recurrence", False)),
+        "campaign_seed": campaign_seed,
+        "device": device,
+        "repro": repro,
+        "per_token": per_token,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The note a person reads in the MLflow UI
+# ---------------------------------------------------------------------------------------------
+def _g(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x) if x is not None else "n/a"
+
+
+def _display_path(p: str | None) -> str | None:
+    if not p:
+        return None
+    try:
+        return str(Path(p).relative_to(Path.cwd()))
+    except ValueError:
+        return p
+
+
+def regression_note(p: dict[str, Any], run_id: str | None) -> str:
+    m = {k: v for k, v in p["metrics"].items()}
+    sym = p["symptom"]
+    title = f"### {p['pair']}: {sym}"
+    if sym == "error":
+        err = p.get("error") or {}
+        title += f" ({err.get('type', '?')} at {err.get('where', '?')})"
+        what = (f"The pair raised `{err.get('type', '?')}` in `{err.get('where', '?')}`: "
+                f"{str(err.get('message', ''))[:400]}")
+    else:
+        k3 = m.get("k3_kl")
+        ratio = f" = {float(k3) / p['threshold']:.3g}x the threshold {p['threshold']:g}" if isinstance(k3, float) \
+            and math.isfinite(k3) else ""
+        title += f", mean k3 {_g(k3)}"
+        what = (f"Trainer and rollout paths of `{p['pair']}` give the rollout's tokens different log-probabilities: "
+                f"mean k3 **{_g(k3)}**{ratio}; worst sequence k3 {_g(m.get('k3_seq_max'))}; "
+                f"KL {_g(m.get('kl'))}; max |Δ log p| {_g(m.get('max_abs_dlogp'))}; "
+                f"routing flip rate {_g(m.get('flip_rate'))} (at exact ties {_g(m.get('tie_flip_rate'))}); "
+                f"over {_g(m.get('n_tokens'))} token(s).")
+        if sym == "nonfinite":
+            what += (f" Non-finite log-probabilities: trainer {_g(m.get('nonfinite_trainer'))} token(s), "
+                     f"rollout {_g(m.get('nonfinite_rollout'))}.")
+    expect = ("an **aligned** pair: this is a regression to fix" if p["expected"] == "aligned"
+              else "a **diverges** (demonstration) pair: it must keep being caught")
+    corpus = _display_path(p.get("corpus_path"))
+    lines = [
+        title, "",
+        f"**What diverged.** {what}", "",
+        f"**Pair.** `{p['pair']}` is {expect}. Severity **{p['severity']}**, status **{p['status']}**.", "",
+        f"**Minimal case.** `{p['case_line']}`"
+        + ("" if p.get("shrink_complete", True) else " (shrinking was cut short by the budget)"), "",
+        "**Replay.**", "", "```",
+    ]
+    if run_id:
+        lines.append(f"harness replay --run-id {run_id}")
+    if corpus:
+        lines.append(f"harness replay {corpus}")
+    lines += ["```", "",
+              f"**Triage.** `harness regressions close {p['id']} --status fixed|wontfix --note \"...\"`. "
+              f"Artifacts: `repro/{p['id']}.json`, `per_token/{p['id']}.csv`, `plots/{p['id']}_k3.png`.", "",
+              f"Found {p['seen_at']} by campaign seed {p['campaign_seed']} on {p['device']} after "
+              f"{p['examples']} case(s); signature `{p['signature'][:16]}…`."]
+    return "\n".join(lines)
+
+
+NOTE_LIMIT = 7900  # MLflow tags hold 8000 characters
+
+
+def _append_note(note: str, section: str) -> str:
+    note = (note or "").rstrip() + "\n\n" + section
+    if len(note) > NOTE_LIMIT:
+        head = note[:2000]
+        tail = note[-(NOTE_LIMIT - 2100):]
+        note = head + "\n\n… (older entries cut; see the run's tags) …\n\n" + tail
+    return note
+
+

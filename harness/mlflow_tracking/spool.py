@@ -1,0 +1,86 @@
+"""Findings spooled while the store was unreachable, and `harness sync` that uploads them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .lifecycle import finish_campaign, log_regression, start_campaign
+from .store import PENDING_SCHEMA, Store, StoreUnavailable, _short, default_spool, resolve_uri
+
+# ---------------------------------------------------------------------------------------------
+# The spool
+# ---------------------------------------------------------------------------------------------
+def pending(spool_dir: str | Path | None = None) -> list[Path]:
+    """Spooled campaign folders, oldest first."""
+    root = Path(spool_dir).resolve() if spool_dir else default_spool()
+    if not root.exists():
+        return []
+    return sorted((d for d in root.iterdir() if d.is_dir() and (d / "campaign.json").exists()),
+                  key=lambda d: (d / "campaign.json").stat().st_mtime)
+
+
+def sync_pending(uri: str | None = None, spool_dir: str | Path | None = None,
+                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Upload the spool to the store; each uploaded file is deleted. Idempotent (see the module note).
+
+    Returns {"uri", "campaigns", "created", "seen", "reopened", "already", "failed", "remaining"}.
+    """
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    folders = pending(spool_dir)
+    summary = {"uri": resolve_uri(uri), "campaigns": 0, "created": 0, "seen": 0, "reopened": 0, "already": 0,
+               "failed": 0, "remaining": 0, "runs": []}
+    if not folders:
+        return summary
+    try:
+        store = Store(uri, create=True)
+    except StoreUnavailable as e:
+        summary["remaining"] = sum(len(list(d.glob("*.json"))) - 1 for d in folders)
+        summary["failed"] = summary["remaining"]
+        log(f"warning: {e}; nothing uploaded, {summary['remaining']} finding(s) stay in the spool.")
+        return summary
+    for folder in folders:
+        try:
+            camp = json.loads((folder / "campaign.json").read_text())
+            run_id = None
+            if camp.get("run_id"):
+                try:
+                    store.client.get_run(camp["run_id"])
+                    run_id = camp["run_id"]
+                except Exception:  # noqa: BLE001 - that run lives in another store: make one here
+                    run_id = None
+            if run_id is None:
+                run_id = start_campaign(store, camp)
+            ok = True
+            for f in sorted(folder.glob("*.json")):
+                if f.name == "campaign.json":
+                    continue
+                try:
+                    p = json.loads(f.read_text())
+                    if p.get("schema") != PENDING_SCHEMA or p.get("broken"):
+                        raise ValueError(f"{f} is not a complete spooled finding; its corpus file is "
+                                         f"{p.get('corpus_path')}")
+                    rid, what = log_regression(store, p, run_id, camp["uid"])
+                    summary[what] += 1
+                    summary["runs"].append({"id": p["id"], "run_id": rid, "what": what})
+                    f.unlink()
+                except Exception as e:  # noqa: BLE001
+                    ok = False
+                    summary["failed"] += 1
+                    log(f"warning: could not upload {f}: {type(e).__name__}: {_short(e)}")
+            if ok:
+                if camp.get("metrics"):
+                    finish_campaign(store, run_id, camp["metrics"], camp.get("label") if camp.get("shared") else None)
+                (folder / "campaign.json").unlink()
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+                summary["campaigns"] += 1
+        except Exception as e:  # noqa: BLE001
+            summary["failed"] += 1
+            log(f"warning: could not upload the spooled campaign {folder}: {type(e).__name__}: {_short(e)}")
+    summary["remaining"] = sum(max(0, len(list(d.glob("*.json"))) - 1) for d in pending(spool_dir))
+    return summary
+

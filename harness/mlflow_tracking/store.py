@@ -1,0 +1,284 @@
+"""Where the store is, the lock that serialises writers of a sqlite store, safe first creation
+(and repair of a store an interrupted creation left half migrated), and the connected `Store`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlparse
+
+from ..errors import UsageError
+
+DEFAULT_EXPERIMENT = "harness"
+EXPERIMENT_ENV = "HARNESS_MLFLOW_EXPERIMENT"
+DEFAULT_DB = Path("reports") / "mlflow.db"  # relative to the working directory, resolved
+DEFAULT_ARTIFACTS = "mlartifacts"  # beside a sqlite store's file
+DEFAULT_SPOOL = Path("reports") / "pending"  # relative to the working directory, resolved
+PENDING_SCHEMA = "harness.pending/1"
+
+# MLflow reads these on every request. Its defaults (7 retries with backoff, 120 s timeout) wait
+# about four minutes on a dead server; these fail within ~10 s. A value already set in the
+# environment wins.
+HTTP_LIMITS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",  # one retry after the first failure
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # ~1 s before that retry
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",  # at most 0.5 s added to it
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "4",  # seconds per request: 4 + ~1 + 4 s in all on a silent server
+}
+PROBE_TIMEOUT = 3.0  # seconds for the TCP connect that tells a reachable server from a dead one
+
+# Severity from the magnitude of the mean k3 relative to the threshold (first match wins).
+SEVERITIES = (
+    # (name, symptoms it applies to, smallest k3 / threshold)
+    ("critical", ("nonfinite", "error"), 0.0),  # NaN/inf out of a path, or a path that crashes
+    ("high", ("divergence",), 100.0),  # k3 >= 100 x threshold: ratios far off, training is biased
+    ("medium", ("divergence",), 10.0),  # k3 >= 10 x threshold
+    ("low", ("divergence",), 0.0),  # above the threshold, within 10 x of it
+)
+
+TRIAGE_STATUSES = ("fixed", "wontfix")  # what `harness regressions close` may set
+REGRESSION = "regression"
+CAMPAIGN = "campaign"
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Where: store, experiment, spool
+# ---------------------------------------------------------------------------------------------
+def default_uri() -> str:
+    return "sqlite:///" + str((Path.cwd() / DEFAULT_DB).resolve())
+
+
+def resolve_uri(uri: str | None = None) -> str:
+    """`uri`, else $MLFLOW_TRACKING_URI, else the embedded store under ./reports (absolute)."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+    path = sqlite_path(uri)
+    if path is not None:  # make a relative sqlite path absolute, so it means one file wherever
+        return "sqlite:///" + str(path)
+    return uri
+
+
+def default_spool() -> Path:
+    return (Path.cwd() / DEFAULT_SPOOL).resolve()
+
+
+def experiment_name() -> str:
+    return os.environ.get(EXPERIMENT_ENV) or DEFAULT_EXPERIMENT
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a sqlite:// URI (absolute), None for any other store."""
+    if not uri.startswith("sqlite:"):
+        return None
+    rest = uri[len("sqlite:"):]
+    if rest.startswith("///"):
+        rest = rest[3:]
+    elif rest.startswith("//"):
+        rest = rest[2:]
+    rest = rest.split("?", 1)[0]
+    if not rest or rest == ":memory:":
+        return None
+    return Path(rest if rest.startswith("/") else Path.cwd() / rest).resolve()
+
+
+def bound_http() -> None:
+    """Bound MLflow's HTTP retries and timeouts (see HTTP_LIMITS) before any request is made."""
+    for key, value in HTTP_LIMITS.items():
+        os.environ.setdefault(key, value)
+
+
+def probe(uri: str) -> str | None:
+    """Why the store cannot be reached, or None when it can (a TCP connect for http(s) stores)."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("http", "https"):
+        host = parsed.hostname or "localhost"
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        try:
+            with socket.create_connection((host, port), timeout=PROBE_TIMEOUT):
+                return None
+        except OSError as e:
+            return f"cannot connect to {host}:{port} ({e.strerror or e})"
+    return None
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Exclusive across processes for a sqlite store (an flock on `<db>.lock`); no-op otherwise."""
+    path = sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _marker(db: Path) -> Path:
+    return Path(str(db) + ".initialised")
+
+
+def _marker_text(db: Path) -> str:
+    import mlflow
+
+    return f"{os.stat(db).st_ino} {mlflow.__version__}"
+
+
+def _initialised(db: Path | None) -> bool:
+    """True when `db` was created and migrated by this MLflow version (per its marker file)."""
+    if db is None or not db.exists():
+        return False
+    try:
+        return _marker(db).read_text() == _marker_text(db)
+    except OSError:
+        return False
+
+
+def _mark_initialised(db: Path) -> None:
+    tmp = _marker(db).with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(_marker_text(db))
+    os.replace(tmp, _marker(db))
+
+
+def _quiet_mlflow_logs() -> None:
+    for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def now_iso() -> str:
+    from ..corpus import now_iso as _now
+
+    return _now()
+
+
+# ---------------------------------------------------------------------------------------------
+# The store: a connected client and the experiment
+# ---------------------------------------------------------------------------------------------
+class StoreUnavailable(Exception):
+    """The tracking store cannot be reached or refused a call."""
+
+
+class Store:
+    """An MlflowClient on one tracking URI and the harness experiment in it."""
+
+    def __init__(self, uri: str | None = None, create: bool = True) -> None:
+        self.uri = resolve_uri(uri)
+        bound_http()
+        _quiet_mlflow_logs()
+        why = probe(self.uri)
+        if why:
+            raise StoreUnavailable(f"MLflow store {self.uri} is unreachable: {why}")
+        db = sqlite_path(self.uri)
+        if db is not None and not create and not db.exists():
+            raise StoreUnavailable(f"MLflow store {self.uri} does not exist (no file {db})")
+        try:
+            from mlflow import MlflowClient
+
+            # the first access of a fresh sqlite file migrates its schema: serialised, unless this
+            # file was already initialised by this MLflow version (a marker beside it says so)
+            if db is not None and not _initialised(db):
+                with self.lock():
+                    if not _initialised(db):
+                        MlflowClient(tracking_uri=self.uri).search_experiments(max_results=1)  # migrates
+                        _mark_initialised(db)
+            self.client = MlflowClient(tracking_uri=self.uri)
+            with self.lock():
+                self.experiment_id = self._experiment(create)
+        except StoreUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the store is "unavailable" here
+            raise StoreUnavailable(f"MLflow store {self.uri} failed: {type(e).__name__}: {_short(e)}") from e
+
+    def lock(self) -> contextlib.AbstractContextManager:
+        return store_lock(self.uri)
+
+    def _experiment(self, create: bool) -> str | None:
+        name = experiment_name()
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                self.client.restore_experiment(exp.experiment_id)
+            return exp.experiment_id
+        if not create:
+            return None
+        db = sqlite_path(self.uri)
+        location = (db.parent / DEFAULT_ARTIFACTS).as_uri() if db is not None else None
+        try:
+            return self.client.create_experiment(name, artifact_location=location,
+                                                 tags={"harness.purpose": "trainer/rollout regressions"})
+        except Exception:  # another process created it between our get and create
+            exp = self.client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    # --- searches --------------------------------------------------------------------------
+    def search(self, filter_string: str, order_by: list[str] | None = None, max_pages: int = 100) -> list:
+        if self.experiment_id is None:
+            return []
+        runs, token = [], None
+        for _ in range(max_pages):
+            page = self.client.search_runs([self.experiment_id], filter_string, max_results=1000,
+                                           order_by=order_by, page_token=token)
+            runs.extend(page)
+            token = page.token
+            if not token:
+                break
+        return runs
+
+    def regressions_with_signature(self, signature: str) -> list:
+        return self.search(f"tags.`harness.kind` = '{REGRESSION}' AND tags.`harness.signature` = "
+                           f"'{_q(signature)}'", order_by=["attributes.start_time ASC"])
+
+    def campaign_with_uid(self, uid: str):
+        runs = self.search(f"tags.`harness.kind` = '{CAMPAIGN}' AND tags.`harness.campaign_uid` = '{_q(uid)}'")
+        return runs[0] if runs else None
+
+    def find_regression(self, ident: str):
+        """A regression run by run id or finding id (the 12-hex id of its corpus file)."""
+        ident = ident.strip()
+        if not ident or any(c not in "0123456789abcdef" for c in ident.lower()):
+            raise UsageError(f"{ident!r} is not a regression id; pass the 12-hex finding id or the 32-hex run id "
+                             "shown by `harness regressions`.")
+        runs = self.search(f"tags.`harness.kind` = '{REGRESSION}' AND tags.`harness.finding_id` = '{_q(ident)}'")
+        if runs:
+            return runs[0]
+        if len(ident) == 32:
+            try:
+                run = self.client.get_run(ident)
+            except Exception:  # noqa: BLE001 - MLflow raises MlflowException for an unknown id
+                run = None
+            if run is not None and run.data.tags.get("harness.kind") == REGRESSION:
+                return run
+        raise UsageError(f"no regression {ident!r} in the MLflow store {self.uri}; run `harness regressions` "
+                         "to list the ids it holds, or pass --tracking-uri for another store.")
+
+
+def _q(s: str) -> str:
+    return str(s).replace("'", "")
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def open_store(uri: str | None, create: bool = False) -> Store:
+    """A Store for a command: an unreachable or missing store is a usage error with the fix."""
+    try:
+        return Store(uri, create=create)
+    except StoreUnavailable as e:
+        raise UsageError(f"{e}. Start the tracking server, or pass --tracking-uri (or set MLFLOW_TRACKING_URI) "
+                         "to the store the campaigns log to; the default is the embedded store "
+                         "reports/mlflow.db of the working directory.") from None
+
+
