@@ -67,6 +67,7 @@ LARGE = ModelConfig(vocab=4096, hidden=1024, layers=3, heads=16, kv_heads=4, hea
 # Numerics profile: component -> setting
 # ---------------------------------------------------------------------------------------------
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DT = {**DT, "float8_e5m2": torch.float8_e5m2}  # storage dtypes a KV cache may use (fp8: vLLM's fp8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,13 @@ class Numerics:
     moe_order: str = "rank"  # summation order of expert outputs: "rank" (by gate) or "expert_id"
     lm_head: str = "float32"  # dtype of the LM-head GEMM (log-softmax always in float32 on its logits)
     kv_cache: str = "float32"  # dtype keys and values are stored in (the trainer rounds them the same way)
-    positions: str = "per_sequence"  # packed rows: "per_sequence" (restart at 0) or "run_on" (the planted bug)
+    kv_late: str = "same"  # dtype of keys/values at positions >= KV_LATE_FROM ("same": kv_cache; a planted bug)
+    positions: str = "per_sequence"  # "per_sequence" (from each sequence's first token), "run_on" (packed rows
+    #                                  run on across sequences) or "pad_start" (left-padded rows count from the
+    #                                  pad start): the last two are planted bugs
+    sampling: str = "case"  # how the path applies the case's sampling parameters: "case" (as given),
+    #                         "top_k_50" (an engine default top-k 50 when the case has none) or
+    #                         "temperature_twice" (logits divided by the temperature twice): planted bugs
 
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -103,8 +110,11 @@ COMPONENTS: dict[str, tuple[tuple[str, ...], str]] = {
     "moe_order": (("rank", "expert_id"), "MoE summation order"),
     "lm_head": (tuple(DT), "LM-head precision"),
     "kv_cache": (tuple(DT), "KV-cache dtype"),
-    "positions": (("per_sequence", "run_on"), "positions of packed sequences (rotary)"),
+    "kv_late": (("same",) + tuple(KV_DT), "KV-cache dtype of late slots (positions >= 32)"),
+    "positions": (("per_sequence", "run_on", "pad_start"), "rotary positions (packed rows, left padding)"),
+    "sampling": (("case", "top_k_50", "temperature_twice"), "sampling parameters (temperature, top-k, top-p)"),
 }
+KV_LATE_FROM = 32  # first position whose keys/values `kv_late` applies to
 
 FP32 = Numerics()  # a float32 trainer
 BF16_ENGINE = Numerics(activation="bfloat16", router="bfloat16", moe_aggregate="bfloat16", lm_head="bfloat16",
@@ -175,13 +185,21 @@ class RMSNorm(nn.Module):
         return (y * self.weight.to(dt)).to(x.dtype)
 
 
-def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float, nx: Numerics) -> torch.Tensor:
-    """Rotary embedding of x (B, S, n, D) at positions pos (B, S), all arithmetic in nx.rotary."""
+def rope_tables(pos: torch.Tensor, head_dim: int, theta: float, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B, S, 1, D/2) of the rotary angles at positions pos (B, S), in nx.rotary
+    (computed once per forward, shared by every layer's q and k)."""
+    dt = DT[nx.rotary]
+    half = head_dim // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=pos.device) / half)  # (D/2,)
+    angle = pos.to(dt)[..., None] * inv_freq.to(dt)  # (B, S, D/2) rounded to the rotary dtype
+    return angle.cos()[:, :, None, :], angle.sin()[:, :, None, :]  # (B, S, 1, D/2)
+
+
+def rotate(x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], nx: Numerics) -> torch.Tensor:
+    """Rotary embedding of x (B, S, n, D) with the tables of `rope_tables`, arithmetic in nx.rotary."""
     dt = DT[nx.rotary]
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)  # (D/2,)
-    angle = pos.to(dt)[..., None] * inv_freq.to(dt)  # (B, S, D/2) rounded to the rotary dtype
-    cos, sin = angle.cos()[:, :, None, :], angle.sin()[:, :, None, :]  # (B, S, 1, D/2)
+    cos, sin = tables
     xr = x.to(dt)
     x1, x2 = xr[..., :half], xr[..., half:]  # (B, S, n, D/2)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)  # (B, S, n, D)
@@ -199,16 +217,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.eps)
         self.k_norm = RMSNorm(hd, cfg.eps)
 
-    def forward(self, x, pos, mask, past_k, past_v, nx: Numerics):
+    def forward(self, x, pos, rope, mask, past_k, past_v, nx: Numerics):
         cfg, act, kv = self.cfg, DT[nx.activation], DT[nx.kv_cache]
         b, s, _ = x.shape
         q = (x @ self.wq.to(act)).view(b, s, cfg.heads, cfg.head_dim)  # (B, S, nh, D)
         k = (x @ self.wk.to(act)).view(b, s, cfg.kv_heads, cfg.head_dim)  # (B, S, nkv, D)
         v = (x @ self.wv.to(act)).view(b, s, cfg.kv_heads, cfg.head_dim)  # (B, S, nkv, D)
         q, k = self.q_norm(q, nx), self.k_norm(k, nx)  # per-head QK-norm (Qwen3)
-        q, k = rotate(q, pos, cfg.rope_theta, nx), rotate(k, pos, cfg.rope_theta, nx)
+        q, k = rotate(q, rope, nx), rotate(k, rope, nx)
         k_new = k.transpose(1, 2).to(kv)  # (B, nkv, S, D) as the cache stores it
         v_new = v.transpose(1, 2).to(kv)  # (B, nkv, S, D)
+        if nx.kv_late != "same":  # late slots stored in their own dtype (read back in the cache's)
+            late = (pos >= KV_LATE_FROM)[:, None, :, None]  # (B, 1, S, 1)
+            ldt = KV_DT[nx.kv_late]
+            k_new = torch.where(late, k_new.to(ldt).to(kv), k_new)
+            v_new = torch.where(late, v_new.to(ldt).to(kv), v_new)
         k_all = torch.cat([past_k.to(kv), k_new], 2).to(act)  # (B, nkv, P+S, D)
         v_all = torch.cat([past_v.to(kv), v_new], 2).to(act)  # (B, nkv, P+S, D)
         rep = cfg.heads // cfg.kv_heads
@@ -245,6 +268,11 @@ def tie_nudge(x: torch.Tensor, w: torch.Tensor, forced: torch.Tensor, gap: torch
     return xs.to(x.dtype)
 
 
+def _eager() -> bool:
+    """Plain eager execution (not traced for export, not compiled): data-dependent shortcuts allowed."""
+    return not (torch.jit.is_tracing() or torch.compiler.is_compiling())
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -266,7 +294,10 @@ class MoE(nn.Module):
         b, s, h = x.shape
         xf = x.reshape(b * s, h)  # (N, H)
         # router: its input nudged at the tie layer (float32 construction), scored in nx.router
-        xr = torch.where(tie_on, tie_nudge(xf, self.router, forced.reshape(-1), gap, cfg.top_k), xf)  # (N, H)
+        if _eager() and not bool(tie_on):  # not the tie layer: skip the nudge (torch.where would drop it)
+            xr = xf
+        else:
+            xr = torch.where(tie_on, tie_nudge(xf, self.router, forced.reshape(-1), gap, cfg.top_k), xf)  # (N, H)
         rdt = DT[nx.router]
         logits = xr.to(rdt) @ self.router.to(rdt)  # (N, E) rounded to the router dtype
         scores = torch.softmax(logits.float(), -1)  # (N, E)
@@ -305,8 +336,8 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(cfg.hidden, cfg.eps)
         self.moe = MoE(cfg)
 
-    def forward(self, x, pos, mask, past_k, past_v, tie_on, forced, gap, replay, replay_on, nx):
-        a, k_new, v_new = self.attn(self.attn_norm(x, nx), pos, mask, past_k, past_v, nx)  # (B, S, H)
+    def forward(self, x, pos, rope, mask, past_k, past_v, tie_on, forced, gap, replay, replay_on, nx):
+        a, k_new, v_new = self.attn(self.attn_norm(x, nx), pos, rope, mask, past_k, past_v, nx)  # (B, S, H)
         x = x + a  # (B, S, H)
         x, experts, scores = self.moe(self.moe_norm(x, nx), x, tie_on, forced, gap, replay, replay_on, nx)
         return x, k_new, v_new, experts, scores
@@ -348,8 +379,9 @@ class MoEDecoder(nn.Module):
         """
         x = self.embed.weight.to(DT[nx.activation])[ids]  # (B, S, H)
         ks, vs, ex, sc = [], [], [], []
+        rope = rope_tables(pos, self.cfg.head_dim, self.cfg.rope_theta, nx)  # (B, S, 1, D/2) x2
         for i, block in enumerate(self.layers):
-            x, k_new, v_new, experts, scores = block(x, pos, mask, past_k[i], past_v[i], tie[i], forced, gap,
+            x, k_new, v_new, experts, scores = block(x, pos, rope, mask, past_k[i], past_v[i], tie[i], forced, gap,
                                                      replay[i], replay_on, nx)
             ks.append(k_new)
             vs.append(v_new)

@@ -26,6 +26,7 @@ case through unscored context); the case's `n_experts`/`top_k` fields name the C
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -40,16 +41,19 @@ from .moe_decoder import BF16_ENGINE, COMPONENTS, FP32, LARGE, TINY, ModelConfig
 CONFIGS: dict[str, ModelConfig] = {"cpu": TINY, "cuda": LARGE}  # device -> model config
 
 AXES = Axes(
-    n_seqs=(1, 4),  # batch size (and which sequence is the probe)
-    seq_len=(1, 12),  # scored tokens per sequence
-    packing=True,  # trainer row capacity and order, rollout pad side
+    n_seqs=(1, 8),  # batch size
+    seq_len=(1, 64),  # response tokens per sequence, each decoded from the KV cache and scored
+    prompt_len=(0, 32),  # prompt tokens per sequence (after BOS), prefilled
+    packing=True,  # trainer row capacity (prompt + response) and packing order
+    pad_sides=("right", "left"),  # the rollout's padding side (left: what engines do)
     routing=RoutingAxes(n_experts=(TINY.experts, TINY.experts), top_k=(TINY.top_k, TINY.top_k), max_gap=1e-2,
                         tie_fraction=(0.0, 1.0)),  # tokens forced to the top-k boundary at a drawn layer
     logit_scale=(1.0, 8.0),  # peakedness: output entropy from ~6 nats down to ~1-2
+    temperature=(0.5, 2.0),  # sampling temperature, applied on both paths
+    top_p=(0.8, 1.0),  # nucleus sampling (1.0: off)
+    sample_top_k=(0, 64),  # sampling top-k (0: off)
     dtypes=("bfloat16",),
     params={
-        "decode": st.integers(0, 4),  # tokens sampled per sequence by token-by-token decode (0: prefill only)
-        "temperature": st.sampled_from([1.0, 0.7]),  # sampling temperature, applied on both paths
         "tie_layer": st.integers(0, TINY.layers - 1),  # the layer whose router sees the near-tie inputs
     },
 )
@@ -119,6 +123,12 @@ def model_pair(name: str, expected: str, trainer_nx: Numerics, rollout_nx: Numer
 
 
 BF16_ROPE = BF16_ENGINE.replace(rotary="bfloat16")  # a bf16 stack whose rotary tables are bf16 too
+ROPE_BF16 = FP32.replace(rotary="bfloat16")  # float32 except the rotary tables and rotation
+
+# Left-padding position bugs need long prompts: bf16 rotary rounding differs visibly only when the pad
+# shifts positions by ~100 (k3 ~1e-4 at a shift of 64, up to 0.15 at 128); responses stay short.
+AXES_LONG_PROMPTS = dataclasses.replace(AXES, n_seqs=(1, 4), seq_len=(1, 16), prompt_len=(0, 128),
+                                        logit_scale=(1.0, 16.0))
 
 PAIRS = [
     model_pair("model.aligned", "aligned", FP32, FP32,
@@ -135,6 +145,22 @@ PAIRS = [
     model_pair("model.packing_positions_bug", "diverges", BF16_ROPE.replace(positions="run_on"), BF16_ROPE,
                description="planted bug: packed positions run on across sequences (bf16 rotary makes it "
                            "visible)"),
+    model_pair("model.kv_cache_late_fp8", "diverges", FP32, FP32.replace(kv_late="float8_e5m2"),
+               description="planted bug: the rollout's KV cache stores keys and values of positions >= 32 in "
+                           "fp8 e5m2 (the fixed twin is model.aligned)"),
+    model_pair("model.sampling_top_k_default", "diverges", FP32, FP32.replace(sampling="top_k_50"),
+               description="the rollout samples from a top-k 50 truncated distribution (an engine default) while "
+                           "the trainer scores the full one"),
+    model_pair("model.temperature_twice", "diverges", FP32, FP32.replace(sampling="temperature_twice"),
+               description="planted bug: the rollout divides the logits by the temperature twice"),
+    model_pair("model.rotary_bf16", "aligned", ROPE_BF16, ROPE_BF16,
+               axes=AXES_LONG_PROMPTS,
+               description="float32 model with bf16 rotary tables on both sides, positions from each "
+                           "sequence's first token (the fixed twin of model.left_pad_positions)"),
+    model_pair("model.left_pad_positions", "diverges", ROPE_BF16, ROPE_BF16.replace(positions="pad_start"),
+               axes=AXES_LONG_PROMPTS,
+               description="planted bug: left-padded rollout rows count rotary positions from the pad start "
+                           "instead of the first real token (bf16 rotary makes it visible)"),
 ]
 for _pair in PAIRS:
     register(_pair)

@@ -4,18 +4,32 @@ Both paths drive a `forward` function with the signature of `MoEDecoder.forward`
 torch.compile'd one, or an ONNX Runtime session behind the same call), so a backend is a rollout
 path without a second copy of this bookkeeping.
 
-Token layout of one sequence of n scored tokens x_0..x_{n-1} (case order: the case's rows):
+A case is an RL batch. Sequence j is a prefix and a response:
 
-    positions   0     1 .. C      C+1 .. C+n-1
-    input       BOS   context     x_0 .. x_{n-2}        (C = cfg.context unscored tokens, 0 on CPU)
-    row         -     -  .. 0     1   .. n-1            (row j: the distribution x_j was drawn from)
+    positions   0     1 .. C      C+1 .. C+P          C+P+1 .. C+P+R-1
+    input       BOS   context     prompt_0..P-1       y_0 .. y_{R-2}        (C = cfg.context, 0 on CPU)
+    row         -     -           - .. -   0          1   .. R-1            (row i: where y_i is drawn from)
 
-The first n - d tokens are the prompt (drawn from the case's seed), the last d = min(decode, n) are
-sampled by the rollout. The rollout prefills the prompt in one padded forward (its last position
-gives x_{n-d}) and decodes the remaining d - 1 tokens one per step with a KV cache. The trainer
-packs the finished sequences into rows (first-fit in the case's order and row capacity), masks
-attention block-diagonally, restarts positions per sequence (unless the numerics profile plants the
-run-on bug) and scores every token in one forward.
+P = case.prompt_len(j) prompt tokens (`case.prompt_tokens`, sequence j's own stream), R = case.seq_lens[j]
+response tokens y_i, all decoded by the rollout and scored by the trainer. Outcome rows are the response
+tokens in case order.
+
+- Rollout: the prefixes (BOS, context, prompt) padded on the case's pad side into one batch and
+  prefilled in one forward; then every response token is decoded from a static KV cache, one batched
+  forward of all B sequences per step (finished sequences ride along, their outputs unused). Each step's
+  distribution goes through the case's temperature / top-k / top-p (`harness.sampling.process_logits`)
+  and token y_i of sequence j is drawn by inverse CDF from `case.token_uniforms("sample")[offsets[j] + i]`,
+  so the tokens do not depend on the batch layout or the other sequences. `Outcome.logprobs` is the
+  processed distribution each token was drawn from.
+- Trainer: the finished sequences packed into rows (first-fit in the case's order and row capacity,
+  which counts prompt + response), block-diagonal causal mask, positions restarting per sequence,
+  one teacher-forced forward; the response rows go through the same sampling processing.
+
+Planted bugs are numerics settings (`Numerics.positions`, `kv_late`, `sampling`), so a pair and
+its fixed twin differ in one named component and triage can swap it.
+
+Repros recorded before case schema 2 (`case.streams == "single"`) run the schema-1 layout of
+`targets.models.schema1` unchanged, so they replay bit-for-bit.
 """
 
 from __future__ import annotations
@@ -26,56 +40,72 @@ from typing import Any, Callable
 import torch
 
 from harness import Case, Outcome, Routing
+from harness.sampling import process_logits, sample_rows
 from harness.strategies import forced_tokens
 
-from .moe_decoder import BOS_ID, PAD_ID, ModelConfig, Numerics
+from . import schema1
+from .moe_decoder import BOS_ID, DT, PAD_ID, ModelConfig, Numerics
 
 Forward = Callable[..., tuple]  # forward(ids, pos, mask, past_k, past_v, tie, forced, gap, scale, replay,
 #                                           replay_on, nx=..., rows=...) -> (logprobs, k, v, experts, scores)
 
+TIE_FLOOR = schema1.TIE_FLOOR  # floor added to the boundary gap (see schema1.TIE_FLOOR for why)
+ENGINE_TOP_K = 50  # the engine default of the `top_k_50` sampling bug (generate()'s default top_k)
+
 
 @dataclass
 class ModelInputs:
-    """Everything both paths need for one case (tensors drawn from case.seed on CPU, then moved)."""
+    """Everything both paths need for one case (tensors drawn from the case's streams on CPU)."""
 
     case: Case
     cfg: ModelConfig
     device: str
     weight_seed: int  # the model's weights are weights(cfg, weight_seed)
-    prompt: torch.Tensor  # (T,) int64 candidate prompt tokens in case order (the first n - d of each sequence)
-    context: torch.Tensor  # (B, C) int64 unscored context tokens per sequence
+    prefixes: list[torch.Tensor]  # per sequence: (1 + C + P_j,) int64 BOS, context and prompt
+    uniforms: torch.Tensor  # (T,) float64 sampling uniforms, case order
     forced: torch.Tensor  # (T,) bool tokens the tie layer's router forces to the top-k boundary
     tie_layer: int  # layer whose router input is nudged (-1: none)
-    decode: int  # tokens sampled per sequence (capped at its length)
-    temperature: float  # sampling temperature (both paths score at it)
     extra: dict[str, Any] = field(default_factory=dict)  # per-pair state (modules, sessions) for triage
 
     @property
     def scale(self) -> float:
-        return self.case.logit_scale / self.temperature
+        return self.case.logit_scale
 
     def tensor(self, value: Any, dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(value, dtype=dtype).to(self.device)
 
 
-def make_inputs(case: Case, cfg: ModelConfig, device: str, weight_seed: int) -> ModelInputs:
+def make_inputs(case: Case, cfg: ModelConfig, device: str, weight_seed: int) -> Any:
+    if case.streams == "single":
+        return schema1.make_inputs(case, cfg, device, weight_seed)
+    prefixes = []
+    for j in range(case.batch_size):
+        g = case.seq_generator(j, "context")
+        context = torch.randint(2, cfg.vocab, (cfg.context,), generator=g)  # (C,)
+        prompt = case.prompt_tokens(j, cfg.vocab, low=2)  # (P_j,)
+        prefixes.append(torch.cat([torch.tensor([BOS_ID]), context, prompt]))
     t = case.n_tokens
-    prompt = torch.randint(2, cfg.vocab, (t,), generator=case.generator("prompt"))  # (T,)
-    context = torch.randint(2, cfg.vocab, (case.batch_size, cfg.context), generator=case.generator("context"))
     forced = forced_tokens(case, t) if case.tie_fraction > 0 else torch.zeros(t, dtype=torch.bool)  # (T,)
     tie_layer = int(case.params.get("tie_layer", 0)) % cfg.layers if case.tie_fraction > 0 else -1
-    return ModelInputs(case=case, cfg=cfg, device=device, weight_seed=weight_seed, prompt=prompt,
-                       context=context, forced=forced, tie_layer=tie_layer,
-                       decode=int(case.params.get("decode", 1)),
-                       temperature=float(case.params.get("temperature", 1.0)))
+    return ModelInputs(case=case, cfg=cfg, device=device, weight_seed=weight_seed, prefixes=prefixes,
+                       uniforms=case.token_uniforms("sample"), forced=forced, tie_layer=tie_layer)
 
 
-# Added to the case's boundary gap. Gaps under float32 resolution are exact ties that every engine
-# breaks its own way: packed vs decode GEMMs (last-bit differences) and torch vs ONNX Runtime top-k
-# flip them even when both paths are float32 (measured: 43 of 198 `model.aligned` cases over the
-# threshold without this floor). With it, flips come from precision differences (a bf16 router
-# rounds logits by ~4e-3), which is what the near-tie axis is for.
-TIE_FLOOR = 1e-5
+def sampling(case: Case, nx: Numerics) -> tuple[float, int, float, int]:
+    """(temperature, top-k, top-p, times the temperature is applied) as the path applies them."""
+    t, k, p = case.temperature, case.sample_top_k, case.top_p
+    if nx.sampling == "top_k_50":
+        k = k or ENGINE_TOP_K
+    return t, k, p, 2 if nx.sampling == "temperature_twice" else 1
+
+
+def process(logp: torch.Tensor, case: Case, nx: Numerics) -> torch.Tensor:
+    """(N, V) raw log-probabilities -> (N, V) float32 log-probabilities of the path's sampling distribution."""
+    t, k, p, times = sampling(case, nx)
+    x = logp.float()
+    for _ in range(times - 1):
+        x = x / t  # the extra division of the temperature_twice bug
+    return process_logits(x, t, k, p)
 
 
 def _common(inp: ModelInputs) -> dict[str, torch.Tensor]:
@@ -86,45 +116,32 @@ def _common(inp: ModelInputs) -> dict[str, torch.Tensor]:
             "scale": inp.tensor(inp.scale, torch.float32)}
 
 
-def _empty_past(inp: ModelInputs, batch: int, nx: Numerics) -> tuple[torch.Tensor, torch.Tensor]:
-    from .moe_decoder import DT
-
-    c = inp.cfg
-    z = torch.zeros(c.layers, batch, c.kv_heads, 0, c.head_dim, dtype=DT[nx.kv_cache], device=inp.device)
-    return z, z.clone()
-
-
 def _no_replay(inp: ModelInputs, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
     c = inp.cfg
     return (torch.zeros(c.layers, b, s, c.top_k, dtype=torch.int64, device=inp.device),
             torch.zeros(b, s, dtype=torch.bool, device=inp.device))
 
 
-def _offsets(seq_lens: tuple[int, ...]) -> list[int]:
-    out, acc = [], 0
-    for n in seq_lens:
-        out.append(acc)
-        acc += n
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Trainer: packed rows, one teacher-forced forward
 # ---------------------------------------------------------------------------------------------
-def trainer(inp: ModelInputs, tokens: Any, forward: Forward, nx: Numerics,
+def trainer(inp: Any, tokens: Any, forward: Forward, nx: Numerics,
             replay: dict[str, Routing] | None = None) -> Outcome:
-    """Log-probabilities of `tokens` (T,) (the rollout's, case order) from packed rows."""
-    case, c = inp.case, inp.cfg
+    """Log-probabilities of the response `tokens` (T,) (the rollout's, case order) from packed rows."""
+    if isinstance(inp, schema1.Schema1Inputs):
+        return schema1.trainer(inp, tokens, forward, nx, replay)
+    case, c, dev = inp.case, inp.cfg, inp.device
     tokens = torch.as_tensor(tokens).long().cpu()  # (T,)
-    starts = _offsets(case.seq_lens)
-    packs = case.packed_rows()
-    seqs = []  # per sequence: input ids, scored-row ids
-    for s, n in enumerate(case.seq_lens):
-        x = tokens[starts[s]:starts[s] + n]
-        ids = torch.cat([torch.tensor([BOS_ID]), inp.context[s], x[:-1]])  # (C+n,)
-        rows = torch.cat([torch.full((c.context,), -1), torch.arange(starts[s], starts[s] + n)])  # (C+n,)
+    offsets = case.offsets
+    seqs = []  # per sequence: input ids (prefix + response[:-1]) and case-order row of each position
+    for j, n in enumerate(case.seq_lens):
+        pre = inp.prefixes[j]
+        ids = torch.cat([pre, tokens[offsets[j]:offsets[j] + n - 1]])  # (L_j + n - 1,)
+        rows = torch.full((len(ids),), -1, dtype=torch.long)
+        rows[len(pre) - 1:] = torch.arange(offsets[j], offsets[j] + n)
         seqs.append((ids, rows))
-    width = max(sum(len(seqs[s][0]) for s in pack) for pack in packs)
+    packs = case.packed_rows()
+    width = max(sum(len(seqs[j][0]) for j in pack) for pack in packs)
     r = len(packs)
     ids = torch.full((r, width), PAD_ID, dtype=torch.long)  # (R, W)
     pos = torch.zeros(r, width, dtype=torch.long)  # (R, W)
@@ -132,13 +149,13 @@ def trainer(inp: ModelInputs, tokens: Any, forward: Forward, nx: Numerics,
     rows = torch.full((r, width), -1, dtype=torch.long)  # (R, W) case-order row, -1 = unscored
     for i, pack in enumerate(packs):
         at = 0
-        for s in pack:
-            sid, srows = seqs[s]
+        for j in pack:
+            sid, srows = seqs[j]
             m = len(sid)
             ids[i, at:at + m] = sid
-            seg[i, at:at + m] = s
+            seg[i, at:at + m] = j
             rows[i, at:at + m] = srows
-            pos[i, at:at + m] = torch.arange(m) if nx.positions == "per_sequence" else torch.arange(at, at + m)
+            pos[i, at:at + m] = torch.arange(at, at + m) if nx.positions == "run_on" else torch.arange(m)
             at += m
     causal = torch.ones(width, width, dtype=torch.bool).tril()  # (W, W)
     same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)  # (R, W, W)
@@ -147,11 +164,10 @@ def trainer(inp: ModelInputs, tokens: Any, forward: Forward, nx: Numerics,
     rep, rep_on = _no_replay(inp, r, width)
     if replay is not None:  # router replay: the rollout's experts, moved into the packed layout
         rep = torch.stack([torch.as_tensor(replay[f"layers.{l}"].experts).cpu()[rows.clamp_min(0)]
-                           for l in range(c.layers)]).to(inp.device)  # (L, R, W, k)
-        rep_on = (rows >= 0).to(inp.device)
-    past_k, past_v = _empty_past(inp, r, nx)
-    dev = inp.device
-    logp, _, _, experts, scores = forward(ids.to(dev), pos.to(dev), mask[:, None].to(dev), past_k, past_v,
+                           for l in range(c.layers)]).to(dev)  # (L, R, W, k)
+        rep_on = (rows >= 0).to(dev)
+    z = torch.zeros(c.layers, r, c.kv_heads, 0, c.head_dim, dtype=DT[nx.kv_cache], device=dev)
+    logp, _, _, experts, scores = forward(ids.to(dev), pos.to(dev), mask[:, None].to(dev), z, z,
                                           forced=forced.to(dev), replay=rep, replay_on=rep_on, nx=nx,
                                           rows=rows.to(dev), **_common(inp))
     sel = (rows >= 0).to(dev)  # (R, W)
@@ -164,83 +180,92 @@ def trainer(inp: ModelInputs, tokens: Any, forward: Forward, nx: Numerics,
 
     routing = {f"layers.{l}": Routing(experts=case_order(experts[l]), scores=case_order(scores[l]))
                for l in range(c.layers)}
-    return Outcome(logprobs=case_order(logp), tokens=tokens, routing=routing)
+    return Outcome(logprobs=process(case_order(logp), case, nx), tokens=tokens, routing=routing)
 
 
 # ---------------------------------------------------------------------------------------------
-# Rollout: padded prefill, then token-by-token decode with a KV cache, sampling as it goes
+# Rollout: padded prefill, then batched decode of every response token from a static KV cache
 # ---------------------------------------------------------------------------------------------
-def rollout(inp: ModelInputs, forward: Forward, nx: Numerics) -> Outcome:
+def rollout(inp: Any, forward: Forward, nx: Numerics) -> Outcome:
+    if isinstance(inp, schema1.Schema1Inputs):
+        return schema1.rollout(inp, forward, nx)
     case, c, dev = inp.case, inp.cfg, inp.device
-    b, starts = case.batch_size, _offsets(case.seq_lens)
-    d = [min(inp.decode, n) for n in case.seq_lens]  # tokens sampled per sequence
-    pre = [c.context + (n - ds + 1 if ds else n) for n, ds in zip(case.seq_lens, d)]  # prefill length
-    steps = [c.context + n - p for n, p in zip(case.seq_lens, pre)]  # decode steps after prefill
-    tokens = inp.prompt.clone()  # (T,) prompt tokens now, sampled ones written in below
-    width = max(pre)
-    ids = torch.full((b, width), PAD_ID, dtype=torch.long)  # (B, P)
-    pos = torch.zeros(b, width, dtype=torch.long)  # (B, P)
-    valid = torch.zeros(b, width, dtype=torch.bool)  # (B, P) slot holds a real token
-    rows = torch.full((b, width), -1, dtype=torch.long)  # (B, P)
-    for s in range(b):
-        off = width - pre[s] if case.pad_side == "left" else 0
-        n_in = pre[s] - 1 - c.context  # prompt tokens fed in the prefill
-        seq = torch.cat([torch.tensor([BOS_ID]), inp.context[s], tokens[starts[s]:starts[s] + n_in]])
-        ids[s, off:off + pre[s]] = seq
-        pos[s, off:off + pre[s]] = torch.arange(pre[s])
-        valid[s, off:off + pre[s]] = True
-        rows[s, off + c.context:off + pre[s]] = torch.arange(starts[s], starts[s] + pre[s] - c.context)
+    b = case.batch_size
+    resp = torch.tensor(case.seq_lens)  # (B,) response lengths R_j
+    offs = torch.tensor(case.offsets)  # (B,) first case row of each sequence
+    lens = torch.tensor([len(p) for p in inp.prefixes])  # (B,) prefix lengths L_j
+    width, steps = int(lens.max()), int(resp.max())
+    cap = width + steps - 1  # static cache slots: the prefix and every fed response token but the last
+    left = case.pad_side == "left"
+    start = (width - lens) if left else torch.zeros(b, dtype=torch.long)  # (B,) first real slot
+
+    # prefill: (B, W) prefixes on the pad side
+    slot = torch.arange(width)  # (W,)
+    valid = (slot[None] >= start[:, None]) & (slot[None] < (start + lens)[:, None])  # (B, W)
+    ids = torch.full((b, width), PAD_ID, dtype=torch.long)
+    for j, p in enumerate(inp.prefixes):
+        ids[j, int(start[j]):int(start[j]) + len(p)] = p
+    pos = slot[None] - (0 if nx.positions == "pad_start" else start[:, None])  # (B, W)
+    pos = torch.where(valid, pos, 0)
+    last = start + lens - 1  # (B,) slot of each prefix's last token: it gives response token 0
+    rows = torch.full((b, width), -1, dtype=torch.long)  # (B, W) case-order row each slot's output scores
+    rows[torch.arange(b), last] = offs
     causal = torch.ones(width, width, dtype=torch.bool).tril()
-    mask = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool)  # (B, P, P)
-    out_lp = torch.zeros(case.n_tokens, c.vocab, dtype=torch.float32, device=dev)  # (T, V)
-    out_ex = torch.zeros(c.layers, case.n_tokens, c.top_k, dtype=torch.long, device=dev)  # (L, T, k)
-    out_sc = torch.zeros(c.layers, case.n_tokens, c.experts, dtype=torch.float32, device=dev)  # (L, T, E)
+    mask = (causal & valid[:, None, :]) | torch.eye(width, dtype=torch.bool)  # (B, W, W)
+
+    t = case.n_tokens
+    out_lp = torch.zeros(t, c.vocab, dtype=torch.float32, device=dev)  # (T, V)
+    out_tok = torch.zeros(t, dtype=torch.long)  # (T,)
+    out_ex = torch.zeros(c.layers, t, c.top_k, dtype=torch.long, device=dev)  # (L, T, k)
+    out_sc = torch.zeros(c.layers, t, c.experts, dtype=torch.float32, device=dev)  # (L, T, E)
     common = _common(inp)
-    gen = case.generator("sample")
+    forced_all = inp.forced
 
     def run(ids, pos, mask, past_k, past_v, rows):
-        forced = torch.where(rows >= 0, inp.forced[rows.clamp_min(0)], False)
+        forced = torch.where(rows >= 0, forced_all[rows.clamp_min(0)], False)
         rep, rep_on = _no_replay(inp, *ids.shape)
-        out = forward(ids.to(dev), pos.to(dev), mask[:, None].to(dev), past_k, past_v, forced=forced.to(dev),
-                      replay=rep, replay_on=rep_on, nx=nx, rows=rows.to(dev), **common)
-        logp, k_new, v_new, experts, scores = out
-        sel = (rows >= 0).to(dev)
-        at = rows.to(dev)[sel]
-        out_lp[at] = logp[sel].float()
-        out_ex[:, at] = experts[:, sel]
-        out_sc[:, at] = scores[:, sel].float()
-        return logp, k_new, v_new
+        return forward(ids.to(dev), pos.to(dev), mask[:, None].to(dev), past_k, past_v, forced=forced.to(dev),
+                       replay=rep, replay_on=rep_on, nx=nx, rows=rows.to(dev), **common)
 
-    def sample(lp_rows: torch.Tensor) -> torch.Tensor:
-        p = lp_rows.detach().double().cpu().exp()
-        return torch.multinomial(p, 1, generator=gen).squeeze(-1)  # (n,)
+    kv = DT[nx.kv_cache]
+    empty = torch.zeros(c.layers, b, c.kv_heads, 0, c.head_dim, dtype=kv, device=dev)
+    logp, k_new, v_new, experts, scores = run(ids, pos, mask, empty, empty, rows)
+    cache_k = torch.zeros(c.layers, b, c.kv_heads, cap, c.head_dim, dtype=kv, device=dev)  # (L, B, nkv, S, D)
+    cache_v = torch.zeros_like(cache_k)
+    cache_k[:, :, :, :width] = k_new
+    cache_v[:, :, :, :width] = v_new
+    cache_ok = torch.zeros(b, cap, dtype=torch.bool)  # (B, S) slots holding a real token
+    cache_ok[:, :width] = valid
+    ar = torch.arange(b)
+    step_logp = logp[ar.to(dev), last.to(dev)]  # (B, V) the distributions of response token 0
+    step_ex, step_sc = experts[:, ar.to(dev), last.to(dev)], scores[:, ar.to(dev), last.to(dev)]  # (L, B, .)
+    u = inp.uniforms  # (T,) float64
 
-    past_k, past_v = _empty_past(inp, b, nx)
-    logp, past_k, past_v = run(ids, pos, mask, past_k, past_v, rows)
-    last = torch.full((b,), PAD_ID, dtype=torch.long)  # the token each sequence feeds next
-    live = [s for s in range(b) if d[s]]
-    if live:
-        slot = [width - 1 if case.pad_side == "left" else pre[s] - 1 for s in live]
-        new = sample(logp[torch.tensor(live, device=dev), torch.tensor(slot, device=dev)])
-        for s, tok in zip(live, new.tolist()):
-            row = starts[s] + pre[s] - c.context - 1
-            tokens[row] = tok
-            last[s] = tok
-    for t in range(1, max(steps) + 1):
-        active = [s for s in range(b) if t <= steps[s]]
-        step_ids = torch.where(torch.tensor([t <= st for st in steps]), last, PAD_ID)[:, None]  # (B, 1)
-        step_pos = torch.tensor([pre[s] + t - 1 if t <= steps[s] else 0 for s in range(b)])[:, None]  # (B, 1)
-        step_rows = torch.tensor([starts[s] + pre[s] - c.context - 1 + t if t <= steps[s] else -1
-                                  for s in range(b)])[:, None]  # (B, 1)
-        valid = torch.cat([valid, torch.tensor([t <= st for st in steps])[:, None]], 1)  # (B, P+t)
-        step_mask = valid.clone()
-        step_mask[:, -1] = True
-        logp, k_new, v_new = run(step_ids, step_pos, step_mask[:, None, :], past_k, past_v, step_rows)
-        past_k, past_v = torch.cat([past_k, k_new], 3), torch.cat([past_v, v_new], 3)
-        new = sample(logp[torch.tensor(active, device=dev), 0])
-        for s, tok in zip(active, new.tolist()):
-            row = starts[s] + pre[s] - c.context - 1 + t
-            tokens[row] = tok
-            last[s] = tok
+    for i in range(steps):
+        live = i < resp  # (B,) sequences with a token i
+        at = offs[live] + i  # (n,) their case rows
+        live_d = live.to(dev)
+        lp = process(step_logp, case, nx)  # (B, V)
+        ui = torch.where(live, u[(offs + i).clamp_max(t - 1)], 0.5)  # (B,)
+        tok = sample_rows(lp, ui).cpu()  # (B,)
+        out_lp[at.to(dev)] = lp[live_d]
+        out_tok[at] = tok[live]
+        out_ex[:, at.to(dev)] = step_ex[:, live_d]
+        out_sc[:, at.to(dev)] = step_sc[:, live_d].float()
+        if i == steps - 1:
+            break
+        # feed token i of every sequence at its next slot; its output gives token i + 1
+        w = (width + i) if left else (lens + i)  # slot written: () left, (B,) right
+        w = torch.as_tensor(w).expand(b)  # (B,)
+        step_pos = (w - (0 if nx.positions == "pad_start" else start))[:, None]  # (B, 1) = L_j + i
+        step_rows = torch.where(i + 1 < resp, offs + i + 1, -1)[:, None]  # (B, 1)
+        step_mask = torch.cat([cache_ok, torch.ones(b, 1, dtype=torch.bool)], 1)[:, None, :]  # (B, 1, S+1)
+        logp, k_new, v_new, experts, scores = run(tok[:, None], step_pos, step_mask, cache_k, cache_v, step_rows)
+        idx = w.to(dev)[None, :, None, None, None].expand(c.layers, b, c.kv_heads, 1, c.head_dim)
+        cache_k.scatter_(3, idx, k_new)
+        cache_v.scatter_(3, idx, v_new)
+        cache_ok[ar, w] = True
+        step_logp, step_ex, step_sc = logp[:, 0], experts[:, :, 0], scores[:, :, 0]
+
     routing = {f"layers.{l}": Routing(experts=out_ex[l], scores=out_sc[l]) for l in range(c.layers)}
-    return Outcome(logprobs=out_lp, tokens=tokens, routing=routing)
+    return Outcome(logprobs=out_lp, tokens=out_tok, routing=routing)

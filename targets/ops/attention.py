@@ -37,9 +37,9 @@ QK_SCALE = 2.0  # q and k standard deviation: attention about as peaked as in tr
 
 def build(case, device):
     t = case.n_tokens
-    q = case.randn((t, HEAD_DIM), "q", device=device) * QK_SCALE  # (T, D)
-    k = case.randn((t, HEAD_DIM), "k", device=device) * QK_SCALE  # (T, D)
-    v = case.randn((t, HEAD_DIM), "v", device=device)  # (T, D)
+    q = case.token_randn(HEAD_DIM, "q", device=device) * QK_SCALE  # (T, D)
+    k = case.token_randn(HEAD_DIM, "k", device=device) * QK_SCALE  # (T, D)
+    v = case.token_randn(HEAD_DIM, "v", device=device)  # (T, D)
     return {"q": q, "k": k, "v": v, "case": case, "dtype": low_dtype(case)}
 
 

@@ -36,7 +36,7 @@ N_OUT = 32  # output features (hidden size out)
 
 def build(case, device):
     t = case.n_tokens
-    x = case.randn((t, K_IN), "x", device=device)  # (T, K)
+    x = case.token_randn(K_IN, "x", device=device)  # (T, K)
     w = case.randn((K_IN, N_OUT), "w", device=device) / K_IN**0.5  # (K, N)
     return {"x": x, "w": w, "dtype": low_dtype(case), "chunks": int(case.params.get("chunks", 1))}
 

@@ -9,7 +9,8 @@ Paths return log-probabilities directly (no readout). Logits have standard devia
   published RL report moved its LM head to fp32 for exactly this gap).
 - `lm_head.temperature_order`: the trainer divides the logits by the temperature before the
   log-softmax; the rollout divides the log-probabilities after it (no longer normalised). Equal at
-  temperature 1, so the minimal repro names the temperature closest to 1 that still diverges.
+  temperature 1, so the minimal repro names the temperature closest to 1 that still diverges (the
+  case's `temperature` shrinks toward 1.0).
 - `lm_head.processed_logprobs`: the rollout returns log-probs of the *processed* distribution it
   sampled from (temperature, then top-p truncation and renormalisation), the trainer recomputes the
   temperature-scaled but untruncated distribution; rollout engines can return either. Every
@@ -19,8 +20,6 @@ Paths return log-probabilities directly (no readout). Logits have standard devia
 from __future__ import annotations
 
 import torch
-from hypothesis import strategies as st
-
 from harness import Axes, Outcome, TargetPair, register
 
 from ._common import low_dtype
@@ -31,10 +30,12 @@ VOCAB = 512
 
 def build(case, device):
     t = case.n_tokens
-    h = case.randn((t, HIDDEN), "hidden", device=device)  # (T, H)
+    h = case.token_randn(HIDDEN, "hidden", device=device)  # (T, H)
     w = case.randn((HIDDEN, VOCAB), "lm_head", device=device) * (case.logit_scale / HIDDEN**0.5)  # (H, V)
-    return {"h": h, "w": w, "dtype": low_dtype(case), "temperature": float(case.params.get("temperature", 1.0)),
-            "top_p": float(case.params.get("top_p", 1.0))}
+    # the case's sampling fields; a schema-1 repro carries them as free parameters
+    return {"h": h, "w": w, "dtype": low_dtype(case),
+            "temperature": float(case.params.get("temperature", case.temperature)),
+            "top_p": float(case.params.get("top_p", case.top_p))}
 
 
 def logits_fp32(inp):
@@ -66,11 +67,9 @@ def processed(inp):
 
 
 # --- pairs ----------------------------------------------------------------------------------------
-TEMPERATURE = st.sampled_from([1.0, 0.9, 1.1, 0.7, 1.3, 0.5])  # sampling temperature (1.0 = simplest)
-TOP_P = st.sampled_from([1.0, 0.99, 0.95, 0.9, 0.8])  # nucleus mass (1.0 = no truncation)
-AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), params={"temperature": TEMPERATURE})
-AXES_PROCESSED = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0),
-                      params={"temperature": TEMPERATURE, "top_p": TOP_P})
+AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), temperature=(0.5, 2.0))
+AXES_PROCESSED = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), temperature=(0.5, 2.0),
+                      top_p=(0.8, 1.0))
 
 register(TargetPair(
     name="lm_head.aligned", kind="op", expected="aligned", build=build, trainer=head_fp32,

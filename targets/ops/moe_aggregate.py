@@ -33,9 +33,9 @@ HIDDEN = 128
 
 def build(case, device):
     t, k, e = case.n_tokens, case.top_k, case.n_experts
-    x = case.randn((t, HIDDEN), "residual", device=device).bfloat16().float()  # (T, H)
-    y = case.randn((t, k, HIDDEN), "expert_out", device=device).bfloat16().float()  # (T, k, H)
-    logits = case.randn((t, e), "router", device=device)  # (T, E)
+    x = case.token_randn(HIDDEN, "residual", device=device).bfloat16().float()  # (T, H)
+    y = case.token_randn((k, HIDDEN), "expert_out", device=device).bfloat16().float()  # (T, k, H)
+    logits = case.token_randn(e, "router", device=device)  # (T, E)
     g = torch.softmax(logits, -1).topk(k, -1).values  # (T, k)
     g = g / g.sum(-1, keepdim=True)  # renormalised top-k weights
     return {"x": x, "y": y, "g": g, "dtype": getattr(torch, case.dtype)}
@@ -79,7 +79,7 @@ register(TargetPair(
 def build_ids(case, device):
     """`build`, plus the expert id of each of the k outputs (rank order: descending gate)."""
     inp = build(case, device)
-    logits = case.randn((case.n_tokens, case.n_experts), "router", device=device)  # same stream as build
+    logits = case.token_randn(case.n_experts, "router", device=device)  # same stream as build
     inp["idx"] = torch.softmax(logits, -1).topk(case.top_k, -1).indices  # (T, k)
     return inp
 
@@ -144,9 +144,9 @@ def build_routed(case, device):
     from harness.strategies import near_tie_logits
 
     t, e = case.n_tokens, case.n_experts
-    logits = near_tie_logits(case.randn((t, e), "router"), case).to(device)  # (T, E)
-    x = case.randn((t, HIDDEN), "residual", device=device).bfloat16().float()  # (T, H)
-    y_all = case.randn((t, e, HIDDEN), "expert_out", device=device).bfloat16().float()  # (T, E, H)
+    logits = near_tie_logits(case.token_randn(e, "router"), case).to(device)  # (T, E)
+    x = case.token_randn(HIDDEN, "residual", device=device).bfloat16().float()  # (T, H)
+    y_all = case.token_randn((e, HIDDEN), "expert_out", device=device).bfloat16().float()  # (T, E, H)
     return {"logits": logits, "x": x, "y_all": y_all, "k": case.top_k, "dtype": getattr(torch, case.dtype)}
 
 

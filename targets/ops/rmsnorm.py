@@ -29,8 +29,8 @@ EPS = 1e-6  # the norm's epsilon (Llama/Qwen default)
 def build(case, device):
     t = case.n_tokens
     scale = 10.0 ** float(case.params.get("log10_rms", 0.0))  # RMS of the normalised activations
-    x = case.randn((t, HIDDEN), "x", device=device) * scale  # (T, H)
-    r = case.randn((t, HIDDEN), "residual", device=device)  # (T, H) residual stream
+    x = case.token_randn(HIDDEN, "x", device=device) * scale  # (T, H)
+    r = case.token_randn(HIDDEN, "residual", device=device)  # (T, H) residual stream
     w = 1.0 + 0.1 * case.randn((HIDDEN,), "weight", device=device)  # (H,) norm weight
     return {"x": x, "r": r, "w": w, "dtype": low_dtype(case)}
 

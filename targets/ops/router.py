@@ -38,8 +38,8 @@ HIDDEN = 32
 
 def build(case, device):
     t, e = case.n_tokens, case.n_experts
-    logits = near_tie_logits(case.randn((t, e), "router"), case).to(device)  # (T, E)
-    x = case.randn((t, HIDDEN), "hidden", device=device)  # (T, H)
+    logits = near_tie_logits(case.token_randn(e, "router"), case).to(device)  # (T, E)
+    x = case.token_randn(HIDDEN, "hidden", device=device)  # (T, H)
     w_experts = case.randn((e, HIDDEN, HIDDEN), "experts", device=device) / HIDDEN**0.5  # (E, H, H)
     return {"logits": logits, "x": x, "w_experts": w_experts, "k": case.top_k, "dtype": low_dtype(case)}
 

@@ -21,7 +21,7 @@ HIDDEN = 32
 def build(case, device):
     t, e = case.n_tokens, case.n_experts
     w_router = case.randn((HIDDEN, e), "router", device=device) / HIDDEN**0.5  # (H, E)
-    x = near_tie_hidden(case.randn((t, HIDDEN), "hidden", device=device), w_router, case)  # (T, H)
+    x = near_tie_hidden(case.token_randn(HIDDEN, "hidden", device=device), w_router, case)  # (T, H)
     w_experts = case.randn((e, HIDDEN, HIDDEN), "experts", device=device) / HIDDEN**0.5  # (E, H, H)
     return {"x": x, "w_router": w_router, "w_experts": w_experts, "k": case.top_k,
             "dtype": getattr(torch, case.dtype)}

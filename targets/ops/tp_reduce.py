@@ -34,7 +34,7 @@ N_OUT = 32  # output features
 
 def build(case, device):
     t = case.n_tokens
-    x = case.randn((t, K_IN), "x", device=device)  # (T, K)
+    x = case.token_randn(K_IN, "x", device=device)  # (T, K)
     w = case.randn((K_IN, N_OUT), "w", device=device) / K_IN**0.5  # (K, N)
     return {"x": x, "w": w, "shards": int(case.params.get("shards", 2)), "dtype": low_dtype(case)}
 
