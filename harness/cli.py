@@ -74,6 +74,7 @@ LAZY_COMMANDS = {
     "sync": "harness.cli_tracking:sync",
     "triage": "harness.triage:triage_command",
     "report": "harness.report:report_command",
+    "score": "harness.score:score_command",
 }
 LAZY_BENCHMARKS = {
     "overhead": "harness.bench:overhead_command",

@@ -8,6 +8,8 @@ Per tiny config (`configs.TINY`, realistic init):
 - `hf.<model>.eager_vs_sdpa`: eager attention (trainer) vs sdpa (rollout), float32.
 - `hf.<model>.packed_cache_trap`: the trainer's packed forward leaves `use_cache` at its default,
   so transformers keeps a plain causal mask and packed sequences attend to each other.
+- `hf.recorded` / `hf.recorded.replay`: what `harness score --model PATH` scores recorded samples
+  with (the checkpoint and the recording travel in the case, so its repros replay as they are).
 """
 
 from __future__ import annotations
@@ -17,11 +19,9 @@ from harness import register
 from . import AVAILABLE
 from .backend import FP32, HFModel
 from .configs import TINY
-from .pairs import hf_pair, hf_pairs
+from .pairs import hf_pair, hf_pairs, recorded_pair
 
 MODELS = {name: HFModel.from_config(fields) for name, fields in TINY.items()}
-
-REPLAY_EXPECTED = {"qwen3_moe": "diverges", "mixtral": "diverges"}  # measured: see README
 
 
 def builtin_pairs() -> list:
@@ -33,6 +33,8 @@ def builtin_pairs() -> list:
                            expected="diverges",
                            description="packed trainer forward without use_cache=False: transformers keeps a "
                                        "plain causal mask, so packed sequences attend to each other"))
+    fallback = MODELS["qwen3_moe"]
+    out += [recorded_pair("hf.recorded", fallback), recorded_pair("hf.recorded.replay", fallback, replay=True)]
     return out
 
 

@@ -59,6 +59,8 @@ class HFProfiles:
     rollout: Mapping[str, str]
     labels: Mapping[str, str]
     make: Callable[[Numerics, Numerics], TargetPair]
+    model: HFModel | None = None  # the model both paths run (None: named by each case, `hf.recorded`)
+    replay: bool = False  # the trainer replays the rollout's experts
 
     def variant(self, trainer: Mapping[str, str], rollout: Mapping[str, str]) -> TargetPair:
         return self.make(Numerics(**trainer), Numerics(**rollout))
@@ -105,7 +107,43 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
         name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
         axes=axes or default_axes(spec), devices=devices, description=desc,
         profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=dict(COMPONENTS),
-                            make=remake),
+                            make=remake, model=spec, replay=replay),
+    )
+
+
+def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay: bool = False) -> TargetPair:
+    """The pair `harness score --model PATH` scores with: the checkpoint is named by each case
+    (`params.rec_model`), the rollout side is the recording the case carries, the trainer runs
+    `trainer` numerics (with router replay of the recorded experts when `replay`).
+
+    Fuzzed (a case without a recording), it records `fallback`'s float32 rollout of the case and
+    scores that: the record -> score round trip must stay clean (aligned)."""
+
+    def build(case: Any, device: str) -> paths.HFInputs:
+        if paths.recorded_sample(case) is not None:
+            where = case.params.get("rec_model")
+            spec = HFModel.from_pretrained(str(where)) if where else fallback
+            return paths.make_inputs(case, spec, device, _bos(spec))
+        # a fuzz case: record the fallback model's float32 rollout of it, then score that recording
+        inp = paths.make_inputs(case, fallback, device, _bos(fallback))
+        recs = paths.records(inp, paths.rollout(inp, FP32))
+        recorded = case.replace(params={**case.params, **paths.encode_recorded(recs)})
+        return paths.make_inputs(recorded, fallback, device, _bos(fallback))
+
+    def run_trainer(inp: paths.HFInputs, rollout_outcome: Outcome) -> Outcome:
+        return paths.trainer(inp, rollout_outcome, trainer, replay=replay)
+
+    def remake(t: Numerics, r: Numerics) -> TargetPair:
+        return recorded_pair(name, fallback, t, replay)
+
+    return TargetPair(
+        name=name, kind="model", expected="aligned", build=build, trainer=run_trainer,
+        rollout=lambda inp: paths.rollout(inp, FP32),
+        axes=default_axes(fallback), devices=("cpu", "cuda"),
+        description="recorded rollouts (harness score --model PATH): the checkpoint's float32 trainer scores them"
+                    + (" with the recorded experts replayed" if replay else ""),
+        profiles=HFProfiles(trainer=trainer.as_dict(), rollout=FP32.as_dict(), labels=dict(COMPONENTS),
+                            make=remake, model=None, replay=replay),
     )
 
 

@@ -60,7 +60,7 @@ class HFInputs:
     forced: Any  # (B * stride,) bool: near-tie positions
     tie_layer: int  # -1: no near ties
     gap: float
-    recorded: dict | None = None  # a recorded sample (harness score): tokens, logprobs, experts
+    recorded: list | None = None  # recorded samples (harness score), one per sequence: tokens, logprobs, experts
     extra: dict = field(default_factory=dict)
 
     @property
@@ -72,21 +72,42 @@ def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split()] if text.strip() else []
 
 
-def recorded_sample(case: Any) -> dict | None:
-    """The recorded sample a `harness score` repro carries in its case params, or None."""
+def encode_recorded(samples: list[dict]) -> dict[str, str]:
+    """Case params carrying recorded samples (dicts with prompt_ids, response_ids, rollout_logprobs
+    and optionally routed_experts [position][layer][k]); sequences are separated by ",". Floats are
+    written with repr, so they round-trip exactly."""
+    params = {"rec_prompt": ",".join(" ".join(map(str, s["prompt_ids"])) for s in samples),
+              "rec_response": ",".join(" ".join(map(str, s["response_ids"])) for s in samples),
+              "rec_logprobs": ",".join(" ".join(repr(float(v)) for v in s["rollout_logprobs"]) for s in samples)}
+    if all(s.get("routed_experts") for s in samples):
+        params["rec_experts"] = ",".join(
+            "|".join(f"layers.{layer}:" + ";".join(" ".join(map(str, pos[layer])) for pos in s["routed_experts"])
+                     for layer in range(len(s["routed_experts"][0])))
+            for s in samples)
+    return params
+
+
+def recorded_sample(case: Any) -> list[dict] | None:
+    """The recorded samples a `harness score` case carries in its params (one per sequence), or None."""
     p = case.params
     if not all(k in p for k in RECORDED_KEYS):
         return None
     import torch
 
-    experts = None
-    if p.get("rec_experts"):  # "layer:e e;e e;...|layer:..." -> {layer: (positions, k)}
-        experts = {}
-        for part in str(p["rec_experts"]).split("|"):
-            layer, rows = part.split(":", 1)
-            experts[layer] = torch.tensor([_ints(r) for r in rows.split(";")], dtype=torch.int64)
-    return {"prompt": _ints(str(p["rec_prompt"])), "response": _ints(str(p["rec_response"])),
-            "logprobs": [float(v) for v in str(p["rec_logprobs"]).split()], "experts": experts}
+    prompts, responses = str(p["rec_prompt"]).split(","), str(p["rec_response"]).split(",")
+    logprobs = str(p["rec_logprobs"]).split(",")
+    experts = str(p["rec_experts"]).split(",") if p.get("rec_experts") else [None] * len(prompts)
+    out = []
+    for pr, rs, lp, ex in zip(prompts, responses, logprobs, experts):
+        table = None
+        if ex:  # "layers.i:e e;e e;...|layers.j:..." -> {layer: (positions, k)}
+            table = {}
+            for part in ex.split("|"):
+                layer, rows = part.split(":", 1)
+                table[layer] = torch.tensor([_ints(r) for r in rows.split(";")], dtype=torch.int64)
+        out.append({"prompt": _ints(pr), "response": _ints(rs), "logprobs": [float(v) for v in lp.split()],
+                    "experts": table})
+    return out
 
 
 def make_inputs(case: Any, spec: HFModel, device: str, bos: int) -> HFInputs:
@@ -95,8 +116,8 @@ def make_inputs(case: Any, spec: HFModel, device: str, bos: int) -> HFInputs:
     vocab = spec.vocab
     rec = recorded_sample(case)
     if rec is not None:
-        prompts = [torch.tensor(rec["prompt"], dtype=torch.int64)]  # as recorded (BOS included if it had one)
-        resp = [len(rec["response"])]
+        prompts = [torch.tensor(r["prompt"], dtype=torch.int64) for r in rec]  # as recorded (BOS included if used)
+        resp = [len(r["response"]) for r in rec]
     else:
         plens = prompt_lens(case)
         prompts = [torch.cat([torch.tensor([bos]), prompt_tokens(case, j, vocab, plens[j])])
@@ -217,7 +238,7 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
     for p, r in zip(inp.prompts, inp.resp_lens):
         full.append(torch.cat([p, tokens[start:start + r]]))
         start += r
-    rows = [[0]] if inp.recorded is not None else case.packed_rows()
+    rows = case.packed_rows()
     width = max(sum(len(full[j]) for j in row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.int64)
     pos = torch.zeros(len(rows), width, dtype=torch.int64)
@@ -273,17 +294,18 @@ def two_outcome(lp_token: Any, tokens: Any, vocab: int) -> Any:
 def recorded_outcome(inp: HFInputs) -> Outcome:
     import torch
 
-    rec = inp.recorded
-    tokens = torch.tensor(rec["response"], dtype=torch.int64)
-    lp = torch.tensor(rec["logprobs"], dtype=torch.float64)
+    tokens = torch.tensor([t for r in inp.recorded for t in r["response"]], dtype=torch.int64)
+    lp = torch.tensor([v for r in inp.recorded for v in r["logprobs"]], dtype=torch.float64)
     routing, tables = {}, {}
-    if rec.get("experts"):
-        n_keys = inp.stride
+    if all(r["experts"] for r in inp.recorded):
         wanted = scored_keys(inp)
-        for layer, ex in rec["experts"].items():
-            table = torch.full((n_keys, ex.shape[-1]), -1, dtype=torch.int64)
-            n = min(len(ex), n_keys)
-            table[:n] = ex[:n]  # recorded per position of the sequence (BOS, prompt, response)
+        for layer in inp.recorded[0]["experts"]:
+            k = inp.recorded[0]["experts"][layer].shape[-1]
+            table = torch.full((inp.n_seqs * inp.stride, k), -1, dtype=torch.int64)
+            for j, r in enumerate(inp.recorded):
+                ex = r["experts"][layer]  # (positions, k): recorded per position of the sequence
+                n = min(len(ex), inp.stride)
+                table[j * inp.stride:j * inp.stride + n] = ex[:n]
             tables[layer] = table
             if bool((table[wanted] >= 0).all()):
                 routing[layer] = Routing(experts=table[wanted])
@@ -295,3 +317,26 @@ def _cache_of(out: Any) -> Any:
     """The KV cache a forward returned (`cache` in newer transformers, `past_key_values` before)."""
     got = getattr(out, "cache", None)
     return got if got is not None else out.past_key_values
+
+
+def records(inp: HFInputs, outcome: Outcome) -> list[dict]:
+    """The rollout's samples as an RL framework records them (the `harness score` input format):
+    per sequence the prompt ids (BOS included), the response ids, the log-probability of every
+    response token under the distribution it was sampled from, and (MoE) the experts routed at every
+    position but the last, `[position][layer][k]`."""
+    import torch
+
+    tables = outcome.intermediates.get("route_table") or {}
+    layers = sorted(tables, key=lambda name: int(name.rsplit(".", 1)[-1]))
+    picked = outcome.logprobs.gather(1, outcome.tokens[:, None].to(outcome.logprobs.device)).squeeze(1).cpu()
+    out, start = [], 0
+    for j, (p, r) in enumerate(zip(inp.prompts, inp.resp_lens)):
+        row = {"prompt_ids": p.tolist(), "response_ids": outcome.tokens[start:start + r].tolist(),
+               "rollout_logprobs": [float(v) for v in picked[start:start + r].to(torch.float64)]}
+        if layers:
+            n = len(p) + r - 1
+            keys = j * inp.stride + torch.arange(n)
+            row["routed_experts"] = torch.stack([tables[name][keys] for name in layers], dim=1).tolist()
+        out.append(row)
+        start += r
+    return out

@@ -1,0 +1,558 @@
+"""`harness score`: judge rollouts an RL framework recorded, with a trainer.
+
+Input: a JSONL file (one sample per line) or a Parquet file (one sample per row; needs pyarrow),
+each sample holding the prompt's token ids, the response's token ids, the rollout's log-probability
+of every response token and, optionally, the experts the rollout routed every token to. Field names
+(the first one found wins):
+
+    prompt     prompt_ids | prompt_token_ids | prompts        list[int], non-empty (BOS included if used)
+    response   response_ids | response_token_ids | responses  list[int], non-empty
+    logprobs   rollout_logprobs | rollout_log_probs | logprobs list[float], one per response token, <= 0
+    experts    routed_experts | rollout_routed_experts         optional [positions][layers][top_k] ints,
+                                                               positions = prompt + response (or one less)
+    id         id | uid | index                                optional sample id, echoed in the output
+
+slime's samples (`Sample.tokens` = prompt + response, `response_length`) are read as they are:
+`tokens` and `response_length` stand in for prompt/response. verl's batches are padded tensors:
+unpad them first (`prompts[i][attention_mask[i, :P] == 1]`, `responses[i][response_mask[i] == 1]`,
+`rollout_log_probs[i][response_mask[i] == 1]`, and `routed_experts` when router replay records them).
+
+The trainer is a registered Hugging Face pair (`--pair NAME`, its trainer path and numerics) or a
+local checkpoint (`--model PATH`, float32 sdpa). Each sample becomes a case carrying the recording
+(`targets/hf`: the rollout path returns the recording, the trainer scores it in one forward), so
+the metrics are exactly those `harness replay` recomputes. Per-token metrics are exact (k3, log-prob
+differences, ratios); the rollout's full distribution is not recorded, so `kl` here is the KL of the
+two-outcome coarsening {sampled token, everything else}: a lower bound of the exact KL.
+
+Output: per-sample metrics (`samples.csv`), batch metrics under verl's rollout-correction names
+(`summary.json`, printed), the samples whose mean k3 exceeds the threshold, the worst of them
+written as repros (`corpora/<pair>/<id>.json`; the recording lives in the case, at most
+MAX_REPRO_TOKENS tokens: a longer response is cut, which leaves the scores of the tokens kept
+unchanged because the trainer is causal), a histogram of per-sample k3 (`k3_hist.png`), and an
+MLflow campaign run. Bad rows (missing fields, ragged lengths, non-finite log-probs, ids out of the
+vocabulary) are reported by line and field; the rest of the file is scored.
+
+Exit codes: 0 every sample under the threshold, 1 some above it, 2 usage or input error (no file,
+no scorer, no valid row).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import click
+
+from .errors import UsageError
+
+MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro may carry
+PROGRESS_FROM = 50  # show a progress bar from this many samples on
+
+ALIASES = {
+    "prompt": ("prompt_ids", "prompt_token_ids", "prompts"),
+    "response": ("response_ids", "response_token_ids", "responses"),
+    "logprobs": ("rollout_logprobs", "rollout_log_probs", "logprobs"),
+    "experts": ("routed_experts", "rollout_routed_experts"),
+    "id": ("id", "uid", "index"),
+}
+
+
+@dataclass
+class Sample:
+    line: int  # 1-based line (JSONL) or row (Parquet)
+    id: str
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]
+    experts: list | None = None  # [positions][layers][k]
+
+
+@dataclass
+class BadRow:
+    line: int
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}, field {self.field!r}: {self.message}"
+
+
+@dataclass
+class Scored:
+    sample: Sample
+    metrics: dict[str, Any]
+    evaluation: Any
+    case: Any
+
+
+@dataclass
+class ScoreResult:
+    scored: list[Scored] = field(default_factory=list)
+    bad: list[BadRow] = field(default_factory=list)
+    batch: dict[str, float] = field(default_factory=dict)
+    flagged: list[Scored] = field(default_factory=list)
+    repros: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    out_dir: Path | None = None
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+def read_rows(path: Path) -> tuple[int, Iterator[tuple[int, Any]]]:
+    """(number of rows, iterator of (line, dict or BadRow))."""
+    if not path.exists():
+        raise UsageError(f"rollout file {str(path)!r} does not exist; pass a JSONL (one sample per line) or Parquet "
+                         "file of recorded samples.")
+    if path.suffix in (".parquet", ".pq"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise UsageError(f"{str(path)!r} is Parquet, which needs pyarrow: pip install pyarrow (or the `hf` extra), "
+                             "or convert the file to JSONL.") from None
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is an input error
+            raise UsageError(f"{str(path)!r} is not a readable Parquet file ({type(e).__name__}: {e}).") from None
+
+        def parquet_rows() -> Iterator[tuple[int, Any]]:
+            n = 0
+            for batch in pf.iter_batches(batch_size=256):
+                for row in batch.to_pylist():
+                    n += 1
+                    yield n, row
+
+        return pf.metadata.num_rows, parquet_rows()
+    try:
+        with path.open("rb") as fh:
+            total = sum(1 for line in fh if line.strip())
+    except OSError as e:
+        raise UsageError(f"cannot read {str(path)!r}: {e}.") from None
+
+    def jsonl_rows() -> Iterator[tuple[int, Any]]:
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield n, BadRow(n, "(line)", f"not valid JSON ({e.msg} at column {e.colno})")
+                    continue
+                if not isinstance(row, dict):
+                    yield n, BadRow(n, "(line)", f"a sample must be a JSON object, got {type(row).__name__}")
+                    continue
+                yield n, row
+
+    return total, jsonl_rows()
+
+
+def _pick(row: dict, what: str) -> tuple[str | None, Any]:
+    for name in ALIASES[what]:
+        if name in row and row[name] is not None:
+            return name, row[name]
+    return None, None
+
+
+def _int_list(line: int, name: str, value: Any, vocab: int) -> list[int] | BadRow:
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        return BadRow(line, name, "must be a non-empty list of token ids")
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, float) and v.is_integer():
+                v = int(v)
+            else:
+                return BadRow(line, name, f"entry {i} is {v!r}, not an integer token id")
+        if not 0 <= v < vocab:
+            return BadRow(line, name, f"token id {v} at index {i} is outside the model's vocabulary [0, {vocab})")
+        out.append(v)
+    return out
+
+
+def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | None) -> Sample | BadRow:
+    """A validated sample, or the first thing wrong with the row (naming line and field)."""
+    if "tokens" in row and "response_length" in row and _pick(row, "prompt")[0] is None:  # slime
+        toks, rl = row["tokens"], row["response_length"]
+        if hasattr(toks, "tolist"):
+            toks = toks.tolist()
+        if not isinstance(rl, int) or not isinstance(toks, list) or not 0 < rl < len(toks):
+            return BadRow(line, "response_length", "must be an integer with 0 < response_length < len(tokens)")
+        row = {**row, "prompt_ids": toks[:-rl], "response_ids": toks[-rl:]}
+    got = {}
+    for what in ("prompt", "response", "logprobs"):
+        name, value = _pick(row, what)
+        if name is None:
+            return BadRow(line, ALIASES[what][0], f"is missing (accepted names: {', '.join(ALIASES[what])})")
+        got[what] = (name, value)
+    prompt = _int_list(line, got["prompt"][0], got["prompt"][1], vocab)
+    if isinstance(prompt, BadRow):
+        return prompt
+    response = _int_list(line, got["response"][0], got["response"][1], vocab)
+    if isinstance(response, BadRow):
+        return response
+    lname, lps = got["logprobs"]
+    if hasattr(lps, "tolist"):
+        lps = lps.tolist()
+    if not isinstance(lps, (list, tuple)):
+        return BadRow(line, lname, "must be a list of log-probabilities")
+    if len(lps) != len(response):
+        return BadRow(line, lname, f"holds {len(lps)} values for {len(response)} response tokens (ragged); "
+                                   "record one log-probability per response token")
+    logprobs = []
+    for i, v in enumerate(lps):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+            return BadRow(line, lname, f"entry {i} is {v!r}: log-probabilities must be finite numbers")
+        if float(v) > 1e-6:
+            return BadRow(line, lname, f"entry {i} is {v!r} > 0: not a log-probability")
+        logprobs.append(float(v))
+    ename, experts = _pick(row, "experts")
+    if experts is not None:
+        if hasattr(experts, "tolist"):
+            experts = experts.tolist()
+        if moe is None:
+            return BadRow(line, ename, "the scoring model has no experts (not a MoE model); drop the field")
+        n_experts, top_k, layers = moe
+        total = len(prompt) + len(response)
+        if not isinstance(experts, list) or len(experts) not in (total, total - 1):
+            return BadRow(line, ename, f"needs one entry per position (prompt + response = {total}, or {total - 1}), "
+                                       f"got {len(experts) if isinstance(experts, list) else type(experts).__name__}")
+        for p, per_pos in enumerate(experts):
+            if not isinstance(per_pos, list) or len(per_pos) != layers or any(
+                    not isinstance(e, list) or len(e) != top_k for e in per_pos):
+                return BadRow(line, ename, f"position {p} must hold {layers} layer(s) of {top_k} expert ids")
+            for e in per_pos:
+                for x in e:
+                    if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n_experts:
+                        return BadRow(line, ename, f"position {p}: expert id {x!r} is not in [0, {n_experts})")
+    _, sid = _pick(row, "id")
+    return Sample(line, str(sid) if sid is not None else str(line), prompt, response, logprobs, experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scoring
+# ---------------------------------------------------------------------------------------------
+def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tuple[Any, Any, dict]:
+    """(pair, HFModel, extra case params) for --model PATH or --pair NAME."""
+    if (model is None) == (pair_name is None):
+        raise UsageError("harness score needs exactly one trainer: --model PATH (a local checkpoint directory) or "
+                         "--pair NAME (a registered Hugging Face pair, e.g. hf.qwen3_moe.aligned).")
+    try:
+        import targets.hf.pairs as hfp
+    except ImportError:  # pragma: no cover - targets ships with the harness
+        raise UsageError("harness score needs the Hugging Face backend (targets/hf).") from None
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise UsageError("harness score needs transformers: pip install -e '.[hf]'.")
+    from .pairs import REGISTRY
+
+    if model is not None:
+        from targets.hf.backend import HFModel
+
+        spec = HFModel.from_pretrained(model)
+        pair = REGISTRY.get("hf.recorded.replay" if replay else "hf.recorded")
+        return pair, spec, {"rec_model": spec.path}
+    pair = REGISTRY.get(pair_name)
+    prof = getattr(pair, "profiles", None)
+    if not isinstance(prof, hfp.HFProfiles) or prof.model is None:
+        raise UsageError(f"pair {pair_name!r} cannot score recorded rollouts: only Hugging Face pairs (hf.*, or made "
+                         "with targets.hf.hf_pair) take token ids; pass --model PATH or one of those.")
+    if replay and not prof.replay:
+        raise UsageError(f"--replay: pair {pair_name!r} does not replay routing; use its `.replay` variant "
+                         "or leave --replay out.")
+    return pair, prof.model, {}
+
+
+def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None) -> tuple[Any, bool]:
+    """The case carrying a recorded sample (response cut to `limit` total tokens when given)."""
+    from targets.hf.paths import encode_recorded
+
+    from .case import Case
+
+    response, logprobs, experts = s.response, s.logprobs, s.experts
+    cut = False
+    if limit is not None and len(s.prompt) + len(response) > limit:
+        keep = max(1, limit - len(s.prompt))
+        response, logprobs, cut = response[:keep], logprobs[:keep], True
+        if experts is not None:
+            experts = experts[:len(s.prompt) + keep]
+    params = {**encode_recorded([{"prompt_ids": s.prompt, "response_ids": response, "rollout_logprobs": logprobs,
+                                  "routed_experts": experts}]), **extra}
+    return Case(seed=0, seq_lens=(len(response),), prompt_lens=(len(s.prompt),), params=params, **sampling), cut
+
+
+def batch_metrics(scored: list[Scored]) -> dict[str, float]:
+    """Batch metrics over every scored token, under verl's rollout-correction names."""
+    import numpy as np
+
+    if not scored:
+        return {}
+    lt = np.concatenate([np.asarray(s.evaluation.divergence.per_token["logp_trainer"], dtype=np.float64)
+                         for s in scored])
+    lr = np.concatenate([np.asarray(s.evaluation.divergence.per_token["logp_rollout"], dtype=np.float64)
+                         for s in scored])
+    d = lt - lr
+    k3 = np.expm1(d) - d
+    per_seq = [float(np.mean(np.asarray(s.evaluation.divergence.per_token["logp_trainer"]) -
+                             np.asarray(s.evaluation.divergence.per_token["logp_rollout"]))) for s in scored]
+    pt, pr = np.exp(lt), np.exp(lr)
+    pearson = float(np.corrcoef(pt, pr)[0, 1]) if len(pt) > 1 and pt.std() > 0 and pr.std() > 0 else float("nan")
+    routed = [(s.metrics.get("flip_rate", 0.0) + s.metrics.get("tie_flip_rate", 0.0), s.metrics["n_tokens"])
+              for s in scored]
+    n_tok = sum(n for _, n in routed)
+    return {
+        "k3_kl": float(k3.mean()),
+        "k3_seq_max": float(max(s.metrics["k3_kl"] for s in scored)),
+        "kl": float(np.mean([s.metrics["kl"] for s in scored])),
+        "log_ppl_diff": float(np.mean(per_seq)),
+        "ppl_ratio": float(np.mean(np.exp(per_seq))),
+        "chi2_token": float(np.exp(2 * d).mean() - 1),
+        "max_abs_dlogp": float(np.abs(d).max()),
+        "probs_diff_max": float(np.abs(pt - pr).max()),
+        "pearson": pearson,
+        "flip_rate": float(sum(f * n for f, n in routed) / n_tok) if n_tok else 0.0,
+        "samples": float(len(scored)),
+        "tokens": float(len(d)),
+    }
+
+
+PER_SAMPLE = ("k3_kl", "kl", "log_ppl_diff", "ppl_ratio", "chi2_token", "max_abs_dlogp", "probs_diff_max",
+              "flip_rate", "tie_flip_rate", "n_tokens")
+
+
+def score(path: Path, *, model: str | None = None, pair_name: str | None = None, replay: bool = False,
+          threshold: float = 1e-3, device: str = "cpu", corpus: Path = Path("corpora"), out_dir: Path | None = None,
+          max_repros: int = 3, sampling: dict | None = None, tracker: Any = None, progress: bool = True,
+          log: Any = None) -> ScoreResult:
+    from .execute import run_case
+
+    log = log or (lambda m: click.echo(m, err=True))
+    t0 = time.monotonic()
+    pair, spec, extra = resolve_scorer(model, pair_name, replay)
+    sampling = dict(sampling or {})
+    vocab, moe = spec.vocab, spec.moe()
+    total, rows = read_rows(path)
+    res = ScoreResult(out_dir=out_dir)
+    if tracker is not None:
+        cfg = SimpleNamespace(threshold=threshold, device=device, max_examples=None, budget=None, profile="score",
+                              shard=None)
+        tracker.campaign_started(cfg, 0, [pair])
+
+    def one(item: tuple[int, Any]) -> None:
+        line, row = item
+        s = row if isinstance(row, BadRow) else parse_sample(line, row, vocab, moe)
+        if isinstance(s, BadRow):
+            res.bad.append(s)
+            return
+        case, _ = sample_case(s, extra, sampling)
+        ev = run_case(pair, case, device, threshold)
+        if ev.divergence is None:
+            err = (ev.error or {}).get("message", ev.symptom.value)
+            res.bad.append(BadRow(line, "(scoring)", f"the trainer failed on this sample: {err}"))
+            return
+        metrics = {k: v for k, v in ev.divergence.as_dict().items() if k in PER_SAMPLE}
+        res.scored.append(Scored(s, metrics, ev, case))
+
+    if progress and total >= PROGRESS_FROM:
+        with click.progressbar(rows, length=total, label=f"scoring {path.name}", file=sys.stderr) as bar:
+            for item in bar:
+                one(item)
+    else:
+        for item in rows:
+            one(item)
+    if not res.scored:
+        why = "; ".join(str(b) for b in res.bad[:5]) or "the file holds no samples"
+        raise UsageError(f"no sample of {str(path)!r} could be scored: {why}.")
+    res.batch = batch_metrics(res.scored)
+    res.flagged = sorted((s for s in res.scored if s.metrics["k3_kl"] > threshold),
+                         key=lambda s: -s.metrics["k3_kl"])
+    for s in res.flagged[:max_repros]:
+        p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
+        if p is not None:
+            res.repros.append(p)
+    res.seconds = time.monotonic() - t0
+    if out_dir is not None:
+        write_outputs(res, path, threshold)
+    if tracker is not None:
+        finish_tracking(tracker, res, threshold)
+    return res
+
+
+def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path, threshold: float, device: str,
+                corpus: Path, scored: int, tracker: Any, res: ScoreResult) -> Path | None:
+    from .corpus import load_repro, record_finding
+    from .execute import run_case
+    from .fuzz import Finding
+
+    case, cut = sample_case(s.sample, extra, sampling, MAX_REPRO_TOKENS)
+    ev = s.evaluation if not cut else run_case(pair, case, device, threshold)
+    if not ev.failed:
+        res.notes.append(f"line {s.sample.line}: its divergence lies past the first {MAX_REPRO_TOKENS} tokens a repro "
+                         "may carry; no repro written")
+        return None
+    sig = hashlib.sha256(f"{pair.name}|recorded|{case.key()}".encode()).hexdigest()
+    finding = Finding(pair=pair.name, expected="aligned", symptom=ev.symptom, signature=sig, case=case,
+                      evaluation=ev, examples=scored)
+    path = record_finding(finding, corpus, threshold, 0, device)
+    repro = load_repro(path)
+    if "recorded" not in repro.found:
+        repro.found["recorded"] = {"file": str(source), "line": s.sample.line, "sample_id": s.sample.id,
+                                   "response_cut_to": case.seq_lens[0] if cut else None}
+        repro.save(path)
+    if tracker is not None:
+        tracker.finding(finding)
+    return path
+
+
+def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
+    import csv
+
+    out = res.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "samples.csv").open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["line", "id", "prompt_tokens", "response_tokens", *PER_SAMPLE, "above_threshold"])
+        for s in res.scored:
+            w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
+                        *[s.metrics[k] for k in PER_SAMPLE], s.metrics["k3_kl"] > threshold])
+    summary = {"file": str(source), "threshold": threshold, "batch": res.batch,
+               "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": s.metrics["k3_kl"]} for s in res.flagged],
+               "bad_rows": [{"line": b.line, "field": b.field, "message": b.message} for b in res.bad],
+               "repros": [str(p) for p in res.repros], "notes": res.notes}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable) + "\n")
+    plot_histogram([s.metrics["k3_kl"] for s in res.scored], threshold, out / "k3_hist.png")
+
+
+def _jsonable(x: Any) -> Any:
+    return str(x)
+
+
+def plot_histogram(k3: list[float], threshold: float, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    vals = np.clip(np.asarray(k3, dtype=np.float64), 1e-16, None)
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    lo, hi = math.log10(vals.min()), math.log10(max(vals.max(), threshold * 10))
+    ax.hist(vals, bins=np.logspace(lo - 0.1, hi + 0.1, 40), color="#4477aa")
+    ax.axvline(threshold, color="#cc3311", linestyle="--", label=f"threshold {threshold:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("per-sample mean k3 (values < 1e-16 drawn at 1e-16)")
+    ax.set_ylabel("samples")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def finish_tracking(tracker: Any, res: ScoreResult, threshold: float) -> None:
+    findings = []
+    for p in res.repros:
+        findings.append(SimpleNamespace(symptom="divergence", path=p))
+    tracker.campaign_finished(SimpleNamespace(findings=findings, examples=len(res.scored), seconds=res.seconds,
+                                              interrupted=False, results=[]))
+    store, run_id = getattr(tracker, "store", None), getattr(tracker, "run_id", None)
+    if store is None or not run_id:
+        return
+    try:  # the score's own figures beside the campaign counters
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        metrics = [Metric(f"score.{k}", float(v), ts, 0) for k, v in res.batch.items() if math.isfinite(float(v))]
+        metrics += [Metric("score.flagged", float(len(res.flagged)), ts, 0),
+                    Metric("score.bad_rows", float(len(res.bad)), ts, 0)]
+        store.client.log_batch(run_id, metrics=metrics)
+        if res.out_dir is not None and (res.out_dir / "k3_hist.png").exists():
+            store.client.log_artifact(run_id, str(res.out_dir / "k3_hist.png"), "score")
+            store.client.log_artifact(run_id, str(res.out_dir / "summary.json"), "score")
+    except Exception as e:  # noqa: BLE001 - tracking never fails the score
+        click.echo(f"warning: could not log the score metrics to MLflow ({type(e).__name__}: {e}).", err=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
+@click.command("score")
+@click.argument("file", type=click.Path(path_type=Path))
+@click.option("--model", default=None, metavar="PATH", help="Score with this local checkpoint directory (float32).")
+@click.option("--pair", "pair_name", default=None, metavar="NAME", help="Score with this registered HF pair's trainer.")
+@click.option("--replay", is_flag=True, help="Replay the recorded experts in the trainer (router replay).")
+@click.option("--threshold", type=click.FloatRange(0, min_open=True), default=1e-3, show_default=True,
+              help="Per-sample mean k3 above which a sample is flagged.")
+@click.option("--temperature", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+              help="Sampling temperature the rollout used (its log-probs are of the processed distribution).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Sampling top-k (0 = off).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("corpora"),
+              show_default=True, help="Where the worst samples are written as repros.")
+@click.option("--max-repros", type=click.IntRange(0), default=3, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for samples.csv, summary.json and k3_hist.png (default reports/score/<file stem>).")
+@click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or the "
+                                                   "embedded store).")
+@click.option("--no-tracking", is_flag=True, help="Do not log a campaign run to MLflow.")
+@click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
+              help="Load target pairs from a Python file or an importable module (repeatable).")
+def score_command(file: Path, model: str | None, pair_name: str | None, replay: bool, threshold: float,
+                  temperature: float, top_p: float, top_k: int, device: str, corpus_dir: Path, max_repros: int,
+                  out_dir: Path | None, tracking_uri: str | None, no_tracking: bool, plugins: tuple[str, ...]) -> None:
+    """Score recorded rollouts (JSONL or Parquet) with a trainer: per-sample and batch k3, flagged samples,
+    the worst as repros."""
+    from .cli import EXIT_FOUND, EXIT_OK, EXIT_USAGE, load_plugins
+    from .tracking import make_tracker
+
+    try:
+        load_plugins(plugins)
+        out = out_dir or Path("reports") / "score" / file.stem
+        tracker = make_tracker(tracking_uri, enabled=not no_tracking)
+        res = score(file, model=model, pair_name=pair_name, replay=replay, threshold=threshold, device=device,
+                    corpus=corpus_dir, out_dir=out, max_repros=max_repros,
+                    sampling={"temperature": temperature, "top_p": top_p, "sample_top_k": top_k}, tracker=tracker)
+    except UsageError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_USAGE)
+    for b in res.bad:
+        click.echo(f"bad row: {b}", err=True)
+    b = res.batch
+    click.echo(f"scored {len(res.scored)} sample(s), {int(b['tokens'])} token(s) from {file}"
+               + (f"; {len(res.bad)} bad row(s) skipped" if res.bad else "") + f" ({res.seconds:.1f}s)")
+    click.echo("batch: " + "  ".join(f"{k} {_fmt(b[k])}" for k in ("k3_kl", "kl", "log_ppl_diff", "ppl_ratio",
+                                                                   "chi2_token", "max_abs_dlogp", "flip_rate")))
+    if res.flagged:
+        click.echo(f"{len(res.flagged)} sample(s) above the threshold {threshold:g}:")
+        for s in res.flagged[:10]:
+            click.echo(f"  line {s.sample.line} (id {s.sample.id}): k3 {s.metrics['k3_kl']:.4g}, "
+                       f"flip_rate {s.metrics['flip_rate']:.3g}, {s.metrics['n_tokens']} tokens")
+        if len(res.flagged) > 10:
+            click.echo(f"  ... and {len(res.flagged) - 10} more (samples.csv)")
+    else:
+        click.echo(f"every sample is under the threshold {threshold:g}")
+    plug = "".join(f" --plugin {p}" for p in plugins)
+    for p in res.repros:
+        click.echo(f"repro: {p}  (harness replay {p}{plug})")
+    for n in res.notes:
+        click.echo(f"note: {n}")
+    click.echo(f"outputs: {res.out_dir}/ (samples.csv, summary.json, k3_hist.png)")
+    sys.exit(EXIT_FOUND if res.flagged else EXIT_OK)

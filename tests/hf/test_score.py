@@ -1,0 +1,142 @@
+"""`harness score` end to end: rollouts recorded by the HF backend's own rollout, scored by a trainer.
+
+- aligned: float32 rollouts scored by the float32 trainer: every sample under the line;
+- misaligned: bf16-engine rollouts (router flips) scored by the float32 trainer: flagged, written
+  as repros that replay / show / triage accept; with the recorded experts replayed: flips gone;
+- a file with bad rows: each named by line and field, the rest scored;
+- a checkpoint directory (--model PATH), JSONL and Parquet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+pytest.importorskip("transformers", reason="harness score needs the HF backend: pip install -e '.[hf]'")
+
+from harness import REGISTRY, Case  # noqa: E402
+from harness.corpus import load_repro, replay  # noqa: E402
+from harness.score import BadRow, parse_sample, score  # noqa: E402
+from targets.hf import FP32, HFModel, hf_pair  # noqa: E402
+from targets.hf.backend import base_model  # noqa: E402
+from targets.hf.configs import TINY  # noqa: E402
+from targets.hf.paths import records  # noqa: E402
+
+
+def record(pair_name_or_pair, seeds, path, **case_kw):
+    """JSONL of the samples a pair's rollout produced over cases of 3 sequences."""
+    pair = REGISTRY.get(pair_name_or_pair) if isinstance(pair_name_or_pair, str) else pair_name_or_pair
+    rows = []
+    for s in seeds:
+        c = Case(seed=s, seq_lens=(12, 7, 16), prompt_lens=(5, 2, 8), **case_kw)
+        inp = pair.build(c, "cpu")
+        rows += records(inp, pair.rollout(inp))
+    path.write_text("".join(json.dumps({"id": f"s{i}", **r}) + "\n" for i, r in enumerate(rows)))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def aligned_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rollouts") / "aligned.jsonl"
+    record("hf.qwen3_moe.aligned", range(4), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bf16_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rollouts") / "bf16.jsonl"
+    record("hf.qwen3_moe.bf16_rollout", range(8), path)
+    return path
+
+
+def test_aligned_rollouts_are_all_under_the_line(aligned_file, tmp_path):
+    res = score(aligned_file, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "corpus", out_dir=tmp_path / "out",
+                progress=False)
+    assert len(res.scored) == 12 and not res.bad
+    assert not res.flagged and not res.repros
+    assert all(s.metrics["k3_kl"] < 1e-8 for s in res.scored)
+    assert res.batch["k3_kl"] < 1e-8 and abs(res.batch["ppl_ratio"] - 1) < 1e-5
+    assert res.batch["flip_rate"] == 0.0
+    for name in ("samples.csv", "summary.json", "k3_hist.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_path):
+    corpus = tmp_path / "corpus"
+    res = score(bf16_file, pair_name="hf.qwen3_moe.aligned", corpus=corpus, out_dir=tmp_path / "out",
+                progress=False, max_repros=2)
+    assert res.flagged, res.batch
+    assert res.batch["k3_kl"] > 1e-3 and res.batch["flip_rate"] > 0
+    assert len(res.repros) == 2
+    replayed = score(bf16_file, pair_name="hf.qwen3_moe.bf16_rollout.replay", corpus=corpus, progress=False,
+                     max_repros=0)
+    assert replayed.batch["flip_rate"] == 0.0
+    assert replayed.batch["k3_kl"] < res.batch["k3_kl"]
+
+    # the worst sample's repro replays bit for bit and still diverges; triage names the trainer side
+    path = res.repros[0]
+    repro = load_repro(path)
+    assert repro.found["recorded"]["file"] == str(bf16_file)
+    assert path.stat().st_size < 64_000
+    again = replay(repro)
+    assert again.diverges and again.bit_for_bit, again.mismatches
+    worst = res.flagged[0]
+    assert math.isclose(again.evaluation.k3, worst.metrics["k3_kl"], rel_tol=0, abs_tol=0)
+
+    from harness.triage import triage
+
+    t = triage(repro)
+    assert t.verdict and "did not evaluate" not in t.verdict
+
+
+def test_bad_rows_are_named_by_line_and_field_and_the_rest_is_scored(aligned_file, tmp_path, harness_cli):
+    good = aligned_file.read_text().splitlines()[:3]
+    row = json.loads(good[0])
+    bad = [
+        json.dumps({k: v for k, v in row.items() if k != "rollout_logprobs"}),  # missing field
+        json.dumps({**row, "rollout_logprobs": row["rollout_logprobs"][:-1]}),  # ragged
+        json.dumps({**row, "rollout_logprobs": [float("nan")] + row["rollout_logprobs"][1:]}),  # non-finite
+        json.dumps({**row, "response_ids": [999999] + row["response_ids"][1:]}),  # out of vocabulary
+        "{not json",
+    ]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join([good[0], *bad, *good[1:]]) + "\n")
+    code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking",
+                                 "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    assert "scored 3 sample(s)" in out and "5 bad row(s)" in out
+    for line, fld in ((2, "rollout_logprobs"), (3, "rollout_logprobs"), (4, "rollout_logprobs"), (5, "response_ids"),
+                      (6, "(line)")):
+        assert f"line {line}, field '{fld}'" in err, err
+    assert "ragged" in err and "finite" in err and "vocabulary" in err and "missing" in err
+    assert "Traceback" not in err
+
+
+def test_parse_sample_slime_layout_and_expert_shapes():
+    s = parse_sample(1, {"tokens": [1, 2, 3, 4, 5], "response_length": 2, "rollout_log_probs": [-0.1, -0.2]}, 16,
+                     None)
+    assert s.prompt == [1, 2, 3] and s.response == [4, 5]
+    row = {"prompt_ids": [1, 2], "response_ids": [3], "rollout_logprobs": [-0.5],
+           "routed_experts": [[[0, 1]], [[1, 9]]]}
+    got = parse_sample(7, row, 16, (8, 2, 1))
+    assert isinstance(got, BadRow) and got.line == 7 and got.field == "routed_experts" and "9" in got.message
+
+
+def test_score_a_checkpoint_directory_jsonl_and_parquet(tmp_path, harness_cli):
+    ckpt = tmp_path / "ckpt"
+    base_model(HFModel.from_config(TINY["qwen3"], init_seed=5)).save_pretrained(ckpt)
+    pair = hf_pair("test.ckpt.aligned", HFModel.from_pretrained(ckpt), FP32, FP32)
+    rows = record(pair, range(2), tmp_path / "ckpt.jsonl")
+    res = score(tmp_path / "ckpt.jsonl", model=str(ckpt), corpus=tmp_path / "c", progress=False)
+    assert len(res.scored) == 6 and not res.flagged and res.batch["k3_kl"] < 1e-8
+    pa = pytest.importorskip("pyarrow", reason="Parquet input needs pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ckpt.parquet")
+    res = score(tmp_path / "ckpt.parquet", model=str(ckpt), corpus=tmp_path / "c", progress=False)
+    assert len(res.scored) == 6 and not res.flagged
+    code, _, err = harness_cli("score", str(tmp_path / "ckpt.jsonl"), "--model", str(tmp_path / "nowhere"),
+                               "--no-tracking")
+    assert code == 2 and "not a checkpoint directory" in err and "Traceback" not in err
