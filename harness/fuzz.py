@@ -409,14 +409,18 @@ def campaign_units(pairs: list[TargetPair], streams: int = 1, shard: tuple[int, 
 
 
 class Executor:
-    """Where a campaign's cases run: one supervised worker process (isolation), or this process."""
+    """Where a campaign's cases run: one supervised worker process (isolation), or this process.
+
+    One executor may serve several campaigns with the same device and plugins (a pytest session's
+    items): its worker is reused, so only the first pays the start.
+    """
 
     def __init__(self, cfg: CampaignConfig) -> None:
         self.cfg = cfg
         self.worker: Any = None
 
-    def evaluator(self, pair: TargetPair, wall: float | None) -> Evaluate:
-        cfg = self.cfg
+    def evaluator(self, pair: TargetPair, wall: float | None, cfg: CampaignConfig | None = None) -> Evaluate:
+        cfg = cfg or self.cfg
         if not cfg.isolation:
             return lambda case: run_case(pair, case, cfg.device, cfg.threshold)
         from .worker import Worker
@@ -499,7 +503,7 @@ def _merge(into: PairResult, r: PairResult) -> list[Finding]:
 
 
 def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], None] | None = None,
-                 on_finding: Callable[[Finding], None] | None = None) -> CampaignResult:
+                 on_finding: Callable[[Finding], None] | None = None, executor: Executor | None = None) -> CampaignResult:
     """Fuzz every pair of the config; write each finding to the corpus, then to the tracker.
 
     A finding the corpus cannot take (disk full, read-only folder) is printed in full as JSON on
@@ -522,7 +526,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     tracker.campaign_started(cfg, seed, pairs)
     start = time.monotonic()
     end = start + cfg.budget if cfg.budget is not None else None
-    executor = Executor(cfg)
+    own_executor = executor is None
+    executor = executor or Executor(cfg)
+    restarts_before = executor.restarts
     signals = _Signals()
     by_pair: dict[str, PairResult] = {}
 
@@ -559,7 +565,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     deadline = now + max(0.0, end - now) / (len(units) - n)
                 try:
                     r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
-                                  progress, evaluate=executor.evaluator(pair, end),
+                                  progress, evaluate=executor.evaluator(pair, end, cfg),
                                   max_examples=stream_examples(cfg.max_examples, unit.stream, unit.streams),
                                   wall=end)
                 except _Interrupted as stop:
@@ -574,8 +580,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
-        result.worker_restarts = executor.restarts
-        executor.close()
+        result.worker_restarts = executor.restarts - restarts_before
+        if own_executor:
+            executor.close()
         result.seconds = time.monotonic() - start
         tracker.campaign_finished(result)
     return result

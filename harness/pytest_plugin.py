@@ -84,6 +84,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else reports/mlflow.db).")
     group.addoption("--harness-no-tracking", action="store_true", default=False,
                     help="Do not log to MLflow (the corpus is still written).")
+    group.addoption("--harness-streams", type=int, default=1, metavar="N",
+                    help="Split each pair into N independently seeded streams, one test item each, so xdist workers "
+                    "and shards scale past the number of pairs (default: 1).")
+    group.addoption("--harness-timeout", type=float, default=None, metavar="SECONDS",
+                    help="Per-case wall seconds before a case is a `timeout` finding (default: 60).")
+    group.addoption("--harness-no-isolation", action="store_true", default=False,
+                    help="Run cases in the test process instead of a supervised worker (debugging only).")
     parser.addini("harness_profile", "campaign profile used by --harness-fuzz when --harness-profile is not given",
                   default="")
 
@@ -125,6 +132,19 @@ class FuzzSession:
         threshold = opt("harness_threshold")
         self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLD
         self.corpus = Path(opt("harness_corpus"))
+        self.streams = opt("harness_streams")
+        if self.streams < 1:
+            raise pytest.UsageError(f"--harness-streams {self.streams!r} must be >= 1 (streams per pair; default 1).")
+        from harness.worker import DEFAULT_TIMEOUT
+
+        timeout = opt("harness_timeout")
+        if timeout is not None and not (0 < timeout < float("inf")):
+            raise pytest.UsageError(f"--harness-timeout {timeout!r} must be a number of seconds > 0 (per case; "
+                                    f"default {DEFAULT_TIMEOUT:g}).")
+        self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+        self.isolation = not opt("harness_no_isolation")
+        self.unit_list: list[dict] | None = None  # workers: the controller's units (no imports to collect)
+        self.executor: Any = None  # harness.fuzz.Executor shared by this process's items
         self.out = Path(opt("harness_out"))
         self.tracking = not opt("harness_no_tracking")
         self.tracking_uri = opt("harness_tracking_uri")
@@ -139,6 +159,7 @@ class FuzzSession:
             self.seed_origin = shared["seed_origin"]
             self.campaign_run_id = shared["campaign_run_id"]
             self.tracking_uri = shared["tracking_uri"]
+            self.unit_list = shared.get("units")
         else:
             from harness.fuzz import fresh_seed
             from harness.profiles import resolve_seed
@@ -165,12 +186,23 @@ class FuzzSession:
         pairs = [p for p in REGISTRY.select(self.globs) if dev in p.devices]
         return shard_pairs(pairs, self.shard)
 
+    def units(self) -> list[dict]:
+        """This shard's (pair, stream) units as plain data; a worker gets them from the controller, so
+        collecting its items imports no target module (each item imports only its own pair's)."""
+        if self.unit_list is None:
+            from harness.fuzz import campaign_units
+
+            self.unit_list = [{"pair": u.pair.name, "expected": u.pair.expected, "source": u.pair.source,
+                               "stream": u.stream} for u in campaign_units(self.select(), self.streams, self.shard)]
+        return self.unit_list
+
     def campaign_config(self, pairs: list) -> Any:
         from harness.fuzz import CampaignConfig
 
         cfg = CampaignConfig(pairs=pairs, seed=self.seed, max_examples=self.max_examples, budget=None,
                              threshold=self.threshold, device=self.device(), corpus=self.corpus,
-                             shard=self.shard)
+                             shard=self.shard, isolation=self.isolation, timeout=self.timeout,
+                             plugins=tuple(self.plugins), streams=self.streams)
         cfg.budget = self.budget * len(pairs) if self.budget is not None else None  # per pair -> campaign
         cfg.profile = self.profile_name  # stored with the campaign run
         return cfg
@@ -192,7 +224,7 @@ class FuzzSession:
             self.tracker = None
             _log(f"harness: tracking is off for this session ({self.tracking_error})")
 
-    def finding_tracker(self) -> Any:
+    def finding_tracker(self, pairs: list | None = None) -> Any:
         """The tracker items hand their findings to: under the session's campaign run."""
         from harness.tracking import NullTracker
 
@@ -207,8 +239,8 @@ class FuzzSession:
                 from harness.mlflow_tracking import MlflowTracker
 
                 self.tracker = MlflowTracker(self.tracking_uri, log=_log, campaign_run_id=self.campaign_run_id)
-                pairs = self.select()  # attaches to the controller's run: creates nothing
-                self.tracker.campaign_started(self.campaign_config(pairs), self.seed, pairs)
+                pairs = pairs if pairs is not None else self.select()
+                self.tracker.campaign_started(self.campaign_config(pairs), self.seed, pairs)  # attaches: creates nothing
             except Exception as e:
                 self.tracking_error = f"{type(e).__name__}: {e}"
                 _log(f"harness: worker tracking is off ({self.tracking_error}); findings are in the corpus")
@@ -238,12 +270,15 @@ class FuzzSession:
     # -- one item ------------------------------------------------------------------------------
     def run_pair(self, item: "FuzzItem") -> None:
         from harness.fuzz import run_campaign
-        from harness.pairs import REGISTRY
+        from harness.worker import load_pair
 
-        pair = REGISTRY.get(item.pair_name)
+        pair = load_pair(item.pair_name, item.source, tuple(self.plugins))  # imports only this pair's module
         cfg = self.campaign_config([pair])
-        cfg.shard = None  # sharding happened at collection; this item is one pair
-        outer = self.finding_tracker()
+        cfg.shard = None  # sharding happened at collection; this item is one stream of one pair
+        cfg.stream = item.stream
+        if cfg.budget is not None:
+            cfg.budget /= self.streams  # the pair's budget, shared by its streams
+        outer = self.finding_tracker([pair])
         fresh: list[Path] = []
 
         def on_finding(f: Any) -> None:
@@ -253,12 +288,18 @@ class FuzzSession:
                 shutil.copyfile(f.path, dest)
                 fresh.append(dest)
 
-        result = run_campaign(cfg, tracker=_FindingsOnly(outer), log=_log, on_finding=on_finding)
+        if self.executor is None:
+            from harness.fuzz import Executor
+
+            self.executor = Executor(cfg)  # one worker process for all of this process's items
+        result = run_campaign(cfg, tracker=_FindingsOnly(outer), log=_log, on_finding=on_finding,
+                              executor=self.executor)
         if result.interrupted:
             raise KeyboardInterrupt
         r = result.results[0]
         data = _pair_result_json(r)
         data["worker"] = self.config.workerinput["workerid"] if self.is_worker else "main"
+        data["stream"] = item.stream
         self.results.append(data)
         item.user_properties.append(("harness", data))
         self.judge(pair, r)
@@ -281,6 +322,8 @@ class FuzzSession:
                 pytest.xfail(f"known regression(s) of {pair.name}, already in the corpus: "
                              + "; ".join(f"{f.id} k3 {f.k3:.4g} ({self.replay_command(f.path)})" for f in r.findings))
         verdict = r.verdict
+        if verdict == "MISSED" and self.streams > 1:
+            return  # one stream of a demonstration: the session summary judges the pair's streams together
         if verdict in ("MISSED", "BROKEN", "not run"):
             why = {"MISSED": "demonstration not caught (give it more budget or cases)",
                    "BROKEN": "demonstration pair crashed or gave non-finite output: "
@@ -384,6 +427,29 @@ def _pair_result_json(r: Any) -> dict:
     }
 
 
+def _merge_streams(results: list[dict]) -> list[dict]:
+    """One result per pair: its streams' cases and seconds added, findings deduplicated by signature."""
+    from harness.fuzz import _merge
+
+    by_pair: dict[str, list[dict]] = {}
+    for d in results:
+        by_pair.setdefault(d["pair"], []).append(d)
+    out = []
+    for name, ds in by_pair.items():
+        if len(ds) == 1:
+            out.append(ds[0])
+            continue
+        ds.sort(key=lambda d: d.get("stream", 0))
+        merged = _pair_result(ds[0])
+        for d in ds[1:]:
+            _merge(merged, _pair_result(d))
+        data = _pair_result_json(merged)
+        data["worker"] = ",".join(sorted({d.get("worker", "main") for d in ds}))
+        data["streams"] = len(ds)
+        out.append(data)
+    return out
+
+
 def _pair_result(d: dict) -> Any:
     from harness.case import Case
     from harness.corpus import decode_float
@@ -416,10 +482,12 @@ def _pair_result(d: dict) -> Any:
 class FuzzItem(pytest.Item):
     """One target pair, fuzzed as a one-pair campaign."""
 
-    def __init__(self, *, pair_name: str, expected: str, **kwargs: Any) -> None:
+    def __init__(self, *, pair_name: str, expected: str, source: str = "", stream: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.pair_name = pair_name
         self.expected = expected
+        self.source = source  # where the pair was registered from (the module a worker imports)
+        self.stream = stream
 
     def runtest(self) -> None:
         self.config.stash[SESSION_KEY].run_pair(self)
@@ -473,7 +541,8 @@ class _XdistController:
         s = self.session
         node.workerinput["harness"] = {"seed": s.seed, "seed_origin": s.seed_origin,
                                        "campaign_run_id": s.campaign_run_id,
-                                       "tracking_uri": getattr(s.tracker, "uri", s.tracking_uri)}
+                                       "tracking_uri": getattr(s.tracker, "uri", s.tracking_uri),
+                                       "units": s.units()}
 
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         out = getattr(node, "workeroutput", None) or {}
@@ -494,14 +563,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     from harness.errors import HarnessError
 
     try:
-        pairs = fs.select()
+        units = fs.units()
     except HarnessError as e:
         raise pytest.UsageError(str(e)) from None
     if items:
         config.hook.pytest_deselected(items=list(items))
-    items[:] = [FuzzItem.from_parent(session, name=f"{NODE_PREFIX}[{p.name}]",
-                                     nodeid=f"{NODE_PREFIX}::{p.name}", pair_name=p.name, expected=p.expected)
-                for p in pairs]
+    items[:] = []
+    for u in units:
+        label = u["pair"] if fs.streams == 1 else f"{u['pair']}#{u['stream']}"
+        items.append(FuzzItem.from_parent(session, name=f"{NODE_PREFIX}[{label}]", nodeid=f"{NODE_PREFIX}::{label}",
+                                          pair_name=u["pair"], expected=u["expected"], source=u["source"],
+                                          stream=u["stream"]))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -509,10 +581,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not _enabled(config):
         return
     fs = config.stash[SESSION_KEY]
+    if fs.executor is not None:
+        fs.executor.close()
     if fs.is_worker:
         config.workeroutput["harness_results"] = json.dumps(fs.results)
         return
-    results = config.stash[RESULTS_KEY] + fs.results
+    results = _merge_streams(config.stash[RESULTS_KEY] + fs.results)
     config.stash[RESULTS_KEY] = results
     fs.close_campaign(results, interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
     _write_summary(fs, results)
