@@ -2,7 +2,7 @@
 
 `run_case` never raises for what a target does: an exception inside build/rollout/trainer becomes
 an `Evaluation` with symptom `error` and the traceback kept; NaN/inf output becomes symptom
-`nonfinite`; a mean k3 above the threshold becomes symptom `divergence`.
+`nonfinite`; a mean k3 or a mean exact KL above the threshold becomes symptom `divergence`.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from .case import Case
-from .metrics import Divergence, compare, with_routing
+from .metrics import Divergence, compare, fired, with_routing
 from .pairs import Outcome, TargetPair
 
-DEFAULT_THRESHOLD = 1e-3  # mean k3 above which two paths are not equivalent
+DEFAULT_THRESHOLD = 1e-3  # mean k3 (or mean exact KL) above which two paths are not equivalent
 
 
 class Symptom(str, enum.Enum):
     NONE = "none"  # under the threshold
-    DIVERGENCE = "divergence"  # mean k3 above the threshold
-    NONFINITE = "nonfinite"  # NaN or inf in either path's log-probabilities
+    DIVERGENCE = "divergence"  # mean k3 or mean exact KL above the threshold
+    NONFINITE = "nonfinite"  # NaN or +inf in either path's log-probabilities (-inf is log 0, not this)
     ERROR = "error"  # the target raised
     TIMEOUT = "timeout"  # the case ran past the per-case timeout (isolated runs: harness.worker)
     CRASH = "crash"  # the worker process died running the case: a signal (segfault, abort, OOM kill) or exit
@@ -77,12 +77,13 @@ def run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Outcome, Outco
 
 def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
           threshold: float = DEFAULT_THRESHOLD) -> Evaluation:
-    """Metrics and verdict for two finished outcomes."""
-    gen = case.generator("tokens") if rollout.tokens is None else None
-    div = with_routing(compare(trainer, rollout, case.seq_lens, rollout.tokens, gen), trainer, rollout)
+    """Metrics and verdict for two finished outcomes: a divergence when the mean k3 or the mean
+    exact KL(rollout || trainer) is above the threshold (`Divergence.fired` says which)."""
+    div = with_routing(compare(trainer, rollout, case.seq_lens, rollout.tokens, case=case), trainer, rollout)
+    div.fired = fired(div, threshold)
     if div.nonfinite:
         symptom = Symptom.NONFINITE
-    elif div.k3_kl > threshold:
+    elif div.fired:
         symptom = Symptom.DIVERGENCE
     else:
         symptom = Symptom.NONE
