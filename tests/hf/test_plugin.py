@@ -1,0 +1,42 @@
+"""A user's own checkpoint in a <= 20-line plugin (the README's, verbatim), fuzzed via --plugin."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the HF backend needs transformers: pip install -e '.[hf]'")
+
+from targets.hf import HFModel  # noqa: E402
+from targets.hf.backend import base_model  # noqa: E402
+from targets.hf.configs import TINY  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGIN = Path(__file__).with_name("plugin_checkpoint.py")
+
+
+def test_readme_shows_the_plugin_complete_and_it_is_short():
+    text = PLUGIN.read_text()
+    assert len(text.splitlines()) <= 20
+    assert text.strip() in (ROOT / "README.md").read_text()
+
+
+def test_plugin_fuzzes_a_saved_checkpoint(tmp_path, harness_cli):
+    ckpt = tmp_path / "my-model"
+    base_model(HFModel.from_config(TINY["qwen3_moe"], init_seed=11)).save_pretrained(ckpt)
+    env = {"MY_CHECKPOINT": str(ckpt)}
+    code, out, err = harness_cli("list", "--plugin", str(PLUGIN), env=env)
+    assert code == 0 and "mine.bf16_rollout.replay" in out and "mine.bf16_body" in out, err
+    code, out, err = harness_cli("fuzz", "mine.aligned", "mine.bf16_rollout", "--plugin", str(PLUGIN),
+                                 "--max-examples", "25", "--seed", "1", "--no-tracking", "--corpus",
+                                 str(tmp_path / "corpus"), env=env,
+                                 timeout=600)
+    assert code == 1, out + err  # the bf16 demonstration is caught ...
+    lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("mine.")}
+    assert "caught" in lines["mine.bf16_rollout"] and "clean" in lines["mine.aligned"], out
+    [repro] = (tmp_path / "corpus" / "mine.bf16_rollout").glob("*.json")
+    assert json.loads(repro.read_text())["pair"] == "mine.bf16_rollout"
+    code, _, err = harness_cli("list", "--plugin", str(PLUGIN), env={"MY_CHECKPOINT": str(tmp_path / "none")})
+    assert code == 2 and "not a checkpoint directory" in err and "Traceback" not in err
