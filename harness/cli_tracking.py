@@ -99,13 +99,17 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
 @click.option("--corpus-file", default=None, type=click.Path(dir_okay=False),
               help="The repro file to update when the path recorded in MLflow is not on this machine.")
 @click.option("--tracking-uri", default=None, help=URI_HELP)
+@click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
+              help="Load the regression's pair from a plugin (to replay it before closing it as fixed).")
 @click.pass_context
 def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: str | None,
-          tracking_uri: str | None) -> None:
-    """Close a regression: set its status in MLflow and in its corpus file, with a note."""
+          tracking_uri: str | None, plugins: tuple[str, ...]) -> None:
+    """Close a regression: set its status in MLflow and in its corpus file, with a note.
+
+    --status fixed replays the repro first and refuses one that still diverges."""
     from .mlflow_tracking import close_regression
 
-    r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file)
+    r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file, plugins)
     click.echo(f"regression {r['id']} ({r['pair']}, run {r['run_id']}): status {r['status']} in MLflow.")
     if r["corpus_updated"]:
         click.echo(f"corpus file {r['corpus_updated']}: status {r['status']}, note added to its history "

@@ -69,6 +69,12 @@ def log_regression(store: Store, p: dict[str, Any], parent_run_id: str | None, c
     return run_id, "created"
 
 
+def seen_tag(campaign_uid: str) -> str:
+    """The tag a regression run carries for every campaign that saw it: each campaign counts once
+    in `seen_count`, whatever order and however often spooled campaigns are uploaded."""
+    return f"harness.seen_by.{campaign_uid}"
+
+
 def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | None, campaign_uid: str) -> str:
     from mlflow.entities import Metric, Param
 
@@ -89,6 +95,7 @@ def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | Non
         "harness.corpus_path": p.get("corpus_path") or "",
         "harness.case": p["case_line"][:5000],
         "harness.last_campaign": campaign_uid,
+        seen_tag(campaign_uid): p["seen_at"],
     }
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -112,13 +119,14 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
 
     c = store.client
     tags = run.data.tags
-    if tags.get("harness.last_campaign") == campaign_uid:
-        return "already"
+    if tags.get("harness.last_campaign") == campaign_uid or seen_tag(campaign_uid) in tags:
+        return "already"  # this campaign was counted already (an upload run twice, a spool restored)
     count = int(tags.get("harness.seen_count", "1") or 1) + 1
     updates = {
         "harness.seen_count": str(count),
         "harness.last_seen": max(tags.get("harness.last_seen", ""), p["seen_at"]),
         "harness.last_campaign": campaign_uid,
+        seen_tag(campaign_uid): p["seen_at"],
     }
     if parent_run_id:
         updates["harness.last_campaign_run_id"] = parent_run_id
@@ -235,10 +243,59 @@ def fetch_repro(run_id: str, uri: str | None = None) -> Any:
     return repro
 
 
+def who_closes() -> str:
+    """The person closing a regression: git's user.name (and email), else the login name."""
+    import getpass
+    import subprocess
+
+    def git(key: str) -> str:
+        try:
+            return subprocess.run(["git", "config", key], capture_output=True, text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    name, email = git("user.name"), git("user.email")
+    if name:
+        return f"{name} <{email}>" if email else name
+    try:
+        return os.environ.get("USER") or os.environ.get("USERNAME") or getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container without a passwd entry)
+        return f"uid {os.getuid()}"
+
+
+def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> None:
+    """Replay a repro about to be closed as fixed; UsageError when it still diverges or cannot be run."""
+    from ..corpus import load_plugin_for, replay
+    from ..errors import HarnessError
+    from ..pairs import REGISTRY
+
+    REGISTRY.load_builtins()
+    for spec in plugins:
+        REGISTRY.load_plugin(spec)
+    why = load_plugin_for(repro)
+    if why is not None:
+        raise UsageError(f"regression {repro.id} cannot be replayed here to check it is fixed: {why}. Pass --plugin "
+                         "to load its pair, or close it where it can be replayed.")
+    try:
+        result = replay(repro)
+    except HarnessError as e:
+        raise UsageError(f"regression {repro.id} cannot be replayed here to check it is fixed: {e}") from None
+    ev = result.evaluation
+    if ev.failed:
+        raise UsageError(f"regression {repro.id} ({repro.pair}) still diverges: {ev.symptom.value}, mean k3 "
+                         f"{ev.k3:.4g} against the threshold {repro.threshold:g} (`{repro.replay_command()}`). Fix "
+                         "it first and close it from the fixed checkout, or close it as --status wontfix.")
+
+
 def close_regression(ident: str, status: str, note: str, uri: str | None = None,
-                     corpus_file: str | Path | None = None) -> dict[str, Any]:
+                     corpus_file: str | Path | None = None, plugins: tuple[str, ...] = (),
+                     verify: bool = True) -> dict[str, Any]:
     """Set a regression's status (fixed | wontfix) in MLflow and in its corpus file, with the note.
 
+    `fixed` is accepted only when the repro (the corpus file, else the run's artifact) replays under
+    its threshold here (`verify=False` skips that check: for tests that need a fixed regression to
+    recur). The corpus file records who closed it (git's user, else the login name) and
+    the run id; a local sqlite store's path is not written there (it means nothing on another machine).
     Returns the regression dict plus `corpus_updated` (the file written, or None) and
     `corpus_missing` (the path that was not found here, or None).
     """
@@ -251,11 +308,17 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
     store = open_store(uri)
     run = store.find_regression(ident)
     tags = run.data.tags
+    path = Path(corpus_file) if corpus_file else (Path(tags["harness.corpus_path"]) if tags.get("harness.corpus_path")
+                                                  else None)
+    if status == "fixed" and verify:
+        repro = load_repro(path) if path is not None and path.exists() else fetch_repro(run.info.run_id, store.uri)
+        verify_fixed(repro, plugins)
     at = now_iso()
-    who = os.environ.get("USER") or os.environ.get("USERNAME") or "unknown"
+    who = who_closes()
     updates = {
         "harness.status": status,
         "harness.closed_at": at,
+        "harness.closed_by": who,
         "harness.triage_note": note[:4000],
         "mlflow.note.content": _append_note(tags.get("mlflow.note.content", ""),
                                             f"#### Triage {at}: {tags.get('harness.status', '?')} -> {status} "
@@ -264,8 +327,6 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
     with store.lock():
         store.client.log_batch(run.info.run_id, tags=_tags(updates))
     out = regression_dict(store.client.get_run(run.info.run_id))
-    path = Path(corpus_file) if corpus_file else (Path(tags["harness.corpus_path"]) if tags.get("harness.corpus_path")
-                                                  else None)
     out["corpus_updated"] = None
     out["corpus_missing"] = None
     if path is not None and path.exists():
@@ -274,11 +335,13 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
         repro.status = status
         repro.history.append({"at": at, "event": "closed", "from": old, "status": status, "note": note,
                               "by": who, "run_id": run.info.run_id})
-        repro.tracking = {**repro.tracking, "run_id": run.info.run_id, "uri": store.uri}
+        tracking = {k: v for k, v in repro.tracking.items() if k != "uri"}
+        tracking["run_id"] = run.info.run_id
+        if sqlite_path(store.uri) is None:  # a shared server means the same to everyone; a local file does not
+            tracking["uri"] = store.uri
+        repro.tracking = tracking
         repro.save(path)
         out["corpus_updated"] = str(path)
     elif path is not None:
         out["corpus_missing"] = str(path)
     return out
-
-

@@ -7,8 +7,9 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from ..errors import UsageError
@@ -149,6 +150,140 @@ def _mark_initialised(db: Path) -> None:
     os.replace(tmp, _marker(db))
 
 
+def _tables(db: Path) -> set[str]:
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        con.close()
+
+
+def _count_runs(db: Path) -> int:
+    import sqlite3
+
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    try:
+        return int(con.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
+    except sqlite3.DatabaseError:
+        return 0
+    finally:
+        con.close()
+
+
+def _half_migrated(db: Path) -> str | None:
+    """Why `db` looks like a schema migration that was interrupted (None when it does not)."""
+    import sqlite3
+
+    try:
+        tables = _tables(db)
+    except sqlite3.DatabaseError as e:
+        return f"it is not a readable sqlite database ({e})"
+    tmp = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
+    if tmp:
+        return f"a schema migration was interrupted (leftover table(s) {', '.join(tmp)})"
+    if tables and "alembic_version" not in tables:
+        return "it has tables but no schema version"
+    return None
+
+
+def _migrate(uri: str) -> None:
+    """Create or upgrade the schema of a sqlite store (MLflow does it on first access), then close
+    the connections MLflow keeps for it."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    client.search_experiments(max_results=1)
+    engine = getattr(getattr(getattr(client, "_tracking_client", None), "store", None), "engine", None)
+    if engine is not None:
+        engine.dispose()
+
+
+def _creating_name(db: Path) -> str:
+    return f".{db.name}.creating."
+
+
+def _remove_dead_creations(db: Path) -> None:
+    """Temporary databases of creations whose process is gone (killed mid-creation)."""
+    from ..corpus import _pid_alive
+
+    prefix = _creating_name(db)
+    for p in db.parent.glob(prefix + "*"):
+        pid = p.name[len(prefix):].split(".", 1)[0].split("-", 1)[0]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+            with contextlib.suppress(OSError):
+                p.unlink()
+
+
+def _create_fresh(db: Path) -> None:
+    """A new store: the schema is built in a temporary file beside `db`, then moved into place, so
+    a process killed during creation leaves no half-built store behind."""
+    _remove_dead_creations(db)
+    tmp = db.parent / f"{_creating_name(db)}{os.getpid()}"
+    try:
+        _migrate("sqlite:///" + str(tmp))
+        os.replace(tmp, db)
+    finally:
+        for leftover in (tmp, Path(str(tmp) + "-journal"), Path(str(tmp) + "-wal"), Path(str(tmp) + "-shm")):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+
+def ensure_sqlite_store(db: Path, log: Callable[[str], None]) -> None:
+    """Make `db` a store whose schema this MLflow version has built (call under the store lock).
+
+    A missing file is created safely (`_create_fresh`). An existing one is upgraded in place; one
+    left half-migrated by an interrupted migration has its leftover tables dropped and the
+    migration retried, and when that fails too (or the file is no database) it is moved aside to
+    `<db>.broken-<time>` (never deleted) and a fresh store created, with a warning naming both."""
+    import sqlite3
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    if not db.exists():
+        _create_fresh(db)
+        _mark_initialised(db)
+        return
+    uri = "sqlite:///" + str(db)
+    why = _half_migrated(db)
+    if why is None:
+        try:
+            _migrate(uri)
+            _mark_initialised(db)
+            return
+        except Exception as e:  # noqa: BLE001 - any failure: repaired below
+            why = f"its schema could not be upgraded ({type(e).__name__}: {_short(e)})"
+    if "_alembic_tmp_" in why and _count_runs(db) > 0:
+        try:
+            con = sqlite3.connect(str(db), timeout=30)
+            try:
+                for t in sorted(x for x in _tables(db) if x.startswith("_alembic_tmp_")):
+                    con.execute(f'DROP TABLE "{t}"')
+                con.commit()
+            finally:
+                con.close()
+            _migrate(uri)
+            _mark_initialised(db)
+            log(f"warning: MLflow store {db} was left half-migrated ({why}); repaired (leftover tables dropped, "
+                "migration completed).")
+            return
+        except Exception as e:  # noqa: BLE001
+            why += f"; dropping the leftovers and migrating again failed too ({type(e).__name__}: {_short(e)})"
+    import datetime as _dt
+
+    aside = db.with_name(f"{db.name}.broken-{_dt.datetime.now():%Y%m%dT%H%M%S}")
+    os.replace(db, aside)
+    _create_fresh(db)
+    _mark_initialised(db)
+    log(f"warning: MLflow store {db} was unusable: {why}. It was moved aside to {aside} (nothing deleted) and a "
+        "fresh store created in its place; the corpus holds every finding, and `harness sync` or the next "
+        "campaign logs them again.")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def _quiet_mlflow_logs() -> None:
     for name in ("mlflow.store.db.utils", "alembic", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -170,7 +305,8 @@ class StoreUnavailable(Exception):
 class Store:
     """An MlflowClient on one tracking URI and the harness experiment in it."""
 
-    def __init__(self, uri: str | None = None, create: bool = True) -> None:
+    def __init__(self, uri: str | None = None, create: bool = True,
+                 log: Callable[[str], None] | None = None) -> None:
         self.uri = resolve_uri(uri)
         bound_http()
         _quiet_mlflow_logs()
@@ -183,13 +319,13 @@ class Store:
         try:
             from mlflow import MlflowClient
 
-            # the first access of a fresh sqlite file migrates its schema: serialised, unless this
-            # file was already initialised by this MLflow version (a marker beside it says so)
+            # the first access of a sqlite file builds or upgrades its schema: serialised, built in a
+            # temporary file and moved into place, and skipped when this file was already
+            # initialised by this MLflow version (a marker beside it says so)
             if db is not None and not _initialised(db):
                 with self.lock():
                     if not _initialised(db):
-                        MlflowClient(tracking_uri=self.uri).search_experiments(max_results=1)  # migrates
-                        _mark_initialised(db)
+                        ensure_sqlite_store(db, log or _stderr)
             self.client = MlflowClient(tracking_uri=self.uri)
             with self.lock():
                 self.experiment_id = self._experiment(create)

@@ -133,7 +133,7 @@ class MlflowTracker:
 
     def _connect(self) -> None:
         if self.store is None and self.offline_reason is None:
-            self.store = Store(self.uri, create=True)
+            self.store = Store(self.uri, create=True, log=self.log)
 
     def _go_offline(self, e: BaseException) -> None:
         self.store = None

@@ -25,8 +25,21 @@ from harness.fuzz import Finding, signature
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = "tests/plugins/lm_head_bf16.py"
-# diverges (mean k3 ~0.28): one token at an exact top-1 tie among 5 experts
-DIVERGING = ("router_topk.bf16", Case(seed=0, seq_lens=(1,), n_experts=5, top_k=1, tie_fraction=1.0))
+
+
+def first_diverging(pair_name: str, **fields) -> Case:
+    """The case with these fields and the smallest seed that diverges (searched, not hard-coded)."""
+    REGISTRY.load_builtins()
+    for seed in range(200):
+        case = Case(seed=seed, **fields)
+        if run_case(REGISTRY.get(pair_name), case, "cpu", 1e-3).failed:
+            return case
+    raise AssertionError(f"no seed below 200 makes {pair_name} {fields} diverge")
+
+
+# one token at an exact top-1 tie among 5 experts: bf16 scores break it differently for many seeds
+DIVERGING = ("router_topk.bf16", first_diverging("router_topk.bf16", seq_lens=(1,), n_experts=5, top_k=1,
+                                                 tie_fraction=1.0))
 CLEAN = ("linear.aligned", Case(seed=3, seq_lens=(2,)))
 
 
@@ -217,7 +230,7 @@ def test_a_plugin_repro_records_its_loader_and_replays_in_a_fresh_process(tmp_pa
     monkeypatch.chdir(ROOT)
     corpus = tmp_path / "corpora"
     code, out, err = run_cli(capsys, "fuzz", "example.lm_head_bf16", "--plugin", PLUGIN, "--seed", "1",
-                             "--max-examples", "30", "--corpus", str(corpus), "--no-tracking")
+                             "--max-examples", "200", "--corpus", str(corpus), "--no-tracking")
     assert code == 1, err
     [path] = list((corpus / "example.lm_head_bf16").glob("*.json"))
     data = json.loads(path.read_text())

@@ -16,9 +16,24 @@ from harness.corpus import record_finding
 from harness.execute import run_case
 from harness.fuzz import Finding, signature
 
-# A case of the router_topk.bf16 demonstration pair that diverges (mean k3 ~0.28): one token,
-# every token at an exact top-1 tie among 5 experts.
-DIVERGING = ("router_topk.bf16", Case(seed=0, seq_lens=(1,), n_experts=5, top_k=1, tie_fraction=1.0))
+
+
+def first_diverging(pair_name: str, **fields) -> Case:
+    """The case with these fields and the smallest seed that diverges (found, not hard-coded: which
+    seeds put a token on the wrong side of a tie depends on how tensors are drawn from the seed)."""
+    REGISTRY.load_builtins()
+    pair = REGISTRY.get(pair_name)
+    for seed in range(200):
+        case = Case(seed=seed, **fields)
+        if run_case(pair, case, "cpu", 1e-3).failed:
+            return case
+    raise AssertionError(f"no seed below 200 makes {pair_name} {fields} diverge")
+
+
+# A case of the router_topk.bf16 demonstration pair that diverges: one token at an exact top-1 tie
+# among 5 experts, which bf16 scores break differently from fp32 for about half of the seeds.
+DIVERGING = ("router_topk.bf16", first_diverging("router_topk.bf16", seq_lens=(1,), n_experts=5, top_k=1,
+                                                 tie_fraction=1.0))
 
 
 @pytest.fixture(autouse=True)

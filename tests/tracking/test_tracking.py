@@ -166,8 +166,22 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     code, out, err = run_cli(capsys, "regressions", "show", f.id)
     assert code == 0 and f.case.one_line() in out and f"plots/{f.id}_k3.png" in out
 
+    # still diverging: `close --status fixed` replays it and refuses; nothing changes anywhere
+    before = f.path.read_text()
+    code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "fixed", "--note", "fixed by abc123")
+    assert code == 2 and "still diverges" in err and "--status wontfix" in err and "Traceback" not in err
+    assert f.path.read_text() == before and list_regressions(status="fixed") == []
+    # the fix lands (here: the corpus file's threshold says what is acceptable now), then it closes
+    data = json.loads(before)
+    data["threshold"] = 100.0
+    f.path.write_text(json.dumps(data))
     code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "fixed", "--note", "fixed by abc123")
     assert code == 0, err
+    from harness.mlflow_tracking.lifecycle import who_closes
+
+    assert who_closes() not in ("", "unknown")
+    assert json.loads(f.path.read_text())["history"][-1]["by"] == who_closes()
+    assert "sqlite" not in f.path.read_text() and str(fresh_cwd) not in f.path.read_text()  # no local store path
     [row] = list_regressions(status="fixed")
     assert row["run_id"] == run_id and row["id"] == f.id
     repro = load_repro(f.path)
@@ -187,11 +201,13 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     assert row["status"] == "open" and row["recurrence"] and row["seen_count"] == 2
     assert "Recurrence" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
 
-    # the same campaign uploading the same finding again (a retried sync) changes nothing
+    # the same campaign uploading the same finding again (a retried sync) changes nothing, nor does
+    # an earlier campaign's upload repeated after a later one (a restored spool)
     from harness.mlflow_tracking import Store, finding_payload, log_regression
 
     payload = finding_payload(f, 1e-3, 8, "cpu")
     assert log_regression(Store(), payload, None, t2.uid) == (run_id, "already")
+    assert log_regression(Store(), payload, None, t1.uid) == (run_id, "already")
     assert list_regressions()[0]["seen_count"] == 2
 
 
