@@ -122,7 +122,6 @@ def model_pair(name: str, expected: str, trainer_nx: Numerics, rollout_nx: Numer
     )
 
 
-BF16_ROPE = BF16_ENGINE.replace(rotary="bfloat16")  # a bf16 stack whose rotary tables are bf16 too
 ROPE_BF16 = FP32.replace(rotary="bfloat16")  # float32 except the rotary tables and rotation
 
 # Left-padding position bugs need long prompts: bf16 rotary rounding differs visibly only when the pad
@@ -142,9 +141,9 @@ PAIRS = [
     model_pair("model.moe_aggregate_bf16", "diverges", FP32, FP32.replace(moe_aggregate="bfloat16"),
                description="only the MoE aggregation differs: expert outputs weighted and summed in bf16 "
                            "(rollout) vs float32 (trainer)"),
-    model_pair("model.packing_positions_bug", "diverges", BF16_ROPE.replace(positions="run_on"), BF16_ROPE,
+    model_pair("model.packing_positions_bug", "diverges", ROPE_BF16.replace(positions="run_on"), ROPE_BF16,
                description="planted bug: packed positions run on across sequences (bf16 rotary makes it "
-                           "visible)"),
+                           "visible; the fixed twin is model.rotary_bf16)"),
     model_pair("model.kv_cache_late_fp8", "diverges", FP32, FP32.replace(kv_late="float8_e5m2"),
                description="planted bug: the rollout's KV cache stores keys and values of positions >= 32 in "
                            "fp8 e5m2 (the fixed twin is model.aligned)"),
