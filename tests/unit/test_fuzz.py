@@ -188,3 +188,75 @@ def test_the_campaign_seed_is_chosen_printed_and_reproducible_even_under_ci(tmp_
         [p] = iter_corpus(tmp_path / f"s{i}")
         files.append(json.loads(p.read_text()))
     assert files[0]["case"] == files[1]["case"] and files[0]["metrics"] == files[1]["metrics"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Isolation, streams, a fair budget
+# ---------------------------------------------------------------------------------------------
+def test_an_isolated_campaign_finds_exactly_what_an_in_process_one_finds(tmp_path):
+    runs = {}
+    for isolation in (True, False):
+        cfg = CampaignConfig(pairs=REGISTRY.select(["router_topk.bf16"]), corpus=tmp_path / str(isolation),
+                             max_examples=40, seed=3, isolation=isolation)
+        runs[isolation] = run_campaign(cfg, NullTracker(), log=lambda m: None)
+    [a], [b] = runs[True].findings, runs[False].findings
+    assert a.case == b.case and a.evaluation.divergence.as_dict() == b.evaluation.divergence.as_dict()
+    assert runs[True].results[0].examples == runs[False].results[0].examples
+    assert runs[True].worker_restarts == 0
+
+
+def test_streams_split_a_pair_into_distinct_deterministic_units_and_shards_spread_them():
+    from harness.fuzz import campaign_units, shard_pairs, stream_examples, stream_seed
+
+    pairs = REGISTRY.select(["router_topk.*", "moe_aggregate.aligned"])
+    assert [(u.pair.name, u.stream) for u in campaign_units(pairs)] == [(p.name, 0) for p in shard_pairs(pairs, None)]
+    for shard in ((1, 2), (2, 3)):  # one stream per pair: the same units as sharding pairs
+        assert [u.pair for u in campaign_units(pairs, 1, shard)] == shard_pairs(pairs, shard)
+    units = campaign_units(pairs, streams=4)
+    seeds = {stream_seed(7, u.pair.name, u.stream, u.streams) for u in units}
+    assert len(units) == 4 * len(pairs) and len(seeds) == len(units)  # independently seeded
+    assert stream_seed(7, "router_topk.bf16", 0, 1) == stream_seed(7, "router_topk.bf16")  # 1 stream: as before
+    shards = [campaign_units(pairs, 4, (i, 5)) for i in range(1, 6)]
+    assert sorted(u.label for s in shards for u in s) == sorted(u.label for u in units)  # disjoint, complete
+    assert all(len(s) >= 2 for s in shards)  # more shards than pairs, none idle
+    assert sum(stream_examples(101, k, 4) for k in range(4)) == 101
+
+
+def test_streams_of_one_pair_are_merged_and_their_findings_deduplicated(tmp_path):
+    result = campaign(tmp_path, ["router_topk.bf16"], max_examples=60, seed=1, streams=3)
+    [r] = result.results
+    assert r.streams == 3 and r.examples >= 60 and r.verdict == "caught"
+    assert len({f.signature for f in r.findings}) == len(r.findings) == 1
+    assert len(iter_corpus(tmp_path / "corpus")) == 1
+
+
+def test_a_slow_first_case_is_not_charged_to_the_pairs_share(tmp_path):
+    import time
+
+    from harness.execute import run_case as real
+    from harness.fuzz import fuzz_pair
+
+    pair = REGISTRY.get("moe_aggregate.aligned")
+    calls = []
+
+    def evaluate(case):  # a cold start: the first case compiles for 1.5 s
+        calls.append(case)
+        if len(calls) == 1:
+            time.sleep(1.5)
+        return real(pair, case)
+
+    cfg = CampaignConfig(pairs=[pair], max_examples=10**6)
+    now = time.monotonic()
+    r = fuzz_pair(pair, cfg, seed=1, deadline=now + 1.0, evaluate=evaluate, wall=now + 60)
+    assert r.warmup >= 1.5 and r.examples > 1  # charged to the share, the first case would be the only one
+
+
+def test_crash_and_timeout_signatures():
+    from harness.execute import Evaluation
+    from harness.fuzz import signature
+
+    case = Case(seed=0, seq_lens=(1,))
+    segv = Evaluation("p", case, Symptom.CRASH, error={"type": "SIGSEGV", "where": "worker"})
+    abrt = Evaluation("p", case, Symptom.CRASH, error={"type": "SIGABRT", "where": "worker"})
+    hang = Evaluation("p", case, Symptom.TIMEOUT, error={"type": "Timeout", "where": "worker"})
+    assert len({signature("p", e) for e in (segv, abrt, hang)}) == 3
