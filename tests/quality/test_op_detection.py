@@ -5,7 +5,8 @@ One generic test over the registry's op pairs of the library's families: a `dive
 caught by a campaign with a fixed seed within 200 examples; an `aligned` pair must run 300 examples
 without a finding. Then short specific tests that each demonstration's repro is minimal along the
 axes its bug needs (checked directly: removing any sequence, or shortening any sequence by one,
-no longer diverges).
+no longer diverges), and that every op pair draws its per-token tensors from per-sequence streams
+(dropping a sequence leaves the other sequences' rows bit-identical, so shrinking moves one knob).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from harness.fuzz import CampaignConfig, PairResult, run_campaign
 from harness.tracking import NullTracker
 
 FAMILIES = ("linear", "rmsnorm", "rotary", "attention", "lm_head", "router", "router_topk", "moe_aggregate",
-            "tp_reduce")
+            "tp_reduce", "batch_switch")
 SEED = 1  # campaign seed of every quality campaign
 CAUGHT_WITHIN = 200  # examples a demonstration gets
 CLEAN_FOR = 300  # examples an aligned pair must survive
@@ -65,26 +66,10 @@ def diverges(name: str, case: Case) -> bool:
     return run_case(REGISTRY.get(name), case, "cpu").symptom is Symptom.DIVERGENCE
 
 
-def smaller_neighbours(case: Case) -> list[Case]:
-    """Each case with one sequence removed, and each with one sequence shortened by one token."""
-    out = []
-    n = case.batch_size
-    for i in range(n):
-        if n > 1:
-            lens = case.seq_lens[:i] + case.seq_lens[i + 1:]
-            order = tuple(j - (j > i) for j in case.packing_order if j != i)
-            cap = case.row_capacity if case.row_capacity >= max(lens) else 0
-            out.append(case.replace(seq_lens=lens, probe=min(case.probe, n - 2),
-                                    order=() if order == tuple(range(n - 1)) else order, row_capacity=cap))
-        if case.seq_lens[i] > 1:
-            lens = tuple(m - (j == i) for j, m in enumerate(case.seq_lens))
-            out.append(case.replace(seq_lens=lens))
-    return out
-
-
 def assert_locally_minimal(name: str, case: Case) -> None:
+    """The case diverges, and none of its neighbours one sequence or one token smaller does."""
     assert diverges(name, case)
-    still = [c.one_line() for c in smaller_neighbours(case) if diverges(name, c)]
+    still = [c.one_line() for c in case.smaller_neighbours() if diverges(name, c)]
     assert not still, f"{name}: smaller cases still diverge: {still}"
 
 
@@ -156,7 +141,7 @@ def test_single_token_demonstrations():
     for name in ("lm_head.temperature_order", "rmsnorm.eps_placement", "router.no_renorm", "moe_aggregate.no_replay"):
         case = finding_case(name)
         assert case.seq_lens == (1,), f"{name}: {case.one_line()}"
-    assert finding_case("lm_head.temperature_order").params["temperature"] != 1.0
+    assert finding_case("lm_head.temperature_order").temperature != 1.0
     assert finding_case("rmsnorm.eps_placement").params["log10_rms"] < 0  # only small activations show it
 
 
@@ -175,3 +160,33 @@ def test_fp32_twin_of_the_position_bug_is_invisible():
     case = finding_case("rotary.packed_positions")
     k3 = run_case(REGISTRY.get("rotary.packed_positions_fp32"), case, "cpu").k3
     assert math.isfinite(k3) and k3 < DEFAULT_THRESHOLD * 1e-2
+
+
+def test_batch_size_switches_shrink_to_their_boundary():
+    """A kernel that switches above 8 sequences shrinks to 9 one-token sequences; one that switches at
+    power-of-two batches from 16 shrinks to exactly 16 (15 and 17 stay clean)."""
+    for name, n in (("batch_switch.split_k_gt8", 9), ("batch_switch.split_k_pow2", 16)):
+        case = finding_case(name)
+        assert case.seq_lens == (1,) * n, f"{name}: {case.one_line()}"
+        assert_locally_minimal(name, case)
+    case = finding_case("batch_switch.split_k_pow2")
+    assert not diverges("batch_switch.split_k_pow2", case.replace(seq_lens=(1,) * 17))
+
+
+@pytest.mark.parametrize("name", [p.name for p in op_pairs() if "cpu" in p.devices])
+def test_op_tensors_come_from_per_sequence_streams(name):
+    """Dropping sequence 1 of a batch leaves every per-token input row of the other sequences alone."""
+    from harness.conformance import _walk
+
+    pair = REGISTRY.get(name)
+    case = Case(seed=5, seq_lens=(3, 2, 4), seq_ids=(7, 8, 9), n_experts=8, top_k=3, tie_fraction=0.5,
+                tie_gap=1e-4, logit_scale=2.0)
+    less = case.drop_sequence(1)
+    kept = torch.tensor([0, 1, 2, 5, 6, 7, 8])  # rows of sequences 0 and 2
+    with torch.inference_mode():
+        full, part = _walk(pair.build(case, "cpu")), _walk(pair.build(less, "cpu"))
+    per_token = [(a, b) for a, b in zip(full, part) if isinstance(a, torch.Tensor) and a.dim() >= 1
+                 and a.shape[0] == case.n_tokens and b.shape[0] == less.n_tokens]
+    assert per_token, f"{name}: no per-token input tensors found"
+    for a, b in per_token:
+        assert torch.equal(a[kept], b), name
