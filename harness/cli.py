@@ -82,6 +82,7 @@ LAZY_BENCHMARKS = {
     "ops": "harness.bench_ops:ops_command",
     "models": "harness.bench_models:models_command",
     "tracking": "harness.cli_tracking:bench_tracking_command",
+    "detection": "harness.bench_detection:detection_command",
 }
 
 
