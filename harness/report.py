@@ -9,6 +9,9 @@ recurrence, closed_at, corpus_path). Relative to the window (the last `--since`)
 - recurring: seen inside the window, first seen before it (`reopened` when it had been marked fixed);
 - fixed: marked fixed (`harness regressions close ID --status fixed`) inside the window.
 
+Demonstration pairs a campaign in the window did not catch (`pair.<name>.missed`) are listed too:
+a missed demonstration is lost detection power, as worth a morning look as a new regression.
+
 Each regression row carries the command that replays it. Cases and cases per second come from the
 campaign runs that started inside the window. A PNG plot beside the report shows, for each of the
 last `--nights` nights (UTC dates), the findings the campaigns made and the regressions first seen.
@@ -24,7 +27,7 @@ from typing import Any
 
 import click
 
-from .errors import UsageError
+from .errors import HarnessError, UsageError
 
 DEFAULT_OUT = Path("reports") / "nightly.md"
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -82,6 +85,16 @@ def pair_cases(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     return out
 
 
+def missed_pairs(metrics: dict[str, float]) -> list[str]:
+    """Demonstration pairs a campaign did not catch (`pair.<name>.missed` = 1, per shard or not)."""
+    out = set()
+    for k, v in metrics.items():
+        i = k.find("pair.")
+        if i >= 0 and k.endswith(".missed") and v:
+            out.add(k[i + len("pair."):-len(".missed")])
+    return sorted(out)
+
+
 def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
     """(campaigns, regressions) as plain dicts, from the store at `uri` (default: as `harness fuzz`)."""
     from .mlflow_tracking import CAMPAIGN, open_store, regression_dict, resolve_uri, sqlite_path
@@ -105,7 +118,7 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
             "seed": p.get("seed", "?"), "profile": p.get("profile", "none"), "shard": p.get("shard", "none"),
             "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
-            "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m),
+            "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": missed_pairs(m),
         })
     regressions = []
     from .mlflow_tracking import REGRESSION
@@ -135,8 +148,14 @@ def classify(regressions: list[dict], since: _dt.datetime) -> dict[str, list[dic
 
 
 def replay_command(r: dict) -> str:
+    """The replay command of a regression, with `--plugin` when its corpus file says its pair needs one."""
     if r.get("corpus_path"):
-        return f"harness replay {r['corpus_path']}"
+        from .corpus import load_repro
+
+        try:
+            return load_repro(r["corpus_path"]).replay_command()
+        except HarnessError:  # not on this machine, or unreadable: the path as recorded
+            return f"harness replay {r['corpus_path']}"
     return f"harness replay --run-id {r['run_id']}"
 
 
@@ -221,6 +240,16 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
     else:
         lines.append("No regression was new, seen again or fixed in this window, and no campaign logged cases "
                      "per pair.")
+    lines.append("")
+    missed = [(c, name) for c in window for name in c.get("missed", ())]
+    lines += [f"## Missed demonstrations ({len(missed)})", ""]
+    if missed:
+        lines += ["A demonstration pair diverges by design; a campaign that did not catch it lost detection power "
+                  "or ran it too briefly (more cases or budget).", "",
+                  "| pair | campaign started (UTC) | seed | run |", "|---|---|---|---|"]
+        lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {c['run_id'][:12]} |" for c, name in missed]
+    else:
+        lines.append("None: every demonstration the campaigns in this window ran was caught.")
     lines.append("")
     titles = {"new": "New", "recurring": "Recurring", "fixed": "Fixed"}
     for key in ("new", "recurring", "fixed"):

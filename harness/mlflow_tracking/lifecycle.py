@@ -46,8 +46,11 @@ def finish_campaign(store: Store, run_id: str, metrics: dict[str, float], label:
 
     ts = int(time.time() * 1000)
     prefix = f"{label}." if label else ""
+    missed = sorted(k[len("pair."):-len(".missed")] for k, v in metrics.items()
+                    if k.startswith("pair.") and k.endswith(".missed") and v)
+    tags = _tags({f"harness.{prefix}missed_demonstrations": ",".join(missed)[:5000]}) if missed else []
     with store.lock():
-        store.client.log_batch(run_id, metrics=[Metric(prefix + k, v, ts, 0) for k, v in metrics.items()])
+        store.client.log_batch(run_id, metrics=[Metric(prefix + k, v, ts, 0) for k, v in metrics.items()], tags=tags)
         if not label:
             store.client.set_terminated(run_id, "KILLED" if metrics.get("interrupted") else "FINISHED")
 

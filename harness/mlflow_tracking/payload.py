@@ -58,9 +58,15 @@ def campaign_metrics(result: Any) -> dict[str, float]:
     }
     for symptom in ("divergence", "nonfinite", "error"):
         out[f"findings_{symptom}"] = float(sum(1 for f in findings if _symptom(f) == symptom))
-    for r in getattr(result, "results", ()):  # per pair, as the morning report reads them
+    results = list(getattr(result, "results", ()))
+    demos = [r for r in results if getattr(r, "expected", "") == "diverges"]
+    out["demonstrations"] = float(len(demos))
+    out["missed_demonstrations"] = float(sum(1 for r in demos if r.verdict == "MISSED"))
+    for r in results:  # per pair, as the morning report reads them
         out[f"pair.{r.pair}.cases"] = float(r.examples)
         out[f"pair.{r.pair}.cases_per_second"] = float(r.rate)
+        if r in demos:
+            out[f"pair.{r.pair}.missed"] = float(r.verdict == "MISSED")
     return out
 
 
@@ -96,54 +102,84 @@ def _finite_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _corpus_case(f: Any, path: Path | None, threshold: float, device: str) -> tuple[Any, Any, Any]:
+    """(repro JSON, case, evaluation) of the corpus file when it already holds this signature with
+    another minimal case that still fails: a regression is known by the corpus's minimal case, not
+    by a later campaign's (possibly half-shrunk) one. (None, None, None) otherwise."""
+    from ..corpus import load_repro
+    from ..errors import HarnessError
+
+    if path is None or not path.exists() or getattr(f, "new", True):
+        return None, None, None
+    try:
+        on_disk = load_repro(path)
+    except HarnessError:
+        return None, None, None
+    if on_disk.pair != f.pair or on_disk.case == f.case:
+        return None, None, None
+    try:
+        from ..execute import run_case
+        from ..pairs import REGISTRY
+
+        ev = run_case(REGISTRY.get(f.pair), on_disk.case, device, threshold)
+    except Exception:  # noqa: BLE001 - the campaign's own case is logged instead
+        return None, None, None
+    if not ev.failed:  # a fixed repro that recurred with another case: the campaign's case is the news
+        return None, None, None
+    return on_disk.to_json(), on_disk.case, ev
+
+
 def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -> dict[str, Any]:
     """Everything a regression run needs, as JSON: written to MLflow now or spooled for later."""
-    from ..corpus import finding_to_repro, metrics_json
+    from ..corpus import finding_to_repro, metrics_json, pair_loader, plugin_spec_of, repo_root
 
-    ev = f.evaluation
-    div = ev.divergence
-    repro = None
     path = Path(f.path).resolve() if getattr(f, "path", None) else None
-    if path is not None and path.exists():
-        try:
-            on_disk = json.loads(path.read_text())
-            if on_disk.get("case") == f.case.to_json():
-                repro = on_disk
-        except (OSError, ValueError):
-            repro = None
+    repro, case, ev = _corpus_case(f, path, threshold, device)
+    if repro is None:
+        case, ev = f.case, f.evaluation
+        if path is not None and path.exists():
+            try:
+                on_disk = json.loads(path.read_text())
+                if on_disk.get("case") == f.case.to_json():
+                    repro = on_disk
+            except (OSError, ValueError):
+                repro = None
     if repro is None:  # no corpus file, or it holds an older minimal case of this signature
         r = finding_to_repro(f, threshold, campaign_seed, device)
         r.path = path
         repro = r.to_json()
+    div = ev.divergence
     metrics = {k: v for k, v in metrics_json(ev).items()}
     per_token = {}
     if div is not None and div.per_token:
         per_token = {k: [v.item() if hasattr(v, "item") else v for v in arr] for k, arr in div.per_token.items()}
     k3 = ev.k3 if div is not None else None
+    symptom = getattr(ev.symptom, "value", _symptom(f))
     return {
         "schema": PENDING_SCHEMA,
         "kind": "finding",
         "id": f.id,
         "pair": f.pair,
         "expected": f.expected,
-        "symptom": _symptom(f),
+        "symptom": symptom,
         "signature": f.signature,
         "status": f.status,
-        "severity": severity(_symptom(f), k3, threshold),
+        "severity": severity(symptom, k3, threshold),
         "threshold": threshold,
         "seen_at": now_iso(),
-        "case": f.case.to_json(),
-        "case_line": f.case.one_line(),
+        "case": case.to_json(),
+        "case_line": case.one_line(),
         "metrics": metrics,
         "flips_per_layer": (div.flips_per_layer if div is not None else {}),
         "error": {k: v for k, v in (ev.error or {}).items() if k != "traceback"} or None,
         "examples": f.examples,
-        "shrink_complete": bool(f.shrink_complete),
+        "shrink_complete": bool(f.shrink_complete) if case is f.case else True,
         "corpus_path": str(path) if path is not None else None,
         "corpus_new": bool(getattr(f, "new", True)),
         "corpus_recurrence": bool(getattr(f, "recurrence", False)),
         "campaign_seed": campaign_seed,
         "device": device,
+        "plugin": plugin_spec_of(pair_loader(f.pair, repo_root(path)), path),
         "repro": repro,
         "per_token": per_token,
     }
@@ -192,6 +228,7 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
     expect = ("an **aligned** pair: this is a regression to fix" if p["expected"] == "aligned"
               else "a **diverges** (demonstration) pair: it must keep being caught")
     corpus = _display_path(p.get("corpus_path"))
+    plugin = f" --plugin {p['plugin']}" if p.get("plugin") else ""
     lines = [
         title, "",
         f"**What diverged.** {what}", "",
@@ -201,9 +238,9 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
         "**Replay.**", "", "```",
     ]
     if run_id:
-        lines.append(f"harness replay --run-id {run_id}")
+        lines.append(f"harness replay{plugin} --run-id {run_id}")
     if corpus:
-        lines.append(f"harness replay {corpus}")
+        lines.append(f"harness replay{plugin} {corpus}")
     lines += ["```", "",
               f"**Triage.** `harness regressions close {p['id']} --status fixed|wontfix --note \"...\"`. "
               f"Artifacts: `repro/{p['id']}.json`, `per_token/{p['id']}.csv`, `plots/{p['id']}_k3.png`.", "",

@@ -1,0 +1,90 @@
+"""What a campaign leaves in MLflow beyond its findings: missed demonstrations (on the campaign
+run and in the morning report), the corpus's minimal case for a finding the corpus already had,
+and replay commands that load the pair's plugin."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+from harness import REGISTRY
+from harness.corpus import record_finding
+from harness.execute import run_case
+from harness.fuzz import CampaignConfig, CampaignResult, Finding, PairResult, signature
+
+from .conftest import DIVERGING, first_diverging, logged, make_finding
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_missed_demonstration_is_on_the_campaign_run_and_in_the_report(fresh_cwd):
+    from harness.mlflow_tracking import MlflowTracker, Store
+    from harness.report import read_store, render
+
+    pairs = [REGISTRY.get("rotary.bf16_angles"), REGISTRY.get("linear.aligned")]
+    cfg = CampaignConfig(pairs=pairs, seed=3)
+    tracker = MlflowTracker(log=lambda m: None)
+    tracker.campaign_started(cfg, 3, pairs)
+    result = CampaignResult(seed=3, config=cfg, seconds=2.0, results=[
+        PairResult("rotary.bf16_angles", "diverges", examples=5, seconds=1.0),  # ran, caught nothing: MISSED
+        PairResult("linear.aligned", "aligned", examples=5, seconds=1.0)])
+    assert result.results[0].verdict == "MISSED"
+    tracker.campaign_finished(result)
+    [run] = Store().search("tags.`harness.kind` = 'campaign'")
+    assert run.data.metrics["missed_demonstrations"] == 1 and run.data.metrics["demonstrations"] == 1
+    assert run.data.metrics["pair.rotary.bf16_angles.missed"] == 1
+    assert "pair.linear.aligned.missed" not in run.data.metrics
+    assert run.data.tags["harness.missed_demonstrations"] == "rotary.bf16_angles"
+    campaigns, regressions = read_store(None)
+    now = dt.datetime.now(dt.timezone.utc)
+    text = render(campaigns, regressions, now - dt.timedelta(hours=1), now, None, "uri")
+    assert "## Missed demonstrations (1)" in text
+    assert f"| rotary.bf16_angles | {campaigns[0]['start']:%Y-%m-%d %H:%M} | 3 |" in text
+
+
+def test_a_finding_the_corpus_had_is_logged_with_the_corpus_minimal_case(fresh_cwd):
+    """A fresh store, a corpus that already holds the signature with a smaller case: the regression
+    run shows the corpus's minimal case (params, case tag, repro artifact), not the campaign's."""
+    from harness.mlflow_tracking import MlflowTracker, Store
+
+    minimal = make_finding(fresh_cwd)  # written to the corpus first
+    name = DIVERGING[0]
+    bigger = first_diverging(name, seq_lens=(3, 2), n_experts=5, top_k=1, tie_fraction=1.0)
+    ev = run_case(REGISTRY.get(name), bigger, "cpu", 1e-3)
+    f = Finding(pair=name, expected="aligned", symptom=ev.symptom, signature=signature(name, ev), case=bigger,
+                evaluation=ev, examples=40, shrink_complete=False)
+    assert f.id == minimal.id
+    record_finding(f, fresh_cwd / "corpora", 1e-3, 9, "cpu")
+    assert not f.new
+    tracker = logged(MlflowTracker(log=lambda m: None), [f])
+    run_id, what = tracker.logged[f.id]
+    assert what == "created"
+    run = Store().client.get_run(run_id)
+    assert run.data.params["case.seq_lens"] == json.dumps(list(minimal.case.seq_lens))
+    assert run.data.params["case.seed"] == str(minimal.case.seed)
+    assert run.data.tags["harness.case"] == minimal.case.one_line()
+    assert "cut short" not in run.data.tags["mlflow.note.content"]  # the corpus's case was shrunk fully
+    local = Store().client.download_artifacts(run_id, f"repro/{f.id}.json", str(fresh_cwd))
+    assert json.loads(Path(local).read_text())["case"] == minimal.case.to_json()
+
+
+def test_the_note_of_a_plugin_pair_replays_as_printed(fresh_cwd, monkeypatch):
+    from harness.mlflow_tracking import MlflowTracker, Store
+
+    plugin = ROOT / "tests" / "plugins" / "lm_head_bf16.py"
+    REGISTRY.load_plugin(str(plugin))
+    pair = REGISTRY.get("example.lm_head_bf16")
+    from harness import Case
+
+    case = next(c for c in (Case(seed=s, seq_lens=(4,), logit_scale=16.0) for s in range(50))
+                if run_case(pair, c, "cpu", 1e-3).failed)
+    ev = run_case(pair, case, "cpu", 1e-3)
+    f = Finding(pair=pair.name, expected="diverges", symptom=ev.symptom, signature=signature(pair.name, ev),
+                case=case, evaluation=ev, examples=1)
+    record_finding(f, fresh_cwd / "corpora", 1e-3, 1, "cpu")
+    tracker = logged(MlflowTracker(log=lambda m: None), [f])
+    run_id, _ = tracker.logged[f.id]
+    note = Store().client.get_run(run_id).data.tags["mlflow.note.content"]
+    assert f"harness replay --plugin {plugin} --run-id {run_id}" in note
+    assert f"harness replay --plugin {plugin} corpora/{pair.name}/{f.id}.json" in note
