@@ -271,8 +271,8 @@ def leftpad_mask() -> PlantedClass:
         lambda inp: _padded(inp, key_mask=False, use_rope=False, positions_from_mask=True),
         lambda inp: _padded(inp, key_mask=True, use_rope=False, positions_from_mask=True),
         lambda inp: _per_sequence(inp, use_rope=False), axes,
-        lambda c: c.batch_size == 2 and sorted(c.seq_lens) == [1, 2] and neutral(c, axes, "pad_side"),
-        "2 sequences of 1 and 2 tokens, left padding, other knobs neutral")
+        lambda c: c.batch_size == 2 and c.pad_side == "left" and neutral(c, axes, "pad_side"),
+        "2 sequences, left padding, other knobs neutral")
 
 
 def leftpad_positions() -> PlantedClass:
@@ -284,8 +284,8 @@ def leftpad_positions() -> PlantedClass:
         lambda inp: _padded(inp, key_mask=True, use_rope=True, positions_from_mask=False),
         lambda inp: _padded(inp, key_mask=True, use_rope=True, positions_from_mask=True),
         lambda inp: _per_sequence(inp, use_rope=True), axes,
-        lambda c: c.batch_size == 2 and min(c.seq_lens) == 1 and neutral(c, axes, "pad_side", "logit_scale"),
-        "2 sequences (one of 1 token), left padding, other knobs neutral (any logit scale)",
+        lambda c: c.batch_size == 2 and c.pad_side == "left" and neutral(c, axes, "pad_side", "logit_scale"),
+        "2 sequences, left padding, other knobs neutral (any logit scale)",
         )
 
 
@@ -507,8 +507,8 @@ def packing_contamination() -> PlantedClass:
         "two sequences packed into one row, their boundary inside a 16-token block", _pad_build,
         lambda inp: _packed_trainer(inp, block_leak=True), lambda inp: _packed_trainer(inp, block_leak=False),
         lambda inp: _per_sequence(inp, use_rope=False), axes,
-        lambda c: c.batch_size == 2 and c.seq_lens == (1, 1) and neutral(c, axes),
-        "2 sequences of 1 token in one row, knobs neutral", bug_in_trainer=True)
+        lambda c: c.batch_size == 2 and neutral(c, axes),
+        "2 sequences in one row, knobs neutral", bug_in_trainer=True)
 
 
 # ---------------------------------------------------------------------------------------------
