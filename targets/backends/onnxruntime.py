@@ -62,23 +62,27 @@ def _example_inputs(cfg: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def exported(cfg: ModelConfig, nx: Numerics) -> tuple[str, tuple[str, ...]]:
-    """Export the model once per (config, profile): the .onnx path and its weight input names."""
+def exported(cfg: ModelConfig, nx: Numerics) -> tuple[bytes, tuple[str, ...]]:
+    """Export the model once per (config, profile): the serialized .onnx model and its weight input
+    names. The export goes through a temporary folder that is removed at once (nothing is left in
+    /tmp, whichever way the process ends later)."""
     m = MoEDecoder(cfg).eval()  # weights are inputs: any distinct values (equal ones would be merged)
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         for prm in m.parameters():
             prm.copy_(torch.randn(prm.shape, generator=g))
-    folder = tempfile.mkdtemp(prefix="harness-onnx-")
-    path = os.path.join(folder, "moe_decoder.onnx")
     names = tuple(n for n, _ in m.named_parameters())
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is chosen on purpose
-        torch.onnx.export(_Fixed(m, nx), _example_inputs(cfg), path, dynamo=False, export_params=True,
-                          keep_initializers_as_inputs=True, do_constant_folding=False,
-                          input_names=INPUTS, output_names=OUTPUTS,
-                          dynamic_axes=DYNAMIC, opset_version=OPSET)
-    return path, names
+    with tempfile.TemporaryDirectory(prefix="harness-onnx-") as folder:
+        path = os.path.join(folder, "moe_decoder.onnx")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is chosen on purpose
+            torch.onnx.export(_Fixed(m, nx), _example_inputs(cfg), path, dynamo=False, export_params=True,
+                              keep_initializers_as_inputs=True, do_constant_folding=False,
+                              input_names=INPUTS, output_names=OUTPUTS,
+                              dynamic_axes=DYNAMIC, opset_version=OPSET)
+        with open(path, "rb") as fh:
+            model = fh.read()
+    return model, names
 
 
 def providers(device: str) -> list:
@@ -91,12 +95,12 @@ def providers(device: str) -> list:
 def session(cfg: ModelConfig, nx: Numerics, device: str) -> Any:
     import onnxruntime as ort
 
-    path, _ = exported(cfg, nx)
+    model, _ = exported(cfg, nx)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = max(1, torch.get_num_threads())
     opts.inter_op_num_threads = 1
     opts.log_severity_level = 3
-    return ort.InferenceSession(path, sess_options=opts, providers=providers(device))
+    return ort.InferenceSession(model, sess_options=opts, providers=providers(device))
 
 
 def ort_forward(inp: Any, nx: Numerics) -> Callable:

@@ -303,3 +303,15 @@ def test_temporary_corpus_files_are_git_ignored():
     out = subprocess.run(["git", "check-ignore", "-q", "corpora/pair.x/.abc123abc123.json.4242.x8y9.tmp"],
                          cwd=ROOT, capture_output=True)
     assert out.returncode == 0
+
+
+def test_the_onnx_backend_leaves_no_temporary_folder(tmp_path):
+    pytest.importorskip("onnxruntime", reason="the ONNX Runtime backend needs onnxruntime")
+    code = ("from harness import REGISTRY, Case; from harness.execute import run_case; REGISTRY.load_builtins(); "
+            "ev = run_case(REGISTRY.get('model.onnxruntime'), Case(seed=1, seq_lens=(2,)), 'cpu', 1e-3); "
+            "print(ev.symptom.value)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "none", out.stderr
+    left = [p.name for p in tmp_path.rglob("*") if p.name != ".ses"]  # .ses: onnxruntime's own session id file
+    assert left == []  # the export folder was removed, the session runs from memory
