@@ -87,7 +87,9 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
         raise UsageError(f"hf_pair {name!r}: replay=True needs a MoE model; this config has no experts.")
 
     def build(case: Any, device: str) -> paths.HFInputs:
-        return paths.make_inputs(case, spec, device, bos)
+        inp = paths.make_inputs(case, spec, device, bos)
+        expose_modules(inp, trainer, rollout)
+        return inp
 
     def run_rollout(inp: paths.HFInputs) -> Outcome:
         return paths.rollout(inp, rollout)
@@ -111,6 +113,17 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     )
 
 
+def expose_modules(inp: paths.HFInputs, trainer: Numerics, rollout: Numerics) -> None:
+    """The torch modules each path runs, for triage's per-module table (no rollout module when the
+    rollout is a recording)."""
+    from .backend import path_model
+
+    inp.extra["modules"] = {
+        "trainer": path_model(inp.spec, trainer.model_key, inp.device).model,
+        "rollout": None if inp.recorded is not None else path_model(inp.spec, rollout.model_key, inp.device).model,
+    }
+
+
 def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay: bool = False) -> TargetPair:
     """The pair `harness score --model PATH` scores with: the checkpoint is named by each case
     (`params.rec_model`), the rollout side is the recording the case carries, the trainer runs
@@ -123,12 +136,16 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
         if paths.recorded_sample(case) is not None:
             where = case.params.get("rec_model")
             spec = HFModel.from_pretrained(str(where)) if where else fallback
-            return paths.make_inputs(case, spec, device, _bos(spec))
+            inp = paths.make_inputs(case, spec, device, _bos(spec))
+            expose_modules(inp, trainer, FP32)
+            return inp
         # a fuzz case: record the fallback model's float32 rollout of it, then score that recording
         inp = paths.make_inputs(case, fallback, device, _bos(fallback))
         recs = paths.records(inp, paths.rollout(inp, FP32))
         recorded = case.replace(params={**case.params, **paths.encode_recorded(recs)})
-        return paths.make_inputs(recorded, fallback, device, _bos(fallback))
+        inp = paths.make_inputs(recorded, fallback, device, _bos(fallback))
+        expose_modules(inp, trainer, FP32)
+        return inp
 
     def run_trainer(inp: paths.HFInputs, rollout_outcome: Outcome) -> Outcome:
         return paths.trainer(inp, rollout_outcome, trainer, replay=replay)
