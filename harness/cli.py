@@ -1,9 +1,10 @@
 """The command line: `harness list | fuzz | replay | show | bench ...` (also `python -m harness`).
 
 Exit codes: 0 nothing found (or a replay no longer diverges), 1 finding(s) (or a replay still
-diverges), 2 usage or input error (a one-paragraph message, no traceback), 125 a repro that
-cannot be evaluated during a `git bisect run` (so bisect skips the commit), 130 interrupted
-(every finding already made is on disk).
+diverges), 2 usage or input error (a one-paragraph message, no traceback; `replay DIR`: some
+repros skipped), 3 a finding could not be written to the corpus (printed as JSON instead), 125 a
+repro that cannot be evaluated during a `git bisect run` (so bisect skips the commit), 130
+interrupted by Ctrl-C or SIGTERM (every finding already made is on disk). README has the table.
 """
 
 from __future__ import annotations
