@@ -58,43 +58,50 @@ def bare_calls(pair: Any, cases: list, device: str = "cpu") -> None:
 
 
 def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int = 3) -> str:
-    import dataclasses
-
-    from .fuzz import CampaignConfig, fuzz_pair, pair_seed
+    from .execute import run_case
+    from .fuzz import CampaignConfig, Executor, fuzz_pair, pair_seed
     from .pairs import REGISTRY
 
     rows = []
     for pair in REGISTRY.select(pair_names):
         if "cpu" not in pair.devices:
             continue
+        cfg = CampaignConfig(pairs=[pair], seed=0, max_examples=n_cases, write_corpus=False, isolation=True)
+        executor = Executor(cfg)
         seen: list = []
 
-        def recording_build(case, device, _build=pair.build):
-            seen.append(case)
-            return _build(case, device)
+        def campaign(isolated: bool) -> int:
+            inner = executor.evaluator(pair, None) if isolated else (
+                lambda c: run_case(pair, c, cfg.device, cfg.threshold))
 
-        recorded = dataclasses.replace(pair, build=recording_build)
-        cfg = CampaignConfig(pairs=[recorded], seed=0, max_examples=n_cases, write_corpus=False)
+            def evaluate(case):
+                seen.append(case)
+                return inner(case)
 
-        def campaign() -> int:
             seen.clear()
-            r = fuzz_pair(recorded, cfg, pair_seed(0, pair.name), deadline=None)
-            return r.examples
+            return fuzz_pair(pair, cfg, pair_seed(0, pair.name), deadline=None, evaluate=evaluate).examples
 
         def bare() -> None:
             bare_calls(pair, cases)
 
-        campaign()  # warm up (compilation, exports, caches), and record the cases
-        cases = list(seen)
-        bare()
-        t_bare, t_harness = [], []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            n = campaign()
-            t_harness.append((time.perf_counter() - t) / n)
-            t_bare.append(_time(bare) / len(cases))
-        b, h = statistics.median(t_bare), statistics.median(t_harness)
-        rows.append((pair.name, len(cases), b * 1e3, h * 1e3, h / b))
+        try:
+            campaign(True)  # warm up the worker (imports, compilation, exports, caches)
+            campaign(False)  # ... and this process, recording the cases
+            cases = list(seen)
+            bare()
+            t_bare, t_in, t_iso = [], [], []
+            for _ in range(rounds):
+                t = time.perf_counter()
+                n = campaign(False)
+                t_in.append((time.perf_counter() - t) / n)
+                t = time.perf_counter()
+                n = campaign(True)
+                t_iso.append((time.perf_counter() - t) / n)
+                t_bare.append(_time(bare) / len(cases))
+        finally:
+            executor.close()
+        b, h, i = statistics.median(t_bare), statistics.median(t_in), statistics.median(t_iso)
+        rows.append((pair.name, pair.kind, len(cases), b * 1e3, h * 1e3, i * 1e3))
     body = [
         "## Harness overhead per case",
         "",
@@ -102,14 +109,17 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
                                  *(f"'{p}'" for p in pair_names)])
         + f"` ({machine()}). Median of {rounds} alternating rounds.",
         "Harness = a real campaign of the pair (`fuzz_pair`: Hypothesis generation, targeting and shrinking,",
-        "readout, token sampling, float64 metrics, verdicts), wall time per case it evaluated; bare = build +",
-        "rollout + trainer called directly on exactly those cases. Goal: ratio <= 1.10 where the bare paths",
-        "take >= 10 ms per case (full-model pairs: <= 1.05).",
+        "readout, token sampling, metrics, verdicts), wall time per case it evaluated, in this process",
+        "(`--no-isolation`) and isolated (the default: the case goes to a worker process, which builds, runs",
+        "both paths and the metrics, and sends back the verdict); bare = build + rollout + trainer called",
+        "directly on exactly those cases. Added = harness - bare. Goal: added <= 0.5 ms per case for op",
+        "pairs, ratio <= 1.25 for CPU model pairs.",
         "",
-        "| pair | cases | bare ms/case | harness ms/case | ratio |",
-        "|---|---:|---:|---:|---:|",
+        "| pair | kind | cases | bare ms/case | in-process ms/case | added ms | ratio | isolated ms/case | added ms | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    body += [f"| {n} | {c} | {b:.2f} | {h:.2f} | {r:.3f} |" for n, c, b, h, r in rows]
+    body += [f"| {n} | {k} | {c} | {b:.2f} | {h:.2f} | {h - b:.2f} | {h / b:.2f} | {i:.2f} | {i - b:.2f} | {i / b:.2f} |"
+             for n, k, c, b, h, i in rows]
     text = "\n".join(body)
     write_section(out, "overhead", text)
     return text + f"\n\nwritten to {out}"

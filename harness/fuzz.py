@@ -24,7 +24,9 @@ debugging: a hang then hangs the campaign). `fuzz_pair` itself only calls `evalu
 Budget: `budget` is a hard wall for the whole campaign, shared fairly: each pair (each stream) gets
 an equal share of what is left when it starts, and the first case of a pair, which pays its cold
 start (a worker's imports, a torch.compile of a model: about a minute cold), is not counted against
-that share but against what is left for everyone, so a slow starter does not starve the pairs after it.
+that share but against what is left for everyone. Op pairs run before model pairs (`run_order`): the
+slow starters are deferred, so a cold compile can only shorten the model pairs after it, never skip
+the op pairs.
 
 Streams: a pair's campaign can be split into `streams` independently seeded Hypothesis streams (each
 with its share of `max_examples`), the units that shards and pytest-xdist workers spread; findings
@@ -408,6 +410,13 @@ def campaign_units(pairs: list[TargetPair], streams: int = 1, shard: tuple[int, 
     return [u for j, u in enumerate(units) if j % n == i - 1]
 
 
+def run_order(units: list[Unit]) -> list[Unit]:
+    """The order a campaign runs its units in: op pairs, then model pairs (slow to start: imports,
+    exports, compiles), each by name. Shards are cut by name first (`campaign_units`), so every
+    shard's share of the pairs is the same whatever the order."""
+    return sorted(units, key=lambda u: (u.pair.kind == "model", u.pair.name, u.stream))
+
+
 class Executor:
     """Where a campaign's cases run: one supervised worker process (isolation), or this process.
 
@@ -517,7 +526,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     seed = cfg.seed if cfg.seed is not None else fresh_seed()
     cfg.seed = seed
     result = CampaignResult(seed=seed, config=cfg)
-    units = campaign_units(cfg.pairs, cfg.streams, cfg.shard, cfg.stream)
+    units = run_order(campaign_units(cfg.pairs, cfg.streams, cfg.shard, cfg.stream))
     pairs = list({u.pair.name: u.pair for u in units}.values())
     log(f"campaign seed {seed} (rerun exactly with --seed {seed}); {len(pairs)} pair(s), device {cfg.device}, "
         f"threshold {cfg.threshold:g}" + (f", {cfg.streams} streams per pair" if cfg.streams > 1 else "")
@@ -580,6 +589,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     except KeyboardInterrupt:
         result.interrupted = True
     finally:
+        result.results.sort(key=lambda r: r.pair)
         result.worker_restarts = executor.restarts - restarts_before
         if own_executor:
             executor.close()
