@@ -7,19 +7,52 @@ It draws a few cases from the pair's own axes (seeded, so the check itself is de
 checks the contract of `harness.pairs`: both paths return an Outcome with one row of
 log-probabilities per token in case order over the same vocabulary; running the same case twice
 gives bit-for-bit identical outputs (every tensor comes from the case's seed); outputs are finite;
-sampled tokens and routing decisions, where present, have the right shapes. It raises
-`ConformanceError` listing every violation, and returns the cases it checked.
+sampled tokens and routing decisions, where present, have the right shapes. Then three metamorphic
+checks, on one case each (three or four extra runs of both paths):
+
+- **Permutation.** The case's sequences rotated by one (the last first; each keeps its stream id,
+  prompt and packing position) must give each path the same rows, rotated by sequence: row r of
+  the permuted case's outcome matches the original outcome's row of the same token (total
+  variation distance under `PERMUTE_TV` of the distance between distinct rows, for at least
+  `PERMUTE_MATCH` of the rows whose earlier tokens the rollout sampled alike). A path whose rows
+  stay put, or come out in another order (rows reversed), breaks "one row per token in case order".
+  The check needs per-token inputs that follow the sequences (schema-2 streams: `case.token_randn`,
+  `seq_generator`, `prompt_tokens`); when the pair's inputs have per-token tensors and none of
+  them follows, it is skipped with a `ConformanceWarning` saying how to draw them.
+- **Truncation.** The last token of the longest response (3 tokens or more) removed must leave that
+  sequence's other rows as they were: a token's log-probabilities depend on the tokens before it
+  only, so a path whose rows are out of order within a sequence shows here. Skipped, like the
+  permutation check, when the inputs do not follow.
+- **Input dependence.** The same case under another seed must change each path's log-probabilities,
+  and a path must not give every token the same row: a path that ignores its input (constant
+  log-probabilities, tensors not drawn from the case's seed) is reported.
+
+The permutation and truncation checks run on cases without forced router ties (a near tie flips on
+layout noise in a bf16 router, and every later row of its sequence with it).
+
+It raises `ConformanceError` listing every violation, and returns the cases it checked.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 from .case import Case
 from .execute import run_paths
 from .pairs import REGISTRY, TargetPair
 
+PERMUTE_TV = 0.1  # a permuted row matches when its TV distance is under this fraction of distinct rows'
+PERMUTE_MATCH = 0.5  # ... for at least this fraction of a path's rows
+CANDIDATES = 16  # cases drawn to find one with two or more sequences for the permutation check
+
 
 class ConformanceError(AssertionError):
     pass
+
+
+class ConformanceWarning(UserWarning):
+    """A check that could not run for this pair, and what the pair would need for it."""
 
 
 def sample_cases(pair: TargetPair, n: int, seed: int = 0) -> list[Case]:
@@ -43,6 +76,217 @@ def sample_cases(pair: TargetPair, n: int, seed: int = 0) -> list[Case]:
     return out
 
 
+def rotated_case(case: Case) -> tuple[Case, list[int], list[int]] | None:
+    """The case with its sequences rotated by one (the last first; each keeps its stream id, prompt
+    and place in the trainer's packing), for every row of it the row of the same token in `case`,
+    and for every sequence of it the sequence of `case`. None when there is nothing to permute or
+    the case draws from one whole-batch stream (schema 1). A rotation, not a reversal: rows
+    reversed as a whole look like reversed sequences when their lengths are equal."""
+    b = case.batch_size
+    if b < 2 or getattr(case, "streams", "single") != "sequence":
+        return None
+    perm = [b - 1] + list(range(b - 1))  # position i of the new case holds sequence perm[i] of the old
+    inv = {old: new for new, old in enumerate(perm)}
+    new = case.replace(seq_lens=tuple(case.seq_lens[p] for p in perm),
+                       prompt_lens=tuple(case.prompt_lens[p] for p in perm) if case.prompt_lens else (),
+                       seq_ids=tuple(case.ids[p] for p in perm),
+                       order=tuple(inv[o] for o in case.packing_order), probe=inv[case.probe])
+    offsets = case.offsets
+    return new, [offsets[p] + t for p in perm for t in range(case.seq_lens[p])], perm
+
+
+def _walk(obj: Any, depth: int = 0) -> list[Any]:
+    """Tensors and lists of tensors inside a pair's inputs (dicts, lists, dataclasses), in order."""
+    import dataclasses
+
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth > 3 or isinstance(obj, torch.nn.Module):
+        return []
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
+        return [list(obj)]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    else:
+        return []
+    return [t for item in items for t in _walk(item, depth + 1)]
+
+
+def truncated_case(case: Case) -> tuple[Case, list[int], list[int]] | None:
+    """The case with the last token of its longest response (at least 3 tokens) removed, for every
+    row of it the row of the same token in `case`, and the rows of the shortened sequence."""
+    if getattr(case, "streams", "single") != "sequence":
+        return None
+    j = max(range(case.batch_size), key=lambda i: case.seq_lens[i])
+    n = case.seq_lens[j]
+    if n < 3:
+        return None
+    new = case.replace(seq_lens=case.seq_lens[:j] + (n - 1,) + case.seq_lens[j + 1:])
+    drop = case.offsets[j] + n - 1
+    return new, [r for r in range(case.n_tokens) if r != drop], list(range(new.offsets[j], new.offsets[j] + n - 1))
+
+
+def inputs_follow(pair: TargetPair, case: Case, derived: Case, src: list[int], seqs: list[int],
+                  device: str) -> bool | None:
+    """Whether the pair's inputs follow a rearrangement of the case: a per-token (T, ...) tensor that
+    varies over its rows and comes back as its rows `src`, or a per-sequence list of tensors that
+    comes back as its items `seqs`. True if one does, False if some vary and none does, None if the
+    inputs have neither."""
+    import torch
+
+    with torch.inference_mode():
+        a, b = _walk(pair.build(case, device)), _walk(pair.build(derived, device))
+    if len(a) != len(b):
+        return None
+    n, batch = case.n_tokens, case.batch_size
+    seen = False
+    for x, y in zip(a, b):
+        if isinstance(x, list) and isinstance(y, list) and len(x) == batch and len(y) == len(seqs):
+            if any(x[i].shape != x[0].shape or not torch.equal(x[i], x[0]) for i in range(batch)):
+                seen = True
+                if all(y[i].shape == x[p].shape and torch.equal(y[i], x[p]) for i, p in enumerate(seqs)):
+                    return True
+        elif isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() >= 1 and n > 1 \
+                and x.shape[0] == n and y.shape[0] == len(src) and x.shape[1:] == y.shape[1:] \
+                and not bool((x == x[:1]).all()):
+            seen = True
+            if torch.equal(y.cpu(), x.cpu()[torch.tensor(src)]):
+                return True
+    return False if seen else None
+
+
+def _tv_rows(a: Any, b: Any) -> Any:
+    """Total variation distance between matching rows of two (n, V) log-probability tensors."""
+    import torch
+
+    pa = torch.nan_to_num(a.detach().to(torch.float64).cpu().exp(), nan=0.0)
+    pb = torch.nan_to_num(b.detach().to(torch.float64).cpu().exp(), nan=0.0)
+    return 0.5 * (pa - pb).abs().sum(-1)
+
+
+def _distinct_scale(lp: Any) -> float:
+    """The median TV distance between distinct rows of one outcome (the first 64 rows)."""
+    import torch
+
+    x = lp[:64]
+    n = x.shape[0]
+    if n < 2:
+        return 0.0
+    i, j = torch.triu_indices(n, n, 1)
+    return float(_tv_rows(x[i], x[j]).median())
+
+
+def _follows(orig: Any, new: Any, src: list[int], judged: list[int] | None = None) -> bool | None:
+    """Whether `new`'s rows (those in `judged`, default all) are `orig`'s rows `src` (TV distance
+    under PERMUTE_TV x the distance between distinct rows, for at least PERMUTE_MATCH of them).
+    None when `orig` has no distinct rows to tell apart."""
+    import torch
+
+    scale = _distinct_scale(orig)
+    if scale <= 0:
+        return None
+    rows = torch.tensor(judged if judged is not None else list(range(len(src))))
+    want = orig.detach().cpu()[torch.tensor(src)[rows]].to(new.device)
+    tv = _tv_rows(new[rows.to(new.device)], want)
+    return float((tv <= PERMUTE_TV * scale).double().mean()) >= PERMUTE_MATCH
+
+
+def _same_context(derived: Case, src: list[int], tokens: Any, tokens2: Any, rows: list[int]) -> list[int]:
+    """The rows among `rows` whose earlier response tokens the rollout sampled alike in both runs (a
+    sampled token that flips on layout noise changes every row after it in its sequence)."""
+    import torch
+
+    if tokens is None or tokens2 is None:
+        return rows
+    a = torch.as_tensor(tokens).cpu()[torch.tensor(src)]
+    b = torch.as_tensor(tokens2).cpu()
+    if a.shape != b.shape:
+        return rows
+    ok = []
+    for off, n in zip(derived.offsets, derived.seq_lens):
+        for r in range(off, off + n):
+            ok.append(r)
+            if not bool(a[r] == b[r]):
+                break  # this row still shares its context; the rows after it do not
+    keep = set(ok)
+    return [r for r in rows if r in keep]
+
+
+def _relation(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: str, check: str, what: str,
+              derived: Case, src: list[int], seqs: list[int], judged: list[int] | None, rule: str) -> list[str]:
+    """Run the derived case; a path whose rows do not come back as `src` breaks `rule`."""
+    t2, r2 = run_paths(pair, derived, device)
+    judged = _same_context(derived, src, rollout.tokens, r2.tokens,
+                           judged if judged is not None else list(range(len(src))))
+    follows = {role: _follows(a.logprobs, b.logprobs, src, judged) if judged else None for role, a, b in
+               (("trainer", trainer, t2), ("rollout", rollout, r2))}
+    judged_roles = {role: f for role, f in follows.items() if f is not None}
+    inp = inputs_follow(pair, case, derived, src, seqs, device)
+    if inp is False or (inp is None and judged_roles and not any(judged_roles.values())):
+        warnings.warn(ConformanceWarning(
+            f"{pair.name}: the {check} check was skipped: on {case.one_line()} with {what} the pair's per-token inputs did not "
+            "follow, so its tensors come from whole-batch streams. Draw them per sequence (case.token_randn, "
+            "case.seq_generator(j, ...), case.prompt_tokens(j, ...)) so that reordering, shortening or removing a "
+            "sequence leaves the other tokens' tensors unchanged, as shrinking assumes."), stacklevel=4)
+        return []
+    return [f"case {case.one_line()} with {what}: the {role}'s rows did not follow (fewer than "
+            f"{PERMUTE_MATCH:.0%} of them match the original row of the same token); {rule}"
+            for role, f in judged_roles.items() if not f]
+
+
+ROW_ORDER = ("a path must return one row per token in case order (sequence 0's tokens first, then sequence "
+             "1's, ...) whatever order it computes them in")
+
+
+def check_permutation(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: str) -> list[str]:
+    """Rotating the case's sequences must rotate both outcomes' rows by sequence."""
+    got = rotated_case(case)
+    if got is None:
+        return []
+    derived, src, seqs = got
+    return _relation(pair, case, trainer, rollout, device, "permutation", "its sequences rotated (the last first)",
+                     derived, src, seqs, None, ROW_ORDER)
+
+
+def check_truncation(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: str) -> list[str]:
+    """Removing the last token of a sequence must leave that sequence's other rows as they were."""
+    got = truncated_case(case)
+    if got is None:
+        return []
+    derived, src, judged = got
+    return _relation(pair, case, trainer, rollout, device, "truncation",
+                     "the last token of its longest sequence removed",
+                     derived, src, list(range(case.batch_size)), judged,
+                     "a token's row must depend only on the tokens before it and sit at its own position "
+                     "within its sequence (" + ROW_ORDER + ")")
+
+
+def check_input_dependence(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: str) -> list[str]:
+    """Problems of a path whose output ignores its input: the same rows under another seed, or one
+    row for every token."""
+    import torch
+
+    other = case.replace(seed=(case.seed + 1) % 2**63)
+    t2, r2 = run_paths(pair, other, device)
+    out = []
+    for role, a, b in (("trainer", trainer, t2), ("rollout", rollout, r2)):
+        lp = a.logprobs
+        if lp.shape == b.logprobs.shape and torch.equal(lp, b.logprobs):
+            out.append(f"case {case.one_line()}: the {role} gives the same log-probabilities under seed {case.seed} "
+                       f"and seed {other.seed}: its output ignores its input; compute it from the tensors build "
+                       "draws from the case's seed")
+        elif lp.shape[0] >= 2 and torch.equal(lp, lp[:1].expand_as(lp)):
+            out.append(f"case {case.one_line()}: the {role} returns the same row for all {lp.shape[0]} tokens: its "
+                       "output ignores its input")
+    return out
+
+
 def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", seed: int = 0) -> list[Case]:
     import torch
 
@@ -51,6 +295,7 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
     pair.validate()
     problems: list[str] = []
     checked = sample_cases(pair, n_cases, seed)
+    kept: dict[str, tuple[Case, tuple[Any, Any]]] = {}  # the metamorphic checks' cases -> their outcomes
     for case in checked:
         where = f"case {case.one_line()}"
         try:
@@ -59,6 +304,7 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
         except Exception as e:
             problems.append(f"{where}: the pair raised {type(e).__name__}: {e}")
             continue
+        keep_outcomes(kept, case, (t1, r1))
         if t1.logprobs.shape != r1.logprobs.shape:
             problems.append(f"{where}: trainer logprobs {tuple(t1.logprobs.shape)} and rollout logprobs "
                             f"{tuple(r1.logprobs.shape)} differ in shape; both must be (tokens, vocab)")
@@ -81,6 +327,62 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
                 elif role == "rollout" and r2.tokens is not None and not torch.equal(tok, torch.as_tensor(r2.tokens)):
                     problems.append(f"{where}: rollout sampled different tokens on two runs; sample with a "
                                     "generator seeded from the case")
+    if not problems:
+        problems += _metamorphic(pair, checked, kept, device, seed)
     if problems:
         raise ConformanceError(f"target pair {pair.name!r} breaks the contract:\n  - " + "\n  - ".join(problems))
     return checked
+
+
+def keep_outcomes(kept: dict, case: Case, outcomes: tuple[Any, Any]) -> None:
+    """Keep the outcomes of the cases the metamorphic checks start from (the first case, the first
+    with two or more sequences, the one with the longest response so far), and only those."""
+    cases = [c for c, _ in kept.values()]
+    first_multi = _pick_multi(cases)
+    longest = max(cases, key=lambda c: max(c.seq_lens), default=None)
+    wanted = not cases or (case.batch_size >= 2 and (first_multi is None or (
+        len(set(first_multi.seq_lens)) == 1 and len(set(case.seq_lens)) > 1))) \
+        or max(case.seq_lens) > max(longest.seq_lens)
+    if not wanted:
+        return
+    if longest is not None and max(case.seq_lens) > max(longest.seq_lens) and longest is not cases[0] \
+            and longest is not first_multi:
+        del kept[longest.key()]
+    kept[case.key()] = (case, outcomes)
+
+
+def _pick_multi(cases: list[Case]) -> Case | None:
+    """The first case with two or more sequences, one with unequal lengths when there is one."""
+    multi = [c for c in cases if c.batch_size >= 2]
+    return next((c for c in multi if len(set(c.seq_lens)) > 1), multi[0] if multi else None)
+
+
+def _metamorphic(pair: TargetPair, checked: list[Case], kept: dict, device: str, seed: int) -> list[str]:
+    """The input-dependence check on the first case, the permutation check on the first case with
+    two or more sequences (drawn anew when none of the checked cases has them), the truncation check
+    on the case with the longest response."""
+    first = checked[0] if checked else None
+    multi = _pick_multi(checked)
+    if multi is None and pair.axes.n_seqs[1] >= 2:
+        multi = _pick_multi(sample_cases(pair, CANDIDATES, seed + 1))
+    longest = max(checked, key=lambda c: max(c.seq_lens), default=None)
+    # Without forced router ties: a near tie flips on layout noise (a bf16 router), which changes every
+    # later row of its sequence; that is not what reordering or shortening the batch is about.
+    multi, longest = (c.replace(tie_fraction=0.0, tie_gap=0.0) if c is not None and c.tie_fraction > 0 else c
+                      for c in (multi, longest))
+    problems: list[str] = []
+
+    def _outcomes(case: Case) -> tuple[Any, Any]:
+        return kept[case.key()][1] if case.key() in kept else run_paths(pair, case, device)  # tie-free: anew
+
+    try:
+        if first is not None:
+            problems += check_input_dependence(pair, first, *_outcomes(first), device)
+        if multi is not None:
+            problems += check_permutation(pair, multi, *_outcomes(multi), device)
+        if longest is not None and max(longest.seq_lens) >= 3:
+            problems += check_truncation(pair, longest, *_outcomes(longest), device)
+    except Exception as e:  # noqa: BLE001 - a raise on a derived case is a violation like any other
+        problems.append(f"the pair raised {type(e).__name__} on a derived case (another seed, sequences "
+                        f"rotated, or a token removed): {e}")
+    return problems

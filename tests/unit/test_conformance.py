@@ -44,3 +44,101 @@ def test_wrong_row_count_is_reported():
                       axes=Axes(n_seqs=(1, 1), seq_len=(2, 2)))
     with pytest.raises(ConformanceError, match="one row per token of the case"):
         check_pair(pair, n_cases=1)
+
+
+# --- metamorphic checks ---------------------------------------------------------------------------
+def _head_pair(name, trainer_rows=lambda lp, case: lp, rollout_rows=lambda lp, case: lp, per_sequence=True):
+    """An LM-head pair over per-token hidden states; `*_rows` may rearrange or replace a path's rows."""
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+
+    def build(case, device):
+        h = case.token_randn(16, "hidden") if per_sequence else case.randn((case.n_tokens, 16), "hidden")
+        return {"h": h, "w": torch.randn(16, 32, generator=torch.Generator().manual_seed(1)), "case": case}
+
+    def path(rows):
+        return lambda inp: Outcome(logprobs=rows(torch.log_softmax(3 * inp["h"] @ inp["w"], -1), inp["case"]))
+
+    return TargetPair(name=name, kind="op", expected="aligned", build=build, trainer=path(trainer_rows),
+                      rollout=path(rollout_rows), axes=Axes(n_seqs=(1, 4), seq_len=(1, 6)))
+
+
+def test_a_pair_drawing_per_sequence_passes_the_permutation_check():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ConformanceWarning: the check ran
+        assert len(check_pair(_head_pair("meta.ok"), n_cases=4)) == 4
+
+
+def test_a_trainer_whose_rows_are_reversed_fails():
+    pair = _head_pair("meta.reversed", trainer_rows=lambda lp, case: lp.flip(0))
+    with pytest.raises(ConformanceError, match=r"sequences rotated \(the last first\): the trainer's rows did "
+                                               r"not follow .*one row per token in case order") as err:
+        check_pair(pair, n_cases=4)
+    assert "rollout's rows" not in str(err.value)
+
+
+def test_rows_in_sequence_order_but_reversed_within_sequences_fail_too():
+    import torch
+
+    def within(lp, case):  # each sequence's rows reversed: right sequences, wrong tokens
+        return torch.cat([lp[o:o + n].flip(0) for o, n in zip(case.offsets, case.seq_lens)])
+
+    with pytest.raises(ConformanceError, match="last token of its longest sequence removed: the rollout's rows did "
+                                               "not follow .*depend only on the tokens before it") as err:
+        check_pair(_head_pair("meta.within", rollout_rows=within), n_cases=8)
+    assert "sequences rotated" not in str(err.value)  # reordering whole sequences cannot see it
+
+
+def test_a_path_that_ignores_its_input_is_reported():
+    import torch
+
+    constant = _head_pair("meta.constant", rollout_rows=lambda lp, case: torch.log_softmax(torch.zeros_like(lp), -1))
+    with pytest.raises(ConformanceError, match="the rollout gives the same log-probabilities under seed"):
+        check_pair(constant, n_cases=2)
+    fixed = torch.log_softmax(torch.randn(64, 32, generator=torch.Generator().manual_seed(5)), -1)
+    unseeded = _head_pair("meta.unseeded", trainer_rows=lambda lp, case: fixed[:lp.shape[0]])
+    with pytest.raises(ConformanceError, match="the trainer gives the same log-probabilities under seed .*ignores "
+                                               "its input"):
+        check_pair(unseeded, n_cases=2)
+
+
+def test_whole_batch_streams_skip_the_permutation_check_with_a_warning():
+    from harness.conformance import ConformanceWarning
+
+    with pytest.warns(ConformanceWarning, match="permutation check was skipped.*case.token_randn"):
+        check_pair(_head_pair("meta.legacy", per_sequence=False), n_cases=4)
+
+
+def test_rotated_case_keeps_each_sequences_stream_and_packing():
+    from harness import Case
+    from harness.conformance import rotated_case
+
+    c = Case(seed=1, seq_lens=(2, 3, 1), prompt_lens=(4, 0, 2), order=(2, 0, 1), row_capacity=8, probe=1)
+    new, src, seqs = rotated_case(c)
+    assert seqs == [2, 0, 1] and new.seq_lens == (1, 2, 3) and new.prompt_lens == (2, 4, 0) and new.ids == (2, 0, 1)
+    assert [[new.ids[j] for j in row] for row in new.packed_rows()] == [[c.ids[j] for j in row]
+                                                                         for row in c.packed_rows()]
+    assert src == [5, 0, 1, 2, 3, 4] and new.ids[new.probe] == 1
+    assert rotated_case(Case(seed=1, seq_lens=(3,))) is None
+
+
+@pytest.mark.slow
+def test_a_model_pair_with_its_trainer_rows_reversed_fails():
+    """The full-model pair on small cases: clean as registered, caught with its trainer's rows reversed."""
+    import dataclasses
+
+    pair = REGISTRY.get("model.bf16_rollout")
+    small = dataclasses.replace(pair, axes=dataclasses.replace(pair.axes, n_seqs=(2, 3), seq_len=(3, 8),
+                                                               prompt_len=(0, 4)))
+    check_pair(small, n_cases=3)
+
+    def reversed_trainer(inp, rollout, _trainer=pair.trainer):
+        out = _trainer(inp, rollout)
+        out.logprobs = out.logprobs.flip(0)
+        return out
+
+    with pytest.raises(ConformanceError, match="sequences rotated .*the trainer's rows did not follow"):
+        check_pair(dataclasses.replace(small, trainer=reversed_trainer), n_cases=3)
