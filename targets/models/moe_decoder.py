@@ -59,8 +59,12 @@ class ModelConfig:
 
 
 TINY = ModelConfig()  # CPU: fast enough to fuzz hundreds of cases on two cores
-LARGE = ModelConfig(vocab=4096, hidden=1024, layers=3, heads=16, kv_heads=4, head_dim=64, experts=32,
-                    top_k=8, expert_hidden=512, context=480, weight_pool=1)  # GPU: ~2k tokens per case
+# GPU (`--device cuda`): real sizes (Qwen3-30B-A3B's vocabulary, width, heads and expert width; 64
+# experts top-8), two layers (per-layer numerics are what is tested; the GPU check runs in minutes).
+# 400 unscored context tokens per sequence: up to 8 x (1 + 400 + 32 + 64) = 3976 tokens per case
+# under the model axes. One set of weights (weight_pool=1): 1.25e9 float32 parameters, 5 GB.
+LARGE = ModelConfig(vocab=151936, hidden=2048, layers=2, heads=32, kv_heads=4, head_dim=128, experts=64,
+                    top_k=8, expert_hidden=768, context=400, weight_pool=1)
 
 
 # ---------------------------------------------------------------------------------------------
