@@ -5,8 +5,9 @@ Nothing here imports transformers at import time: `harness list` stays fast (imp
 transformers costs ~1 s, a model class ~3.6 s on this CPU). The model is loaded when a pair first
 builds a case, then cached per (model, numerics).
 
-A case is an RL batch. Sequence j is `[BOS] + prompt_j + response_j`: the prompt has
-`case.prompt_lens[j]` tokens from `case.prompt_tokens(j, vocab, "prompt")`, the response
+A case is an RL batch. Sequence j is `[t0] + prompt_j + response_j`: t0 is a token from the
+sequence's own stream (`paths.first_token`), the prompt has `case.prompt_lens[j]` tokens from
+`case.prompt_tokens(j, vocab, "prompt")`, the response
 `case.seq_lens[j]` tokens, each decoded by the rollout and scored by the trainer. Outcome rows are
 the response tokens in case order.
 

@@ -66,12 +66,6 @@ class HFProfiles:
         return self.make(Numerics(**trainer), Numerics(**rollout))
 
 
-def _bos(model: HFModel) -> int:
-    f = model.fields()
-    bos = f.get("bos_token_id")
-    return int(bos) if isinstance(bos, int) and 0 <= bos < model.vocab else 0
-
-
 def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics = FP32, *,
             expected: str = "aligned", replay: bool = False, description: str = "", axes: Axes | None = None,
             devices: tuple[str, ...] = ("cpu", "cuda")) -> TargetPair:
@@ -82,12 +76,11 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     replay: the trainer reuses the rollout's experts at every position (router replay).
     """
     spec = model_from(model)
-    bos = _bos(spec)
     if replay and not spec.moe():
         raise UsageError(f"hf_pair {name!r}: replay=True needs a MoE model; this config has no experts.")
 
     def build(case: Any, device: str) -> paths.HFInputs:
-        inp = paths.make_inputs(case, spec, device, bos)
+        inp = paths.make_inputs(case, spec, device)
         expose_modules(inp, trainer, rollout)
         return inp
 
@@ -136,14 +129,14 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
         if paths.recorded_sample(case) is not None:
             where = case.params.get("rec_model")
             spec = HFModel.from_pretrained(str(where)) if where else fallback
-            inp = paths.make_inputs(case, spec, device, _bos(spec))
+            inp = paths.make_inputs(case, spec, device)
             expose_modules(inp, trainer, FP32)
             return inp
         # a fuzz case: record the fallback model's float32 rollout of it, then score that recording
-        inp = paths.make_inputs(case, fallback, device, _bos(fallback))
+        inp = paths.make_inputs(case, fallback, device)
         recs = paths.records(inp, paths.rollout(inp, FP32))
         recorded = case.replace(params={**case.params, **paths.encode_recorded(recs)})
-        inp = paths.make_inputs(recorded, fallback, device, _bos(fallback))
+        inp = paths.make_inputs(recorded, fallback, device)
         expose_modules(inp, trainer, FP32)
         return inp
 

@@ -1,7 +1,7 @@
 """The two execution paths of a Hugging Face pair: a KV-cache rollout and a packed trainer forward.
 
 See `targets/hf/backend.py` for what each path does and why (the packed-mask trap, our own decode
-loop). Layout of sequence j (positions): 0 = BOS, 1..P_j = prompt, P_j+1..P_j+R_j = response.
+loop). Layout of sequence j (positions): 0 = a first token from the sequence's stream, 1..P_j = prompt, P_j+1..P_j+R_j = response.
 Response token i (position P_j+1+i) is scored by the output at position P_j+i; a position's key is
 j * stride + position, the index of per-position tables (near-tie flags, recorded experts).
 """
@@ -41,6 +41,14 @@ def prompt_tokens(case: Any, j: int, vocab: int, n: int) -> Any:
     return torch.randint(vocab, (n,), generator=case.generator("prompt", j))
 
 
+def first_token(case: Any, j: int, vocab: int) -> Any:
+    """Position 0 of sequence j: a token from its own stream (an RL prompt is never empty, and a fixed
+    BOS would make a case with no prompt tokens the same for every seed)."""
+    import torch
+
+    return torch.randint(vocab, (1,), generator=seq_generator(case, j, "first"))
+
+
 def sampling(case: Any) -> tuple[float, int, float]:
     return (float(getattr(case, "temperature", 1.0)), int(getattr(case, "sample_top_k", 0)),
             float(getattr(case, "top_p", 1.0)))
@@ -54,7 +62,7 @@ class HFInputs:
     case: Any
     spec: HFModel
     device: str
-    prompts: list  # per sequence: (1 + P_j,) int64, BOS first
+    prompts: list  # per sequence: (1 + P_j,) int64: the first token, then the prompt
     resp_lens: list[int]  # R_j
     stride: int  # key stride: longest sequence + 1
     forced: Any  # (B * stride,) bool: near-tie positions
@@ -110,7 +118,7 @@ def recorded_sample(case: Any) -> list[dict] | None:
     return out
 
 
-def make_inputs(case: Any, spec: HFModel, device: str, bos: int) -> HFInputs:
+def make_inputs(case: Any, spec: HFModel, device: str) -> HFInputs:
     import torch
 
     vocab = spec.vocab
@@ -120,7 +128,7 @@ def make_inputs(case: Any, spec: HFModel, device: str, bos: int) -> HFInputs:
         resp = [len(r["response"]) for r in rec]
     else:
         plens = prompt_lens(case)
-        prompts = [torch.cat([torch.tensor([bos]), prompt_tokens(case, j, vocab, plens[j])])
+        prompts = [torch.cat([first_token(case, j, vocab), prompt_tokens(case, j, vocab, plens[j])])
                    for j in range(len(case.seq_lens))]
         resp = list(case.seq_lens)
     stride = max(len(p) + r for p, r in zip(prompts, resp)) + 1
@@ -321,7 +329,7 @@ def _cache_of(out: Any) -> Any:
 
 def records(inp: HFInputs, outcome: Outcome) -> list[dict]:
     """The rollout's samples as an RL framework records them (the `harness score` input format):
-    per sequence the prompt ids (BOS included), the response ids, the log-probability of every
+    per sequence the prompt ids (first token included), the response ids, the log-probability of every
     response token under the distribution it was sampled from, and (MoE) the experts routed at every
     position but the last, `[position][layer][k]`."""
     import torch

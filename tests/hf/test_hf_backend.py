@@ -85,7 +85,7 @@ def test_rollout_layout_tokens_and_sampling_are_from_the_case():
     assert torch.isfinite(picked).all()  # every token sampled from inside the kept set
     assert set(out.routing) == {"layers.0", "layers.1"}
     assert out.routing["layers.0"].experts.shape == (c.n_tokens, 2)
-    assert [len(p) for p in inp.prompts] == [5, 1, 8]  # BOS + prompt
+    assert [len(p) for p in inp.prompts] == [5, 1, 8]  # first token + prompt
     other = pair.rollout(pair.build(c.replace(seed=4), "cpu"))
     assert not torch.equal(out.tokens, other.tokens)
 
