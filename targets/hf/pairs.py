@@ -133,7 +133,8 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
             expose_modules(inp, trainer, FP32)
             return inp
         # a fuzz case: record the fallback model's float32 rollout of it, then score that recording
-        inp = paths.make_inputs(case, fallback, device)
+        # (no near-tie nudges: a recording is scored as it is, by the model alone)
+        inp = paths.make_inputs(case.replace(tie_fraction=0.0), fallback, device)
         recs = paths.records(inp, paths.rollout(inp, FP32))
         recorded = case.replace(params={**case.params, **paths.encode_recorded(recs)})
         inp = paths.make_inputs(recorded, fallback, device)
@@ -149,7 +150,7 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
     return TargetPair(
         name=name, kind="model", expected="aligned", build=build, trainer=run_trainer,
         rollout=lambda inp: paths.rollout(inp, FP32),
-        axes=default_axes(fallback), devices=("cpu", "cuda"),
+        axes=dataclasses.replace(default_axes(fallback), routing=None, params={}), devices=("cpu", "cuda"),
         description="recorded rollouts (harness score --model PATH): the checkpoint's float32 trainer scores them"
                     + (" with the recorded experts replayed" if replay else ""),
         profiles=HFProfiles(trainer=trainer.as_dict(), rollout=FP32.as_dict(), labels=dict(COMPONENTS),
