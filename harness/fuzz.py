@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import deque
 import math
 import random
 import sys
@@ -417,37 +418,110 @@ def run_order(units: list[Unit]) -> list[Unit]:
     return sorted(units, key=lambda u: (u.pair.kind == "model", u.pair.name, u.stream))
 
 
+class Deferred(BaseException):
+    """A pair's first case was still running when its share of the budget ended (a cold start: a
+    model's imports, export or compilation). Its worker is parked and goes on with it in the
+    background, the campaign goes on with a fresh worker, and the pair comes back at the end of the
+    queue, where that first case's result is waiting. A BaseException, so Hypothesis lets it through."""
+
+
 class Executor:
-    """Where a campaign's cases run: one supervised worker process (isolation), or this process.
+    """Where a campaign's cases run: supervised worker processes (isolation), or this process.
 
     One executor may serve several campaigns with the same device and plugins (a pytest session's
-    items): its worker is reused, so only the first pays the start.
+    items): its worker is reused, so only the first pays the start. At most one more worker is
+    parked at a time, finishing a slow first case (see `Deferred`) on another core.
     """
 
     def __init__(self, cfg: CampaignConfig) -> None:
         self.cfg = cfg
-        self.worker: Any = None
+        self.worker: Any = None  # the worker new cases go to
+        self.warm: set[str] = set()  # groups (pair sources) the current worker has run a case of
+        self.parked: tuple[str, Any] | None = None  # (group, worker) finishing a slow first case
+        self._restarts = 0  # of workers already closed
 
-    def evaluator(self, pair: TargetPair, wall: float | None, cfg: CampaignConfig | None = None) -> Evaluate:
+    @staticmethod
+    def group(pair: TargetPair) -> str:
+        """Pairs registered from one module share its imports and caches: one warm-up serves them all."""
+        return pair.source or pair.name
+
+    @property
+    def parked_group(self) -> str | None:
+        return self.parked[0] if self.parked else None
+
+    def _current(self) -> Any:
+        if self.worker is None:
+            from .worker import Worker
+
+            self.worker = Worker(self.cfg.device, self.cfg.plugins, self.cfg.timeout)
+            self.worker.start()  # imports in the background while Hypothesis gets ready
+            self.warm = set()
+        return self.worker
+
+    def prepare(self, wall: float | None) -> None:
+        """Start the worker and wait until it has imported the engine (not charged to any pair's share)."""
+        if self.cfg.isolation:
+            from .worker import OutOfTime
+
+            worker = self._current()
+            try:
+                if not worker.ready:
+                    worker.ready = worker._wait_ready(wall)
+            except OutOfTime:
+                pass
+
+    def _retire(self, worker: Any) -> None:
+        self._restarts += worker.restarts
+        worker.close()
+
+    def _resume(self) -> None:
+        group, parked = self.parked
+        self.parked = None
+        if self.worker is not None:
+            self._retire(self.worker)
+        self.worker, self.warm = parked, set()
+
+    def evaluator(self, pair: TargetPair, wall: float | None, cfg: CampaignConfig | None = None,
+                  share: float | None = None, may_defer: bool = False) -> Evaluate:
+        """`evaluate(case)` for one pair. With `may_defer`, a first case of the pair's group still
+        running at `share` (time.monotonic()) raises `Deferred` (its worker parked)."""
         cfg = cfg or self.cfg
         if not cfg.isolation:
             return lambda case: run_case(pair, case, cfg.device, cfg.threshold)
-        from .worker import Worker
+        timeout, group = cfg.timeout_for(pair.name), self.group(pair)
 
-        if self.worker is None:
-            self.worker = Worker(cfg.device, cfg.plugins, cfg.timeout)
-            self.worker.start()  # imports in the background while Hypothesis gets ready
-        worker, timeout = self.worker, cfg.timeout_for(pair.name)
-        return lambda case: worker.evaluate(pair, case, cfg.threshold, timeout, wall)
+        def evaluate(case: Case) -> Evaluation:
+            if self.parked_group == group:
+                self._resume()
+            worker = self._current()
+            if worker.inflight is not None:  # a parked first case: the same case, drawn from the same seed
+                pending = worker.inflight[1]
+                ev = worker.collect(wall)
+                self.warm.add(group)
+                if pending == case:
+                    return ev
+            worker.submit(pair, case, cfg.threshold, timeout, wall)
+            if may_defer and share is not None and group not in self.warm and self.parked is None:
+                ev = worker.collect(wall, until=share)
+                if ev is None:
+                    self.parked, self.worker = (group, worker), None
+                    raise Deferred
+            else:
+                ev = worker.collect(wall)
+            self.warm.add(group)
+            return ev
+
+        return evaluate
 
     @property
     def restarts(self) -> int:
-        return self.worker.restarts if self.worker is not None else 0
+        return self._restarts + (self.worker.restarts if self.worker is not None else 0)
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-            self.worker = None
+        for w in (self.worker, self.parked[1] if self.parked else None):
+            if w is not None:
+                self._retire(w)
+        self.worker = self.parked = None
 
 
 class _Signals:
@@ -564,19 +638,31 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             return list(r.findings)
         return _merge(by_pair[r.pair], r)
 
+    queue = deque(units)
     try:
         with signals:
-            for n, unit in enumerate(units):
-                pair = unit.pair
+            executor.prepare(end)
+            while queue:
+                unit = queue.popleft()
+                pair, group, parked = unit.pair, executor.group(unit.pair), executor.parked_group
+                if parked == group and any(executor.group(u.pair) != parked for u in queue):
+                    queue.append(unit)  # its group's first case still runs in the background: later
+                    continue
                 deadline = None
                 if end is not None:
                     now = time.monotonic()
-                    deadline = now + max(0.0, end - now) / (len(units) - n)
+                    deadline = now + max(0.0, end - now) / (len(queue) + 1)
+                may_defer = parked is None and any(executor.group(u.pair) != group for u in queue)
                 try:
                     r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
-                                  progress, evaluate=executor.evaluator(pair, end, cfg),
+                                  progress, evaluate=executor.evaluator(pair, end, cfg, deadline, may_defer),
                                   max_examples=stream_examples(cfg.max_examples, unit.stream, unit.streams),
                                   wall=end)
+                except Deferred:
+                    log(f"  {unit.label}: first case still running at the end of its share (a cold start?): "
+                        "deferred, it goes on in the background")
+                    queue.append(unit)
+                    continue
                 except _Interrupted as stop:
                     for f in add(stop.result):
                         record(f)

@@ -76,6 +76,7 @@ class Worker:
         self.proc: Any = None
         self.conn: Any = None
         self.restarts = 0  # workers started after the first (each timeout or crash costs one)
+        self.inflight: tuple | None = None  # (pair, case, timeout, sent at) of the case being run
         self._log: Path | None = None
         self._dir = tempfile.mkdtemp(prefix="harness-worker-")
 
@@ -139,29 +140,46 @@ class Worker:
         `timeout` (default: the worker's) bounds this case; `wall` (time.monotonic()) is the
         campaign's hard end: a case still running then is stopped and `OutOfTime` raised.
         """
-        from .execute import Evaluation, Symptom
+        self.submit(pair, case, threshold, timeout, wall)
+        return self.collect(wall)
 
+    def submit(self, pair: Any, case: Any, threshold: float, timeout: float | None = None,
+               wall: float | None = None) -> None:
+        """Send a case to the worker (starting one if needed); `collect` gets its Evaluation."""
         timeout = self.timeout if timeout is None else timeout
-        if self.proc is None or not self.proc.is_alive():
-            if self.proc is not None:
+        for attempt in range(2):
+            if self.proc is None or not self.proc.is_alive():
+                if self.proc is not None:
+                    self.kill()
+                    self.restarts += 1
+                self.start()
+            if not self.ready:
+                if not self._wait_ready(wall):
+                    raise OutOfTime
+                self.ready = True
+            self._clear_log()
+            try:
+                self.conn.send(("case", pair.name, pair.source, case, threshold, timeout))
+                break
+            except (OSError, BrokenPipeError):  # died between cases: start another and send again
                 self.kill()
                 self.restarts += 1
-            self.start()
-        if not self.ready:
-            if not self._wait_ready(wall):
-                raise OutOfTime
-            self.ready = True
-        self._clear_log()
-        try:
-            self.conn.send(("case", pair.name, pair.source, case, threshold, timeout))
-        except (OSError, BrokenPipeError):  # died between cases: a crash of the previous case's making
-            self.kill()
-            self.restarts += 1
-            return self.evaluate(pair, case, threshold, timeout, wall)
-        now = time.monotonic()
-        limit = timeout if wall is None else min(timeout, max(0.0, wall - now))
-        ready = self.conn.poll(limit)
-        if ready:
+        self.inflight = (pair, case, timeout, time.monotonic())
+
+    def collect(self, wall: float | None = None, until: float | None = None) -> Any:
+        """The Evaluation of the case in flight, or None when `until` (time.monotonic()) comes first.
+
+        A case past its timeout is a `timeout` Evaluation, a worker that died a `crash` one (the
+        worker is replaced at the next case); past `wall` the case is stopped and `OutOfTime` raised.
+        """
+        from .execute import Evaluation, Symptom
+
+        pair, case, timeout, sent = self.inflight
+        hang_at = sent + timeout
+        wall_at = wall if wall is not None else float("inf")
+        stop = min(hang_at, wall_at, until if until is not None else float("inf"))
+        if self.conn.poll(max(0.0, stop - time.monotonic())):
+            self.inflight = None
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
@@ -172,16 +190,17 @@ class Worker:
                     return payload
                 raise WorkerError(payload)
             self.proc.join(5)
-            code = self.proc.exitcode
-            what = _signal_name(code)
+            what = _signal_name(self.proc.exitcode)
             self.kill()
             self.restarts += 1
             return Evaluation(pair.name, case, Symptom.CRASH, error={
                 "type": what, "where": "worker",
                 "message": f"the worker process died ({what}) while running this case on {self.device}",
                 "traceback": self._read_log()})
-        # no answer within the limit
-        out_of_wall = wall is not None and time.monotonic() >= wall - 1e-3 and limit < timeout
+        if stop < min(hang_at, wall_at):
+            return None  # still running; the caller may come back for it
+        self.inflight = None
+        out_of_wall = wall_at <= hang_at
         stack = ""
         for _ in range(20):  # the worker's own watchdog writes its stack just before the timeout
             stack = self._read_log()

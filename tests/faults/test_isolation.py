@@ -138,3 +138,19 @@ def test_an_unwritable_corpus_prints_the_finding_and_exits_3(tmp_path, harness_c
         r = load_repro(saved)
         assert r.symptom in ("divergence", "crash") and r.case.batch_size >= 1
     assert "2 finding(s) could not be written" in err
+
+
+def test_a_slow_first_case_is_deferred_and_starves_no_other_pair(tmp_path, harness_cli):
+    """A cold start longer than the pair's share goes on in a parked worker while the others run; the
+    pair comes back at the end with its first case done. The budget stays a wall."""
+    t = time.monotonic()
+    code, out, err = harness_cli("fuzz", "cold.compiled", "faults.diverges", "moe_aggregate.aligned",
+                                 "--plugin", str(PLUGINS / "slow_start.py"), "--plugin", FAULTS, "--no-tracking",
+                                 "--seed", "1", "--budget", "20", "--corpus", str(tmp_path / "corpus"))
+    wall = time.monotonic() - t
+    assert code == 1, err
+    assert "cold.compiled: first case still running at the end of its share" in err
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip() and "  " in line}
+    assert rows["cold.compiled"][2] == "caught" and rows["faults.diverges"][2] == "caught"
+    assert rows["moe_aggregate.aligned"][2] == "clean" and int(rows["moe_aggregate.aligned"][3]) > 10
+    assert wall < 20 + 30  # startup and imports on a loaded machine aside
