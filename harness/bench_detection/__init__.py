@@ -53,6 +53,7 @@ class Trial:
     one_minimal: bool = False  # no simpler neighbour of the repro fails with the same symptom
     failing_neighbours: list = field(default_factory=list)  # one-line cases of simpler neighbours that fail
     twin_cases: int = 0  # cases the fixed twin's campaign evaluated
+    twin_drawn: list = field(default_factory=list, repr=False)  # those cases, in order (what the generator drew)
     twin_findings: int = 0
     seconds: float = 0.0
 
@@ -131,6 +132,7 @@ def run_trial(pc: PlantedClass, seed: int, cap: int, twin_cases: int, threshold:
     if twin_cases:
         twin, twin_order = campaign(pc.fixed, seed, twin_cases, threshold)
         trial.twin_cases, trial.twin_findings = len(twin_order), len(twin.findings)
+        trial.twin_drawn = twin_order
     trial.seconds = time.perf_counter() - t0
     return trial
 
@@ -258,6 +260,45 @@ def not_simplest(summaries: list[ClassSummary]) -> list[str]:
     return out
 
 
+DRAW_PROPERTIES: dict[str, Callable[[Any], bool]] = {
+    "batch size 1": lambda c: c.batch_size == 1,
+    "batch size >= 9": lambda c: c.batch_size >= 9,
+    "every response 1 token": lambda c: set(c.seq_lens) == {1},
+    "batch >= 2, all responses of one length": lambda c: c.batch_size >= 2 and len(set(c.seq_lens)) == 1,
+    "left padding": lambda c: c.pad_side == "left",
+    "left padding, unequal lengths": lambda c: c.pad_side == "left" and len(set(c.seq_lens)) > 1,
+    "logit scale >= 10": lambda c: c.logit_scale >= 10,
+}
+
+
+def draw_table(summaries: list[ClassSummary]) -> list[str]:
+    """What the generator drew: shares of the fixed twins' campaign cases (no failure, so no
+    shrinking: generation and targeting only) with each property, in the first and second half of
+    each campaign, against uniform random over the same axes (as many cases, same seeds)."""
+    from ..strategies import uniform_cases
+
+    first, second, uniform = [], [], []
+    for s in summaries:
+        for t in s.trials:
+            drawn = t.twin_drawn
+            half = (len(drawn) + 1) // 2
+            first += drawn[:half]
+            second += drawn[half:]
+            rng = random.Random(t.seed)
+            uniform += [uniform_cases(s.pc.fixed.axes, rng) for _ in drawn]
+    if not uniform:
+        return []
+
+    def share(cases: list, prop: Callable) -> str:
+        return f"{sum(map(prop, cases)) / len(cases):.0%}" if cases else "-"
+
+    lines = [f"| drawn case | harness, first half ({len(first)} cases) | harness, second half ({len(second)}) "
+             f"| uniform random ({len(uniform)}) |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {share(first, p)} | {share(second, p)} | {share(uniform, p)} |"
+              for name, p in DRAW_PROPERTIES.items()]
+    return lines
+
+
 def plot(summaries: list[ClassSummary], cap: int, path: Path) -> Path:
     import matplotlib
 
@@ -268,26 +309,26 @@ def plot(summaries: list[ClassSummary], cap: int, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     names = [s.pc.name for s in summaries]
     y = list(range(len(names)))
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.6))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 2.0), layout="constrained")
     for off, attr, label, color in ((-0.18, "harness", "harness (campaign)", "tab:blue"),
                                     (0.18, "random", "uniform random", "tab:orange")):
         med = [min(censored_median([getattr(t, attr) for t in s.trials]), cap * 1.5) for s in summaries]
-        ax.barh([i + off for i in y], med, height=0.34, color=color, alpha=0.55, label=f"{label}, median")
+        ax.barh([i + off for i in y], [m - 0.7 for m in med], left=0.7, height=0.34, color=color, alpha=0.55,
+                label=f"{label}, median")
         for i, s in enumerate(summaries):
             xs = [getattr(t, attr) for t in s.trials]
             ax.scatter([cap * 1.5 if v is None else v for v in xs], [i + off] * len(xs), color=color, s=14,
                        marker="o", zorder=3)
-    ax.axvline(cap, color="grey", ls="--", lw=1)
-    ax.text(cap, len(names) - 0.4, f" cap {cap}\n (right: not found)", fontsize=7, color="grey", va="top")
-    ax.axvline(GOAL_WITHIN, color="green", ls=":", lw=1)
+    ax.axvline(cap, color="grey", ls="--", lw=1, label=f"cap {cap} (dots right of it: not found)")
+    ax.axvline(GOAL_WITHIN, color="green", ls=":", lw=1, label=f"goal: within {GOAL_WITHIN}")
     ax.set_xscale("log")
+    ax.set_xlim(0.7, cap * 2)
     ax.set_yticks(y, [n + (" (ties)" if s.pc.ties else "") for n, s in zip(names, summaries)])
     ax.invert_yaxis()
     ax.set_xlabel("cases to the first finding (log; dots: seeds)")
     ax.set_title("Planted bugs: cases to first finding, harness vs uniform random")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.legend(loc="outside lower center", ncol=2, fontsize=8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -344,6 +385,12 @@ def detection(names: tuple[str, ...] = (), seeds: int = 3, cap: int = 300, twin_
     odd = not_simplest(summaries)
     if odd:
         body += ["", "Repros that are not the simplest trigger:", *odd]
+    draws = draw_table(summaries)
+    if draws:
+        body += ["", "What the generator drew: the fixed twins' campaigns (nothing fails, so no shrinking; every",
+                 "class declares the default batch, length, padding and logit-scale axes), first and second half",
+                 "of each campaign (Hypothesis's target phase starts at half of max_examples), against",
+                 "`uniform_cases` over the same axes:", "", *draws]
     if plot_path is not None:
         p = plot(summaries, cap, plot_path)
         body += ["", f"Plot: `{p}`.", "", f"![detection]({_relative(p, out)})"]

@@ -458,7 +458,7 @@ def softmax_overflow() -> PlantedClass:
     axes = Axes()
     return _class(
         "softmax_overflow", "the rollout's fp16 softmax does not subtract the row max (exp overflows)",
-        "a logit above 11.09: logit scale >= ~11.5 (a normalized head: logits = scale x cosine)", _cos_build,
+        "a logit above 11.09 in fp16: logit scale >= ~10 (a normalized head: logits = scale x cosine)", _cos_build,
         lambda inp: _softmax_fp16(inp, subtract_max=False), lambda inp: _softmax_fp16(inp, subtract_max=True),
         lambda inp: Outcome(logprobs=torch.log_softmax(inp["logits"].double(), -1)), axes,
         lambda c: c.n_tokens == 1 and neutral(c, axes, "logit_scale"),
