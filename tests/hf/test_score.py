@@ -63,7 +63,7 @@ def test_aligned_rollouts_are_all_under_the_line(aligned_file, tmp_path):
         assert (tmp_path / "out" / name).stat().st_size > 0
 
 
-def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_path):
+def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_path, harness_cli):
     corpus = tmp_path / "corpus"
     res = score(bf16_file, pair_name="hf.qwen3_moe.aligned", corpus=corpus, out_dir=tmp_path / "out",
                 progress=False, max_repros=2)
@@ -89,6 +89,25 @@ def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_p
 
     t = triage(repro)
     assert t.verdict and "did not evaluate" not in t.verdict
+    code, out, err = harness_cli("show", str(path))
+    assert code == 0 and "hf.qwen3_moe.aligned" in out, err
+
+
+def test_score_logs_a_campaign_run_with_the_batch_metrics(aligned_file, tmp_path):
+    pytest.importorskip("mlflow", reason="tracking needs mlflow")
+    from mlflow import MlflowClient
+
+    from harness.tracking import make_tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    res = score(aligned_file, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", out_dir=tmp_path / "o",
+                tracker=make_tracker(uri), progress=False)
+    client = MlflowClient(tracking_uri=uri)
+    [exp] = [e for e in client.search_experiments() if e.name != "Default"]
+    [run] = client.search_runs([exp.experiment_id])
+    assert run.data.metrics["score.k3_kl"] == pytest.approx(res.batch["k3_kl"], abs=1e-15)
+    assert run.data.metrics["cases"] == 12
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "score")} >= {"score/k3_hist.png"}
 
 
 def test_bad_rows_are_named_by_line_and_field_and_the_rest_is_scored(aligned_file, tmp_path, harness_cli):
