@@ -251,10 +251,11 @@ def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tu
         import targets.hf.pairs as hfp
     except ImportError:  # pragma: no cover - targets ships with the harness
         raise UsageError("harness score needs the Hugging Face backend (targets/hf).") from None
-    import importlib.util
+    from targets.hf import AVAILABLE
 
-    if importlib.util.find_spec("transformers") is None:
-        raise UsageError("harness score needs transformers: pip install -e '.[hf]'.")
+    if not AVAILABLE:
+        raise UsageError("harness score needs transformers, which is not installed: pip install -e '.[hf]' "
+                         "(transformers, and pyarrow for Parquet files).")
     from .pairs import REGISTRY
 
     if model is not None:

@@ -15,6 +15,15 @@ import importlib.util
 from .backend import BF16, FP32, HFModel, Numerics
 from .pairs import default_axes, hf_pair, hf_pairs
 
-AVAILABLE = importlib.util.find_spec("transformers") is not None
+
+
+def _available() -> bool:
+    try:
+        return importlib.util.find_spec("transformers") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+AVAILABLE = _available()  # transformers importable (without importing it)
 
 __all__ = ["AVAILABLE", "BF16", "FP32", "HFModel", "Numerics", "default_axes", "hf_pair", "hf_pairs"]
