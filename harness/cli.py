@@ -76,6 +76,7 @@ LAZY_COMMANDS = {
     "triage": "harness.triage:triage_command",
     "report": "harness.report:report_command",
     "score": "harness.score:score_command",
+    "gpucheck": "harness.gpucheck:gpucheck_command",
 }
 LAZY_BENCHMARKS = {
     "overhead": "harness.bench:overhead_command",

@@ -1,0 +1,69 @@
+"""`harness gpucheck`: skips cleanly without CUDA; its campaigns and table, tried on the CPU."""
+
+import json
+
+import pytest
+import torch
+
+from harness.gpucheck import PairCheck, table
+
+from ..conftest import PLUGINS
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run, not skip")
+def test_without_cuda_it_skips_with_the_reason_and_exits_0(harness_cli):
+    code, out, err = harness_cli("gpucheck")
+    assert code == 0, err
+    assert out.startswith("gpucheck: skipped: torch ") and "sees no CUDA device" in out
+    code, out, err = harness_cli("gpucheck", "--device", "cuda:1")
+    assert code == 0 and "skipped" in out
+
+
+def test_the_module_runs_as_a_script_too(harness_cli):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "harness.gpucheck", "--device", "tpu"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "not cpu, cuda or cuda:N" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_on_cpu_it_prints_one_table_with_every_column(harness_cli):
+    code, out, err = harness_cli("gpucheck", "--device", "cpu", "--pairs", "lm_head.aligned", "--pairs",
+                                 "lm_head.bf16", "--budget", "20", "--max-examples", "8", "--json")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "| pair" in lines[2] and all(c in lines[2] for c in ("cases/s", "harness/bare", "metrics ms", "verdict"))
+    body = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in lines[4:6]}
+    assert set(body) == {"lm_head.aligned", "lm_head.bf16"}
+    assert body["lm_head.aligned"][-1] == "clean" and body["lm_head.bf16"][-1] == "caught"
+    rows = json.loads(out[out.index("["):])
+    for r in rows:
+        assert r["cases"] >= 2 and r["rate"] > 0 and r["bare_ms"] > 0 and r["metrics_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["harness_ms"] / r["bare_ms"])
+
+
+def test_an_aligned_pair_that_diverges_fails_the_check(harness_cli, tmp_path):
+    plugin = tmp_path / "regressed.py"
+    plugin.write_text(
+        "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+        "def build(case, device):\n    return case.token_randn(8, 'x', device=device) * 4\n"
+        "register(TargetPair(name='example.regressed', kind='op', expected='aligned', build=build,\n"
+        "    trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)),\n"
+        "    rollout=lambda x: Outcome(logprobs=torch.log_softmax(x.flip(-1), -1)),\n"
+        "    axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))\n")
+    code, out, err = harness_cli("gpucheck", "--device", "cpu", "--plugin", str(plugin), "--pairs", "example.*",
+                                 "--budget", "20", "--max-examples", "10")
+    assert code == 1, out + err
+    assert "| REGRESSION |" in out and "failed: example.regressed" in out
+
+
+def test_table_marks_what_was_not_measured():
+    rows = [PairCheck("a.pair", "aligned", cases=3, rate=2.0, harness_ms=10.0, bare_ms=8.0, metrics_ms=1.25,
+                      verdict="clean"),
+            PairCheck("b.pair", "aligned", verdict="BROKEN", note="error: RuntimeError: boom")]
+    text = table(rows).splitlines()
+    assert text[2].split("|")[1:-1] == [" a.pair ", " 3     ", " 2.0     ", " 1.25         ", " 1.2        ",
+                                        " clean "]
+    assert text[3].split("|")[3:6] == [" -       ", " -            ", " -          "]
+    assert "BROKEN (error: RuntimeError: boom)" in text[3]
