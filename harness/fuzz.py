@@ -429,15 +429,20 @@ class Executor:
     """Where a campaign's cases run: supervised worker processes (isolation), or this process.
 
     One executor may serve several campaigns with the same device and plugins (a pytest session's
-    items): its worker is reused, so only the first pays the start. At most one more worker is
-    parked at a time, finishing a slow first case (see `Deferred`) on another core.
+    items): its worker is reused, so only the first pays the start. Up to `MAX_PARKED` more workers
+    are parked at a time, each finishing a slow first case (see `Deferred`) on another core. The
+    first case of a group in a worker may take `COLD_START_TIMEOUT` seconds (or the pair's timeout
+    if longer) before it counts as a hang: a cold compile is not one.
     """
+
+    MAX_PARKED = 2
+    COLD_START_TIMEOUT = 300.0
 
     def __init__(self, cfg: CampaignConfig) -> None:
         self.cfg = cfg
         self.worker: Any = None  # the worker new cases go to
         self.warm: set[str] = set()  # groups (pair sources) the current worker has run a case of
-        self.parked: tuple[str, Any] | None = None  # (group, worker) finishing a slow first case
+        self.parked: dict[str, Any] = {}  # group -> worker finishing a slow first case
         self._restarts = 0  # of workers already closed
 
     @staticmethod
@@ -445,9 +450,6 @@ class Executor:
         """Pairs registered from one module share its imports and caches: one warm-up serves them all."""
         return pair.source or pair.name
 
-    @property
-    def parked_group(self) -> str | None:
-        return self.parked[0] if self.parked else None
 
     def _current(self) -> Any:
         if self.worker is None:
@@ -474,9 +476,8 @@ class Executor:
         self._restarts += worker.restarts
         worker.close()
 
-    def _resume(self) -> None:
-        group, parked = self.parked
-        self.parked = None
+    def _resume(self, group: str) -> None:
+        parked = self.parked.pop(group)
         if self.worker is not None:
             self._retire(self.worker)
         self.worker, self.warm = parked, set()
@@ -491,8 +492,8 @@ class Executor:
         timeout, group = cfg.timeout_for(pair.name), self.group(pair)
 
         def evaluate(case: Case) -> Evaluation:
-            if self.parked_group == group:
-                self._resume()
+            if group in self.parked:
+                self._resume(group)
             worker = self._current()
             if worker.inflight is not None:  # a parked first case: the same case, drawn from the same seed
                 pending = worker.inflight[1]
@@ -500,11 +501,12 @@ class Executor:
                 self.warm.add(group)
                 if pending == case:
                     return ev
-            worker.submit(pair, case, cfg.threshold, timeout, wall)
-            if may_defer and share is not None and group not in self.warm and self.parked is None:
+            cold = group not in self.warm
+            worker.submit(pair, case, cfg.threshold, max(timeout, self.COLD_START_TIMEOUT) if cold else timeout, wall)
+            if may_defer and share is not None and cold and len(self.parked) < self.MAX_PARKED:
                 ev = worker.collect(wall, until=share)
                 if ev is None:
-                    self.parked, self.worker = (group, worker), None
+                    self.parked[group], self.worker = worker, None
                     raise Deferred
             else:
                 ev = worker.collect(wall)
@@ -518,10 +520,10 @@ class Executor:
         return self._restarts + (self.worker.restarts if self.worker is not None else 0)
 
     def close(self) -> None:
-        for w in (self.worker, self.parked[1] if self.parked else None):
+        for w in (self.worker, *self.parked.values()):
             if w is not None:
                 self._retire(w)
-        self.worker = self.parked = None
+        self.worker, self.parked = None, {}
 
 
 class _Signals:
@@ -644,15 +646,16 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             executor.prepare(end)
             while queue:
                 unit = queue.popleft()
-                pair, group, parked = unit.pair, executor.group(unit.pair), executor.parked_group
-                if parked == group and any(executor.group(u.pair) != parked for u in queue):
+                pair, group, parked = unit.pair, executor.group(unit.pair), executor.parked
+                if group in parked and any(executor.group(u.pair) not in parked for u in queue):
                     queue.append(unit)  # its group's first case still runs in the background: later
                     continue
                 deadline = None
                 if end is not None:
                     now = time.monotonic()
                     deadline = now + max(0.0, end - now) / (len(queue) + 1)
-                may_defer = parked is None and any(executor.group(u.pair) != group for u in queue)
+                may_defer = any(executor.group(u.pair) not in parked and executor.group(u.pair) != group
+                                for u in queue)
                 try:
                     r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
                                   progress, evaluate=executor.evaluator(pair, end, cfg, deadline, may_defer),
