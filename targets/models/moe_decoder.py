@@ -8,11 +8,13 @@ names* (triage compares them module by module):
 
 - trainer: packed rows, block-diagonal causal mask, per-sequence positions, no past;
 - rollout prefill: a padded batch, causal mask with key padding, no past;
-- rollout decode: one token per sequence, the KV cache of all earlier steps as `past`.
+- rollout decode: one token per sequence, the static KV cache (every slot, invalid ones masked) as `past`.
 
 What differs between a trainer and a rollout engine is a `Numerics` profile passed at call time:
 the dtype of each component's arithmetic, the attention kernel, the MoE summation order, the
-KV-cache dtype, and how packed sequences get their positions. Nothing else in the model branches.
+KV-cache dtype (and that of its late slots), and how positions are counted (by the paths). The
+profile's `sampling` setting is read by the paths (`paths.process`), not the model. Nothing else in
+the model branches.
 
 Near-tie routing: the router of one drawn layer sees its input nudged (in float32, the same
 construction on both paths) so that the tokens the case forces sit at the top-k boundary with the
