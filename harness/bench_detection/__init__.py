@@ -278,24 +278,42 @@ def draw_table(summaries: list[ClassSummary]) -> list[str]:
     from ..strategies import uniform_cases
 
     first, second, uniform = [], [], []
+    repeats = {"first": [], "second": [], "uniform": []}  # per case: same layout as the case before it?
+
+    def layout(c: Any) -> tuple:
+        return (c.pad_side, c.seq_lens, c.prompt_lens)
+
+    def repeated(cases: list) -> list[bool]:
+        return [False] + [layout(a) == layout(b) for a, b in zip(cases, cases[1:])]
+
     for s in summaries:
         for t in s.trials:
             drawn = t.twin_drawn
             half = (len(drawn) + 1) // 2
+            rng = random.Random(t.seed)
+            drawn_uniform = [uniform_cases(s.pc.fixed.axes, rng) for _ in drawn]
             first += drawn[:half]
             second += drawn[half:]
-            rng = random.Random(t.seed)
-            uniform += [uniform_cases(s.pc.fixed.axes, rng) for _ in drawn]
+            uniform += drawn_uniform
+            rep = repeated(drawn)
+            repeats["first"] += rep[:half]
+            repeats["second"] += rep[half:]
+            repeats["uniform"] += repeated(drawn_uniform)
     if not uniform:
         return []
 
     def share(cases: list, prop: Callable) -> str:
         return f"{sum(map(prop, cases)) / len(cases):.0%}" if cases else "-"
 
+    def rate(flags: list[bool]) -> str:
+        return f"{sum(flags) / len(flags):.0%}" if flags else "-"
+
     lines = [f"| drawn case | harness, first half ({len(first)} cases) | harness, second half ({len(second)}) "
              f"| uniform random ({len(uniform)}) |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {share(first, p)} | {share(second, p)} | {share(uniform, p)} |"
               for name, p in DRAW_PROPERTIES.items()]
+    lines.append(f"| same padding side and lengths as the case before | {rate(repeats['first'])} "
+                 f"| {rate(repeats['second'])} | {rate(repeats['uniform'])} |")
     return lines
 
 
