@@ -17,7 +17,11 @@
    registered `aligned` pair exposing the same modules (the same trainer module object, or the same
    module names), run with the finding's trainer profile on both sides when it has profiles. The
    first module whose error exceeds its floor is where the divergence starts; its layer (the
-   module path up to its first numeric index, `layers.3`) is named in the verdict.
+   module path up to its first numeric index, `layers.3`) is named in the verdict. When the
+   minimal set of step 2 is smaller than the set of differing components, the start is the first
+   module over its floor whose error is also FLOOR_FACTOR x the error with only the minimal set
+   aligned (what the other differing components give alone: a bf16 body rounds the embedding
+   already, but a router flip starts where the experts are chosen).
 2. **Localization by swapping.** For every component whose setting differs between the two paths,
    the case is rerun with that one component aligned (the rollout takes the trainer's setting, and
    back: the trainer takes the rollout's), then the set of differing components is delta-debugged
@@ -91,10 +95,18 @@ class ModuleRow:
     error: float  # relative L2 error trainer vs rollout over the common tokens
     floor: float  # noise floor
     tokens: int  # tokens compared
+    rest: float = float("nan")  # the error with only the minimal component set aligned (the other
+    #                             differing components left as found), where that is a separate run
 
     @property
     def exceeds(self) -> bool:
         return self.error > self.floor
+
+    @property
+    def starts(self) -> bool:
+        """Over its floor and, where the other differing components were measured apart, over
+        FLOOR_FACTOR x what they alone give: the minimal set's divergence is under way here."""
+        return self.exceeds and not self.error <= FLOOR_FACTOR * self.rest
 
     @property
     def layer(self) -> str:
@@ -127,6 +139,7 @@ class Localization:
     runs: int  # cases run to localize
     explained: bool  # aligning the minimal set brings k3 under the threshold
     aligned_profiles: tuple[dict, dict] = ({}, {})  # (trainer, rollout) with every component aligned
+    minimal_aligned_profiles: tuple[dict, dict] = ({}, {})  # ... with only the minimal set aligned
 
 
 @dataclass
@@ -466,10 +479,12 @@ def aligned_reference(pair: Any, case: Any, device: str, registry: Any, profile:
     return by_names, by_names.name
 
 
-def per_module(pair: Any, case: Any, device: str, reference: Any | None
+def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: Any | None = None
                ) -> tuple[list[ModuleRow], str | None, NonFinite | None, list[str]]:
-    """The module table (error vs floor), the first module over its floor, the first module with
-    NaN/inf, and notes on what could not be compared."""
+    """The module table (error vs floor), the first module where the divergence starts, the first
+    module with NaN/inf, and notes on what could not be compared. `rest` (optional) is the pair with
+    only the minimal component set aligned: a module counts as where the divergence starts only when
+    its error is also FLOOR_FACTOR x the error the other differing components give there."""
     notes: list[str] = []
     got = capture(pair, case, device)
     if got is None:
@@ -485,9 +500,14 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None
         ref = capture(reference, case, device)
         if ref is not None:
             floors = {k: v[0] for k, v in module_errors(*ref).items()}
-    rows = [ModuleRow(name, err, max(MIN_FLOOR, FLOOR_FACTOR * floors.get(name, 0.0)), n)
-            for name, (err, n) in errs.items()]
-    first = next((r.name for r in rows if r.exceeds), None)
+    others: dict[str, float] = {}
+    if rest is not None:
+        got_rest = capture(rest, case, device)
+        if got_rest is not None:
+            others = {k: v[0] for k, v in module_errors(*got_rest).items()}
+    rows = [ModuleRow(name, err, max(MIN_FLOOR, FLOOR_FACTOR * floors.get(name, 0.0)), n,
+                      others.get(name, float("nan"))) for name, (err, n) in errs.items()]
+    first = next((r.name for r in rows if r.starts), None)
     return rows, first, first_nonfinite(t_cap, r_cap), notes
 
 
@@ -572,7 +592,7 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
     all_aligned = k3(*aligned(differing)) if differing else k3_found
     explained = bool(minimal) and math.isfinite(min_aligned) and min_aligned <= threshold
     return Localization(differing, swaps, minimal, only, min_aligned, all_aligned, len(cache), explained,
-                        aligned(differing))
+                        aligned(differing), aligned(minimal))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -685,13 +705,17 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
     t = Triage(repro=repro, pair=pair, k3=ev.k3, threshold=thr, evaluation=ev)
     if ev.error:
         t.notes.append(f"the pair raised {ev.error['type']}: {ev.error['message']}")
+    prof = _profiles(pair)
     if ev.divergence is not None:
         if ev.trainer is not None and ev.rollout is not None:
             t.flips = routing_split(ev.trainer, ev.rollout)
         if ev.k3 > thr or not math.isfinite(ev.k3) or ev.divergence.nonfinite:
             t.localization = localize(pair, repro.case, device, thr, ev.k3)
         reference, t.floor_from = noise_reference(pair, repro.case, device, registry, t.localization)
-        t.modules, t.first_module, t.nonfinite, notes = per_module(pair, repro.case, device, reference)
+        loc = t.localization
+        rest = prof.variant(*loc.minimal_aligned_profiles) if loc is not None and loc.explained \
+            and set(loc.minimal) != set(loc.differing) else None
+        t.modules, t.first_module, t.nonfinite, notes = per_module(pair, repro.case, device, reference, rest)
         t.notes += notes
         if t.modules and reference is None:
             t.notes.append("no aligned run of the same modules was found (a registered `aligned` pair exposing "
@@ -826,14 +850,21 @@ def write_report(t: Triage, reports: Path) -> Path:
                   f"{layer_of(nf.module)}; {' and '.join(nf.paths)} path; {nf.positions} position(s)).", ""]
     if t.modules:
         floor_from = t.floor_from or f"none found, the absolute minimum {MIN_FLOOR:g}"
+        rest = any(m.rest == m.rest for m in t.modules)
+        minimal = ", ".join(t.localization.minimal) if t.localization else ""
         lines += ["## Divergence per module", "",
-                  f"First module over its noise floor: **{t.first_module or 'none'}**"
+                  f"Where the divergence starts: **{t.first_module or 'none'}**"
                   + (f" (layer {t.first_layer})" if t.first_module else "")
-                  + f". Floor = {FLOOR_FACTOR:g} x the module's error in an aligned run of the same modules "
-                  f"({floor_from}), at least {MIN_FLOOR:g}.", "",
-                  "| module | layer | relative error | noise floor | tokens | over |", "|---|---|---:|---:|---:|---|"]
-        lines += [f"| {m.name} | {m.layer} | {m.error:.3g} | {m.floor:.3g} | {m.tokens} | "
-                  f"{'yes' if m.exceeds else ''} |" for m in t.modules]
+                  + f". Noise floor = {FLOOR_FACTOR:g} x the module's error in an aligned run of the same modules "
+                  f"({floor_from}), at least {MIN_FLOOR:g}"
+                  + (f"; the start is the first module also over {FLOOR_FACTOR:g} x its error with only {minimal} "
+                     "aligned (what the other differing components give alone)" if rest else "") + ".", "",
+                  "| module | layer | relative error | noise floor |" + (f" {minimal} aligned |" if rest else "")
+                  + " tokens | over floor |",
+                  "|---|---|---:|---:|" + ("---:|" if rest else "") + "---:|---|"]
+        lines += [f"| {m.name} | {m.layer} | {m.error:.3g} | {m.floor:.3g} | "
+                  + (f"{m.rest:.3g} | " if rest else "")
+                  + f"{m.tokens} | {'yes' if m.exceeds else ''} |" for m in t.modules]
         lines.append("")
     if t.flips:
         lines += ["## Routing flips per layer", "", "| layer | tokens | near-tie flips | other flips |",

@@ -1,8 +1,8 @@
 """Triage: ddmin, localization by swapping, the per-module table, routing split, the report and CLI.
 
-The two done-when findings are the committed repros of `model.moe_aggregate_bf16` and
-`model.packing_positions_bug` (corpora/): triage must name MoE aggregation and positions/rotary,
-and the layer where each starts. The planted pairs of `tests/plugins/planted_modules.py` carry a
+The done-when findings: the committed repro of `model.moe_aggregate_bf16` (corpora/) and a
+diverging case of `model.packing_positions_bug`: triage must name MoE aggregation and
+positions/rotary, and the layer where each starts. The planted pairs of `tests/plugins/planted_modules.py` carry a
 code-level bug in one module (same numerics on both sides) or a non-finite one: only the
 per-module table (forward hooks, no argument added to the model's call) can localize them.
 """
@@ -69,7 +69,8 @@ def test_triage_names_moe_aggregation_and_the_layer_it_starts_in(tmp_path):
 def test_triage_names_positions_for_the_packing_bug():
     from targets.models.moe_decoder import COMPONENTS
 
-    t = triage(corpus_repro("model.packing_positions_bug"))
+    c = Case(seed=5, seq_lens=(24, 24), prompt_lens=(16, 16), logit_scale=8.0, params={"tie_layer": 0})
+    t = triage(made_repro("model.packing_positions_bug", c))
     assert t.localization.minimal == ["positions"] and t.localization.explained
     assert t.verdict.startswith(COMPONENTS["positions"][1] + ", from layers.0 (first divergent module layers.0.attn")
     assert t.first_module is not None and t.first_module.startswith("layers.0.attn")
@@ -201,3 +202,20 @@ def test_cli_triage_needs_a_file_or_a_run_id(harness_cli, tmp_path):
     bad.write_text("{")
     code, out, err = harness_cli("triage", str(bad))
     assert code == 2 and "not valid JSON" in err
+
+
+def test_triage_on_hugging_face_models_needs_no_argument_in_their_call():
+    """transformers models (their forward untouched) get the per-module table and a layer in the verdict."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    c = Case(seed=0, seq_lens=(6, 4), prompt_lens=(3, 5))
+    trap = triage(made_repro("hf.qwen3.packed_cache_trap", c))
+    assert trap.k3 > 1e-3 and trap.localization.explained
+    assert trap.first_module == "model.layers.0.self_attn.o_proj"  # attention mixes across the packed rows
+    assert ", from model.layers.0 (first divergent module model.layers.0.self_attn.o_proj): k3" in trap.verdict
+    assert {m.name: m.tokens for m in trap.modules}["lm_head"] == c.n_tokens
+    bf16 = triage(made_repro("hf.qwen3_moe.bf16_rollout", c))
+    if bf16.k3 > 1e-3 and bf16.localization.explained:
+        # the minimal set's divergence starts where it adds to what the other components give alone,
+        # not at the embedding that every bf16 component already rounds
+        assert bf16.first_module is not None and bf16.first_module.startswith("model.layers.")
+        assert "all layers" not in bf16.verdict and ", from model.layers." in bf16.verdict
