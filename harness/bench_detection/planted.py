@@ -1,7 +1,7 @@
 """Planted bug classes of the detection benchmark: each a buggy target pair and its fixed twin.
 
 Every class reproduces one real way a rollout engine and a trainer disagree, at op level (small
-tensors, small vocabularies, so a case costs about a millisecond). Each has
+tensors, small vocabularies: a case costs milliseconds on one CPU thread). Each has
 
 - `buggy`: a `diverges` pair whose rollout (or trainer) carries the bug;
 - `fixed`: its twin, the same computation with the bug removed (an `aligned` pair);
