@@ -80,11 +80,13 @@ LAZY_COMMANDS = {
 }
 LAZY_BENCHMARKS = {
     "overhead": "harness.bench:overhead_command",
+    "xdist": "harness.bench:xdist_command",
     "neartie": "harness.bench_ops:neartie_command",
     "ops": "harness.bench_ops:ops_command",
     "models": "harness.bench_models:models_command",
     "tracking": "harness.cli_tracking:bench_tracking_command",
     "detection": "harness.bench_detection:detection_command",
+    "metrics": "harness.bench_metrics:metrics_command",
 }
 
 
@@ -323,8 +325,11 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             results.append(do_replay(r, dev, threshold))
         except HarnessError as e:
             skipped.append(Skipped(r.path, str(e)))
-    for s in skipped:
-        echo_err(f"skipped {s.path}: {s.reason}")
+    if len(skipped) == 1 and not results:  # one repro asked for, and it cannot be replayed
+        echo_err(f"error: {skipped[0].reason}")
+    else:
+        for s in skipped:
+            echo_err(f"skipped {s.path}: {s.reason}")
     out = []
     for res in results:
         r, ev = res.repro, res.evaluation
@@ -346,7 +351,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     if as_json:
         out += [{"file": str(s.path) if s.path else None, "skipped": s.reason} for s in skipped]
         click.echo(json.dumps(out, indent=2, default=str))
-    if skipped and not as_json:
+    if skipped and not as_json and (results or len(skipped) > 1):
         echo_err(f"{len(skipped)} repro(s) skipped, {len(results)} replayed.")
     if any(res.diverges for res in results):
         sys.exit(EXIT_FOUND)

@@ -505,8 +505,8 @@ def validate_repro_json(data: Any, where: str) -> None:
             if not isinstance(k, str) or not (_is_number(v) or v in NONFINITE):
                 bad(f"metrics.{k}", v, "must be a number or one of \"nan\", \"inf\", \"-inf\"")
     err = data.get("error")
-    if err is not None and (not isinstance(err, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                                 for k, v in err.items())):
+    if err is not None and (not isinstance(err, dict) or not all(
+            isinstance(k, str) and (v is None or isinstance(v, str) or _is_number(v)) for k, v in err.items())):
         bad("error", err, "must be null or an object of strings (type, message, where, traceback)")
     for name in ("environment", "found", "tracking", "loader"):
         if data.get(name) is not None and not isinstance(data[name], dict):
