@@ -121,6 +121,8 @@ class Swap:
     rollout: str  # the rollout's setting
     k3_rollout_aligned: float  # k3 with the rollout taking the trainer's setting
     k3_trainer_aligned: float  # k3 with the trainer taking the rollout's setting
+    kl_rollout_aligned: float = float("nan")  # exact KL(rollout || trainer), the rollout taking the trainer's
+    kl_trainer_aligned: float = float("nan")  # ... the trainer taking the rollout's
 
     @property
     def best(self) -> float:
@@ -132,14 +134,15 @@ class Swap:
 class Localization:
     differing: list[str]
     swaps: list[Swap]
-    minimal: list[str]  # the minimal set of components that keeps k3 above the threshold
+    minimal: list[str]  # the minimal set of components that keeps the case failing (k3 or KL over the line)
     k3_minimal_only: float  # k3 with only the minimal set differing
     k3_minimal_aligned: float  # k3 with the minimal set aligned too (everything else as found)
     k3_all_aligned: float  # k3 with every component aligned
     runs: int  # cases run to localize
-    explained: bool  # aligning the minimal set brings k3 under the threshold
+    explained: bool  # aligning the minimal set makes the case pass (k3 and exact KL under the threshold)
     aligned_profiles: tuple[dict, dict] = ({}, {})  # (trainer, rollout) with every component aligned
     minimal_aligned_profiles: tuple[dict, dict] = ({}, {})  # ... with only the minimal set aligned
+    kl_minimal_aligned: float = float("nan")  # exact KL with the minimal set aligned
 
 
 @dataclass
@@ -557,21 +560,30 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
     t0, r0 = dict(prof.trainer), dict(prof.rollout)
     differing = [c for c in t0 if t0.get(c) != r0.get(c)]
     labels = dict(getattr(prof, "labels", {}) or {})
-    cache: dict[str, float] = {}
+    cache: dict[str, tuple[float, float, bool]] = {}  # profiles -> (k3, exact KL, still a finding)
 
-    def k3(t: dict, r: dict) -> float:
+    def run(t: dict, r: dict) -> tuple[float, float, bool]:
         key = json.dumps([t, r], sort_keys=True)
         if key not in cache:
             ev = run_case(prof.variant(t, r), case, device, threshold)
-            cache[key] = ev.k3 if ev.divergence is not None else float("nan")
+            d = ev.divergence
+            cache[key] = (ev.k3, d.kl if d is not None else float("nan"), ev.failed)
         return cache[key]
+
+    def k3(t: dict, r: dict) -> float:
+        return run(t, r)[0]
+
+    def score(t: dict, r: dict) -> float:  # what the verdict compares with the threshold
+        k, kl, _ = run(t, r)
+        return max(k, kl) if math.isfinite(k) and math.isfinite(kl) else float("inf")
 
     swaps = []
     for c in differing:
-        swaps.append(Swap(c, labels.get(c, c), str(t0[c]), str(r0[c]),
-                          k3(t0, {**r0, c: t0[c]}), k3({**t0, c: r0[c]}, r0)))
-    direction = {s.component: ("trainer" if s.k3_trainer_aligned < s.k3_rollout_aligned else "rollout")
-                 for s in swaps}
+        to_trainer, to_rollout = (t0, {**r0, c: t0[c]}), ({**t0, c: r0[c]}, r0)
+        swaps.append(Swap(c, labels.get(c, c), str(t0[c]), str(r0[c]), k3(*to_trainer), k3(*to_rollout),
+                          run(*to_trainer)[1], run(*to_rollout)[1]))
+    direction = {c: ("trainer" if score({**t0, c: r0[c]}, r0) < score(t0, {**r0, c: t0[c]}) else "rollout")
+                 for c in differing}
 
     def aligned(comps: list[str]) -> tuple[dict, dict]:
         t, r = dict(t0), dict(r0)
@@ -583,16 +595,16 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
         return t, r
 
     def fails(keep: list[str]) -> bool:
-        v = k3(*aligned([c for c in differing if c not in keep]))
-        return not math.isfinite(v) or v > threshold
+        return run(*aligned([c for c in differing if c not in keep]))[2]
 
     minimal = ddmin(list(differing), fails) if differing and fails(list(differing)) else []
     only = k3(*aligned([c for c in differing if c not in minimal])) if minimal else float("nan")
     min_aligned = k3(*aligned(minimal)) if minimal else float("nan")
     all_aligned = k3(*aligned(differing)) if differing else k3_found
-    explained = bool(minimal) and math.isfinite(min_aligned) and min_aligned <= threshold
+    explained = bool(minimal) and not run(*aligned(minimal))[2]
     return Localization(differing, swaps, minimal, only, min_aligned, all_aligned, len(cache), explained,
-                        aligned(differing), aligned(minimal))
+                        aligned(differing), aligned(minimal),
+                        kl_minimal_aligned=run(*aligned(minimal))[1] if minimal else float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -635,6 +647,18 @@ def _at(t: Triage) -> str:
             else f"at {t.first_module} (first divergent module)")
 
 
+def _measure(t: Triage, loc: Localization | None = None) -> str:
+    """The verdict's figures: the mean k3, and the exact KL where it crossed the line (the case
+    fails when either does), with their values once the minimal set is aligned when `loc` is given."""
+    d = t.evaluation.divergence
+    kl = getattr(d, "kl", float("nan")) if d is not None else float("nan")
+    fired = getattr(d, "fired", "") if d is not None else ""
+    parts = [f"k3 {t.k3:.4f}" + (f" -> {loc.k3_minimal_aligned:.4f}" if loc else "")]
+    if "kl" in fired:
+        parts.append(f"KL {kl:.4f}" + (f" -> {loc.kl_minimal_aligned:.4f}" if loc else ""))
+    return ", ".join(parts)
+
+
 def verdict_line(t: Triage) -> str:
     loc, ev = t.localization, t.evaluation
     symptom = getattr(ev.symptom, "value", str(ev.symptom))
@@ -656,19 +680,18 @@ def verdict_line(t: Triage) -> str:
         if loc is not None and loc.explained:
             head += f"; aligning {_label(loc, loc.minimal)} removes it (k3 {loc.k3_minimal_aligned:.4f})"
         return head
-    if t.k3 <= t.threshold:
-        return f"k3 {t.k3:.4f} is under the threshold {t.threshold:g} now: nothing to localize."
+    if symptom == "none":
+        return f"{_measure(t)}: under the threshold {t.threshold:g} now, nothing to localize."
     at = _at(t)
     if loc is not None and loc.explained:
-        return (f"{_label(loc, loc.minimal)}{', ' + at if at else ''}: k3 {t.k3:.4f} -> "
-                f"{loc.k3_minimal_aligned:.4f} when aligned")
+        return f"{_label(loc, loc.minimal)}{', ' + at if at else ''}: {_measure(t, loc)} when aligned"
     if loc is not None and loc.differing:
         base = (f"code-level difference: with every differing numerics component aligned "
                 f"({_label(loc, loc.differing)}) k3 stays {loc.k3_all_aligned:.4f}")
     elif loc is not None:
-        base = f"code-level difference (both paths run the same numerics profile; k3 {t.k3:.4f})"
+        base = f"code-level difference (both paths run the same numerics profile; {_measure(t)})"
     else:
-        base = f"k3 {t.k3:.4f}"
+        base = _measure(t)
     if t.first_module:
         return f"{base}: divergence starts {at}, beyond the noise floor of {t.floor_from or 'the absolute minimum'}"
     if t.modules:
@@ -709,7 +732,7 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
     if ev.divergence is not None:
         if ev.trainer is not None and ev.rollout is not None:
             t.flips = routing_split(ev.trainer, ev.rollout)
-        if ev.k3 > thr or not math.isfinite(ev.k3) or ev.divergence.nonfinite:
+        if ev.failed:  # k3 or exact KL over the line, or non-finite
             t.localization = localize(pair, repro.case, device, thr, ev.k3)
         reference, t.floor_from = noise_reference(pair, repro.case, device, registry, t.localization)
         loc = t.localization
@@ -824,7 +847,8 @@ def write_report(t: Triage, reports: Path) -> Path:
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",
              f"- case: `{r.case.one_line()}`",
              f"- replay: `{_replay_command(r)}`; triage again: `{_triage_command(r)}`",
-             f"- k3 now {t.k3:.6g} (threshold {t.threshold:g}); recorded {r.metrics.get('k3_kl', '-')}; "
+             f"- k3 now {t.k3:.6g}, exact KL {getattr(ev.divergence, 'kl', float('nan')):.6g} (threshold "
+             f"{t.threshold:g}, either over it fails); recorded k3 {r.metrics.get('k3_kl', '-')}; "
              f"triage took {t.seconds:.1f}s", ""]
     if ev.divergence is not None:
         d = ev.divergence
@@ -838,10 +862,12 @@ def write_report(t: Triage, reports: Path) -> Path:
                   f"threshold: **{', '.join(loc.minimal) or 'none'}** (k3 with only it differing: "
                   f"{loc.k3_minimal_only:.6g}; with it aligned: {loc.k3_minimal_aligned:.6g}; everything aligned: "
                   f"{loc.k3_all_aligned:.6g}; {loc.runs} cases run).", "",
-                  "| component | trainer | rollout | k3, rollout takes trainer's | k3, trainer takes rollout's |",
-                  "|---|---|---|---:|---:|"]
+                  "| component | trainer | rollout | k3, rollout takes trainer's | k3, trainer takes rollout's "
+                  "| KL, rollout takes trainer's | KL, trainer takes rollout's |",
+                  "|---|---|---|---:|---:|---:|---:|"]
         lines += [f"| {s.label} (`{s.component}`) | {s.trainer} | {s.rollout} | {s.k3_rollout_aligned:.6g} | "
-                  f"{s.k3_trainer_aligned:.6g} |" for s in loc.swaps]
+                  f"{s.k3_trainer_aligned:.6g} | {s.kl_rollout_aligned:.6g} | {s.kl_trainer_aligned:.6g} |"
+                  for s in loc.swaps]
         lines.append("")
     if t.nonfinite is not None:
         nf = t.nonfinite
