@@ -23,6 +23,23 @@ EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_SKIP, EXIT_INTERRUPTED = 0, 1, 2, 125, 130
 EXIT_UNSAVED = 3  # fuzz: a finding could not be written to the corpus (it was printed as JSON on stderr)
 
 
+class FinitePositive(click.FloatRange):
+    """A float > 0 that is also finite (click's FloatRange lets "nan" and "inf" through)."""
+
+    name = "positive number"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        import math
+
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number; give a number > 0.", param, ctx)
+        return rv
+
+
+POSITIVE = FinitePositive(0, min_open=True)
+
+
 def plugin_option(fn: Callable) -> Callable:
     return click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
                         help="Load target pairs from a Python file or an importable module (repeatable).")(fn)
@@ -142,10 +159,10 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
 @click.argument("pair_names", nargs=-1, metavar="[PAIR|GLOB]...")
 @click.option("--max-examples", type=click.IntRange(1), default=None,
               help="Cases per pair (before shrinking)  [default: 100, or the profile's]")
-@click.option("--budget", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--budget", type=POSITIVE, default=None,
               help="Wall seconds for the whole campaign, split over the pairs (shrinking included).")
 @click.option("--seed", type=click.IntRange(0), default=None, help="Campaign seed (default: fresh, printed).")
-@click.option("--threshold", type=click.FloatRange(0, min_open=True), default=1e-3, show_default=True,
+@click.option("--threshold", type=POSITIVE, default=1e-3, show_default=True,
               help="Mean k3 above which a case diverges.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -276,7 +293,7 @@ def in_bisect() -> bool:
 @click.option("--run-id", default=None, help="Fetch the repro from this MLflow regression run instead.")
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI for --run-id.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
-@click.option("--threshold", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--threshold", type=POSITIVE, default=None,
               help="Override the threshold recorded in the repro.")
 @click.option("--bisect/--no-bisect", "bisect", default=None,
               help="Exit 125 when a repro cannot be evaluated (default: only during a git bisect).")

@@ -315,3 +315,13 @@ def test_the_onnx_backend_leaves_no_temporary_folder(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "none", out.stderr
     left = [p.name for p in tmp_path.rglob("*") if p.name != ".ses"]  # .ses: onnxruntime's own session id file
     assert left == []  # the export folder was removed, the session runs from memory
+
+
+@pytest.mark.parametrize("args", [("fuzz", "linear.aligned", "--threshold", "nan"),
+                                  ("fuzz", "linear.aligned", "--budget", "inf"),
+                                  ("replay", "--threshold", "nan", "x.json")])
+def test_a_non_finite_threshold_or_budget_is_a_usage_error(tmp_path, capsys, args):
+    code, out, err = run_cli(capsys, *args, *(("--no-tracking", "--corpus", str(tmp_path)) if args[0] == "fuzz"
+                                              else ()))
+    assert code == 2 and "is not a finite number" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
