@@ -325,3 +325,17 @@ def test_a_non_finite_threshold_or_budget_is_a_usage_error(tmp_path, capsys, arg
                                               else ()))
     assert code == 2 and "is not a finite number" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
+
+
+def test_a_repro_records_the_backend_libraries_the_process_imported(tmp_path):
+    pytest.importorskip("onnxruntime", reason="needs onnxruntime to be installed")
+    import onnxruntime
+
+    from harness.corpus import finding_to_repro
+
+    name, case = DIVERGING
+    ev = run_case(REGISTRY.get(name), case, "cpu", 1e-3)
+    f = Finding(pair=name, expected="diverges", symptom=ev.symptom, signature=signature(name, ev), case=case,
+                evaluation=ev, examples=1)
+    env = finding_to_repro(f, 1e-3, 0, "cpu", tmp_path).environment
+    assert env["onnxruntime"] == onnxruntime.__version__ and env["torch"] and env["harness"]

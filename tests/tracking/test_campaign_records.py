@@ -88,3 +88,7 @@ def test_the_note_of_a_plugin_pair_replays_as_printed(fresh_cwd, monkeypatch):
     note = Store().client.get_run(run_id).data.tags["mlflow.note.content"]
     assert f"harness replay --plugin {plugin} --run-id {run_id}" in note
     assert f"harness replay --plugin {plugin} corpora/{pair.name}/{f.id}.json" in note
+    from harness.report import replay_command
+
+    assert replay_command({"corpus_path": str(f.path), "run_id": run_id}) == \
+        f"harness replay --plugin {plugin} corpora/{pair.name}/{f.id}.json"
