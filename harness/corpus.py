@@ -150,7 +150,8 @@ def _new_file_mode() -> int:
     return 0o666 & ~mask
 
 
-TMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+# `.<name>.json.<pid>.<rand>.tmp`; older harness versions wrote `.<name>.json.<rand>.tmp` (no pid)
+TMP_RE = re.compile(r"^\.(?P<name>.+\.json)\.(?:(?P<pid>\d+)\.)?[^.]+\.tmp$")
 STALE_TMP_SECONDS = 3600.0  # a temporary file this old is removed even when its writer's pid is alive
 
 
@@ -178,7 +179,8 @@ def clean_stale_temps(folder: Path) -> list[Path]:
             continue
         try:
             old = now - p.stat().st_mtime > STALE_TMP_SECONDS
-            if old or (int(m.group("pid")) != os.getpid() and not _pid_alive(int(m.group("pid")))):
+            pid = int(m.group("pid")) if m.group("pid") else None
+            if old or (pid is not None and pid != os.getpid() and not _pid_alive(pid)):
                 p.unlink()
                 removed.append(p)
         except OSError:

@@ -13,6 +13,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -295,8 +296,12 @@ def test_corpus_files_get_the_umask_mode_and_killed_writers_temps_are_removed(tm
     stale.write_text("{")
     mine = p.parent / f".x.json.{os.getpid()}.abc.tmp"
     mine.write_text("{")
+    legacy = p.parent / ".x.json.k2j3h4q1.tmp"  # written before temp names carried the pid
+    legacy.write_text("{")
     assert clean_stale_temps(p.parent) == [stale]
-    assert not stale.exists() and mine.exists() and p.exists()
+    assert not stale.exists() and mine.exists() and p.exists() and legacy.exists()  # legacy: too recent to tell
+    os.utime(legacy, (time.time() - 7200, time.time() - 7200))
+    assert clean_stale_temps(p.parent) == [legacy]
 
 
 def test_temporary_corpus_files_are_git_ignored():
