@@ -137,3 +137,66 @@ def overhead_command(pair_names: tuple[str, ...], cases: int, out: Path, plugins
 
     load_plugins(plugins)
     click.echo(overhead(pair_names, cases, out))
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest-xdist scaling
+# ---------------------------------------------------------------------------------------------
+def xdist(pair_globs: tuple[str, ...], budget: float, streams: int, out: Path, rounds: int = 1) -> str:
+    """`pytest --harness-fuzz` with 1 and 2 xdist workers on the same pairs, seed and per-pair budget,
+    alternating; cases/s = cases of the whole session / its wall time (startup included)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    configs = [(1, 1), (1, streams), (2, streams)]  # (workers, streams per pair)
+    runs: dict[tuple[int, int], list[tuple[float, int]]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory(prefix="harness-xdist-") as tmp:
+        for r in range(rounds):
+            for workers, n_streams in configs:
+                tag = f"{r}-{workers}-{n_streams}"
+                cmd = [sys.executable, "-m", "pytest", "--harness-fuzz", "-n", str(workers), "-q",
+                       "-p", "no:cacheprovider", "--harness-streams", str(n_streams),
+                       "--harness-budget", str(budget), "--harness-max-examples", "1000000", "--harness-seed", "1",
+                       "--harness-no-tracking", "--harness-corpus", f"{tmp}/corpus-{tag}",
+                       "--harness-out", f"{tmp}/out-{tag}", *(a for g in pair_globs for a in ("--harness-pairs", g))]
+                t = time.perf_counter()
+                subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                wall = time.perf_counter() - t
+                cases = json.loads(Path(f"{tmp}/out-{tag}/summary.json").read_text())["cases"]
+                runs[(workers, n_streams)].append((wall, cases))
+    base = statistics.median(c / w for w, c in runs[(1, 1)])
+    body = [
+        "## pytest-xdist: 2 workers against 1",
+        "",
+        "Command: `" + " ".join(["OMP_NUM_THREADS=1 harness bench xdist --budget", f"{budget:g}", "--streams",
+                                 str(streams), *(f"'{g}'" for g in pair_globs)]) + f"` ({machine()}).",
+        f"`pytest --harness-fuzz -n W --harness-streams S --harness-budget {budget:g}` (seconds per pair, shared by",
+        "its streams), seed 1, the same pairs in every run, runs alternating; cases/s = the session's cases / its",
+        "wall time, startup and imports included. Goal: 2 workers >= 1.8x the cases/s of 1.",
+        "",
+        "| workers | streams per pair | wall s | cases | cases/s | vs 1 worker, 1 stream |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (workers, n_streams), rs in runs.items():
+        wall = statistics.median(w for w, _ in rs)
+        cases = int(statistics.median(c for _, c in rs))
+        rate = statistics.median(c / w for w, c in rs)
+        body.append(f"| {workers} | {n_streams} | {wall:.1f} | {cases} | {rate:.1f} | {rate / base:.2f}x |")
+    text = "\n".join(body)
+    write_section(out, "xdist", text)
+    return text + f"\n\nwritten to {out}"
+
+
+@click.command("xdist")
+@click.argument("pair_globs", nargs=-1)
+@click.option("--budget", type=click.FloatRange(0, min_open=True), default=4.0, show_default=True,
+              help="Seconds per pair (shared by its streams).")
+@click.option("--streams", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--rounds", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
+def xdist_command(pair_globs: tuple[str, ...], budget: float, streams: int, rounds: int, out: Path) -> None:
+    """Cases/s of `pytest --harness-fuzz` with 2 xdist workers against 1."""
+    click.echo(xdist(pair_globs, budget, streams, out, rounds))

@@ -222,6 +222,16 @@ _RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.
           Symptom.TIMEOUT: _TimedOut, Symptom.CRASH: _WorkerDied}
 
 
+def _cache_key(case: Case) -> Any:
+    """Equal cases, equal keys: the field values as a tuple (20x cheaper than `case.key()`'s JSON)."""
+    try:
+        key = tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in vars(case).values())
+        hash(key)
+        return key
+    except TypeError:  # an unhashable param value
+        return case.key()
+
+
 def _size(case: Case) -> tuple:
     return (case.batch_size, case.n_tokens, case.key())
 
@@ -248,14 +258,14 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     limit = {"deadline": deadline}
     # case key -> the evaluation of a failing case, or just the k3 of a passing one (a long nightly
     # evaluates tens of thousands of cases; Hypothesis only needs their verdicts back on a replay)
-    cache: dict[str, Evaluation | float] = {}
+    cache: dict[Any, Evaluation | float] = {}
     smallest: dict[str, Evaluation] = {}  # signature -> smallest failing evaluation seen so far
     cut = {"shrink": False}
     start = time.monotonic()
     last_report = [start]
 
     def prop(case: Case) -> None:
-        key = case.key()
+        key = _cache_key(case)
         ev = cache.get(key)
         if ev is None:
             began = time.monotonic()
@@ -430,26 +440,31 @@ class Executor:
 
     One executor may serve several campaigns with the same device and plugins (a pytest session's
     items): its worker is reused, so only the first pays the start. Up to `MAX_PARKED` more workers
-    are parked at a time, each finishing a slow first case (see `Deferred`) on another core. The
-    first case of a group in a worker may take `COLD_START_TIMEOUT` seconds (or the pair's timeout
-    if longer) before it counts as a hang: a cold compile is not one.
+    are parked at a time, each finishing a slow first case (see `Deferred`) on another core; pairs
+    registered from the same module as a parked one wait for it (they would pay the same imports),
+    then run in its worker. A pair's first case in a worker may take `COLD_START_TIMEOUT` seconds (or
+    the pair's timeout if longer) before it counts as a hang: a cold compile is not one.
     """
 
     MAX_PARKED = 2
+    DEFER_AFTER = 5.0  # a first case is deferred only once it has run this long (and past its share)
     COLD_START_TIMEOUT = 300.0
 
     def __init__(self, cfg: CampaignConfig) -> None:
         self.cfg = cfg
         self.worker: Any = None  # the worker new cases go to
-        self.warm: set[str] = set()  # groups (pair sources) the current worker has run a case of
-        self.parked: dict[str, Any] = {}  # group -> worker finishing a slow first case
+        self.warm: set[str] = set()  # pairs the current worker has run a case of
+        self.parked: dict[str, tuple[str, Any]] = {}  # pair name -> (its source, the worker finishing its first case)
+        self.done: dict[tuple[str, Any], Evaluation] = {}  # results of parked first cases not yet asked for
         self._restarts = 0  # of workers already closed
 
     @staticmethod
-    def group(pair: TargetPair) -> str:
-        """Pairs registered from one module share its imports and caches: one warm-up serves them all."""
+    def source(pair: TargetPair) -> str:
         return pair.source or pair.name
 
+    @property
+    def parked_sources(self) -> set[str]:
+        return {src for src, _ in self.parked.values()}
 
     def _current(self) -> Any:
         if self.worker is None:
@@ -476,41 +491,47 @@ class Executor:
         self._restarts += worker.restarts
         worker.close()
 
-    def _resume(self, group: str) -> None:
-        parked = self.parked.pop(group)
+    def _resume(self, source: str) -> None:
+        """Make the parked worker of this source (the one furthest along) the current one."""
+        name = next(n for n, (src, _) in self.parked.items() if src == source)
+        _, parked = self.parked.pop(name)
         if self.worker is not None:
             self._retire(self.worker)
         self.worker, self.warm = parked, set()
 
     def evaluator(self, pair: TargetPair, wall: float | None, cfg: CampaignConfig | None = None,
                   share: float | None = None, may_defer: bool = False) -> Evaluate:
-        """`evaluate(case)` for one pair. With `may_defer`, a first case of the pair's group still
-        running at `share` (time.monotonic()) raises `Deferred` (its worker parked)."""
+        """`evaluate(case)` for one pair. With `may_defer`, a first case of the pair still running
+        at `share` (time.monotonic()) and after `DEFER_AFTER` seconds raises `Deferred`."""
         cfg = cfg or self.cfg
         if not cfg.isolation:
             return lambda case: run_case(pair, case, cfg.device, cfg.threshold)
-        timeout, group = cfg.timeout_for(pair.name), self.group(pair)
+        timeout, source = cfg.timeout_for(pair.name), self.source(pair)
 
         def evaluate(case: Case) -> Evaluation:
-            if group in self.parked:
-                self._resume(group)
+            done = self.done.pop((pair.name, _cache_key(case)), None)
+            if done is not None:
+                return done
+            if source in self.parked_sources:
+                self._resume(source)
             worker = self._current()
-            if worker.inflight is not None:  # a parked first case: the same case, drawn from the same seed
-                pending = worker.inflight[1]
+            if worker.inflight is not None:  # a parked first case: collect it
+                other, pending = worker.inflight[0], worker.inflight[1]
                 ev = worker.collect(wall)
-                self.warm.add(group)
-                if pending == case:
+                self.warm.add(other.name)
+                if other.name == pair.name and pending == case:
                     return ev
-            cold = group not in self.warm
+                self.done[(other.name, _cache_key(pending))] = ev
+            cold = pair.name not in self.warm
             worker.submit(pair, case, cfg.threshold, max(timeout, self.COLD_START_TIMEOUT) if cold else timeout, wall)
             if may_defer and share is not None and cold and len(self.parked) < self.MAX_PARKED:
-                ev = worker.collect(wall, until=share)
+                ev = worker.collect(wall, until=max(share, time.monotonic() + self.DEFER_AFTER))
                 if ev is None:
-                    self.parked[group], self.worker = worker, None
+                    self.parked[pair.name], self.worker = (source, worker), None
                     raise Deferred
             else:
                 ev = worker.collect(wall)
-            self.warm.add(group)
+            self.warm.add(pair.name)
             return ev
 
         return evaluate
@@ -520,7 +541,7 @@ class Executor:
         return self._restarts + (self.worker.restarts if self.worker is not None else 0)
 
     def close(self) -> None:
-        for w in (self.worker, *self.parked.values()):
+        for w in (self.worker, *(w for _, w in self.parked.values())):
             if w is not None:
                 self._retire(w)
         self.worker, self.parked = None, {}
@@ -646,15 +667,15 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             executor.prepare(end)
             while queue:
                 unit = queue.popleft()
-                pair, group, parked = unit.pair, executor.group(unit.pair), executor.parked
-                if group in parked and any(executor.group(u.pair) not in parked for u in queue):
-                    queue.append(unit)  # its group's first case still runs in the background: later
+                pair, source, parked = unit.pair, executor.source(unit.pair), executor.parked_sources
+                if source in parked and any(executor.source(u.pair) not in parked for u in queue):
+                    queue.append(unit)  # a first case from its module still runs in the background: later
                     continue
                 deadline = None
                 if end is not None:
                     now = time.monotonic()
                     deadline = now + max(0.0, end - now) / (len(queue) + 1)
-                may_defer = any(executor.group(u.pair) not in parked and executor.group(u.pair) != group
+                may_defer = any(executor.source(u.pair) not in parked and executor.source(u.pair) != source
                                 for u in queue)
                 try:
                     r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
