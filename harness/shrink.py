@@ -8,8 +8,12 @@ signature:
 
 1. drop one sequence (every other sequence keeps its stream id, so its tensors are unchanged);
 2. move one knob to its neutral value (temperature 1.0, top-p 1.0, top-k off, right padding,
-   one packed row in the given order, no forced router ties);
-3. empty one prompt, halve one prompt or response, then drop their last token.
+   one packed row in the given order, no forced router ties; with the pair's axes: logit scale
+   at its low bound, the first dtype, the fewest experts and the smallest router top-k);
+3. empty one prompt, halve one prompt or response, then drop their last token;
+4. move a continuous knob halfway to neutral (temperature and top-p toward 1, logit scale toward
+   its low bound, the tie gap toward 0, the forced fraction toward 0): repeated, this bisects to
+   the knob value nearest neutral that still fails (a temperature bug shrinks to T = 1.03, not 0.5).
 
 It repeats until no move is accepted (the result is 1-minimal with respect to
 `Case.simpler_neighbours()`) or its evaluation budget or deadline is spent. Each evaluation is one
@@ -19,18 +23,31 @@ case through the pair, so the budget is small next to a campaign's.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+import math
+from typing import Any, Callable, Iterator
 
 from .case import NEUTRAL, Case
 
 
-def moves(case: Case) -> Iterator[Case]:
+def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     """Simpler neighbours, the biggest simplifications first."""
     for i in range(case.batch_size if case.batch_size > 1 else 0):
         yield case.drop_sequence(i)
     for name, neutral in NEUTRAL.items():
         if getattr(case, name) != neutral:
             yield case.replace(**{name: neutral})
+    low_scale = axes.logit_scale[0] if axes is not None else None
+    if axes is not None:
+        if case.logit_scale > low_scale:
+            yield case.replace(logit_scale=float(low_scale))
+        if case.dtype != axes.dtypes[0]:
+            yield case.replace(dtype=axes.dtypes[0])
+        r = axes.routing
+        if r is not None:
+            if case.top_k > r.top_k[0]:
+                yield case.replace(top_k=r.top_k[0])
+            if case.n_experts > r.n_experts[0] and case.top_k < r.n_experts[0]:
+                yield case.replace(n_experts=r.n_experts[0])
     if case.row_capacity:
         yield case.replace(row_capacity=0)
     if case.order:
@@ -46,6 +63,22 @@ def moves(case: Case) -> Iterator[Case]:
         for m in dict.fromkeys((1, n // 2, n - 1)):
             if 1 <= m < n:
                 yield _with(case, j, response=m)
+    yield from _halfway(case, "temperature", 1.0, log=True)
+    yield from _halfway(case, "top_p", 1.0)
+    if low_scale is not None:
+        yield from _halfway(case, "logit_scale", float(low_scale), log=True)
+    yield from _halfway(case, "tie_gap", 0.0)
+    yield from _halfway(case, "tie_fraction", 0.0)
+
+
+def _halfway(case: Case, name: str, neutral: float, log: bool = False) -> Iterator[Case]:
+    value = getattr(case, name)
+    if value == neutral:
+        return
+    mid = math.sqrt(value * neutral) if log and neutral > 0 else (value + neutral) / 2
+    if abs(mid - neutral) <= 1e-3 * max(abs(neutral), 1e-9) or mid == value:
+        return  # close enough to neutral: the full move above was already tried
+    yield case.replace(**{name: float(mid)})
 
 
 def _with(case: Case, j: int, prompt: int | None = None, response: int | None = None) -> Case:
@@ -61,7 +94,7 @@ def _with(case: Case, j: int, prompt: int | None = None, response: int | None = 
 
 
 def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,
-           deadline: float | None = None) -> tuple[Case, int, bool]:
+           deadline: float | None = None, axes: Any = None) -> tuple[Case, int, bool]:
     """The simplest failing case reachable from `case` by accepted moves.
 
     `fails(c)` says whether c still fails the same way. Returns (case, evaluations, complete):
@@ -70,7 +103,7 @@ def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,
     evals = 0
     seen: set[str] = {case.key()}
     while True:
-        for cand in moves(case):
+        for cand in moves(case, axes):
             key = cand.key()
             if key in seen:
                 continue

@@ -18,6 +18,13 @@ bounds of floats), so every axis is drawn on purpose:
   toward neutral first (it is the first branch), then toward the simpler end of its range.
 - each sequence carries a drawn stream id: removing a sequence leaves the others' tensors alone.
 - the seed is drawn last, so the shrinker reaches it after every structural knob.
+- `uniform_cases` draws a case uniformly at random over the same axes. Hypothesis's engine starts
+  from the simplest case, completes novel prefixes with the simplest choices and mutates what it
+  has seen, which finds small triggers fast and large ones slowly (measured: a left-pad mask bug
+  took 77 cases where uniform random needed 1), and no strategy shape changes that (a `one_of`
+  with a uniform branch got 11-29% of the draws). So a campaign interleaves: every Hypothesis case
+  is followed by one uniform case from the stream's own RNG (`harness.fuzz`); a failing uniform
+  case is shrunk by the polish pass (`harness.shrink`).
 
 The near-tie gap is drawn as its own value, `gap = mantissa * max_gap * 10**(exponent - 7)`, with
 both the mantissa (toward 0.0) and the exponent (toward 1e-7 * max_gap) shrinking toward the exact
@@ -184,10 +191,16 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
     return draw_case()
 
 
-def uniform_cases(axes: Axes, rng: Any) -> Case:
-    """One case drawn uniformly at random over the same axes (the baseline a fuzzer must beat):
-    every size uniform over its range, every float uniform, no boundary or neutral preference.
-    `rng` is a `random.Random`."""
+def structured_cases(axes: Axes) -> st.SearchStrategy[Case]:
+    """The same as `cases` (the name says which half of a campaign's draws it makes)."""
+    return cases(axes)
+
+
+def uniform_cases(axes: Axes, rng: Any, params: dict | None = None) -> Case:
+    """One case drawn uniformly at random over the same axes (the baseline a fuzzer must beat, and
+    half of a campaign's draws): every size uniform over its range, every float uniform, no
+    boundary or neutral preference. `rng` is a `random.Random`; `params` the free parameters (the
+    pair's own strategies cannot be drawn from outside Hypothesis)."""
     r = axes.routing
     n = rng.randint(*axes.n_seqs)
     seq_lens = tuple(rng.randint(*axes.seq_len) for _ in range(n))
@@ -215,6 +228,8 @@ def uniform_cases(axes: Axes, rng: Any) -> Case:
     fields["top_p"] = max(1e-6, rng.uniform(*axes.top_p))
     fields["sample_top_k"] = rng.randint(*axes.sample_top_k)
     fields["dtype"] = rng.choice(axes.dtypes)
+    if params:
+        fields["params"] = dict(params)
     return Case(**fields)
 
 

@@ -14,10 +14,19 @@ def test_polish_drops_bystanders_and_moves_knobs_to_neutral():
     assert complete and fails(got)
     assert got.seq_lens == (39,) and got.seq_ids == (9,)  # the trigger keeps its own stream
     assert got.prompt_lens == () and got.top_p == 1.0 and got.sample_top_k == 0 and got.pad_side == "right"
-    assert got.temperature == 0.5  # the one knob the bug needs stays
+    assert got.temperature != 1.0 and abs(got.temperature - 1.0) < 0.01  # bisected to the edge of the trigger
     assert all(not fails(n) for n in got.simpler_neighbours())  # 1-minimal
 
 
 def test_polish_stops_at_its_budget_and_says_so():
     got, evals, complete = polish(Case(seed=1, seq_lens=(8, 8, 8)), lambda c: True, max_evals=2)
     assert evals == 2 and not complete and got.seq_lens == (8,)
+
+
+def test_polish_bisects_a_continuous_knob_toward_neutral():
+    from harness import Axes
+
+    got, _, complete = polish(Case(seed=1, seq_lens=(4,), temperature=0.5, logit_scale=12.0),
+                              lambda c: abs(c.temperature - 1.0) > 0.02, axes=Axes(logit_scale=(1.0, 16.0)))
+    assert complete and 0.02 < abs(got.temperature - 1.0) < 0.05  # near the trigger's edge, not 0.5
+    assert got.logit_scale == 1.0 and got.seq_lens == (1,)

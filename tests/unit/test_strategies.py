@@ -105,7 +105,9 @@ def test_generator_draws_large_batches_boundaries_and_peaked_logits():
 def test_sampling_knobs_shrink_to_neutral_not_to_their_lower_bound():
     from hypothesis import find
 
-    case = find(cases(Axes(temperature=(0.5, 2.0), top_p=(0.5, 1.0), sample_top_k=(0, 64))),
+    from harness.strategies import structured_cases
+
+    case = find(structured_cases(Axes(temperature=(0.5, 2.0), top_p=(0.5, 1.0), sample_top_k=(0, 64))),
                 lambda c: c.temperature > 1.02)
     assert 1.02 < case.temperature < 1.1  # the near-neutral branch, not 0.5 or 2.0
     assert case.top_p == 1.0 and case.sample_top_k == 0 and case.batch_size == 1
