@@ -227,15 +227,20 @@ def _git_toplevel(folder: str) -> str | None:
     return top if proc.returncode == 0 and top else None
 
 
-def repo_root(near: str | Path | None = None) -> Path:
-    """The git checkout holding `near` (a file or folder; default the working directory), else the
-    working directory."""
+def git_root(near: str | Path | None = None) -> Path | None:
+    """The git checkout holding `near` (a file or folder), else the one holding the working
+    directory (a repro copied out of the tree, as for `git bisect run`), else None."""
     p = Path(near).resolve() if near is not None else Path.cwd().resolve()
     while not p.exists() and p != p.parent:
         p = p.parent
     folder = p if p.is_dir() else p.parent
-    top = _git_toplevel(str(folder))
-    return Path(top).resolve() if top else Path.cwd().resolve()
+    top = _git_toplevel(str(folder)) or _git_toplevel(str(Path.cwd().resolve()))
+    return Path(top).resolve() if top else None
+
+
+def repo_root(near: str | Path | None = None) -> Path:
+    """`git_root(near)`, else the working directory (what plugin paths are recorded relative to)."""
+    return git_root(near) or Path.cwd().resolve()
 
 
 def loader_of(source: str, root: Path) -> dict[str, str]:
@@ -373,8 +378,8 @@ class Repro:
     def auto_plugin(self) -> tuple[str | None, str | None]:
         """(a plugin file this harness may load for the repro by itself, or why it may not).
 
-        Only a `.py` file inside the repository that holds the repro (no `..` escape, symlinks
-        resolved) is loaded without being asked for: the repro never makes the harness import code
+        Only a `.py` file inside the git checkout that holds the repro (or the working directory;
+        no `..` escape, symlinks resolved) is loaded without being asked for: the repro never makes the harness import code
         the person did not choose."""
         kind = self.loader.get("kind")
         if kind != "plugin_file":
@@ -385,8 +390,11 @@ class Repro:
                 return None, (f"its pair {self.pair!r} comes from the entry point {self.loader.get('name')!r}; "
                               "install the package that provides it")
             return None, None
-        root = repo_root(self.path)
+        root = git_root(self.path)
         rel = Path(self.loader.get("path", ""))
+        if root is None:
+            return None, (f"its pair {self.pair!r} comes from the plugin file {str(rel)!r}, and neither the repro nor "
+                          f"the working directory is in a git checkout to find it in; pass --plugin PATH to load it")
         full = (rel if rel.is_absolute() else root / rel).resolve()
         try:
             full.relative_to(root)

@@ -344,3 +344,11 @@ def test_a_repro_records_the_backend_libraries_the_process_imported(tmp_path):
                 evaluation=ev, examples=1)
     env = finding_to_repro(f, 1e-3, 0, "cpu", tmp_path).environment
     assert env["onnxruntime"] == onnxruntime.__version__ and env["torch"] and env["harness"]
+
+
+def test_outside_any_git_checkout_a_plugin_file_is_never_loaded_by_itself(repro, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not a git checkout: nothing marks which files are the project's
+    (tmp_path / "planted.py").write_text("raise SystemExit('a repro must not run this')\n")
+    edit(repro, pair="example.planted", loader={"kind": "plugin_file", "path": "planted.py"})
+    why = load_plugin_for(load_repro(repro))
+    assert why is not None and "pass --plugin PATH" in why
