@@ -14,6 +14,7 @@ tokens is biased low when the rollout samples from a truncated distribution (it 
 either mean crosses the threshold, and `Divergence.fired` says which did.
 
 Values. -inf is log 0 (an entry truncated by top-k/top-p), not a non-finite value; NaN or +inf is.
+A probability under the smallest normal float64 (log p <= -708.39) counts as 0.
 A row with NaN or +inf anywhere is non-finite (counted per path; its `kl` and `entropy` are NaN).
 KL(rollout || trainer) is +inf where the trainer gives -inf to a token the rollout gives mass, and
 a token the trainer gives -inf has k3 = +inf: both are divergences, not non-finite values. A token
@@ -21,13 +22,17 @@ the rollout itself gives -inf cannot have been sampled from it: counted as a non
 
 How it is computed. On the outcomes' device, in chunks of rows, so memory stays a small multiple of
 one (T, V) fp32 tensor whatever T is (a chunk's float64 buffers hold at most `chunk_elems` elements
-each: three of them, four when it draws tokens). Per chunk: the rollout rows in float64 with -inf
-raised to a finite floor (so 0 * log 0 = 0), d = logp_r - logp_t, p = exp(logp_r), and both sums
-over the vocabulary (sum p*d = KL, -sum p*logp_r = entropy) accumulated in float64. Rows whose sums
-are not finite (a -inf in the trainer row, NaN, +inf) are recomputed with the masked definition.
+each: three of them, four when it draws tokens). Per chunk, in float64: p = exp(logp_r), then -inf
+raised to finite floors (the rollout's to the fp32 minimum, the trainer's to the float64 minimum) so
+that 0 * log 0 adds 0 while a token the trainer excludes and the rollout does not adds at least 4;
+d = logp_r - logp_t; both sums over the vocabulary (sum p*d = KL, -sum p*logp_r = entropy). Rows
+whose sums are not finite (NaN, +inf) are recomputed with the masked definition; rows whose KL
+exceeds 1 are checked for a token the trainer excludes (KL = +inf; the rest of a KL sum is >= -1/e
+for rows that are distributions, so a row under 1 excludes nothing; rows far from normalised, which
+are not log-probabilities, may miss that +inf).
 Each row is summed by one thread in a fixed order (every reduction has >= 2 outputs, so torch never
-splits a row across threads): a row's value does not depend on the chunk size, the other rows or
-the number of CPU threads, so a replay is bit-for-bit whatever thread count the campaign ran with.
+splits a row across threads): a row's value does not depend on the chunk size, the other rows or the
+number of CPU threads, so a replay is bit-for-bit whatever thread count the campaign ran with.
 Per-token values (T of them) are gathered and computed in float64 numpy; k3 of a small log-ratio
 uses its Taylor series, since expm1(d) - d loses digits to cancellation there.
 
@@ -58,6 +63,13 @@ METRIC_KEYS = (
 # accelerator that a chunk is a few big kernels. Three such buffers per chunk.
 CHUNK_ELEMS_CPU = 1 << 17
 CHUNK_ELEMS_DEVICE = 1 << 25
+
+# log of the smallest normal float64: a probability at or below it counts as 0 (exp of the
+# subnormal range is ~10x slower on a CPU, and such a term adds nothing a float64 sum can keep).
+LOG_TINY = math.log(2.2250738585072014e-308)  # -708.396...
+_F64_MAX = 1.7976931348623157e308
+_KL_CHECK = 1.0  # a row's KL above this may hold a token the trainer excludes (see row_stats)
+_EXCLUDED_TERM = 3.99  # ... and the term p * d of such a token is >= tiny * max = 4
 
 TOKEN_SALT = "tokens"  # the stream the case's tokens are drawn from when the rollout returns none
 
@@ -197,7 +209,7 @@ def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any]:
     lt64, lr64 = lt.to(torch.float64), lr.to(torch.float64)  # (n, V)
     bad_t = ~(lt64.amax(-1) < math.inf)  # NaN (amax propagates it) or +inf somewhere in the row
     bad_r = ~(lr64.amax(-1) < math.inf)
-    p = torch.exp(lr64)
+    p = torch.exp(torch.where(lr64 <= LOG_TINY, -math.inf, lr64))  # p under the smallest normal: 0
     mass = p > 0  # 0 * log 0 terms are 0, not NaN
     terms = torch.stack([p * (lr64 - lt64), p * lr64], 1)  # (n, 2, V): two outputs per row, as in row_stats
     s = torch.where(mass[:, None], terms, 0.0).sum(-1)  # (n, 2)
@@ -211,9 +223,9 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
               chunk_elems: int | None = None) -> dict[str, Any]:
     """Sums over the vocabulary of two (T, V) log-probability tensors, in chunks of rows.
 
-    Returns (T,) tensors on the rollout's device: `kl` (exact KL(rollout || trainer), float64),
-    `entropy` (of the rollout, float64), `bad_trainer` / `bad_rollout` (NaN or +inf in the row), and
-    `tokens` (int64, inverse-CDF draws on `uniforms`, when given).
+    Returns (T,) numpy arrays `kl` (exact KL(rollout || trainer), float64), `entropy` (of the
+    rollout, float64), `bad_trainer` / `bad_rollout` (bool: NaN or +inf in the row), and `tokens`
+    (an int64 tensor on the rollout's device: inverse-CDF draws on `uniforms`; None without them).
     """
     import torch
 
@@ -224,37 +236,49 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
         chunk_elems = CHUNK_ELEMS_CPU if dev.type == "cpu" else CHUNK_ELEMS_DEVICE
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
     floor = torch.finfo(torch.float32).min  # exp(floor) = 0 in float64: a -inf raised to it adds 0 * floor = 0
-    kl = torch.empty(n_rows, dtype=f64, device=dev)
-    ent = torch.empty(n_rows, dtype=f64, device=dev)
-    bad_t = torch.zeros(n_rows, dtype=torch.bool, device=dev)
-    bad_r = torch.zeros(n_rows, dtype=torch.bool, device=dev)
-    tokens = torch.empty(n_rows, dtype=torch.int64, device=dev) if uniforms is not None else None
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
-    buf = torch.empty(rows, 2, v, dtype=f64, device=dev)  # per row: [d, logp_r]
+    buf = torch.empty(rows, 2, v, dtype=f64, device=dev)  # per row: [d, logp_r], then [p*d, p*logp_r]
     pbuf = torch.empty(rows, v, dtype=f64, device=dev)  # per row: p_r
-    cbuf = torch.empty(rows, v, dtype=f64, device=dev) if tokens is not None else None  # cumulative p_r
+    cbuf = torch.empty(rows, v, dtype=f64, device=dev) if uniforms is not None else None  # cumulative p_r
+    sums, drawn, redone = [], [], []
     for a in range(0, n_rows, rows):
         b = min(a + rows, n_rows)
         n = b - a
         lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
         x, p = buf[:n], pbuf[:n]  # (n, 2, V), (n, V)
         d, l = x[:, 0], x[:, 1]  # (n, V) views
-        l.copy_(lr).clamp_(min=floor)  # NaN and +inf stay
-        d.copy_(lt)
-        torch.sub(l, d, out=d)  # logp_r - logp_t in float64
+        torch.nn.functional.threshold_(l.copy_(lr), LOG_TINY, -math.inf)  # p < tiny: 0 (NaN, +inf stay)
         torch.exp(l, out=p)
+        l.clamp_(min=floor)  # -inf -> floor: 0 * floor = 0
+        d.copy_(lt).clamp_(min=-_F64_MAX)  # a trainer -inf -> -max: p*d >= tiny*max = 4 where p > 0
+        torch.sub(l, d, out=d)  # logp_r - logp_t in float64
         torch.mul(x, p[:, None], out=x)  # [p*d, p*logp_r]
         s = x.sum(-1)  # (n, 2): KL, -entropy
-        kl[a:b], ent[a:b] = s[:, 0], -s[:, 1]
-        odd = ~torch.isfinite(s).all(-1)  # (n,) a -inf in the trainer row, NaN, +inf: recompute
-        if bool(odd.any()):
-            i = odd.nonzero().squeeze(-1)
-            kl_i, ent_i, bt_i, br_i = _exact_rows(lt[i], lr[i])
-            kl[a + i], ent[a + i], bad_t[a + i], bad_r[a + i] = kl_i, ent_i, bt_i, br_i
+        sums.append(s)
+        finite = torch.isfinite(s).all(-1)  # (n,)
+        if not bool(finite.all()):  # NaN or +inf in a row: the masked definition says what it is
+            i = (~finite).nonzero().squeeze(-1)
+            redone.append((a + i, *_exact_rows(lt[i], lr[i])))
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
-        if tokens is not None:
-            tokens[a:b] = _inverse_cdf(p, uniforms[a:b], out=cbuf[:n])
+        # A token the trainer excludes (-inf) where the rollout has mass adds >= 4 to a row's sum
+        # (the rest of a KL sum is >= -1/e for distributions): only rows above 1 can hold one.
+        check = finite & (s[:, 0] > _KL_CHECK)
+        if bool(check.any()):
+            i = check.nonzero().squeeze(-1)
+            i = i[x[i, 0].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is >= 4
+            if i.numel():
+                excluded = ((lt[i] == -math.inf) & (p[i] > 0)).any(-1)  # (m,)
+                s[i[excluded], 0] = math.inf
+        if uniforms is not None:
+            drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf[:n]))
+    s = (sums[0] if len(sums) == 1 else torch.cat(sums)).cpu().numpy()  # (T, 2)
+    kl, ent = s[:, 0].copy(), -s[:, 1]
+    bad_t, bad_r = np.zeros(n_rows, dtype=bool), np.zeros(n_rows, dtype=bool)
+    for i, kl_i, ent_i, bt_i, br_i in redone:
+        i = i.cpu().numpy()
+        kl[i], ent[i], bad_t[i], bad_r[i] = _np(kl_i), _np(ent_i), _np(bt_i), _np(br_i)
+    tokens = None if uniforms is None else drawn[0] if len(drawn) == 1 else torch.cat(drawn)
     return {"kl": kl, "entropy": ent, "bad_trainer": bad_t, "bad_rollout": bad_r, "tokens": tokens}
 
 
@@ -295,11 +319,10 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
         tokens = stats["tokens"]
     dev = lr_all.device
     tok_d = torch.as_tensor(tokens, device=dev).to(torch.int64).reshape(n, 1)  # (T, 1)
-    lt_t = lt_all.to(dev).gather(1, tok_d).squeeze(1).to(torch.float64)  # (T,)
-    lr_t = lr_all.gather(1, tok_d).squeeze(1).to(torch.float64)  # (T,)
-    lt, lr, tok = _np(lt_t), _np(lr_t), _np(tok_d.squeeze(1))
-    kl, entropy = _np(stats["kl"]), _np(stats["entropy"])
-    bad_t, bad_r = _np(stats["bad_trainer"]), _np(stats["bad_rollout"])
+    picked = torch.cat([lt_all.to(dev).gather(1, tok_d).to(torch.float64),
+                        lr_all.gather(1, tok_d).to(torch.float64)], 1).cpu().numpy()  # (T, 2)
+    lt, lr, tok = picked[:, 0], picked[:, 1], _np(tok_d).reshape(n)
+    kl, entropy, bad_t, bad_r = stats["kl"], stats["entropy"], stats["bad_trainer"], stats["bad_rollout"]
     with np.errstate(all="ignore"):
         d = lt - lr  # (T,) log r
         k3 = k3_of(d)  # (T,)
@@ -308,10 +331,10 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
         k3_seq = np.bincount(seg, weights=k3, minlength=len(seq_lens)) / counts
         d_seq = np.bincount(seg, weights=d, minlength=len(seq_lens)) / counts
         pt, pr = np.exp(lt), np.exp(lr)
-        if n >= 2 and pt.std() > 0 and pr.std() > 0:
-            pearson = float(np.corrcoef(pt, pr)[0, 1])
-        else:
-            pearson = float("nan")
+        ct, cr = pt - pt.mean(), pr - pr.mean()
+        vt, vr = ct @ ct, cr @ cr
+        pearson = float(np.clip((ct @ cr) / math.sqrt(vt * vr), -1.0, 1.0)) if n >= 2 and vt > 0 and vr > 0 \
+            else math.nan
         return Divergence(
             k3_kl=float(k3.mean()),
             k3_seq_max=float(k3_seq.max()),

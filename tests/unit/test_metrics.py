@@ -74,3 +74,124 @@ def test_routing_flips_are_tie_aware():
     assert boundary_tie(scores_t, 2).tolist() == [False, True, False]
     assert boundary_tie(scores_t, 1).tolist() == [False, False, False]
     assert boundary_tie(torch.tensor([[0.4, 0.3, 0.3]]), 2).tolist() == [True]
+
+
+# --- precision, -inf semantics, the verdict, token draws ------------------------------------------
+import mpmath  # noqa: E402
+import numpy as np  # noqa: E402
+
+from harness.case import Case  # noqa: E402
+from harness.execute import Symptom, judge  # noqa: E402
+from harness.metrics import LOG_TINY, Divergence, fired, k3_of  # noqa: E402
+from harness.sampling import process_logits, sample_rows  # noqa: E402
+
+
+def test_k3_is_accurate_for_tiny_and_large_log_ratios():
+    d = np.concatenate([s * np.logspace(-12, 1, 60) for s in (1.0, -1.0)] + [[0.0, 0.2499, 0.25, -0.25]])
+    with mpmath.workdps(40):
+        want = np.array([float(mpmath.expm1(mpmath.mpf(x)) - mpmath.mpf(x)) for x in d])
+    got = k3_of(d)
+    assert np.all(np.abs(got - want) <= 1e-14 * np.abs(want)), np.max(np.abs(got - want) / np.maximum(want, 1e-300))
+    assert k3_of(np.array([-np.inf]))[0] == np.inf and np.isnan(k3_of(np.array([np.nan, np.inf]))).all()
+
+
+class _Pair:
+    name = "unit.pair"
+
+
+def truncated_sampling(t=40, v=64):
+    """A rollout sampling from its top 8 (kept mass Z ~ 0.986) and reporting those log-probs; the
+    trainer scores the full distribution. k3 sees (1 - Z)^2 / 2 ~ 1e-4, the exact KL -log Z ~ 0.014."""
+    logits = torch.zeros(t, v)
+    logits[:, :8] = 6.0
+    rollout_lp = process_logits(logits, 1.0, top_k=8)  # (T, V), -inf outside the top 8
+    tokens = sample_rows(rollout_lp, torch.rand(t, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    return Outcome(logprobs=torch.log_softmax(logits, -1)), Outcome(logprobs=rollout_lp, tokens=tokens)
+
+
+def test_verdict_sees_truncated_sampling_through_the_exact_kl():
+    trainer, rollout = truncated_sampling()
+    ev = judge(_Pair(), Case(seed=0, seq_lens=(40,)), trainer, rollout, threshold=1e-3)
+    d = ev.divergence
+    z = 8 * math.exp(6) / (8 * math.exp(6) + 56)
+    # (fp32 log-probs: d = log z carries ~2e-7 of rounding, so k3 ~ d^2/2 agrees to ~1e-4 only)
+    assert d.k3_kl == pytest.approx(z - 1 - math.log(z), rel=1e-4) and d.k3_kl < 1e-3
+    assert d.kl == pytest.approx(-math.log(z), rel=1e-4) and d.kl > 10e-3
+    assert ev.symptom is Symptom.DIVERGENCE and d.fired == "kl" and not d.nonfinite
+
+
+def test_fired_names_the_means_above_the_threshold():
+    def div(k3, kl):
+        return Divergence(k3, k3, kl, *([0.0] * 9), 0, 0, 1)
+
+    assert [fired(div(a, b), 1e-3) for a, b in [(2e-3, 0), (0, 2e-3), (2e-3, math.inf), (1e-4, 1e-4),
+                                                  (math.nan, 0.0)]] == ["k3", "kl", "k3+kl", "", ""]
+    trainer = Outcome(logprobs=lp([[0.5, 0.5]]))
+    ev = judge(_Pair(), Case(seed=0, seq_lens=(1,)), trainer, Outcome(logprobs=lp([[0.5, 0.5]]), tokens=torch.tensor([0])))
+    assert ev.symptom is Symptom.NONE and ev.divergence.fired == ""
+
+
+def test_trainer_excluding_a_token_the_rollout_can_produce_is_a_divergence():
+    # the rollout gives token 2 mass 1e-300 (above the smallest normal); the trainer gives it -inf
+    rollout = torch.tensor([[math.log(0.5), math.log(0.5) , -690.8]], dtype=torch.float64)
+    trainer = torch.tensor([[math.log(0.5), math.log(0.5), -math.inf]], dtype=torch.float64)
+    d = compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0]))
+    assert d.kl == math.inf and d.k3_kl == 0.0 and not d.nonfinite
+    # ... and the same token sampled: k3 = +inf, still a divergence, not a non-finite value
+    ev = judge(_Pair(), Case(seed=0, seq_lens=(1,)), Outcome(logprobs=trainer),
+               Outcome(logprobs=rollout, tokens=torch.tensor([2])))
+    assert ev.divergence.k3_kl == math.inf and ev.symptom is Symptom.DIVERGENCE and ev.divergence.fired == "k3+kl"
+    # mass under the smallest normal float64 counts as none
+    rollout[0, 2] = LOG_TINY - 1
+    assert compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0])).kl == 0.0
+
+
+def test_a_token_the_rollout_gives_no_mass_is_a_nonfinite_rollout():
+    lr = torch.tensor([[0.0, -math.inf]])
+    d = compare(Outcome(logprobs=lr.clone()), Outcome(logprobs=lr), (1,), torch.tensor([1]))
+    assert d.nonfinite_rollout == 1 and d.nonfinite_trainer == 0 and d.nonfinite
+
+
+def test_truncated_rows_alike_on_both_sides_are_clean():
+    lr = process_logits(3 * torch.randn(6, 300, generator=torch.Generator().manual_seed(0)), 0.8, top_k=20, top_p=0.9)
+    d = compare(Outcome(logprobs=lr.clone()), Outcome(logprobs=lr), (6,), uniforms=torch.linspace(0, 0.99, 6,
+                                                                                                  dtype=torch.float64))
+    assert d.kl == 0.0 and d.k3_kl == 0.0 and not d.nonfinite and math.isfinite(d.entropy)
+
+
+def seq_case(lens, **kw):
+    return Case(seed=7, seq_lens=lens, **kw)
+
+
+def test_per_sequence_draws_replay_and_survive_dropping_a_sequence():
+    case = seq_case((5, 3, 4))
+    lr = torch.log_softmax(torch.randn(12, 50, generator=torch.Generator().manual_seed(1)), -1)
+    d = compare(Outcome(logprobs=lr.clone()), Outcome(logprobs=lr), case.seq_lens, case=case)
+    assert (d.per_token["token"] == sample_rows(lr, case.token_uniforms("tokens")).numpy()).all()
+    smaller = case.drop_sequence(0)  # sequences 1 and 2 keep their streams
+    d2 = compare(Outcome(logprobs=lr[5:].clone()), Outcome(logprobs=lr[5:]), smaller.seq_lens, case=smaller)
+    assert (d2.per_token["token"] == d.per_token["token"][5:]).all()
+
+
+def test_upgraded_schema_1_cases_keep_the_multinomial_draw():
+    case = seq_case((6, 4), streams="single")
+    lr = torch.log_softmax(torch.randn(10, 30, generator=torch.Generator().manual_seed(2)), -1)
+    d = compare(Outcome(logprobs=lr.clone()), Outcome(logprobs=lr), case.seq_lens, case=case)
+    want = torch.multinomial(torch.exp(lr.double()), 1, generator=case.generator("tokens")).squeeze(-1)
+    assert (d.per_token["token"] == want.numpy()).all()
+
+
+def test_values_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(3)
+    x = 3 * torch.randn(3, 151936, generator=g)
+    lt, lr = torch.log_softmax(x + 1e-3 * torch.randn(x.shape, generator=g), -1), torch.log_softmax(x, -1)
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append(compare(Outcome(logprobs=lt), Outcome(logprobs=lr), (3,), torch.tensor([0, 1, 2])))
+    finally:
+        torch.set_num_threads(before)
+    assert runs[0].as_dict() == runs[1].as_dict()
+    assert (runs[0].per_token["kl"] == runs[1].per_token["kl"]).all()

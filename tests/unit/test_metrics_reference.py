@@ -20,7 +20,7 @@ import torch
 from harness.case import Case
 from harness.corpus import iter_corpus, load_plugin_for, load_repro
 from harness.execute import run_paths
-from harness.metrics import compare
+from harness.metrics import LOG_TINY, compare
 from harness.pairs import REGISTRY, Outcome
 from harness.sampling import process_logits, sample_rows
 
@@ -40,7 +40,8 @@ def k3_exact(d: float) -> float:
 
 
 def reference(lt: torch.Tensor, lr: torch.Tensor, tokens) -> dict[str, np.ndarray | float]:
-    """The definition, plainly: float64, masked, fsum; NaN rows where either path has NaN or +inf."""
+    """The definition, plainly: float64, masked, fsum; NaN rows where either path has NaN or +inf;
+    a probability under the smallest normal float64 is 0."""
     lt = lt.detach().to(torch.float64).cpu().numpy()
     lr = lr.detach().to(torch.float64).cpu().numpy()
     tok = np.asarray(tokens, dtype=np.int64)
@@ -49,7 +50,7 @@ def reference(lt: torch.Tensor, lr: torch.Tensor, tokens) -> dict[str, np.ndarra
     with np.errstate(all="ignore"):
         for i in range(n):
             bad_t, bad_r = not (lt[i] < math.inf).all(), not (lr[i] < math.inf).all()
-            p = np.exp(lr[i])
+            p = np.exp(np.where(lr[i] <= LOG_TINY, -np.inf, lr[i]))  # under the smallest normal: 0
             m = p > 0  # 0 * log 0 = 0
             kl[i] = math.nan if bad_t or bad_r else math.fsum(p[m] * (lr[i][m] - lt[i][m]))
             ent[i] = math.nan if bad_r else -math.fsum(p[m] * lr[i][m])
