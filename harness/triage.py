@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
 from dataclasses import dataclass, field

@@ -7,8 +7,6 @@ import torch
 
 from harness.gpucheck import PairCheck, table
 
-from ..conftest import PLUGINS
-
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run, not skip")
 def test_without_cuda_it_skips_with_the_reason_and_exits_0(harness_cli):
