@@ -6,7 +6,8 @@
 On a machine where torch sees no CUDA device it prints why it skipped and exits 0 (CI runs it that
 way on every push). With CUDA it
 
-1. runs the CUDA tests (`pytest tests/gpu -m gpu` in a subprocess, under `--tests-timeout`);
+1. runs the CUDA tests (every test marked `gpu`: `pytest tests -m gpu` in a subprocess, under
+   `--tests-timeout`);
 2. runs a short campaign of every registered pair that declares `cuda` (the model pairs run their
    real-size config on CUDA: `targets.models.moe_decoder.LARGE`): at most `--max-examples` cases;
    `--budget` seconds are shared out over the pairs (each gets an equal share of what is left when
@@ -43,7 +44,7 @@ import click
 from .errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_TESTS = ROOT / "tests" / "gpu"
+TESTS = ROOT / "tests"  # the CUDA tests are the ones marked `gpu` (pyproject's markers)
 DEFAULT_BUDGET = 200.0  # seconds for all the campaigns, their bare calls and metrics together (cold starts aside)
 DEFAULT_TESTS_TIMEOUT = 210.0  # seconds for the CUDA tests
 DEFAULT_MAX_EXAMPLES = 30  # cases per pair at most
@@ -104,10 +105,10 @@ def _sync(device: str) -> None:
 # 1. The CUDA tests
 # ---------------------------------------------------------------------------------------------
 def run_tests(timeout: float, index: int | None = None) -> TestRun:
-    if not GPU_TESTS.is_dir():
-        return TestRun(True, 4, f"{GPU_TESTS} not found: run the check from a checkout of the repository", 0.0)
+    if not (TESTS / "gpu").is_dir():
+        return TestRun(True, 4, f"{TESTS} not found: run the check from a checkout of the repository", 0.0)
     start = time.monotonic()
-    cmd = [sys.executable, "-m", "pytest", str(GPU_TESTS), "-m", "gpu", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "gpu", "-q", "-p", "no:cacheprovider"]
     try:
         env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(index)} if index is not None else {})}
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -255,7 +256,8 @@ def select_pairs(patterns: tuple[str, ...], device: str) -> list:
 @click.option("--max-examples", type=click.IntRange(2), default=DEFAULT_MAX_EXAMPLES, show_default=True,
               help="Cases per pair at most.")
 @click.option("--seed", type=int, default=1, show_default=True, help="Campaign seed.")
-@click.option("--tests/--no-tests", default=True, show_default=True, help="Run the CUDA tests (tests/gpu) first.")
+@click.option("--tests/--no-tests", default=True, show_default=True,
+              help="Run the CUDA tests (tests marked gpu) first.")
 @click.option("--tests-timeout", type=click.FloatRange(1.0), default=DEFAULT_TESTS_TIMEOUT, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON after the table.")
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE", help="Load pairs from a plugin.")
@@ -299,7 +301,7 @@ def gpucheck(device: str = "cuda", patterns: tuple[str, ...] = (), budget: float
                          + "; run `harness list` to see each pair's devices.")
     test_run = TestRun(False)
     if tests and device == "cuda":
-        click.echo(f"CUDA tests: pytest {GPU_TESTS.relative_to(ROOT)} -m gpu ...")
+        click.echo("CUDA tests: pytest tests -m gpu ...")
         test_run = run_tests(tests_timeout, index)
         click.echo(f"CUDA tests: {test_run.summary} ({test_run.seconds:.0f} s)")
     click.echo(f"campaigns: {len(pairs)} pair(s), at most {max_examples} cases each, {budget:.0f} s in all, "

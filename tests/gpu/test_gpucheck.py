@@ -65,3 +65,13 @@ def test_table_marks_what_was_not_measured():
                                         " clean "]
     assert text[3].split("|")[3:6] == [" -       ", " -            ", " -          "]
     assert "BROKEN (error: RuntimeError: boom)" in text[3]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the CUDA tests for real")
+def test_the_cuda_test_run_collects_the_gpu_marked_tests_and_reports_pytests_summary():
+    from harness.gpucheck import run_tests
+
+    got = run_tests(timeout=600)
+    assert got.ran and got.ok and got.code == 0, got.summary
+    assert "skipped" in got.summary and "passed" not in got.summary  # every gpu test skips without CUDA
