@@ -40,7 +40,7 @@ def default_axes(model: HFModel, max_seqs: int = 4, max_prompt: int = MAX_PROMPT
         dtypes=("bfloat16",),
     )
     extra = {"prompt_len": (0, max_prompt), "pad_sides": ("left",), "temperature": (0.7, 1.0),
-             "top_p": (0.9, 1.0), "sample_top_k": (0, 0)}
+             "top_p": (1.0, 1.0), "sample_top_k": (0, 0)}  # top-p: see README (nucleus boundary)
     names = {f.name for f in dataclasses.fields(Axes)}
     kw.update({k: v for k, v in extra.items() if k in names})
     if moe:

@@ -144,4 +144,4 @@ def test_demonstration_caught_and_shrunk(name, tmp_path):
 def test_aligned_clean(name, tmp_path):
     cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=60, corpus=tmp_path, write_corpus=False)
     (r,) = run_campaign(cfg, log=lambda m: None).results
-    assert r.verdict == "clean", (name, r.verdict, r.max_k3)
+    assert r.verdict == "clean", (name, r.verdict, r.max_k3, [(f.symptom, f.case.one_line(), f.evaluation.error) for f in r.findings])
