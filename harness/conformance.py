@@ -233,7 +233,7 @@ def _relation(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: 
             f"{pair.name}: the {check} check was skipped: on {case.one_line()} with {what} the pair's per-token inputs did not "
             "follow, so its tensors come from whole-batch streams. Draw them per sequence (case.token_randn, "
             "case.seq_generator(j, ...), case.prompt_tokens(j, ...)) so that reordering, shortening or removing a "
-            "sequence leaves the other tokens' tensors unchanged, as shrinking assumes."), stacklevel=4)
+            "sequence leaves the other tokens' tensors unchanged, as shrinking assumes."), stacklevel=6)
         return []
     return [f"case {case.one_line()} with {what}: the {role}'s rows did not follow (fewer than "
             f"{PERMUTE_MATCH:.0%} of them match the original row of the same token); {rule}"
