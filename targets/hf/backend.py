@@ -53,7 +53,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -275,10 +274,9 @@ class Runner:
             x = args[0].reshape(-1, module.weight.shape[-1])  # (N, H)
             ctx = self.ctx
             if ctx.tie_layer == i and ctx.forced is not None and ctx.keys is not None:
-                valid = ctx.keys >= 0
-                rows = torch_where(valid, ctx.keys)
+                valid = ctx.keys >= 0  # (N,) real positions
                 force = valid.clone()
-                force[valid] = ctx.forced[rows]
+                force[valid] = ctx.forced.to(valid.device)[ctx.keys[valid]]
                 if bool(force.any()):
                     x = tie_nudge(x, module.weight, force, ctx.gap, int(module.top_k))
             return (x.to(module.weight.dtype),)
@@ -322,15 +320,13 @@ class Runner:
             self.ctx = CallContext()
 
 
-def torch_where(mask: Any, values: Any) -> Any:
-    return values[mask]
-
-
 def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, rounds: int = 3) -> Any:
     """Router input x (N, H) moved, for forced rows, so that the router logits x @ w.T have their
     top-k boundary (k-th vs (k+1)-th expert) at exactly `gap` in float64 (the higher expert id leads):
     the move is along w[a] - w[b], the one direction that changes that gap and nothing else of the pair.
-    Row-wise, so a position gets the same nudge whichever batch it runs in."""
+    Row-wise, so a position gets the same nudge whichever batch it runs in (`harness.strategies.
+    near_tie_hidden` picks its rows from a stream over the whole tensor; here rows are positions keyed
+    per sequence, and a forward sees a different set of them on each path)."""
     import torch
 
     xs, wf = x.to(torch.float64), w.to(torch.float64)  # (N, H), (E, H)
