@@ -130,7 +130,7 @@ _TINY_BUGGY = with_bug(_TINY, "blocks.1", BiasedLinear)
 
 def tiny_pair(name: str, expected: str, rollout_model: nn.Module, description: str) -> TargetPair:
     def build(case, device):
-        ids = [torch.randint(0, VOCAB, (n,), generator=case.generator("ids", j)) for j, n in enumerate(case.seq_lens)]
+        ids = [torch.randint(0, VOCAB, (n,), generator=case.seq_generator(j, "ids")) for j, n in enumerate(case.seq_lens)]
         return {"ids": ids, "scale": case.logit_scale,
                 "modules": {"trainer": _TINY.to(device), "rollout": rollout_model.to(device)}, "device": device}
 
