@@ -14,7 +14,7 @@ tokens is biased low when the rollout samples from a truncated distribution (it 
 either mean crosses the threshold, and `Divergence.fired` says which did.
 
 Values. -inf is log 0 (an entry truncated by top-k/top-p), not a non-finite value; NaN or +inf is.
-A probability under the smallest normal float64 (log p <= -708.39) counts as 0.
+A probability at or below e^-650 (~5e-283) counts as 0.
 A row with NaN or +inf anywhere is non-finite (counted per path; its `kl` and `entropy` are NaN).
 KL(rollout || trainer) is +inf where the trainer gives -inf to a token the rollout gives mass, and
 a token the trainer gives -inf has k3 = +inf: both are divergences, not non-finite values. A token
@@ -22,9 +22,9 @@ the rollout itself gives -inf cannot have been sampled from it: counted as a non
 
 How it is computed. On the outcomes' device, in chunks of rows, so memory stays a small multiple of
 one (T, V) fp32 tensor whatever T is (a chunk's float64 buffers hold at most `chunk_elems` elements
-each: three of them, four when it draws tokens). Per chunk, in float64: p = exp(logp_r), then -inf
-raised to finite floors (the rollout's to the fp32 minimum, the trainer's to the float64 minimum) so
-that 0 * log 0 adds 0 while a token the trainer excludes and the rollout does not adds at least 4;
+each: three of them, four when it draws tokens). Per chunk, in float64: p = exp(logp_r) (0 at or below e^-650),
+-inf raised to finite floors (the rollout's to -700, the trainer's to the float64 minimum) so that
+0 * log 0 adds 0 while a token the trainer excludes and the rollout does not adds more than 1e8;
 d = logp_r - logp_t; both sums over the vocabulary (sum p*d = KL, -sum p*logp_r = entropy). Rows
 whose sums are not finite (NaN, +inf) are recomputed with the masked definition; rows whose KL
 exceeds 1 are checked for a token the trainer excludes (KL = +inf; the rest of a KL sum is >= -1/e
@@ -64,17 +64,20 @@ METRIC_KEYS = (
 CHUNK_ELEMS_CPU = 1 << 17
 CHUNK_ELEMS_DEVICE = 1 << 25
 
-# log of the smallest normal float64: a probability at or below it counts as 0 (exp of the
-# subnormal range is ~10x slower on a CPU, and such a term adds nothing a float64 sum can keep).
-LOG_TINY = math.log(2.2250738585072014e-308)  # -708.396...
+# A probability at or below e^-650 (~5e-283) counts as 0: such a term adds nothing a float64 sum
+# keeps, and a CPU's exp is 2-10x slower on -inf and on arguments under ~-708 (subnormal results).
+# Those entries go into the exp as _EXP_FLOOR (fast) and come out as exactly 0 (p <= _P_ZERO).
+LOG_ZERO = -650.0
+_EXP_FLOOR = -700.0  # e^-700 ~ 1e-304
+_P_ZERO = 1e-290  # between e^-700 and e^-650
 _F64_MAX = 1.7976931348623157e308
 _KL_CHECK = 1.0  # a row's KL above this may hold a token the trainer excludes (see row_stats)
-_EXCLUDED_TERM = 3.99  # ... and the term p * d of such a token is >= tiny * max = 4
+_EXCLUDED_TERM = 1e8  # ... and the term p * d of such a token is >= e^-650 * max (~9e25)
 
 TOKEN_SALT = "tokens"  # the stream the case's tokens are drawn from when the rollout returns none
 
-_K3_SERIES_BELOW = 0.25  # |log r| under which k3 is summed as its Taylor series
-_K3_SERIES = tuple(1.0 / math.factorial(n) for n in range(2, 18))  # d^2/2!, d^3/3!, ... d^17/17!
+_K3_SERIES_BELOW = 0.0625  # |log r| under which k3 is summed as its Taylor series (above: <= 5 bits lost)
+_K3_SERIES = tuple(1.0 / math.factorial(n) for n in range(2, 14))  # d^2/2!, ... d^13/13! (next: < 1e-22 rel)
 
 
 @dataclass
@@ -116,19 +119,14 @@ def fired(div: Divergence, threshold: float) -> str:
 
 
 def k3_of(d: np.ndarray) -> np.ndarray:
-    """k3 = expm1(d) - d for float64 log-ratios d, accurate to a few ulps for every d (Taylor series
-    where |d| is small: there the direct form cancels, losing ~log10(1/|d|) digits)."""
+    """k3 = expm1(d) - d for float64 log-ratios d, to ~1e-14 relative for every d (its Taylor series
+    where |d| is small: there the direct form cancels, losing ~log2(1/|d|) bits)."""
     d = np.asarray(d, dtype=np.float64)
     with np.errstate(all="ignore"):
-        out = np.expm1(d) - d
-        small = np.abs(d) < _K3_SERIES_BELOW
-        if small.any():
-            x = d[small]
-            s = np.full_like(x, _K3_SERIES[-1])
-            for c in _K3_SERIES[-2::-1]:
-                s = s * x + c
-            out[small] = s * x * x
-    return out
+        s = np.full_like(d, _K3_SERIES[-1])
+        for c in _K3_SERIES[-2::-1]:  # Horner, over every d (T values: cheaper than selecting)
+            s = s * d + c
+        return np.where(np.abs(d) < _K3_SERIES_BELOW, s * d * d, np.expm1(d) - d)
 
 
 def boundary_tie(scores: Any, k: int) -> np.ndarray:
@@ -209,7 +207,7 @@ def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any]:
     lt64, lr64 = lt.to(torch.float64), lr.to(torch.float64)  # (n, V)
     bad_t = ~(lt64.amax(-1) < math.inf)  # NaN (amax propagates it) or +inf somewhere in the row
     bad_r = ~(lr64.amax(-1) < math.inf)
-    p = torch.exp(torch.where(lr64 <= LOG_TINY, -math.inf, lr64))  # p under the smallest normal: 0
+    p = torch.exp(torch.where(lr64 <= LOG_ZERO, -math.inf, lr64))  # as in row_stats: 0 at or below e^-650
     mass = p > 0  # 0 * log 0 terms are 0, not NaN
     terms = torch.stack([p * (lr64 - lt64), p * lr64], 1)  # (n, 2, V): two outputs per row, as in row_stats
     s = torch.where(mass[:, None], terms, 0.0).sum(-1)  # (n, 2)
@@ -235,7 +233,6 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     if chunk_elems is None:
         chunk_elems = CHUNK_ELEMS_CPU if dev.type == "cpu" else CHUNK_ELEMS_DEVICE
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
-    floor = torch.finfo(torch.float32).min  # exp(floor) = 0 in float64: a -inf raised to it adds 0 * floor = 0
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
     buf = torch.empty(rows, 2, v, dtype=f64, device=dev)  # per row: [d, logp_r], then [p*d, p*logp_r]
@@ -248,10 +245,9 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
         lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
         x, p = buf[:n], pbuf[:n]  # (n, 2, V), (n, V)
         d, l = x[:, 0], x[:, 1]  # (n, V) views
-        torch.nn.functional.threshold_(l.copy_(lr), LOG_TINY, -math.inf)  # p < tiny: 0 (NaN, +inf stay)
-        torch.exp(l, out=p)
-        l.clamp_(min=floor)  # -inf -> floor: 0 * floor = 0
-        d.copy_(lt).clamp_(min=-_F64_MAX)  # a trainer -inf -> -max: p*d >= tiny*max = 4 where p > 0
+        torch.nn.functional.threshold_(l.copy_(lr), LOG_ZERO, _EXP_FLOOR)  # -inf too (NaN, +inf stay)
+        torch.nn.functional.threshold_(torch.exp(l, out=p), _P_ZERO, 0.0)  # (n, V): exactly 0 there
+        d.copy_(lt).clamp_(min=-_F64_MAX)  # a trainer -inf -> -max: p*d >= e^-650*max > 1e8 where p > 0
         torch.sub(l, d, out=d)  # logp_r - logp_t in float64
         torch.mul(x, p[:, None], out=x)  # [p*d, p*logp_r]
         s = x.sum(-1)  # (n, 2): KL, -entropy
@@ -261,12 +257,12 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             i = (~finite).nonzero().squeeze(-1)
             redone.append((a + i, *_exact_rows(lt[i], lr[i])))
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
-        # A token the trainer excludes (-inf) where the rollout has mass adds >= 4 to a row's sum
+        # A token the trainer excludes (-inf) where the rollout has mass adds > 1e8 to a row's sum
         # (the rest of a KL sum is >= -1/e for distributions): only rows above 1 can hold one.
         check = finite & (s[:, 0] > _KL_CHECK)
         if bool(check.any()):
             i = check.nonzero().squeeze(-1)
-            i = i[x[i, 0].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is >= 4
+            i = i[x[i, 0].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
             if i.numel():
                 excluded = ((lt[i] == -math.inf) & (p[i] > 0)).any(-1)  # (m,)
                 s[i[excluded], 0] = math.inf

@@ -82,7 +82,7 @@ import numpy as np  # noqa: E402
 
 from harness.case import Case  # noqa: E402
 from harness.execute import Symptom, judge  # noqa: E402
-from harness.metrics import LOG_TINY, Divergence, fired, k3_of  # noqa: E402
+from harness.metrics import LOG_ZERO, Divergence, fired, k3_of  # noqa: E402
 from harness.sampling import process_logits, sample_rows  # noqa: E402
 
 
@@ -132,8 +132,8 @@ def test_fired_names_the_means_above_the_threshold():
 
 
 def test_trainer_excluding_a_token_the_rollout_can_produce_is_a_divergence():
-    # the rollout gives token 2 mass 1e-300 (above the smallest normal); the trainer gives it -inf
-    rollout = torch.tensor([[math.log(0.5), math.log(0.5) , -690.8]], dtype=torch.float64)
+    # the rollout gives token 2 mass 1e-280 (above e^-650); the trainer gives it -inf
+    rollout = torch.tensor([[math.log(0.5), math.log(0.5), -644.7]], dtype=torch.float64)
     trainer = torch.tensor([[math.log(0.5), math.log(0.5), -math.inf]], dtype=torch.float64)
     d = compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0]))
     assert d.kl == math.inf and d.k3_kl == 0.0 and not d.nonfinite
@@ -141,8 +141,8 @@ def test_trainer_excluding_a_token_the_rollout_can_produce_is_a_divergence():
     ev = judge(_Pair(), Case(seed=0, seq_lens=(1,)), Outcome(logprobs=trainer),
                Outcome(logprobs=rollout, tokens=torch.tensor([2])))
     assert ev.divergence.k3_kl == math.inf and ev.symptom is Symptom.DIVERGENCE and ev.divergence.fired == "k3+kl"
-    # mass under the smallest normal float64 counts as none
-    rollout[0, 2] = LOG_TINY - 1
+    # mass at or below e^-650 counts as none
+    rollout[0, 2] = LOG_ZERO - 1
     assert compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0])).kl == 0.0
 
 
