@@ -250,25 +250,25 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
         d.copy_(lt).clamp_(min=-_F64_MAX)  # a trainer -inf -> -max: p*d >= e^-650*max > 1e8 where p > 0
         torch.sub(l, d, out=d)  # logp_r - logp_t in float64
         torch.mul(x, p[:, None], out=x)  # [p*d, p*logp_r]
-        s = x.sum(-1)  # (n, 2): KL, -entropy
+        s = x.sum(-1).cpu().numpy()  # (n, 2): KL, -entropy (n values: the checks below in numpy)
         sums.append(s)
-        finite = torch.isfinite(s).all(-1)  # (n,)
-        if not bool(finite.all()):  # NaN or +inf in a row: the masked definition says what it is
-            i = (~finite).nonzero().squeeze(-1)
+        finite = np.isfinite(s).all(-1)  # (n,)
+        if not finite.all():  # NaN or +inf in a row: the masked definition says what it is
+            i = torch.from_numpy(np.flatnonzero(~finite)).to(dev)
             redone.append((a + i, *_exact_rows(lt[i], lr[i])))
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
         # A token the trainer excludes (-inf) where the rollout has mass adds > 1e8 to a row's sum
         # (the rest of a KL sum is >= -1/e for distributions): only rows above 1 can hold one.
         check = finite & (s[:, 0] > _KL_CHECK)
-        if bool(check.any()):
-            i = check.nonzero().squeeze(-1)
+        if check.any():
+            i = torch.from_numpy(np.flatnonzero(check)).to(dev)
             i = i[x[i, 0].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
             if i.numel():
                 excluded = ((lt[i] == -math.inf) & (p[i] > 0)).any(-1)  # (m,)
-                s[i[excluded], 0] = math.inf
+                s[_np(i[excluded]), 0] = math.inf
         if uniforms is not None:
             drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf[:n]))
-    s = (sums[0] if len(sums) == 1 else torch.cat(sums)).cpu().numpy()  # (T, 2)
+    s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 2)
     kl, ent = s[:, 0].copy(), -s[:, 1]
     bad_t, bad_r = np.zeros(n_rows, dtype=bool), np.zeros(n_rows, dtype=bool)
     for i, kl_i, ent_i, bt_i, br_i in redone:
@@ -317,7 +317,8 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
     tok_d = torch.as_tensor(tokens, device=dev).to(torch.int64).reshape(n, 1)  # (T, 1)
     picked = torch.cat([lt_all.to(dev).gather(1, tok_d).to(torch.float64),
                         lr_all.gather(1, tok_d).to(torch.float64)], 1).cpu().numpy()  # (T, 2)
-    lt, lr, tok = picked[:, 0], picked[:, 1], _np(tok_d).reshape(n)
+    lt, lr = np.ascontiguousarray(picked.T)  # (T,) each
+    tok = _np(tok_d).reshape(n)
     kl, entropy, bad_t, bad_r = stats["kl"], stats["entropy"], stats["bad_trainer"], stats["bad_rollout"]
     with np.errstate(all="ignore"):
         d = lt - lr  # (T,) log r
@@ -327,21 +328,21 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
         k3_seq = np.bincount(seg, weights=k3, minlength=len(seq_lens)) / counts
         d_seq = np.bincount(seg, weights=d, minlength=len(seq_lens)) / counts
         pt, pr = np.exp(lt), np.exp(lr)
-        ct, cr = pt - pt.mean(), pr - pr.mean()
+        ct, cr = pt - _mean(pt), pr - _mean(pr)
         vt, vr = ct @ ct, cr @ cr
         pearson = float(np.clip((ct @ cr) / math.sqrt(vt * vr), -1.0, 1.0)) if n >= 2 and vt > 0 and vr > 0 \
             else math.nan
         return Divergence(
-            k3_kl=float(k3.mean()),
+            k3_kl=_mean(k3),
             k3_seq_max=float(k3_seq.max()),
-            kl=float(kl.mean()),
+            kl=_mean(kl),
             max_abs_dlogp=float(np.abs(d).max()),
             probs_diff_max=float(np.abs(pt - pr).max()),
-            log_ppl_diff=float(d_seq.mean()),
-            ppl_ratio=float(np.exp(d_seq).mean()),
-            chi2_token=float(np.exp(2 * d).mean() - 1),
+            log_ppl_diff=_mean(d_seq),
+            ppl_ratio=_mean(np.exp(d_seq)),
+            chi2_token=_mean(np.exp(2 * d)) - 1,
             pearson=pearson,
-            entropy=float(entropy.mean()),
+            entropy=_mean(entropy),
             flip_rate=0.0,
             tie_flip_rate=0.0,
             nonfinite_trainer=int((bad_t | np.isnan(lt) | (lt == math.inf)).sum()),
@@ -357,6 +358,11 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
                 "kl": kl,
             },
         )
+
+
+def _mean(a: np.ndarray) -> float:
+    """`a.mean()` for a 1-D float64 array (the same pairwise sum, then / size), without its overhead."""
+    return float(np.add.reduce(a)) / a.size if a.size else math.nan
 
 
 def with_routing(div: Divergence, trainer: Any, rollout: Any) -> Divergence:
