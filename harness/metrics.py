@@ -47,6 +47,7 @@ replays the same tokens.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,6 +218,23 @@ def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any]:
     return kl, ent, bad_t, bad_r
 
 
+_LOCAL = threading.local()
+
+
+def _workspace(n: int, dev: Any) -> Any:
+    """n float64 elements of scratch on `dev`. On a CPU one buffer per thread is kept and grown, not
+    allocated per call: a fresh multi-MiB allocation is fresh pages, and faulting them in cost more
+    than the metrics on small cases. Accelerators' caching allocators already reuse memory."""
+    import torch
+
+    if dev.type != "cpu":
+        return torch.empty(n, dtype=torch.float64, device=dev)
+    buf = getattr(_LOCAL, "workspace", None)
+    if buf is None or buf.numel() < n:
+        buf = _LOCAL.workspace = torch.empty(n, dtype=torch.float64)
+    return buf[:n]
+
+
 def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
               chunk_elems: int | None = None) -> dict[str, Any]:
     """Sums over the vocabulary of two (T, V) log-probability tensors, in chunks of rows.
@@ -235,9 +253,10 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
-    buf = torch.empty(rows, 2, v, dtype=f64, device=dev)  # per row: [d, logp_r], then [p*d, p*logp_r]
-    pbuf = torch.empty(rows, v, dtype=f64, device=dev)  # per row: p_r
-    cbuf = torch.empty(rows, v, dtype=f64, device=dev) if uniforms is not None else None  # cumulative p_r
+    ws = _workspace(rows * v * (4 if uniforms is not None else 3), dev)
+    buf = ws[:2 * rows * v].view(rows, 2, v)  # per row: [d, logp_r], then [p*d, p*logp_r]
+    pbuf = ws[2 * rows * v:3 * rows * v].view(rows, v)  # per row: p_r
+    cbuf = ws[3 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
     sums, drawn, redone = [], [], []
     for a in range(0, n_rows, rows):
         b = min(a + rows, n_rows)
