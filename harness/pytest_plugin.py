@@ -292,6 +292,7 @@ class FuzzSession:
             from harness.fuzz import Executor
 
             self.executor = Executor(cfg)  # one worker process for all of this process's items
+            self.executor.prepare(None)  # its start is not charged to the first item's budget
         result = run_campaign(cfg, tracker=_FindingsOnly(outer), log=_log, on_finding=on_finding,
                               executor=self.executor)
         if result.interrupted:
