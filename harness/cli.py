@@ -98,7 +98,6 @@ LAZY_COMMANDS = {
 LAZY_BENCHMARKS = {
     "overhead": "harness.bench:overhead_command",
     "xdist": "harness.bench:xdist_command",
-    "xdist": "harness.bench:xdist_command",
     "neartie": "harness.bench_ops:neartie_command",
     "ops": "harness.bench_ops:ops_command",
     "models": "harness.bench_models:models_command",
