@@ -14,22 +14,26 @@ tokens is biased low when the rollout samples from a truncated distribution (it 
 either mean crosses the threshold, and `Divergence.fired` says which did.
 
 Values. -inf is log 0 (an entry truncated by top-k/top-p), not a non-finite value; NaN or +inf is.
-A probability at or below e^-650 (~5e-283) counts as 0.
-A row with NaN or +inf anywhere is non-finite (counted per path; its `kl` and `entropy` are NaN).
-KL(rollout || trainer) is +inf where the trainer gives -inf to a token the rollout gives mass, and
-a token the trainer gives -inf has k3 = +inf: both are divergences, not non-finite values. A token
-the rollout itself gives -inf cannot have been sampled from it: counted as a non-finite rollout.
+A probability at or below e^-650 (~5e-283) counts as 0. A row with NaN or +inf anywhere is
+non-finite (counted per path; its `kl` and `entropy` are NaN).
+
+The exact KL is that of the two *distributions*: each side is normalised in float64 (log p^ = log p
+- log sum p), so a path whose log-probabilities are rounded (bf16 log-softmax output sums to 1 only
+to ~1e-3) is judged on the second-order gap, not on its first-order normalisation error (which has
+either sign and would flag or hide a pair at random). The sum runs over the tokens the trainer
+keeps: tokens the trainer gives -inf and the rollout gives mass are reported as `kl_excluded` (their
+rollout mass), not folded in as +inf, because two aligned paths that both truncate (top-k/top-p on
+both sides) put a boundary token in or out on last-bit differences. A *sampled* token the trainer
+excludes still has k3 = +inf: a divergence, not a non-finite value. A rollout truncating what the
+trainer scores in full (an engine's default top-k) gives KL = -log(kept mass), what the verdict needs.
 
 How it is computed. On the outcomes' device, in chunks of rows, so memory stays a small multiple of
 one (T, V) fp32 tensor whatever T is (a chunk's float64 buffers hold at most `chunk_elems` elements
-each: three of them, four when it draws tokens). Per chunk, in float64: p = exp(logp_r) (0 at or below e^-650),
--inf raised to finite floors (the rollout's to -700, the trainer's to the float64 minimum) so that
-0 * log 0 adds 0 while a token the trainer excludes and the rollout does not adds more than 1e8;
-d = logp_r - logp_t; both sums over the vocabulary (sum p*d = KL, -sum p*logp_r = entropy). Rows
-whose sums are not finite (NaN, +inf) are recomputed with the masked definition; rows whose KL
-exceeds 1 are checked for a token the trainer excludes (KL = +inf; the rest of a KL sum is >= -1/e
-for rows that are distributions, so a row under 1 excludes nothing; rows far from normalised, which
-are not log-probabilities, may miss that +inf).
+each: five of them, six when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
+exp(logp_t), the mask of tokens the trainer excludes, then five sums over the vocabulary per row
+(sum p*(logp_r - logp_t) over kept tokens, sum p*logp_r, sum p, sum p_t, excluded mass), from
+which the normalised KL, the entropy and the excluded mass follow. Rows whose sums are not finite
+(NaN, +inf) are recomputed with the masked definition.
 Each row is summed by one thread in a fixed order (every reduction has >= 2 outputs, so torch never
 splits a row across threads): a row's value does not depend on the chunk size, the other rows or the
 number of CPU threads, so a replay is bit-for-bit whatever thread count the campaign ran with.
@@ -56,7 +60,7 @@ import numpy as np
 # Keys of `Divergence.as_dict()`, in display order (all numeric; see `Divergence.fired`).
 METRIC_KEYS = (
     "k3_kl", "k3_seq_max", "kl", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
-    "chi2_token", "pearson", "entropy", "flip_rate", "tie_flip_rate", "nonfinite_trainer", "nonfinite_rollout",
+    "chi2_token", "pearson", "entropy", "kl_excluded", "flip_rate", "tie_flip_rate", "nonfinite_trainer", "nonfinite_rollout",
     "n_tokens",
 )
 
@@ -71,9 +75,6 @@ CHUNK_ELEMS_DEVICE = 1 << 25
 LOG_ZERO = -650.0
 _EXP_FLOOR = -700.0  # e^-700 ~ 1e-304
 _P_ZERO = 1e-290  # between e^-700 and e^-650
-_F64_MAX = 1.7976931348623157e308
-_KL_CHECK = 1.0  # a row's KL above this may hold a token the trainer excludes (see row_stats)
-_EXCLUDED_TERM = 1e8  # ... and the term p * d of such a token is >= e^-650 * max (~9e25)
 
 TOKEN_SALT = "tokens"  # the stream the case's tokens are drawn from when the rollout returns none
 
@@ -85,7 +86,7 @@ _K3_SERIES = tuple(1.0 / math.factorial(n) for n in range(2, 14))  # d^2/2!, ...
 class Divergence:
     k3_kl: float  # mean k3 over tokens
     k3_seq_max: float  # largest per-sequence mean k3
-    kl: float  # mean exact KL(rollout || trainer) per position (+inf: the trainer excludes a token the rollout can produce)
+    kl: float  # mean exact KL(rollout || trainer) per position, both normalised, over the tokens the trainer keeps
     max_abs_dlogp: float  # max |logp_t - logp_r| over tokens
     probs_diff_max: float  # max |p_t - p_r| over tokens
     log_ppl_diff: float  # mean over sequences of mean(logp_t - logp_r) = log ppl_rollout - log ppl_train
@@ -98,6 +99,7 @@ class Divergence:
     nonfinite_trainer: int  # tokens whose trainer row has NaN/+inf or whose logp_t is NaN/+inf
     nonfinite_rollout: int  # tokens whose rollout row has NaN/+inf or whose logp_r is not finite
     n_tokens: int
+    kl_excluded: float = 0.0  # mean rollout mass on tokens the trainer gives -inf (kept out of `kl`; reported)
     # Which mean crossed the verdict's threshold: "k3", "kl", "k3+kl", or "" (set by the verdict,
     # `execute.judge`; a string, so it is not one of METRIC_KEYS).
     fired: str = ""
@@ -201,21 +203,39 @@ def _inverse_cdf(p: Any, u: Any, out: Any) -> Any:
     return idx
 
 
-def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any]:
-    """The definition, masked, in float64, for a few rows: (KL, entropy, trainer bad, rollout bad)."""
+def _finish(sums: Any) -> tuple[Any, Any, Any]:
+    """(n, 5) float64 row sums [sum p*(lr-lt) over kept tokens, sum p*lr, Z_r = sum p, Z_t = sum p_t,
+    sum p over tokens the trainer excludes] -> (KL, entropy, excluded mass), each (n,), with both
+    distributions normalised: log p^ = log p - log Z on each side."""
+    a, b, zr, zt, e = (sums[:, i] for i in range(5))
+    with np.errstate(all="ignore"):
+        log_zr, log_zt = np.log(zr), np.log(zt)
+        kl = a / zr - ((zr - e) / zr) * (log_zr - log_zt)
+        ent = -(b / zr - log_zr)
+        excluded = e / zr
+    return kl, ent, excluded
+
+
+def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """The definition, masked, in float64, for a few rows: (KL, entropy, excluded, trainer bad, rollout bad)."""
     import torch
 
     lt64, lr64 = lt.to(torch.float64), lr.to(torch.float64)  # (n, V)
     bad_t = ~(lt64.amax(-1) < math.inf)  # NaN (amax propagates it) or +inf somewhere in the row
     bad_r = ~(lr64.amax(-1) < math.inf)
-    p = torch.exp(torch.where(lr64 <= LOG_ZERO, -math.inf, lr64))  # as in row_stats: 0 at or below e^-650
-    mass = p > 0  # 0 * log 0 terms are 0, not NaN
-    terms = torch.stack([p * (lr64 - lt64), p * lr64], 1)  # (n, 2, V): two outputs per row, as in row_stats
-    s = torch.where(mass[:, None], terms, 0.0).sum(-1)  # (n, 2)
-    kl, ent = s[:, 0], -s[:, 1]
-    kl = torch.where(bad_t | bad_r, math.nan, kl)
-    ent = torch.where(bad_r, math.nan, ent)
-    return kl, ent, bad_t, bad_r
+    p = torch.exp(torch.where(lr64 <= LOG_ZERO, -math.inf, lr64))  # p at or below e^-650: 0
+    pt = torch.exp(torch.where(lt64 <= LOG_ZERO, -math.inf, lt64))
+    mass, kept = p > 0, lt64 > LOG_ZERO  # 0 * log 0 terms are 0, not NaN
+    both = mass & kept
+    zero = torch.zeros((), dtype=torch.float64, device=p.device)
+    sums = torch.stack([torch.where(both, p * (lr64 - lt64), zero).sum(-1), torch.where(mass, p * lr64, zero).sum(-1),
+                        p.sum(-1), pt.sum(-1), torch.where(mass & ~kept, p, zero).sum(-1)], 1)  # (n, 5)
+    kl, ent, excluded = _finish(_np(sums))
+    bt, br = _np(bad_t), _np(bad_r) | ~(_np(sums[:, 2]) > 0)  # a rollout row with no mass is no distribution
+    kl = np.where(bt | br, math.nan, kl)
+    ent = np.where(br, math.nan, ent)
+    excluded = np.where(bt | br, math.nan, excluded)
+    return kl, ent, excluded, bt, br
 
 
 _LOCAL = threading.local()
@@ -235,13 +255,16 @@ def _workspace(n: int, dev: Any) -> Any:
     return buf[:n]
 
 
+
 def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
               chunk_elems: int | None = None) -> dict[str, Any]:
     """Sums over the vocabulary of two (T, V) log-probability tensors, in chunks of rows.
 
-    Returns (T,) numpy arrays `kl` (exact KL(rollout || trainer), float64), `entropy` (of the
-    rollout, float64), `bad_trainer` / `bad_rollout` (bool: NaN or +inf in the row), and `tokens`
-    (an int64 tensor on the rollout's device: inverse-CDF draws on `uniforms`; None without them).
+    Returns (T,) numpy arrays `kl` (exact KL(rollout || trainer) of the normalised distributions
+    over the tokens the trainer keeps, float64), `excluded` (rollout mass on tokens the trainer
+    gives -inf), `entropy` (of the rollout, float64), `bad_trainer` / `bad_rollout` (bool: NaN or
+    +inf in the row), and `tokens` (an int64 tensor on the rollout's device: inverse-CDF draws on
+    `uniforms`; None without them).
     """
     import torch
 
@@ -253,48 +276,42 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
-    ws = _workspace(rows * v * (4 if uniforms is not None else 3), dev)
-    buf = ws[:2 * rows * v].view(rows, 2, v)  # per row: [d, logp_r], then [p*d, p*logp_r]
-    pbuf = ws[2 * rows * v:3 * rows * v].view(rows, v)  # per row: p_r
-    cbuf = ws[3 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
+    ws = _workspace(rows * v * (6 if uniforms is not None else 5), dev)
+    buf = ws[:5 * rows * v].view(rows, 5, v)  # per row: [p*d, p*logp_r, p, p_t, p where the trainer excludes]
+    cbuf = ws[5 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
     sums, drawn, redone = [], [], []
     for a in range(0, n_rows, rows):
         b = min(a + rows, n_rows)
         n = b - a
         lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
-        x, p = buf[:n], pbuf[:n]  # (n, 2, V), (n, V)
-        d, l = x[:, 0], x[:, 1]  # (n, V) views
+        x = buf[:n]  # (n, 5, V)
+        d, l, p, pt, e = (x[:, i] for i in range(5))  # (n, V) views
         torch.nn.functional.threshold_(l.copy_(lr), LOG_ZERO, _EXP_FLOOR)  # -inf too (NaN, +inf stay)
         torch.nn.functional.threshold_(torch.exp(l, out=p), _P_ZERO, 0.0)  # (n, V): exactly 0 there
-        d.copy_(lt).clamp_(min=-_F64_MAX)  # a trainer -inf -> -max: p*d >= e^-650*max > 1e8 where p > 0
-        torch.sub(l, d, out=d)  # logp_r - logp_t in float64
-        torch.mul(x, p[:, None], out=x)  # [p*d, p*logp_r]
-        s = x.sum(-1).cpu().numpy()  # (n, 2): KL, -entropy (n values: the checks below in numpy)
+        torch.nn.functional.threshold_(d.copy_(lt), LOG_ZERO, _EXP_FLOOR)  # the trainer's, floored alike
+        torch.nn.functional.threshold_(torch.exp(d, out=pt), _P_ZERO, 0.0)  # (n, V) p_t
+        excluded = d <= _EXP_FLOOR  # (n, V) bool: tokens the trainer gives (about) 0
+        torch.mul(p, excluded, out=e)  # rollout mass the trainer excludes
+        torch.sub(l, d, out=d).masked_fill_(excluded, 0.0)  # logp_r - logp_t where the trainer keeps the token
+        torch.mul(d, p, out=d)
+        torch.mul(l, p, out=l)
+        s = x.sum(-1).cpu().numpy()  # (n, 5)
         sums.append(s)
-        finite = np.isfinite(s).all(-1)  # (n,)
-        if not finite.all():  # NaN or +inf in a row: the masked definition says what it is
+        finite = np.isfinite(s).all(-1) & (s[:, 2] > 0)  # (n,)
+        if not finite.all():  # NaN or +inf in a row, or no mass: the masked definition says what it is
             i = torch.from_numpy(np.flatnonzero(~finite)).to(dev)
-            redone.append((a + i, *_exact_rows(lt[i], lr[i])))
+            redone.append((a + _np(i), *_exact_rows(lt[i], lr[i])))
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
-        # A token the trainer excludes (-inf) where the rollout has mass adds > 1e8 to a row's sum
-        # (the rest of a KL sum is >= -1/e for distributions): only rows above 1 can hold one.
-        check = finite & (s[:, 0] > _KL_CHECK)
-        if check.any():
-            i = torch.from_numpy(np.flatnonzero(check)).to(dev)
-            i = i[x[i, 0].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
-            if i.numel():
-                excluded = ((lt[i] == -math.inf) & (p[i] > 0)).any(-1)  # (m,)
-                s[_np(i[excluded]), 0] = math.inf
         if uniforms is not None:
             drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf[:n]))
-    s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 2)
-    kl, ent = s[:, 0].copy(), -s[:, 1]
+    s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 5)
+    kl, ent, excl = _finish(s)
     bad_t, bad_r = np.zeros(n_rows, dtype=bool), np.zeros(n_rows, dtype=bool)
-    for i, kl_i, ent_i, bt_i, br_i in redone:
-        i = i.cpu().numpy()
-        kl[i], ent[i], bad_t[i], bad_r[i] = _np(kl_i), _np(ent_i), _np(bt_i), _np(br_i)
+    for i, kl_i, ent_i, ex_i, bt_i, br_i in redone:
+        kl[i], ent[i], excl[i], bad_t[i], bad_r[i] = kl_i, ent_i, ex_i, bt_i, br_i
     tokens = None if uniforms is None else drawn[0] if len(drawn) == 1 else torch.cat(drawn)
-    return {"kl": kl, "entropy": ent, "bad_trainer": bad_t, "bad_rollout": bad_r, "tokens": tokens}
+    return {"kl": kl, "entropy": ent, "excluded": excl, "bad_trainer": bad_t, "bad_rollout": bad_r,
+            "tokens": tokens}
 
 
 def draw_tokens_for(case: Any) -> dict[str, Any]:
@@ -339,6 +356,7 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
     lt, lr = np.ascontiguousarray(picked.T)  # (T,) each
     tok = _np(tok_d).reshape(n)
     kl, entropy, bad_t, bad_r = stats["kl"], stats["entropy"], stats["bad_trainer"], stats["bad_rollout"]
+    excluded = stats["excluded"]
     with np.errstate(all="ignore"):
         d = lt - lr  # (T,) log r
         k3 = k3_of(d)  # (T,)
@@ -362,6 +380,7 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
             chi2_token=_mean(np.exp(2 * d)) - 1,
             pearson=pearson,
             entropy=_mean(entropy),
+            kl_excluded=_mean(excluded),
             flip_rate=0.0,
             tie_flip_rate=0.0,
             nonfinite_trainer=int((bad_t | np.isnan(lt) | (lt == math.inf)).sum()),

@@ -131,19 +131,19 @@ def test_fired_names_the_means_above_the_threshold():
     assert ev.symptom is Symptom.NONE and ev.divergence.fired == ""
 
 
-def test_trainer_excluding_a_token_the_rollout_can_produce_is_a_divergence():
+def test_trainer_excluding_a_token_the_rollout_can_produce_is_reported_and_a_divergence_when_sampled():
     # the rollout gives token 2 mass 1e-280 (above e^-650); the trainer gives it -inf
     rollout = torch.tensor([[math.log(0.5), math.log(0.5), -644.7]], dtype=torch.float64)
     trainer = torch.tensor([[math.log(0.5), math.log(0.5), -math.inf]], dtype=torch.float64)
     d = compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0]))
-    assert d.kl == math.inf and d.k3_kl == 0.0 and not d.nonfinite
+    assert d.kl == 0.0 and d.kl_excluded > 0 and d.k3_kl == 0.0 and not d.nonfinite  # reported, not +inf
     # ... and the same token sampled: k3 = +inf, still a divergence, not a non-finite value
     ev = judge(_Pair(), Case(seed=0, seq_lens=(1,)), Outcome(logprobs=trainer),
                Outcome(logprobs=rollout, tokens=torch.tensor([2])))
-    assert ev.divergence.k3_kl == math.inf and ev.symptom is Symptom.DIVERGENCE and ev.divergence.fired == "k3+kl"
+    assert ev.divergence.k3_kl == math.inf and ev.symptom is Symptom.DIVERGENCE and ev.divergence.fired == "k3"
     # mass at or below e^-650 counts as none
     rollout[0, 2] = LOG_ZERO - 1
-    assert compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0])).kl == 0.0
+    assert compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0])).kl_excluded == 0.0
 
 
 def test_a_token_the_rollout_gives_no_mass_is_a_nonfinite_rollout():
