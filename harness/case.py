@@ -315,11 +315,15 @@ class Case:
         shape = (width,) if isinstance(width, int) else tuple(width)
         if self.streams == "single":
             return self.randn((self.n_tokens, *shape), *salt, device=device)
-        rows = []
+        width_n = math.prod(shape)
+        blocks = []
         for j, n in enumerate(self.seq_lens):
             g = self.seq_generator(j, *salt)
-            rows.extend(torch.randn(*shape, generator=g) for _ in range(n))
-        return torch.stack(rows).to(device)
+            if width_n % 16 == 0:  # torch's CPU normal fills 16 values at a time: a block of whole
+                blocks.append(torch.randn(n, *shape, generator=g))  # rows equals the rows drawn one by one
+            else:
+                blocks.append(torch.stack([torch.randn(*shape, generator=g) for _ in range(n)]))
+        return torch.cat(blocks).to(device)
 
     def seq_randn(self, j: int, shape: tuple[int, ...], *salt: Any, device: str = "cpu"):
         """A float32 standard-normal tensor of sequence j's own stream."""
@@ -333,10 +337,7 @@ class Case:
         import torch
 
         g = self.seq_generator(j, "prompt", *salt)
-        n = self.prompt_len(j)
-        if n == 0:
-            return torch.zeros(0, dtype=torch.int64)
-        return torch.cat([torch.randint(low, vocab, (1,), generator=g) for _ in range(n)])
+        return torch.randint(low, vocab, (self.prompt_len(j),), generator=g)  # drawn serially: prefix-stable
 
     def token_uniforms(self, *salt: Any):
         """(T,) float64 uniforms in [0, 1), sequence j's from its own stream (for sampling tokens or
@@ -345,8 +346,8 @@ class Case:
 
         if self.streams == "single":
             return torch.rand(self.n_tokens, generator=self.generator(*salt), dtype=torch.float64)
-        parts = [torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for _ in range(n)])
-                 for g, n in ((self.seq_generator(j, *salt), n) for j, n in enumerate(self.seq_lens))]
+        parts = [torch.rand(n, generator=self.seq_generator(j, *salt), dtype=torch.float64)  # serial: prefix-stable
+                 for j, n in enumerate(self.seq_lens)]
         return torch.cat(parts)
 
     def smaller_neighbours(self) -> list["Case"]:

@@ -125,3 +125,18 @@ def test_simpler_neighbours_move_one_knob_to_neutral():
     knobs = {(n.temperature, n.top_p, n.sample_top_k, n.pad_side) for n in c.simpler_neighbours()}
     assert (1.0, 0.9, 7, "left") in knobs and (0.5, 1.0, 7, "left") in knobs
     assert (0.5, 0.9, 0, "left") in knobs and (0.5, 0.9, 7, "right") in knobs
+
+
+def test_stream_draws_are_the_same_one_row_at_a_time_and_in_blocks():
+    import torch
+
+    c = Case(seed=9, seq_lens=(7, 3), prompt_lens=(5, 2))
+    for width in (16, 64, (4, 16), 3, 17):
+        rows = []
+        for j, n in enumerate(c.seq_lens):
+            g = c.seq_generator(j, "w")
+            shape = (width,) if isinstance(width, int) else width
+            rows.extend(torch.randn(*shape, generator=g) for _ in range(n))
+        assert torch.equal(c.token_randn(width, "w"), torch.stack(rows)), width
+    g = c.seq_generator(0, "prompt")
+    assert torch.equal(c.prompt_tokens(0, 50), torch.cat([torch.randint(0, 50, (1,), generator=g) for _ in range(5)]))
