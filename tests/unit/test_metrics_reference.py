@@ -197,6 +197,7 @@ def expected_draw(case: Case, logprobs: torch.Tensor) -> np.ndarray:
     return sample_rows(logprobs, case.token_uniforms("tokens")).numpy()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compare on the outcomes' device)")
 def test_on_cuda_matches_the_reference_and_draws_the_cpu_tokens():
     lt, lr = perturbed(300, 32768, 3.0, 1e-2, seed=5)
