@@ -435,6 +435,10 @@ class Registry:
             )
         return self._pairs[name]
 
+    def get_loaded(self, name: str) -> TargetPair | None:
+        """The pair `name` if it is registered already, else None (loads nothing: no built-ins, no plugin)."""
+        return self._pairs.get(name)
+
     def select(self, patterns: Iterable[str] = ()) -> list[TargetPair]:
         """Pairs matching any glob pattern (all pairs when none are given), sorted by name."""
         import fnmatch

@@ -291,13 +291,14 @@ def load_pair(name: str, source: str, plugins: tuple[str, ...] = ()) -> Any:
 
     from .pairs import REGISTRY
 
-    loaded = getattr(REGISTRY, "_pairs", {})  # what is registered so far, without loading every built-in
-    if name not in loaded and source:
+    # what is registered so far, without loading every built-in
+    if REGISTRY.get_loaded(name) is None and source:
         if source.endswith(".py") or os.sep in source:
             REGISTRY.load_plugin(source)
         elif not source.startswith("entry point "):
             importlib.import_module(source)
-    if name not in loaded:
+    if REGISTRY.get_loaded(name) is None:
         for spec in plugins:
             REGISTRY.load_plugin(spec)
-    return loaded[name] if name in loaded else REGISTRY.get(name)
+    pair = REGISTRY.get_loaded(name)
+    return pair if pair is not None else REGISTRY.get(name)

@@ -53,6 +53,13 @@ def test_duplicate_names_from_different_sources_clash():
         reg.register(_pair(source="b.py"))
 
 
+def test_get_loaded_loads_nothing():
+    reg = Registry()
+    assert reg.get_loaded("linear.aligned") is None and not reg._loaded_builtins  # no built-in imported
+    pair = reg.register(_pair())
+    assert reg.get_loaded("t.ok") is pair
+
+
 def test_trainer_reading_the_rollout_is_detected():
     assert _pair(trainer=lambda inputs, rollout: Outcome()).trainer_reads_rollout
     assert not _pair().trainer_reads_rollout
