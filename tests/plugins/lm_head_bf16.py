@@ -7,7 +7,7 @@ HIDDEN, VOCAB = 64, 256
 
 
 def build(case, device):
-    h = case.randn((case.n_tokens, HIDDEN), "hidden", device=device)  # (T, H)
+    h = case.token_randn(HIDDEN, "hidden", device=device)  # (T, H): each sequence's rows from its own stream
     w = case.randn((HIDDEN, VOCAB), "head", device=device) / HIDDEN**0.5  # (H, V)
     return {"h": h, "w": w, "scale": case.logit_scale}
 
