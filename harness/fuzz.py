@@ -71,6 +71,10 @@ class Finding:
     path: Path | None = None  # the corpus file
     new: bool = True  # False when the corpus already held this signature
     recurrence: bool = False  # True when the corpus held it as `fixed`
+    cases_to_first: int = 0  # cases the pair's stream had run when this failure was first seen
+    seconds_to_first: float = 0.0  # seconds into the pair's stream when it was first seen
+    shrink_seconds: float = 0.0  # from the first sighting to the minimal case (Hypothesis + polish)
+    polish_evaluations: int = 0  # cases the polish pass (harness.shrink) ran on it
 
     @property
     def id(self) -> str:
@@ -238,7 +242,8 @@ def _size(case: Case) -> tuple:
 
 def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float | None,
               progress: Callable[[PairResult, bool], None] | None = None, evaluate: Evaluate | None = None,
-              max_examples: int | None = None, wall: float | None = None) -> PairResult:
+              max_examples: int | None = None, wall: float | None = None, uniform: bool = True,
+              polish_evals: int = 150) -> PairResult:
     """Fuzz one pair until max_examples or the deadline (time.monotonic()); shrink what fails.
 
     `evaluate(case)` runs one case (default: in this process); it may raise `worker.OutOfTime`
@@ -248,7 +253,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings, target
     from hypothesis import seed as hseed
 
-    from .strategies import cases
+    from .strategies import cases, uniform_cases
     from .worker import OutOfTime
 
     if evaluate is None:
@@ -260,47 +265,67 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     # evaluates tens of thousands of cases; Hypothesis only needs their verdicts back on a replay)
     cache: dict[Any, Evaluation | float] = {}
     smallest: dict[str, Evaluation] = {}  # signature -> smallest failing evaluation seen so far
+    first_seen: dict[str, tuple[int, float]] = {}  # signature -> (cases run, seconds) at its first sighting
     cut = {"shrink": False}
     start = time.monotonic()
     last_report = [start]
+    floor = cfg.threshold * 1e-3
+    # Every Hypothesis case is followed by one uniform random case over the same axes (see
+    # `strategies`): Hypothesis finds small and near-tie triggers, uniform draws find large ones.
+    uniform_rng = random.Random(seed ^ 0x5DEECE66D) if uniform else None
+    hit: dict[str, Evaluation] = {}
 
-    def prop(case: Case) -> None:
+    def run(case: Case) -> Evaluation | float:
         key = _cache_key(case)
         ev = cache.get(key)
-        if ev is None:
-            began = time.monotonic()
-            if limit["deadline"] is not None and began > limit["deadline"]:
-                raise _OutOfTime  # a BaseException: Hypothesis lets it through instead of shrinking it
-            try:
-                ev = evaluate(case)
-            except OutOfTime:
-                raise _OutOfTime from None
-            if result.examples == 0:  # the cold start: charged to everyone's remaining time, not this share
-                result.warmup = time.monotonic() - began
-                if limit["deadline"] is not None:
-                    limit["deadline"] += result.warmup
-                    if wall is not None:
-                        limit["deadline"] = min(limit["deadline"], wall)
-            cache[key] = ev if ev.failed else ev.k3
-            result.examples += 1
-            if math.isfinite(ev.k3):
-                result.max_k3 = max(result.max_k3, ev.k3)
-            now = time.monotonic()
-            if progress is not None and now - last_report[0] > 2.0:
-                last_report[0] = now
-                result.seconds = now - start
-                progress(result, False)
-        k3 = ev if isinstance(ev, float) else ev.k3
-        if math.isfinite(k3):
-            # Climb toward large k3, but not through rounding noise: below 1/1000 of the threshold
-            # every case scores the same, so Hypothesis's optimiser stops instead of hill-climbing
-            # on 1e-11 differences (seen: 18k calls for 146 distinct cases of an aligned fp32 model).
-            target(max(k3, cfg.threshold * 1e-3), label="k3")
-        if isinstance(ev, Evaluation) and ev.failed:
+        if ev is not None:
+            return ev
+        began = time.monotonic()
+        if limit["deadline"] is not None and began > limit["deadline"]:
+            raise _OutOfTime  # a BaseException: Hypothesis lets it through instead of shrinking it
+        try:
+            ev = evaluate(case)
+        except OutOfTime:
+            raise _OutOfTime from None
+        if result.examples == 0:  # the cold start: charged to everyone's remaining time, not this share
+            result.warmup = time.monotonic() - began
+            if limit["deadline"] is not None:
+                limit["deadline"] += result.warmup
+                if wall is not None:
+                    limit["deadline"] = min(limit["deadline"], wall)
+        cache[key] = ev if ev.failed else ev.k3
+        result.examples += 1
+        if math.isfinite(ev.k3):
+            result.max_k3 = max(result.max_k3, ev.k3)
+        if ev.failed:
             sig = signature(pair.name, ev)
+            first_seen.setdefault(sig, (result.examples, time.monotonic() - start))
             if sig not in smallest or _size(case) <= _size(smallest[sig].case):
                 smallest[sig] = ev
+        now = time.monotonic()
+        if progress is not None and now - last_report[0] > 2.0:
+            last_report[0] = now
+            result.seconds = now - start
+            progress(result, False)
+        return ev
+
+    def prop(case: Case) -> None:
+        ev = run(case)
+        k3 = ev if isinstance(ev, float) else ev.k3
+        if math.isfinite(k3) and k3 > floor:
+            # Climb toward large k3, but only where the score says something: below 1/1000 of the
+            # threshold every case is rounding noise (seen: 18k calls for 146 distinct cases of an
+            # aligned fp32 model), and a flat score makes Hypothesis's target phase draw nothing but
+            # minimal cases (measured: batch 1 in 98% of the second half of a campaign).
+            target(k3, label="k3")
+        if isinstance(ev, Evaluation) and ev.failed:
             raise _RAISE[ev.symptom](ev)
+        if uniform_rng is not None and not smallest:
+            u = uniform_cases(pair.axes, uniform_rng, params=case.params)
+            ev_u = run(u)
+            if isinstance(ev_u, Evaluation) and ev_u.failed:
+                hit["ev"] = ev_u
+                raise _UniformHit  # a BaseException: Hypothesis stops; the polish pass shrinks it
 
     test = settings(
         max_examples=max_examples if max_examples is not None else cfg.max_examples,
@@ -320,26 +345,68 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     except _Failed as e:
         failures.append(e.evaluation)
     except BaseExceptionGroup as group:  # several distinct bugs
-        matched, rest = group.split(_Failed)
+        matched, rest = group.split((_Failed, _UniformHit))
         if rest is not None:
             raise rest
-        failures.extend(e.evaluation for e in _leaves(matched))
+        failures.extend(e.evaluation for e in _leaves(matched) if isinstance(e, _Failed))
+    except _UniformHit:
+        pass  # kept in `smallest`; polished below
     except _OutOfTime:
         cut["shrink"] = bool(smallest)  # what was found is kept at its smallest so far
     except KeyboardInterrupt:
         result.seconds = time.monotonic() - start
         result.findings = [_finding(pair, ev, result, complete=False) for ev in smallest.values()]
         raise _Interrupted(result) from None
-    result.seconds = time.monotonic() - start
     by_sig: dict[str, Evaluation] = {}
     for ev in failures:
         by_sig[signature(pair.name, ev)] = ev
-    for sig, ev in smallest.items():  # a failure Hypothesis did not report (it never drops one, but
-        by_sig.setdefault(sig, ev)  # a cut-short run may) is kept at its smallest
-    result.findings = [_finding(pair, ev, result, complete=not cut["shrink"]) for ev in by_sig.values()]
+    for sig, ev in smallest.items():  # a failure Hypothesis did not report (a uniform case, or a
+        by_sig.setdefault(sig, ev)  # cut-short run) is kept at its smallest
+    findings = []
+    for sig, ev in by_sig.items():
+        evals = 0
+        if not cut["shrink"] and polish_evals > 0:
+            try:
+                ev, evals, complete = _polish(pair, ev, sig, run, limit["deadline"], polish_evals)
+            except KeyboardInterrupt:
+                result.seconds = time.monotonic() - start
+                result.findings = [_finding(pair, e, result, complete=False) for e in by_sig.values()]
+                raise _Interrupted(result) from None
+            if not complete and limit["deadline"] is not None and time.monotonic() > limit["deadline"]:
+                cut["shrink"] = True
+        f = _finding(pair, ev, result, complete=not cut["shrink"])
+        f.cases_to_first, f.seconds_to_first = first_seen.get(sig, (result.examples, 0.0))
+        f.shrink_seconds = max(0.0, time.monotonic() - start - f.seconds_to_first)
+        f.polish_evaluations = evals
+        findings.append(f)
+    result.seconds = time.monotonic() - start
+    result.findings = findings
     if progress is not None:
         progress(result, True)
     return result
+
+
+def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], Any], deadline: float | None,
+            max_evals: int) -> tuple[Evaluation, int, bool]:
+    """The polish pass (`harness.shrink`) on one finding: its simplest trigger, same signature."""
+    from .shrink import polish
+
+    out_of_time = {"hit": False}
+
+    def fails(case: Case) -> bool:
+        if out_of_time["hit"]:
+            return False
+        try:
+            got = run(case)
+        except _OutOfTime:
+            out_of_time["hit"] = True
+            return False
+        return isinstance(got, Evaluation) and got.failed and signature(pair.name, got) == sig
+
+    case, evals, complete = polish(ev.case, fails, max_evals=max_evals, deadline=deadline, axes=pair.axes)
+    got = run(case) if not out_of_time["hit"] else ev
+    best = got if isinstance(got, Evaluation) and got.failed else ev
+    return best, evals, complete and not out_of_time["hit"]
 
 
 def _leaves(group: BaseExceptionGroup):
@@ -358,6 +425,10 @@ def _finding(pair: TargetPair, ev: Evaluation, result: PairResult, complete: boo
 
 class _OutOfTime(BaseException):
     """The pair's share of the budget is spent."""
+
+
+class _UniformHit(BaseException):
+    """A uniform random case failed: the Hypothesis run stops, the polish pass shrinks the case."""
 
 
 class _Interrupted(Exception):
@@ -727,7 +798,9 @@ def summary_table(result: CampaignResult) -> str:
     rows = [("pair", "expected", "verdict", "cases", "cases/s", "max k3", "findings")]
     for r in result.results:
         rows.append((r.pair, r.expected, r.verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_k3:.3g}",
-                     ", ".join(f"{f.symptom.value} k3={f.k3:.3g} -> {f.path or '-'}" for f in r.findings) or "-"))
+                     ", ".join(f"{f.symptom.value} k3={f.k3:.3g} (found after {f.cases_to_first} cases, "
+                               f"{f.seconds_to_first:.1f}s; shrunk in {f.shrink_seconds:.1f}s) -> {f.path or '-'}"
+                               for f in r.findings) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for row in rows:

@@ -200,7 +200,8 @@ def test_an_isolated_campaign_finds_exactly_what_an_in_process_one_finds(tmp_pat
                              max_examples=40, seed=3, isolation=isolation)
         runs[isolation] = run_campaign(cfg, NullTracker(), log=lambda m: None)
     [a], [b] = runs[True].findings, runs[False].findings
-    assert a.case == b.case and a.evaluation.divergence.as_dict() == b.evaluation.divergence.as_dict()
+    assert a.case == b.case  # metrics bit-for-bit (repr: a one-token case has pearson nan, and nan != nan)
+    assert repr(a.evaluation.divergence.as_dict()) == repr(b.evaluation.divergence.as_dict())
     assert runs[True].results[0].examples == runs[False].results[0].examples
     assert runs[True].worker_restarts == 0
 
