@@ -297,15 +297,20 @@ def in_bisect() -> bool:
               help="Override the threshold recorded in the repro.")
 @click.option("--bisect/--no-bisect", "bisect", default=None,
               help="Exit 125 when a repro cannot be evaluated (default: only during a git bisect).")
+@click.option("--timeout", type=POSITIVE, default=None,
+              help="Per-case timeout in seconds for crash and timeout repros (replayed in a worker process; "
+                   "default: the timeout the repro was found under, else 60).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @plugin_option
 def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None, device: str,
-           threshold: float | None, bisect: bool | None, as_json: bool, plugins: tuple[str, ...]) -> None:
+           threshold: float | None, bisect: bool | None, timeout: float | None, as_json: bool,
+           plugins: tuple[str, ...]) -> None:
     """Replay repro files (or folders of them): exit 1 if any still diverges, 0 if none does.
 
     A file that does not load (damaged, out of bounds) or whose pair cannot be loaded here is skipped
     with its reason and the rest are replayed; the exit is then 2 (125 under --bisect) unless one
-    still diverges. A repro recorded from a plugin file inside this repository loads that file."""
+    still diverges. A repro recorded from a plugin file inside this repository loads that file.
+    A crash or timeout repro runs in a worker process: one that still crashes or hangs exits 1."""
     from .corpus import Skipped, load_many_tolerant, load_plugin_for, replay as do_replay
     from .env import resolve_device
 
@@ -339,7 +344,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             skipped.append(Skipped(r.path, f"repro {r.path or r.id} cannot be replayed here: {why}."))
             continue
         try:
-            results.append(do_replay(r, dev, threshold))
+            results.append(do_replay(r, dev, threshold, timeout=timeout, plugins=plugins))
         except HarnessError as e:
             skipped.append(Skipped(r.path, str(e)))
     if len(skipped) == 1 and not results:  # one repro asked for, and it cannot be replayed

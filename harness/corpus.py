@@ -633,8 +633,33 @@ def compare_metrics(repro: Repro, ev: Evaluation) -> dict[str, tuple[Any, Any]]:
     return mismatches
 
 
+ISOLATED_SYMPTOMS = ("crash", "timeout")  # repros replayed in a worker process, never in this one
+
+
+def recorded_timeout(repro: Repro) -> float | None:
+    """The per-case timeout a `timeout` repro was found under (None when it does not say)."""
+    err = repro.error or {}
+    t = err.get("timeout_s")
+    if _is_number(t) and math.isfinite(t) and t > 0:
+        return float(t)
+    m = re.search(r"per-case timeout of ([0-9.eE+]+) s", str(err.get("message") or ""))
+    try:
+        t = float(m.group(1)) if m else None
+    except ValueError:
+        return None
+    return t if t is not None and math.isfinite(t) and t > 0 else None
+
+
 def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, registry: Any = None,
-           keep_outcomes: bool = False) -> ReplayResult:
+           keep_outcomes: bool = False, timeout: float | None = None,
+           plugins: tuple[str, ...] | list[str] = ()) -> ReplayResult:
+    """Replay a repro and compare it with what was recorded.
+
+    A `crash` or `timeout` repro runs in a supervised worker process (`harness.worker`), as the
+    campaign ran it: a case that kills its process or hangs comes back as a `crash` or `timeout`
+    Evaluation (judged by symptom and error type) and this process goes on. Its per-case `timeout`
+    defaults to the one a `timeout` repro was found under, else the worker's default; its outcomes
+    are never kept. Every other repro runs in this process."""
     from .pairs import REGISTRY
 
     registry = registry or REGISTRY
@@ -650,8 +675,17 @@ def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, re
                              f"{hint}") from None
     if threshold is not None and (not math.isfinite(threshold) or threshold <= 0):
         raise UsageError(f"threshold {threshold!r} must be a finite number > 0.")
-    ev = run_case(pair, repro.case, device, threshold if threshold is not None else repro.threshold,
-                  keep_outcomes=keep_outcomes)
+    if timeout is not None and (not math.isfinite(timeout) or timeout <= 0):
+        raise UsageError(f"timeout {timeout!r} must be a finite number of seconds > 0.")
+    thr = threshold if threshold is not None else repro.threshold
+    if repro.symptom in ISOLATED_SYMPTOMS:
+        from .worker import DEFAULT_TIMEOUT, Worker
+
+        limit = timeout or (recorded_timeout(repro) if repro.symptom == "timeout" else None) or DEFAULT_TIMEOUT
+        with Worker(device, tuple(plugins), limit) as worker:
+            ev = worker.evaluate(pair, repro.case, thr)
+    else:
+        ev = run_case(pair, repro.case, device, thr, keep_outcomes=keep_outcomes)
     return ReplayResult(repro, ev, compare_metrics(repro, ev))
 
 

@@ -215,7 +215,7 @@ class Worker:
             "type": "Timeout", "where": "worker",
             "message": f"the case ran longer than the per-case timeout of {timeout:g} s (build, both paths and "
                        "metrics); raise it with --timeout SECONDS if the pair is just slow",
-            "traceback": stack})
+            "traceback": stack, "timeout_s": float(timeout)})
 
     def _wait_ready(self, wall: float | None) -> bool:
         limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))

@@ -111,6 +111,8 @@ def _corpus_case(f: Any, path: Path | None, threshold: float, device: str) -> tu
 
     if path is None or not path.exists() or getattr(f, "new", True):
         return None, None, None
+    if _symptom(f) in ("crash", "timeout"):  # never rerun in this process a case that kills or hangs it
+        return None, None, None
     try:
         on_disk = load_repro(path)
     except HarnessError:
