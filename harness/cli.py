@@ -427,7 +427,14 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         click.echo(f"\n(pair not available here: {e})")
     click.echo("\nmetrics when found:")
     for k, v in r.metrics.items():
-        click.echo(f"  {k:18s} {_fmt(v)}")
+        if k != "fired":
+            click.echo(f"  {k:18s} {_fmt(v)}")
+    if r.metrics:
+        fired = r.metrics.get("fired")
+        click.echo("  over the threshold: " + (fired if fired else "neither mean" if fired == "" else
+                                              "not recorded (a repro from before the exact-KL verdict)")
+                   + f" (mean k3 {_fmt(r.metrics.get('k3_kl'))}, mean exact KL {_fmt(r.metrics.get('kl'))}, "
+                   f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
     if r.error:
         click.echo(f"\nerror: {r.error.get('type')}: {r.error.get('message')}\n{r.error.get('traceback', '')}")
     env = r.environment

@@ -137,10 +137,17 @@ def decode_float(x: Any) -> Any:
     return float(x) if x in NONFINITE else x
 
 
+FIRED = ("", "k3", "kl", "k3+kl")  # `metrics.fired`: which mean crossed the threshold (see metrics.fired)
+
+
 def metrics_json(ev: Evaluation) -> dict[str, Any]:
+    """The metrics of an evaluation as JSON: every METRIC_KEYS number (non-finite ones as strings)
+    and `fired`, the string saying which of the verdict's means crossed the threshold."""
     if ev.divergence is None:
         return {}
-    return {k: encode_float(v) for k, v in ev.divergence.as_dict().items()}
+    out: dict[str, Any] = {k: encode_float(v) for k, v in ev.divergence.as_dict().items()}
+    out["fired"] = str(getattr(ev.divergence, "fired", "") or "")
+    return out
 
 
 def _new_file_mode() -> int:
@@ -512,7 +519,10 @@ def validate_repro_json(data: Any, where: str) -> None:
         if not isinstance(metrics, dict):
             bad("metrics", metrics, "must be an object of metric name -> number (or \"nan\", \"inf\", \"-inf\")")
         for k, v in metrics.items():
-            if not isinstance(k, str) or not (_is_number(v) or v in NONFINITE):
+            if k == "fired":
+                if v not in FIRED:
+                    bad("metrics.fired", v, f"must be one of {FIRED} (which mean crossed the threshold)")
+            elif not isinstance(k, str) or not (_is_number(v) or v in NONFINITE):
                 bad(f"metrics.{k}", v, "must be a number or one of \"nan\", \"inf\", \"-inf\"")
     err = data.get("error")
     if err is not None and (not isinstance(err, dict) or not all(
@@ -613,17 +623,19 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def compare_metrics(repro: Repro, ev: Evaluation) -> dict[str, tuple[Any, Any]]:
-    """What differs between the recorded and the replayed result. A metric the replay measured but
-    the repro lacks counts as a difference: a repro without metrics cannot claim bit-for-bit."""
+    """What differs between the recorded and the replayed result.
+
+    Metrics are compared bit-for-bit over the keys both have (a repro recorded before a metric
+    existed, such as `kl_excluded` or `fired`, is compared on the ones it has); a repro without any
+    metrics, replayed to some, cannot claim bit-for-bit. A `crash` or `timeout` repro has no metrics:
+    it is judged by its symptom and error type."""
     now = {k: decode_float(v) for k, v in metrics_json(ev).items()}
     mismatches: dict[str, tuple[Any, Any]] = {}
-    for k in METRIC_KEYS:
-        if k not in now and k not in repro.metrics:
-            continue
-        if k not in repro.metrics:
-            mismatches[k] = ("missing", now[k])
-        elif not _same(repro.metrics[k], now.get(k)):
-            mismatches[k] = (repro.metrics[k], now.get(k))
+    if bool(now) != bool(repro.metrics):
+        mismatches["metrics"] = ("recorded", "missing") if repro.metrics else ("missing", "measured")
+    for k in (*METRIC_KEYS, "fired"):
+        if k in repro.metrics and k in now and not _same(repro.metrics[k], now[k]):
+            mismatches[k] = (repro.metrics[k], now[k])
     if repro.symptom != ev.symptom.value:
         mismatches["symptom"] = (repro.symptom, ev.symptom.value)
     if not now and not repro.metrics and ev.error is not None:  # an error both times: the same error?

@@ -87,6 +87,7 @@ def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | Non
         "harness.pair": p["pair"],
         "harness.expected": p["expected"],
         "harness.symptom": p["symptom"],
+        "harness.fired": str((p.get("metrics") or {}).get("fired", "")),  # which mean crossed the threshold
         "harness.signature": p["signature"],
         "harness.finding_id": p["id"],
         "harness.status": p["status"],
@@ -133,6 +134,8 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
     }
     if parent_run_id:
         updates["harness.last_campaign_run_id"] = parent_run_id
+    if (p.get("metrics") or {}).get("fired"):
+        updates["harness.fired"] = str(p["metrics"]["fired"])
     what = "seen"
     if p.get("corpus_recurrence"):  # the corpus file said fixed and the engine reopened it
         updates["harness.recurrence"] = "true"
@@ -174,6 +177,9 @@ def regression_dict(run: Any) -> dict[str, Any]:
         "severity": t.get("harness.severity", ""),
         "k3": m.get("k3_kl"),
         "k3_seq_max": m.get("k3_seq_max"),
+        "kl": m.get("kl"),
+        "kl_excluded": m.get("kl_excluded"),
+        "fired": t.get("harness.fired", ""),
         "first_seen": t.get("harness.first_seen", ""),
         "last_seen": t.get("harness.last_seen", ""),
         "seen_count": _int(t.get("harness.seen_count"), 1),

@@ -209,7 +209,7 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
     m = {k: v for k, v in p["metrics"].items()}
     sym = p["symptom"]
     title = f"### {p['pair']}: {sym}"
-    if sym == "error":
+    if sym in ("error", "crash", "timeout"):
         err = p.get("error") or {}
         title += f" ({err.get('type', '?')} at {err.get('where', '?')})"
         what = (f"The pair raised `{err.get('type', '?')}` in `{err.get('where', '?')}`: "
@@ -221,7 +221,9 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
         title += f", mean k3 {_g(k3)}"
         what = (f"Trainer and rollout paths of `{p['pair']}` give the rollout's tokens different log-probabilities: "
                 f"mean k3 **{_g(k3)}**{ratio}; worst sequence k3 {_g(m.get('k3_seq_max'))}; "
-                f"KL {_g(m.get('kl'))}; max |Δ log p| {_g(m.get('max_abs_dlogp'))}; "
+                f"mean exact KL {_g(m.get('kl'))} (rollout mass the trainer excludes: {_g(m.get('kl_excluded'))}); "
+                + (f"over the threshold: **{m['fired']}**; " if m.get("fired") else "")
+                + f"max |Δ log p| {_g(m.get('max_abs_dlogp'))}; "
                 f"routing flip rate {_g(m.get('flip_rate'))} (at exact ties {_g(m.get('tie_flip_rate'))}); "
                 f"over {_g(m.get('n_tokens'))} token(s).")
         if sym == "nonfinite":

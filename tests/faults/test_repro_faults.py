@@ -146,6 +146,7 @@ def test_an_oversized_file_is_not_parsed(repro, capsys, monkeypatch):
     ({"threshold": True}, "threshold"),
     ({"metrics": [1, 2]}, "metrics"),
     ({"metrics": {"k3_kl": "__import__('os')"}}, "metrics.k3_kl"),
+    ({"metrics": {"k3_kl": 1.0, "fired": "both"}}, "metrics.fired"),
     ({"status": "closed"}, "status"),
     ({"symptom": "exploded"}, "symptom"),
     ({"pair": ["router_topk.bf16"]}, "pair"),
@@ -171,9 +172,21 @@ def test_a_repro_without_metrics_cannot_claim_bit_for_bit(repro, capsys):
     assert replay(load_repro(repro)).bit_for_bit  # as recorded: bit-for-bit
     edit(repro, metrics=...)
     result = replay(load_repro(repro))
-    assert not result.bit_for_bit and result.mismatches["k3_kl"][0] == "missing"
+    assert not result.bit_for_bit and result.mismatches == {"metrics": ("missing", "measured")}
     code, out, _ = run_cli(capsys, "replay", str(repro))
     assert code == 1 and "bit-for-bit no" in out
+
+
+def test_fired_and_kl_excluded_are_recorded_and_an_older_repro_without_them_replays_bit_for_bit(repro):
+    data = json.loads(repro.read_text())
+    assert data["metrics"]["fired"] in ("k3", "kl", "k3+kl") and "kl_excluded" in data["metrics"]
+    assert load_repro(repro).metrics["fired"] == replay(load_repro(repro)).evaluation.divergence.fired
+    older = {k: v for k, v in data["metrics"].items() if k not in ("fired", "kl_excluded")}
+    edit(repro, metrics=older)  # written before the two existed
+    result = replay(load_repro(repro))
+    assert result.diverges and result.bit_for_bit, result.mismatches
+    edit(repro, metrics={**older, "k3_kl": 1.0})  # a key both have still counts, bit for bit
+    assert set(replay(load_repro(repro)).mismatches) == {"k3_kl"}
 
 
 def test_show_of_an_unknown_pair_exits_2_after_printing_the_case(repro, capsys):

@@ -125,8 +125,9 @@ def test_campaigns_round_trip_on_embedded_store(fresh_cwd):
         assert run.data.params["case.seed"] == str(f.case.seed)
         assert json.loads(run.data.params["case.seq_lens"]) == list(f.case.seq_lens)
         assert run.data.metrics["k3_kl"] == pytest.approx(f.k3)
-        for m in ("k3_seq_max", "kl", "max_abs_dlogp", "flip_rate"):
+        for m in ("k3_seq_max", "kl", "kl_excluded", "max_abs_dlogp", "flip_rate"):
             assert m in run.data.metrics
+        assert t["harness.fired"] == f.evaluation.divergence.fired != "" and f"**{t['harness.fired']}**" in note
         # artifacts: the repro replays the same case, the table has one row per token, the plot is a PNG
         tmp = fresh_cwd / "dl" / f.id
         repro = load_repro(s.client.download_artifacts(run.info.run_id, f"repro/{f.id}.json", str(tmp)))

@@ -37,6 +37,8 @@ def test_show_and_replay_a_repro(found, harness_cli):
     assert code == 0
     assert "router_topk.bf16" in out and "inputs:" in out and "w_router" in out
     assert f"replay: harness replay {found}" in out
+    fired = json.loads(found.read_text())["metrics"]["fired"]
+    assert f"over the threshold: {fired} (mean k3 " in out and "rollout mass the trainer excludes 0" in out
     code, out, _ = harness_cli("replay", str(found))
     assert code == 1 and "bit-for-bit yes" in out
     code, out, _ = harness_cli("replay", str(found), "--json")
