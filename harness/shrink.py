@@ -10,9 +10,10 @@ signature:
 2. move one knob to its neutral value (temperature 1.0, top-p 1.0, top-k off, right padding,
    one packed row in the given order, no forced router ties; with the pair's axes: logit scale
    at its low bound, the first dtype, the fewest experts and the smallest router top-k);
-3. empty one prompt, halve one prompt or response, then drop their last token;
+3. empty one prompt, halve one prompt or response, then drop their last token; a near-tie case
+   becomes one token with every token forced (which tokens are forced is drawn per token);
 4. move a continuous knob halfway to neutral (temperature and top-p toward 1, logit scale toward
-   its low bound, the tie gap toward 0, the forced fraction toward 0): repeated, this bisects to
+   its low bound, the tie gap toward 0): repeated, this bisects to
    the knob value nearest neutral that still fails (a temperature bug shrinks to T = 1.03, not 0.5).
 
 It repeats until no move is accepted (the result is 1-minimal with respect to
@@ -63,12 +64,16 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
         for m in dict.fromkeys((1, n // 2, n - 1)):
             if 1 <= m < n:
                 yield _with(case, j, response=m)
+    if 0 < case.tie_fraction < 1 and case.n_tokens > 1:
+        # which tokens are forced comes from their own uniforms: one token, forced, is the simplest
+        # near-tie trigger, and shortening alone cannot reach it when the forced token is not the first
+        for j in range(case.batch_size):
+            yield _with(case, j, response=1).replace(tie_fraction=1.0)
     yield from _halfway(case, "temperature", 1.0, log=True)
     yield from _halfway(case, "top_p", 1.0)
     if low_scale is not None:
         yield from _halfway(case, "logit_scale", float(low_scale), log=True)
     yield from _halfway(case, "tie_gap", 0.0)
-    yield from _halfway(case, "tie_fraction", 0.0)
 
 
 def _halfway(case: Case, name: str, neutral: float, log: bool = False) -> Iterator[Case]:
@@ -102,17 +107,20 @@ def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,
     """
     evals = 0
     seen: set[str] = {case.key()}
+    at, since_accept = 0, 0  # round robin: after an accepted move, go on from the same place
     while True:
-        for cand in moves(case, axes):
-            key = cand.key()
-            if key in seen:
-                continue
-            if evals >= max_evals or (deadline is not None and time.monotonic() > deadline):
-                return case, evals, False
-            seen.add(key)
-            evals += 1
-            if fails(cand):
-                case = cand
-                break
-        else:
+        cands = list(moves(case, axes))
+        if not cands or since_accept >= len(cands):
             return case, evals, True
+        cand = cands[at % len(cands)]
+        at, since_accept = at % len(cands) + 1, since_accept + 1
+        key = cand.key()
+        if key in seen:
+            continue
+        if evals >= max_evals or (deadline is not None and time.monotonic() > deadline):
+            return case, evals, False
+        seen.add(key)
+        evals += 1
+        if fails(cand):
+            case, since_accept = cand, 0
+            at -= 1  # the move list of the new case starts over at this position

@@ -136,7 +136,9 @@ def test_router_topk_bf16_shrinks_to_one_token_within_bf16_rounding():
 
 def test_tie_break_repro_is_one_token_at_an_exact_tie():
     case = finding_case("router.tie_break")
-    assert case.seq_lens == (1,) and case.tie_gap == 0.0 and case.tie_fraction > 0
+    # one sequence of at most two tokens: which tokens are forced is drawn per token, so the forced one
+    # may be the second
+    assert case.batch_size == 1 and case.n_tokens <= 2 and case.tie_gap == 0.0 and case.tie_fraction > 0
 
 
 def test_single_token_demonstrations():
@@ -152,7 +154,7 @@ def test_replay_fixes_flips_not_gate_precision():
     case = finding_case("router.bf16_scores")
     no_replay = run_case(REGISTRY.get("router.bf16_scores"), case, "cpu").divergence
     replay = run_case(REGISTRY.get("router.replay"), case, "cpu").divergence
-    assert no_replay.flip_rate + no_replay.tie_flip_rate > 0 and no_replay.k3_kl > DEFAULT_THRESHOLD
+    assert no_replay.flip_rate + no_replay.tie_flip_rate > 0 and max(no_replay.k3_kl, no_replay.kl) > DEFAULT_THRESHOLD
     assert replay.flip_rate == 0 and replay.tie_flip_rate == 0
     assert 0 < replay.k3_kl < DEFAULT_THRESHOLD  # the gate weights still differ in precision
     # ... and in a full MoE combine in bf16, replay does not bring the pair under the threshold
@@ -166,11 +168,11 @@ def test_fp32_twin_of_the_position_bug_is_invisible():
 
 
 def test_batch_size_switches_shrink_to_their_boundary():
-    """A kernel that switches above 8 sequences shrinks to 9 one-token sequences; one that switches at
+    """A kernel that switches above 8 sequences shrinks to a batch of 9; one that switches at
     power-of-two batches from 16 shrinks to exactly 16 (15 and 17 stay clean)."""
     for name, n in (("batch_switch.split_k_gt8", 9), ("batch_switch.split_k_pow2", 16)):
         case = finding_case(name)
-        assert case.seq_lens == (1,) * n, f"{name}: {case.one_line()}"
+        assert case.batch_size == n and case.n_tokens <= 2 * n, f"{name}: {case.one_line()}"
         assert_locally_minimal(name, case)
     case = finding_case("batch_switch.split_k_pow2")
     for n in (15, 17):
