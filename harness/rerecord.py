@@ -1,0 +1,69 @@
+"""`harness rerecord`: rewrite corpus files after a change that moves metrics in their last bits.
+
+A repro's recorded metrics are compared bit-for-bit on replay, so a harness change that computes
+them differently (another summation order, another normalisation) makes every file "not
+bit-for-bit" without changing any verdict. This command replays each repro and, only when the
+replay keeps the recorded verdict (same symptom; a divergence still above its threshold; a `fixed`
+repro still clean), writes the new metrics into the file, rewrites the case in the current schema
+(a schema-1 case keeps `streams: "single"`, so its tensors are unchanged), and appends a
+`rerecorded` entry to its history. A repro whose verdict changed is left untouched and reported:
+that is a behaviour change for a person to look at, not a rounding change.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+
+def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
+    """(outcome, detail) for one file: outcome is "rewritten", "unchanged", "verdict changed" or "skipped"."""
+    from . import corpus
+    from .errors import HarnessError
+
+    try:
+        repro = corpus.load_repro(path)
+        why = corpus.load_plugin_for(repro)
+        if why:
+            return "skipped", why
+        res = corpus.replay(repro, device=device)
+    except HarnessError as e:
+        return "skipped", str(e)
+    ev = res.evaluation
+    same_symptom = ev.symptom.value == repro.symptom
+    if repro.status == "fixed":
+        keeps = not ev.failed
+    else:
+        keeps = same_symptom and ev.failed
+    if not keeps:
+        return "verdict changed", (f"recorded {repro.symptom} ({repro.status}), replay gives {ev.symptom.value} "
+                                   f"k3={ev.k3:.4g}")
+    new_metrics = corpus.metrics_json(ev) if ev.divergence is not None else repro.metrics
+    if new_metrics == repro.metrics and repro.to_json()["case"] == repro.case.to_json():
+        return "unchanged", ""
+    repro.metrics = new_metrics
+    repro.history.append({"event": "rerecorded", "at": corpus.now_iso(),
+                          "note": "metrics recomputed by this harness version; verdict unchanged"})
+    repro.save(path)
+    return "rewritten", f"k3 {ev.k3:.6g}"
+
+
+@click.command("rerecord")
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--device", default="cpu", show_default=True, help="Device to replay on.")
+def rerecord_command(paths: tuple[Path, ...], device: str) -> None:
+    """Replay repros and rewrite their recorded metrics where the verdict is unchanged."""
+    from . import corpus
+
+    files: list[Path] = []
+    for p in paths:
+        files.extend(corpus.iter_corpus(p) if p.is_dir() else [p])
+    counts: dict[str, int] = {}
+    for f in files:
+        outcome, detail = rerecord_file(f, device)
+        counts[outcome] = counts.get(outcome, 0) + 1
+        click.echo(f"{outcome:15s} {f}" + (f"  ({detail})" if detail else ""))
+    click.echo(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    sys.exit(1 if counts.get("verdict changed") or counts.get("skipped") else 0)
