@@ -94,6 +94,7 @@ LAZY_COMMANDS = {
     "report": "harness.report:report_command",
     "score": "harness.score:score_command",
     "gpucheck": "harness.gpucheck:gpucheck_command",
+    "rerecord": "harness.rerecord:rerecord_command",
 }
 LAZY_BENCHMARKS = {
     "overhead": "harness.bench:overhead_command",
@@ -400,9 +401,14 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     click.echo(f"repro {r.id}  pair {r.pair}  status {r.status}  symptom {r.symptom}  threshold {r.threshold:g}")
     found = r.found
     if found:
-        click.echo(f"found {found.get('at', '?')} by campaign seed {found.get('campaign_seed', '?')} after "
-                   f"{found.get('examples', '?')} cases" + ("" if found.get("shrink_complete", True)
-                                                             else " (shrinking was cut short)"))
+        head = f"found {found.get('at', '?')} by campaign seed {found.get('campaign_seed', '?')}"
+        if "cases_to_first" in found:  # the first sighting, then shrinking (not counted as cases to find it)
+            head += (f" after {found['cases_to_first']} cases in {float(found.get('seconds_to_first', 0)):.1f} s; "
+                     f"shrunk in {float(found.get('shrink_seconds', 0)):.1f} s "
+                     f"({found.get('cases_total', found.get('examples', '?'))} cases in all)")
+        else:  # recorded before the first sighting was: only the total is known
+            head += f"; {found.get('examples', '?')} cases in all, shrinking included"
+        click.echo(head + ("" if found.get("shrink_complete", True) else " (shrinking was cut short)"))
     click.echo("\ncase (minimal):")
     for k, v in r.case.to_json().items():
         if k != "schema":

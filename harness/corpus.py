@@ -426,9 +426,25 @@ def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device:
         path=None, id=finding.id, pair=finding.pair, symptom=finding.symptom.value,
         signature=finding.signature, status=finding.status, threshold=threshold, case=finding.case,
         metrics=metrics_json(ev), error=ev.error, environment=env, loader=pair_loader(finding.pair, root),
-        found={"at": now_iso(), "campaign_seed": campaign_seed, "examples": finding.examples,
-               "shrink_complete": finding.shrink_complete},
+        found=found_json(finding, campaign_seed),
     )
+
+
+def found_json(finding: Any, campaign_seed: int) -> dict[str, Any]:
+    """How a finding was found: when, by which seed, after how many cases and seconds of its pair's
+    stream (`cases_to_first`, `seconds_to_first`), how long shrinking took (`shrink_seconds`:
+    Hypothesis's shrink and the polish pass), the cases the stream ran in all (`cases_total`; also
+    `examples`, its older name) and whether shrinking finished. The first three are left out when
+    the finding does not know them (0 cases: made outside a campaign's stream)."""
+    out: dict[str, Any] = {"at": now_iso(), "campaign_seed": campaign_seed}
+    first = int(getattr(finding, "cases_to_first", 0) or 0)
+    if first > 0:
+        out.update(cases_to_first=first,
+                   seconds_to_first=round(float(getattr(finding, "seconds_to_first", 0.0) or 0.0), 3),
+                   shrink_seconds=round(float(getattr(finding, "shrink_seconds", 0.0) or 0.0), 3))
+    out.update(cases_total=int(finding.examples), examples=int(finding.examples),
+               shrink_complete=bool(finding.shrink_complete))
+    return out
 
 
 def _stderr(msg: str) -> None:
@@ -531,6 +547,13 @@ def validate_repro_json(data: Any, where: str) -> None:
     for name in ("environment", "found", "tracking", "loader"):
         if data.get(name) is not None and not isinstance(data[name], dict):
             bad(name, data[name], "must be an object")
+    found = data.get("found") or {}
+    for k in ("cases_to_first", "cases_total", "examples", "seconds_to_first", "shrink_seconds"):
+        v = found.get(k)
+        if v is not None and (not _is_number(v) or not math.isfinite(v) or v < 0
+                              or (k.startswith(("cases", "examples")) and not isinstance(v, int))):
+            bad(f"found.{k}", v, "must be a " + ("whole number" if k.startswith(("cases", "examples"))
+                                                  else "finite number of seconds") + " >= 0")
     loader = data.get("loader") or {}
     if loader:
         if loader.get("kind") not in LOADER_KINDS + ("unknown",):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .payload import _append_note, _finite_metrics, _g, flatten_case, regression_note
+from .payload import _append_note, _finite_metrics, _g, flatten_case, found_metrics, regression_note
 from .plots import write_artifacts
 from .store import (CAMPAIGN, REGRESSION, TRIAGE_STATUSES, Store, _q, _short, now_iso, open_store, resolve_uri,
                     sqlite_path)
@@ -106,7 +106,7 @@ def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | Non
     run = c.create_run(store.experiment_id, tags=tags, run_name=f"{p['pair']} {p['symptom']} {p['id']}")
     run_id = run.info.run_id
     ts = int(time.time() * 1000)
-    metrics = [Metric(k, v, ts, 0) for k, v in _finite_metrics(p["metrics"]).items()]
+    metrics = [Metric(k, v, ts, 0) for k, v in {**_finite_metrics(p["metrics"]), **found_metrics(p)}.items()]
     params = [Param(k, v[:6000]) for k, v in flatten_case(p["case"]).items()]
     params.append(Param("threshold", str(p["threshold"])))
     c.log_batch(run_id, metrics=metrics, params=params)
@@ -149,7 +149,7 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
             f"mean k3 {_g(p['metrics'].get('k3_kl'))}, minimal case `{p['case_line']}`. Reopened.")
     c.log_batch(run.info.run_id, tags=_tags(updates))
     ts = int(time.time() * 1000)
-    metrics = [Metric(k, v, ts, count - 1) for k, v in _finite_metrics(p["metrics"]).items()]
+    metrics = [Metric(k, v, ts, count - 1) for k, v in {**_finite_metrics(p["metrics"]), **found_metrics(p)}.items()]
     if metrics:
         c.log_batch(run.info.run_id, metrics=metrics)
     return what

@@ -133,7 +133,7 @@ def _corpus_case(f: Any, path: Path | None, threshold: float, device: str) -> tu
 
 def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -> dict[str, Any]:
     """Everything a regression run needs, as JSON: written to MLflow now or spooled for later."""
-    from ..corpus import finding_to_repro, metrics_json, pair_loader, plugin_spec_of, repo_root
+    from ..corpus import finding_to_repro, found_json, metrics_json, pair_loader, plugin_spec_of, repo_root
 
     path = Path(f.path).resolve() if getattr(f, "path", None) else None
     repro, case, ev = _corpus_case(f, path, threshold, device)
@@ -175,6 +175,10 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
         "flips_per_layer": (div.flips_per_layer if div is not None else {}),
         "error": {k: v for k, v in (ev.error or {}).items() if k != "traceback"} or None,
         "examples": f.examples,
+        # how this campaign found it: cases and seconds of the pair's stream to the first sighting,
+        # seconds of shrinking (Hypothesis + polish), cases of the stream in all
+        "found": {k: v for k, v in found_json(f, campaign_seed).items()
+                  if k in ("cases_to_first", "seconds_to_first", "shrink_seconds", "cases_total")},
         "shrink_complete": bool(f.shrink_complete) if case is f.case else True,
         "corpus_path": str(path) if path is not None else None,
         "corpus_new": bool(getattr(f, "new", True)),
@@ -248,9 +252,23 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
     lines += ["```", "",
               f"**Triage.** `harness regressions close {p['id']} --status fixed|wontfix --note \"...\"`. "
               f"Artifacts: `repro/{p['id']}.json`, `per_token/{p['id']}.csv`, `plots/{p['id']}_k3.png`.", "",
-              f"Found {p['seen_at']} by campaign seed {p['campaign_seed']} on {p['device']} after "
-              f"{p['examples']} case(s); signature `{p['signature'][:16]}…`."]
+              f"Found {p['seen_at']} by campaign seed {p['campaign_seed']} on {p['device']} {_found_line(p)}; "
+              f"signature `{p['signature'][:16]}…`."]
     return "\n".join(lines)
+
+
+def _found_line(p: dict[str, Any]) -> str:
+    f = p.get("found") or {}
+    if "cases_to_first" not in f:  # not known (a payload spooled by an older version, say)
+        return f"after {p['examples']} case(s), shrinking included"
+    return (f"after {f['cases_to_first']} case(s) in {float(f['seconds_to_first']):.1f} s; shrunk in "
+            f"{float(f['shrink_seconds']):.1f} s ({f['cases_total']} case(s) in all)")
+
+
+def found_metrics(p: dict[str, Any]) -> dict[str, float]:
+    """The regression run's metrics of how this campaign found it (`found.cases_to_first`, ...)."""
+    return {f"found.{k}": float(v) for k, v in (p.get("found") or {}).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
 
 
 NOTE_LIMIT = 7900  # MLflow tags hold 8000 characters

@@ -147,6 +147,9 @@ def test_an_oversized_file_is_not_parsed(repro, capsys, monkeypatch):
     ({"metrics": [1, 2]}, "metrics"),
     ({"metrics": {"k3_kl": "__import__('os')"}}, "metrics.k3_kl"),
     ({"metrics": {"k3_kl": 1.0, "fired": "both"}}, "metrics.fired"),
+    ({"found": {"cases_to_first": -1}}, "found.cases_to_first"),
+    ({"found": {"cases_total": 2.5}}, "found.cases_total"),
+    ({"found": {"shrink_seconds": "inf"}}, "found.shrink_seconds"),
     ({"status": "closed"}, "status"),
     ({"symptom": "exploded"}, "symptom"),
     ({"pair": ["router_topk.bf16"]}, "pair"),
@@ -365,3 +368,10 @@ def test_outside_any_git_checkout_a_plugin_file_is_never_loaded_by_itself(repro,
     edit(repro, pair="example.planted", loader={"kind": "plugin_file", "path": "planted.py"})
     why = load_plugin_for(load_repro(repro))
     assert why is not None and "pass --plugin PATH" in why
+
+
+def test_show_of_a_repro_without_its_first_sighting_counts_shrinking_in(repro, capsys):
+    """A repro written before `found.cases_to_first` existed (or outside a campaign) says only the total."""
+    assert "cases_to_first" not in json.loads(repro.read_text())["found"]
+    code, out, _ = run_cli(capsys, "show", str(repro))
+    assert code == 0 and "; 1 cases in all, shrinking included" in out

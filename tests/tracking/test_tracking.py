@@ -128,6 +128,10 @@ def test_campaigns_round_trip_on_embedded_store(fresh_cwd):
         for m in ("k3_seq_max", "kl", "kl_excluded", "max_abs_dlogp", "flip_rate"):
             assert m in run.data.metrics
         assert t["harness.fired"] == f.evaluation.divergence.fired != "" and f"**{t['harness.fired']}**" in note
+        assert run.data.metrics["found.cases_to_first"] == f.cases_to_first >= 1
+        assert run.data.metrics["found.cases_total"] == f.examples
+        assert run.data.metrics["found.shrink_seconds"] == pytest.approx(f.shrink_seconds, abs=1e-3)
+        assert f"after {f.cases_to_first} case(s) in " in note and "; shrunk in " in note
         # artifacts: the repro replays the same case, the table has one row per token, the plot is a PNG
         tmp = fresh_cwd / "dl" / f.id
         repro = load_repro(s.client.download_artifacts(run.info.run_id, f"repro/{f.id}.json", str(tmp)))

@@ -37,7 +37,11 @@ def test_show_and_replay_a_repro(found, harness_cli):
     assert code == 0
     assert "router_topk.bf16" in out and "inputs:" in out and "w_router" in out
     assert f"replay: harness replay {found}" in out
-    fired = json.loads(found.read_text())["metrics"]["fired"]
+    data = json.loads(found.read_text())
+    fired, how = data["metrics"]["fired"], data["found"]
+    assert 1 <= how["cases_to_first"] <= how["cases_total"] and how["seconds_to_first"] >= 0 <= how["shrink_seconds"]
+    assert (f"after {how['cases_to_first']} cases in {how['seconds_to_first']:.1f} s; shrunk in "
+            f"{how['shrink_seconds']:.1f} s ({how['cases_total']} cases in all)") in out
     assert f"over the threshold: {fired} (mean k3 " in out and "rollout mass the trainer excludes 0" in out
     code, out, _ = harness_cli("replay", str(found))
     assert code == 1 and "bit-for-bit yes" in out
