@@ -948,6 +948,17 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         from .tracking import fetch_repro
 
         repro = fetch_repro(run_id, tracking_uri)
+    if repro.symptom in ("crash", "timeout"):
+        # triage runs the pair in this process, module by module: a case that kills or hangs its
+        # process would take triage with it. What there is to know is in the repro (the signal or
+        # the hung worker's stack) and in an isolated replay.
+        err = repro.error or {}
+        where = f"{err.get('type', '?')}: {str(err.get('message', ''))[:300]}".strip()
+        raise UsageError(f"repro {file or run_id} is a `{repro.symptom}` finding ({where}); triage localizes "
+                         f"numerical divergences by running the pair in-process, which such a case would kill or "
+                         f"hang. Its recorded traceback/stack is in the file (`harness show {file or run_id}`); "
+                         f"check it still {'crashes' if repro.symptom == 'crash' else 'hangs'} in a worker with "
+                         f"`{repro.replay_command()}`.")
     load_plugins(plugins)
     from . import corpus
 
