@@ -424,6 +424,8 @@ def _pair_result_json(r: Any) -> dict:
             "case": f.case.to_json(), "metrics": metrics_json(f.evaluation), "error": f.evaluation.error,
             "examples": f.examples, "shrink_complete": f.shrink_complete,
             "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
+            "cases_to_first": f.cases_to_first, "seconds_to_first": f.seconds_to_first,
+            "shrink_seconds": f.shrink_seconds,
         } for f in r.findings],
     }
 
@@ -472,7 +474,9 @@ def _pair_result(d: dict) -> Any:
                                 signature=fd["signature"], case=case, evaluation=ev, examples=fd["examples"],
                                 shrink_complete=fd["shrink_complete"],
                                 path=Path(fd["path"]) if fd["path"] else None, new=fd["new"],
-                                recurrence=fd["recurrence"]))
+                                recurrence=fd["recurrence"], cases_to_first=fd.get("cases_to_first", 0),
+                                seconds_to_first=fd.get("seconds_to_first", 0.0),
+                                shrink_seconds=fd.get("shrink_seconds", 0.0)))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], findings=findings, seed=d["seed"])
 
