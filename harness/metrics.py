@@ -29,11 +29,12 @@ trainer scores in full (an engine's default top-k) gives KL = -log(kept mass), w
 
 How it is computed. On the outcomes' device, in chunks of rows, so memory stays a small multiple of
 one (T, V) fp32 tensor whatever T is (a chunk's float64 buffers hold at most `chunk_elems` elements
-each: five of them, six when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
-exp(logp_t), the mask of tokens the trainer excludes, then five sums over the vocabulary per row
-(sum p*(logp_r - logp_t) over kept tokens, sum p*logp_r, sum p, sum p_t, excluded mass), from
-which the normalised KL, the entropy and the excluded mass follow. Rows whose sums are not finite
-(NaN, +inf) are recomputed with the masked definition.
+each: four of them, five when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
+exp(logp_t), d = logp_r - logp_t with a trainer -inf raised to -max (so an excluded token with
+rollout mass adds > 1e8), then four sums over the vocabulary per row (sum p*d, sum p*logp_r,
+sum p, sum p_t), from which the normalised KL and the entropy follow. Rows whose sums are not
+finite (NaN, +inf) or that hold an excluded token are recomputed with the masked definition,
+which also gives their excluded mass.
 Each row is summed by one thread in a fixed order (every reduction has >= 2 outputs, so torch never
 splits a row across threads): a row's value does not depend on the chunk size, the other rows or the
 number of CPU threads, so a replay is bit-for-bit whatever thread count the campaign ran with.
@@ -74,6 +75,9 @@ CHUNK_ELEMS_DEVICE = 1 << 25
 # Those entries go into the exp as _EXP_FLOOR (fast) and come out as exactly 0 (p <= _P_ZERO).
 LOG_ZERO = -650.0
 _EXP_FLOOR = -700.0  # e^-700 ~ 1e-304
+_F64_MAX = 1.7976931348623157e308
+_KL_CHECK = 1.0  # a row's KL above this may hold a token the trainer excludes (see row_stats)
+_EXCLUDED_TERM = 1e8  # ... and the term p * d of such a token is >= e^-650 * max (~9e25)
 _P_ZERO = 1e-290  # between e^-700 and e^-650
 
 TOKEN_SALT = "tokens"  # the stream the case's tokens are drawn from when the rollout returns none
@@ -276,29 +280,40 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
-    ws = _workspace(rows * v * (6 if uniforms is not None else 5), dev)
-    buf = ws[:5 * rows * v].view(rows, 5, v)  # per row: [p*d, p*logp_r, p, p_t, p where the trainer excludes]
-    cbuf = ws[5 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
+    ws = _workspace(rows * v * (5 if uniforms is not None else 4), dev)
+    buf = ws[:2 * rows * v].view(rows, 2, v)  # per row: [d, logp_r], then [p*d, p*logp_r]
+    pbuf = ws[2 * rows * v:4 * rows * v].view(rows, 2, v)  # per row: [p_r, p_t]
+    cbuf = ws[4 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
     sums, drawn, redone = [], [], []
     for a in range(0, n_rows, rows):
         b = min(a + rows, n_rows)
         n = b - a
         lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
-        x = buf[:n]  # (n, 5, V)
-        d, l, p, pt, e = (x[:, i] for i in range(5))  # (n, V) views
+        x, y = buf[:n], pbuf[:n]  # (n, 2, V) each
+        p, pt = y[:, 0], y[:, 1]  # (n, V) views
+        d, l = x[:, 0], x[:, 1]  # (n, V) views
         torch.nn.functional.threshold_(l.copy_(lr), LOG_ZERO, _EXP_FLOOR)  # -inf too (NaN, +inf stay)
         torch.nn.functional.threshold_(torch.exp(l, out=p), _P_ZERO, 0.0)  # (n, V): exactly 0 there
-        torch.nn.functional.threshold_(d.copy_(lt), LOG_ZERO, _EXP_FLOOR)  # the trainer's, floored alike
-        torch.nn.functional.threshold_(torch.exp(d, out=pt), _P_ZERO, 0.0)  # (n, V) p_t
-        excluded = d <= _EXP_FLOOR  # (n, V) bool: tokens the trainer gives (about) 0
-        torch.mul(p, excluded, out=e)  # rollout mass the trainer excludes
-        torch.sub(l, d, out=d).masked_fill_(excluded, 0.0)  # logp_r - logp_t where the trainer keeps the token
-        torch.mul(d, p, out=d)
-        torch.mul(l, p, out=l)
-        s = x.sum(-1).cpu().numpy()  # (n, 5)
+        torch.nn.functional.threshold_(pt.copy_(lt), LOG_ZERO, _EXP_FLOOR)
+        torch.nn.functional.threshold_(pt.exp_(), _P_ZERO, 0.0)  # (n, V) p_t, for its normaliser
+        d.copy_(lt).clamp_(min=-_F64_MAX)  # a trainer -inf -> -max: p*d >= e^-650*max > 1e8 where p > 0
+        torch.sub(l, d, out=d)  # logp_r - logp_t in float64
+        torch.mul(x, p[:, None], out=x)  # [p*d, p*logp_r]
+        s = np.zeros((n, 5))
+        s[:, 0:2] = x.sum(-1).cpu().numpy()  # sum p*d, sum p*logp_r
+        s[:, 2:4] = y.sum(-1).cpu().numpy()  # Z_r, Z_t (two outputs per row: one thread sums a row, in order)
+        # s[:, 4], the excluded mass, is 0 unless the row is redone below
         sums.append(s)
         finite = np.isfinite(s).all(-1) & (s[:, 2] > 0)  # (n,)
-        if not finite.all():  # NaN or +inf in a row, or no mass: the masked definition says what it is
+        # A token the trainer excludes (-inf) where the rollout has mass adds > 1e8 to a row's sum
+        # (the rest of a KL sum is >= -1/e for distributions): only rows above 1 can hold one.
+        check = finite & (s[:, 0] > _KL_CHECK)
+        if check.any():
+            i = torch.from_numpy(np.flatnonzero(check)).to(dev)
+            i = i[x[i, 0].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
+            if i.numel():
+                finite[_np(i)] = False
+        if not finite.all():  # NaN or +inf, no mass, or excluded tokens: the masked definition
             i = torch.from_numpy(np.flatnonzero(~finite)).to(dev)
             redone.append((a + _np(i), *_exact_rows(lt[i], lr[i])))
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
