@@ -174,17 +174,21 @@ class FuzzSession:
 
         return resolve_device(self.device_option)
 
-    def select(self) -> list:
-        """This shard's pairs that run on the device, in name order (the same in every process)."""
-        from harness.fuzz import shard_pairs
+    def all_pairs(self) -> list:
+        """Every selected pair that runs on the device, in name order, before sharding."""
         from harness.pairs import REGISTRY
 
         REGISTRY.load_builtins()
         for spec in self.plugins:
             REGISTRY.load_plugin(spec)
         dev = self.device()
-        pairs = [p for p in REGISTRY.select(self.globs) if dev in p.devices]
-        return shard_pairs(pairs, self.shard)
+        return [p for p in REGISTRY.select(self.globs) if dev in p.devices]
+
+    def select(self) -> list:
+        """This shard's pairs that run on the device, in name order (the same in every process)."""
+        from harness.fuzz import shard_pairs
+
+        return shard_pairs(self.all_pairs(), self.shard)
 
     def units(self) -> list[dict]:
         """This shard's (pair, stream) units as plain data; a worker gets them from the controller, so
@@ -193,7 +197,7 @@ class FuzzSession:
             from harness.fuzz import campaign_units
 
             self.unit_list = [{"pair": u.pair.name, "expected": u.pair.expected, "source": u.pair.source,
-                               "stream": u.stream} for u in campaign_units(self.select(), self.streams, self.shard)]
+                               "stream": u.stream} for u in campaign_units(self.all_pairs(), self.streams, self.shard)]
         return self.unit_list
 
     def campaign_config(self, pairs: list) -> Any:
