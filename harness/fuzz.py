@@ -137,8 +137,12 @@ class CampaignConfig:
     streams: int = 1  # independently seeded streams per pair (each runs max_examples / streams cases)
     stream: int | None = None  # run only this stream of each pair (0-based; a pytest item, a CI job)
 
-    def timeout_for(self, pair: str) -> float:
-        return self.timeouts.get(pair, self.timeout)
+    def timeout_for(self, pair: str, own: float | None = None) -> float:
+        """The per-case timeout of a pair: the command line's for this pair, else the larger of the
+        campaign's and the pair's own (`TargetPair.timeout`: a compiling backend needs more)."""
+        if pair in self.timeouts:
+            return self.timeouts[pair]
+        return max(self.timeout, own or 0.0)
 
 
 @dataclass
@@ -577,7 +581,7 @@ class Executor:
         cfg = cfg or self.cfg
         if not cfg.isolation:
             return lambda case: run_case(pair, case, cfg.device, cfg.threshold)
-        timeout, source = cfg.timeout_for(pair.name), self.source(pair)
+        timeout, source = cfg.timeout_for(pair.name, getattr(pair, "timeout", None)), self.source(pair)
 
         def evaluate(case: Case) -> Evaluation:
             done = self.done.pop((pair.name, _cache_key(case)), None)

@@ -269,6 +269,8 @@ class TargetPair:
     description: str = ""  # one line: which real trainer/rollout difference this reproduces
     profiles: Any = None  # optional: numerics profiles of both paths, for triage by swapping
     source: str = ""  # where it was registered from (filled in by the registry)
+    timeout: float | None = None  # per-case seconds before a case is a hang; None: the campaign's (a compiling
+    #                               backend that recompiles for new shapes may need minutes cold)
 
     @property
     def trainer_reads_rollout(self) -> bool:
@@ -304,6 +306,9 @@ class TargetPair:
             raise PairError(f"{where}: " + "; ".join(problems) + ". Fix the Axes(...) the pair registers with.")
         if not isinstance(self.devices, tuple) or not self.devices or any(d not in DEVICES for d in self.devices):
             raise PairError(f"{where}: devices={self.devices!r} must be a non-empty tuple drawn from {DEVICES}.")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
+                                             and math.isfinite(self.timeout) and self.timeout > 0):
+            raise PairError(f"{where}: timeout={self.timeout!r} must be None or a number of seconds > 0.")
         if self.readout is not None and not isinstance(self.readout, Readout):
             raise PairError(f"{where}: readout must be a harness.Readout or None.")
         if self.readout is not None and self.readout.vocab < 2:
