@@ -1,0 +1,39 @@
+"""`harness rerecord` rewrites recorded metrics only where the verdict is unchanged."""
+import json
+import shutil
+from pathlib import Path
+
+from harness.rerecord import rerecord_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _copy(tmp_path: Path) -> Path:
+    src = next((ROOT / "corpora" / "moe_aggregate.bf16").glob("*.json"))
+    dst = tmp_path / "moe_aggregate.bf16" / src.name
+    dst.parent.mkdir()
+    shutil.copy(src, dst)
+    return dst
+
+
+def test_last_bit_changes_are_rewritten_and_recorded_in_history(tmp_path):
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data["metrics"]["k3_kl"] = data["metrics"]["k3_kl"] * (1 + 1e-15) + 1e-18  # as an older harness had it
+    path.write_text(json.dumps(data))
+    outcome, _ = rerecord_file(path)
+    assert outcome == "rewritten"
+    after = json.loads(path.read_text())
+    assert after["history"][-1]["event"] == "rerecorded" and after["metrics"]["k3_kl"] != data["metrics"]["k3_kl"]
+    assert rerecord_file(path)[0] == "unchanged" or json.loads(path.read_text())["metrics"] == after["metrics"]
+
+
+def test_a_changed_verdict_is_left_alone(tmp_path):
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data["status"] = "fixed"  # claims the divergence is gone; the replay still diverges
+    path.write_text(json.dumps(data))
+    before = path.read_text()
+    outcome, detail = rerecord_file(path)
+    assert outcome == "verdict changed" and "replay gives divergence" in detail
+    assert path.read_text() == before
