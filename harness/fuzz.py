@@ -325,7 +325,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if isinstance(ev, Evaluation) and ev.failed:
             raise _RAISE[ev.symptom](ev)
         if uniform_rng is not None and not smallest:
-            u = uniform_cases(pair.axes, uniform_rng, params=case.params)
+            u = uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
             ev_u = run(u)
             if isinstance(ev_u, Evaluation) and ev_u.failed:
                 hit["ev"] = ev_u

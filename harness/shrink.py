@@ -55,6 +55,8 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
         yield case.replace(order=())
     if case.tie_fraction > 0:
         yield case.replace(tie_fraction=0.0)
+    if case.tie_gap > 0:
+        yield case.replace(tie_gap=0.0)  # the exact tie: the simplest gap
     for j in range(case.batch_size):
         p = case.prompt_len(j)
         if p:

@@ -211,11 +211,13 @@ def structured_cases(axes: Axes) -> st.SearchStrategy[Case]:
     return cases(axes)
 
 
-def uniform_cases(axes: Axes, rng: Any, params: dict | None = None) -> Case:
+def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: bool = False) -> Case:
     """One case drawn uniformly at random over the same axes (the baseline a fuzzer must beat, and
     half of a campaign's draws): every size uniform over its range, every float uniform, no
     boundary or neutral preference. `rng` is a `random.Random`; `params` the free parameters (the
-    pair's own strategies cannot be drawn from outside Hypothesis)."""
+    pair's own strategies cannot be drawn from outside Hypothesis). `log_gap` draws the near-tie gap
+    log-uniformly over the same decades as `tie_gaps` (a campaign's interleaved cases do: a uniform
+    gap on [0, 1e-2] is almost never within float rounding of a tie)."""
     r = axes.routing
     n = rng.randint(*axes.n_seqs)
     seq_lens = tuple(rng.randint(*axes.seq_len) for _ in range(n))
@@ -237,7 +239,10 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None) -> Case:
         fields["n_experts"] = rng.randint(*r.n_experts)
         fields["top_k"] = rng.randint(r.top_k[0], min(r.top_k[1], fields["n_experts"] - 1))
         fields["tie_fraction"] = rng.uniform(*r.tie_fraction)
-        fields["tie_gap"] = rng.uniform(0.0, r.max_gap)
+        if log_gap:
+            fields["tie_gap"] = r.max_gap * 10.0 ** rng.uniform(-GAP_DECADES, 0.0)
+        else:
+            fields["tie_gap"] = rng.uniform(0.0, r.max_gap)
     fields["logit_scale"] = rng.uniform(*axes.logit_scale)
     fields["temperature"] = rng.uniform(*axes.temperature)
     fields["top_p"] = max(1e-6, rng.uniform(*axes.top_p))
