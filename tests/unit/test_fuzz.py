@@ -226,7 +226,8 @@ def test_streams_split_a_pair_into_distinct_deterministic_units_and_shards_sprea
 def test_streams_of_one_pair_are_merged_and_their_findings_deduplicated(tmp_path):
     result = campaign(tmp_path, ["router_topk.bf16"], max_examples=60, seed=1, streams=3)
     [r] = result.results
-    assert r.streams == 3 and r.examples >= 60 and r.verdict == "caught"
+    # every stream ran (a stream stops early once a failure is found, so not necessarily its share)
+    assert r.streams == 3 and r.examples >= 3 and r.verdict == "caught"
     assert len({f.signature for f in r.findings}) == len(r.findings) == 1
     assert len(iter_corpus(tmp_path / "corpus")) == 1
 
