@@ -23,6 +23,20 @@ def pytest_configure(config):
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread for a test (use with `pytest.mark.usefixtures("one_thread")`): with xdist on two
+    cores, more threads only spin; restored afterwards."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.fixture
 def harness_cli():
     """Run the real command line in a subprocess: returns (exit code, stdout, stderr)."""
 

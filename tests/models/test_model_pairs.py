@@ -23,17 +23,10 @@ from targets.models.moe_decoder import KV_LATE_FROM, TINY, weights
 FAST_PAIRS = ["model.aligned", "model.bf16_rollout", "model.bf16_rollout.replay", "model.moe_aggregate_bf16",
               "model.packing_positions_bug", "model.kv_cache_late_fp8", "model.sampling_top_k_default",
               "model.temperature_twice", "model.rotary_bf16", "model.left_pad_positions", "model.onnxruntime"]
+pytestmark = pytest.mark.usefixtures("one_thread")
 DIVERGES = [n for n in FAST_PAIRS if REGISTRY.get(n).expected == "diverges"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def case(**kw):

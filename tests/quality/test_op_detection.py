@@ -30,22 +30,13 @@ SEED = 1  # campaign seed of every quality campaign
 CAUGHT_WITHIN = 200  # examples a demonstration gets
 CLEAN_FOR = 300  # examples an aligned pair must survive
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def op_pairs():
     return [p for p in REGISTRY.all() if p.kind == "op" and p.name.split(".")[0] in FAMILIES]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread per test process: with xdist on 2 cores, more threads only spin."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 @functools.lru_cache(maxsize=None)
