@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .case import Case, CaseError
+from .env import recorded_threads, threads_as
 from .errors import CannotEvaluate, UsageError
 from .execute import DEFAULT_THRESHOLD, Evaluation, Symptom, run_case
 from .metrics import METRIC_KEYS
@@ -713,14 +714,16 @@ def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, re
     if timeout is not None and (not math.isfinite(timeout) or timeout <= 0):
         raise UsageError(f"timeout {timeout!r} must be a finite number of seconds > 0.")
     thr = threshold if threshold is not None else repro.threshold
+    threads = recorded_threads(repro.environment)  # the thread count it was found with (GEMM sums split by it)
     if repro.symptom in ISOLATED_SYMPTOMS:
         from .worker import DEFAULT_TIMEOUT, Worker
 
         limit = timeout or (recorded_timeout(repro) if repro.symptom == "timeout" else None) or DEFAULT_TIMEOUT
-        with Worker(device, tuple(plugins), limit) as worker:
+        with Worker(device, tuple(plugins), limit, threads=threads) as worker:
             ev = worker.evaluate(pair, repro.case, thr)
     else:
-        ev = run_case(pair, repro.case, device, thr, keep_outcomes=keep_outcomes)
+        with threads_as(threads):
+            ev = run_case(pair, repro.case, device, thr, keep_outcomes=keep_outcomes)
     return ReplayResult(repro, ev, compare_metrics(repro, ev))
 
 

@@ -56,8 +56,38 @@ def environment(device: str) -> dict:
         "platform": f"{sys.platform}-{platform.machine()}",
         "device": device,
         "git_commit": git_commit(),
+        # CPU kernels (GEMMs above all) may split their sums by thread count: a replay uses this one
+        "torch_threads": torch.get_num_threads(),
     }
     if device == "cuda":
         env["cuda_device"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
     return env
+
+
+def recorded_threads(env: dict) -> int | None:
+    """The torch thread count a repro was found with, if it recorded a sane one (the file is untrusted)."""
+    n = env.get("torch_threads") if isinstance(env, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 else None
+
+
+class threads_as:
+    """`with threads_as(n):` torch runs with n threads inside (None: unchanged), as before after."""
+
+    def __init__(self, n: int | None) -> None:
+        self.n, self.before = n, None
+
+    def __enter__(self) -> "threads_as":
+        if self.n is not None:
+            import torch
+
+            self.before = torch.get_num_threads()
+            if self.before != self.n:
+                torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.n is not None and self.before is not None and self.before != self.n:
+            import torch
+
+            torch.set_num_threads(self.before)

@@ -164,9 +164,19 @@ class CampaignResult:
         return sum(r.examples for r in self.results)
 
 
+def excluded_token(ev: Evaluation) -> bool:
+    """A divergence where the rollout sampled a token the trainer excludes (k3 = +inf): a truncation
+    boundary the two paths draw differently, a failure of its own beside a drift of the distributions."""
+    d = ev.divergence
+    return ev.symptom is Symptom.DIVERGENCE and d is not None and d.k3_kl == math.inf
+
+
 def signature(pair: str, ev: Evaluation) -> str:
+    """Findings with the same signature are one bug: shrinking keeps it, the corpus holds one repro."""
     detail = ""
-    if ev.symptom is Symptom.ERROR and ev.error:
+    if excluded_token(ev):
+        detail = "excluded_token"
+    elif ev.symptom is Symptom.ERROR and ev.error:
         detail = f"{ev.error['type']}@{ev.error['where']}"
     elif ev.symptom is Symptom.CRASH and ev.error:
         detail = ev.error["type"]  # the signal (SIGSEGV, SIGABRT, SIGKILL) or exit status
@@ -207,6 +217,10 @@ class _Failed(Exception):
 
 
 class _Diverged(_Failed):
+    pass
+
+
+class _DivergedExcluded(_Failed):
     pass
 
 
@@ -323,7 +337,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             # minimal cases (measured: batch 1 in 98% of the second half of a campaign).
             target(k3, label="k3")
         if isinstance(ev, Evaluation) and ev.failed:
-            raise _RAISE[ev.symptom](ev)
+            raise (_DivergedExcluded if excluded_token(ev) else _RAISE[ev.symptom])(ev)
         if uniform_rng is not None and not smallest:
             u = uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
             ev_u = run(u)

@@ -7,11 +7,17 @@ token the rollout produced:
 
     log r = logp_t - logp_r,   r = exp(log r),   k3 = (r - 1) - log r        (>= 0, 0 iff equal)
 
-`k3_kl` is the mean of k3 over all tokens of the case. Where full distributions exist, `kl` is the
-exact KL(rollout || trainer) per position, averaged: the expectation k3 estimates. k3 on sampled
-tokens is biased low when the rollout samples from a truncated distribution (it sees about
-(1 - kept mass)^2 / 2 of a KL of -log(kept mass)), so the verdict judges both: a case diverges when
-either mean crosses the threshold, and `Divergence.fired` says which did.
+`k3_kl` is the mean of k3 over all tokens of the case (what an RL dashboard logs). Where full
+distributions exist, two exact means over the vocabulary are computed per position and averaged:
+`k3_expected`, the expectation of k3 for a token drawn from the rollout's distribution (what the
+mean k3 of a large batch converges to, without the draw's noise: it sees the log-probabilities as
+reported, normaliser included), and `kl`, the exact KL(rollout || trainer) of the two normalised
+distributions. The verdict judges those two (`fired`): a case diverges when either is above the
+threshold, or when a sampled token is one the trainer excludes (k3 = +inf). The mean k3 of the
+case's own few sampled tokens is not judged: on a case of a handful of tokens it is a noisy
+estimate, and a search keeps exactly the unlucky draws (an aligned pair at KL 2e-4 crossed the line
+on a two-token case). k3 is biased low when the rollout samples from a truncated distribution
+(its expectation is about (1 - kept mass)^2 / 2 of a KL of -log(kept mass)): the KL sees that.
 
 Values. -inf is log 0 (an entry truncated by top-k/top-p), not a non-finite value; NaN or +inf is.
 A probability at or below e^-650 (~5e-283) counts as 0. A row with NaN or +inf anywhere is
@@ -29,10 +35,13 @@ trainer scores in full (an engine's default top-k) gives KL = -log(kept mass), w
 
 How it is computed. On the outcomes' device, in chunks of rows, so memory stays a small multiple of
 one (T, V) fp32 tensor whatever T is (a chunk's float64 buffers hold at most `chunk_elems` elements
-each: four of them, five when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
+each: five of them, six when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
 exp(logp_t), d = logp_r - logp_t with a trainer -inf raised to -max (so an excluded token with
-rollout mass adds > 1e8), then four sums over the vocabulary per row (sum p*d, sum p*logp_r,
-sum p, sum p_t), from which the normalised KL and the entropy follow. Rows whose sums are not
+rollout mass adds > 1e8), then five sums over the vocabulary per row (sum p*d, sum p*logp_r,
+sum p, sum p_t, and sum p_t where p > 0), from which the normalised KL, the expected k3
+((sum_{p>0} p_t - sum p + sum p*d) / sum p) and the entropy follow. A chunk whose log-probabilities
+are all above e^-650 on both sides (no -inf, NaN or tiny value: the common case) skips the
+thresholds and masks; its values are the same either way. Rows whose sums are not
 finite (NaN, +inf) or that hold an excluded token are recomputed with the masked definition,
 which also gives their excluded mass.
 Each row is summed by one thread in a fixed order (every reduction has >= 2 outputs, so torch never
@@ -60,7 +69,7 @@ import numpy as np
 
 # Keys of `Divergence.as_dict()`, in display order (all numeric; see `Divergence.fired`).
 METRIC_KEYS = (
-    "k3_kl", "k3_seq_max", "kl", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
+    "k3_kl", "k3_expected", "k3_seq_max", "kl", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
     "chi2_token", "pearson", "entropy", "kl_excluded", "flip_rate", "tie_flip_rate", "nonfinite_trainer", "nonfinite_rollout",
     "n_tokens",
 )
@@ -104,6 +113,9 @@ class Divergence:
     nonfinite_rollout: int  # tokens whose rollout row has NaN/+inf or whose logp_r is not finite
     n_tokens: int
     kl_excluded: float = 0.0  # mean rollout mass on tokens the trainer gives -inf (kept out of `kl`; reported)
+    # mean over positions of the expected k3 of a token drawn from the rollout's distribution (over
+    # the tokens the trainer keeps): what `k3_kl` estimates, without the draw's noise
+    k3_expected: float = math.nan
     # Which mean crossed the verdict's threshold: "k3", "kl", "k3+kl", or "" (set by the verdict,
     # `execute.judge`; a string, so it is not one of METRIC_KEYS).
     fired: str = ""
@@ -120,8 +132,19 @@ class Divergence:
 
 
 def fired(div: Divergence, threshold: float) -> str:
-    """Which of the verdict's two means is above the threshold: "k3", "kl", "k3+kl" or ""."""
-    names = [name for name, v in (("k3", div.k3_kl), ("kl", div.kl)) if v > threshold]
+    """Which of the verdict's two means is above the threshold: "k3", "kl", "k3+kl" or "".
+
+    "k3" is the expected k3 (`k3_expected`: exact over the vocabulary, what the mean k3 of a large
+    batch converges to), or a sampled token the trainer excludes (`k3_kl` = +inf). The mean k3 of
+    the case's own few sampled tokens is reported but not judged: on a case of a handful of tokens
+    it is a noisy estimate, and a search that keeps what crosses the line finds the unlucky draws
+    (an aligned pair with KL 2e-4 crossed it on a two-token case). Without an expected k3 (NaN),
+    the sampled mean is judged.
+    """
+    k3 = div.k3_expected if not math.isnan(div.k3_expected) else div.k3_kl
+    if div.k3_kl == math.inf:
+        k3 = math.inf
+    names = [name for name, v in (("k3", k3), ("kl", div.kl)) if v > threshold]
     return "+".join(names)
 
 
@@ -207,21 +230,25 @@ def _inverse_cdf(p: Any, u: Any, out: Any) -> Any:
     return idx
 
 
-def _finish(sums: Any) -> tuple[Any, Any, Any]:
-    """(n, 5) float64 row sums [sum p*(lr-lt) over kept tokens, sum p*lr, Z_r = sum p, Z_t = sum p_t,
-    sum p over tokens the trainer excludes] -> (KL, entropy, excluded mass), each (n,), with both
-    distributions normalised: log p^ = log p - log Z on each side."""
-    a, b, zr, zt, e = (sums[:, i] for i in range(5))
+def _finish(sums: Any) -> tuple[Any, Any, Any, Any]:
+    """(n, 6) float64 row sums [sum p*(lr-lt) over kept tokens, sum p*lr, Z_r = sum p, Z_t = sum p_t,
+    sum p over tokens the trainer excludes, sum p_t over the rollout's support] -> (KL, entropy,
+    excluded mass, expected k3), each (n,), with both distributions normalised (log p^ = log p - log Z
+    on each side) for the KL; the expected k3 is that of the log-probabilities as reported."""
+    a, b, zr, zt, e, zts = (sums[:, i] for i in range(6))
     with np.errstate(all="ignore"):
         log_zr, log_zt = np.log(zr), np.log(zt)
         kl = a / zr - ((zr - e) / zr) * (log_zr - log_zt)
         ent = -(b / zr - log_zr)
         excluded = e / zr
-    return kl, ent, excluded
+        # E_{x ~ p_r / Z_r}[k3] over kept tokens = (1/Z_r) sum p * (exp(-d) - 1 + d), with p * exp(-d) = p_t
+        k3 = (zts - (zr - e) + a) / zr
+    return kl, ent, excluded, k3
 
 
-def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any, Any]:
-    """The definition, masked, in float64, for a few rows: (KL, entropy, excluded, trainer bad, rollout bad)."""
+def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """The definition, masked, in float64, for a few rows: (KL, entropy, excluded, expected k3,
+    trainer bad, rollout bad)."""
     import torch
 
     lt64, lr64 = lt.to(torch.float64), lr.to(torch.float64)  # (n, V)
@@ -233,13 +260,15 @@ def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any, Any]:
     both = mass & kept
     zero = torch.zeros((), dtype=torch.float64, device=p.device)
     sums = torch.stack([torch.where(both, p * (lr64 - lt64), zero).sum(-1), torch.where(mass, p * lr64, zero).sum(-1),
-                        p.sum(-1), pt.sum(-1), torch.where(mass & ~kept, p, zero).sum(-1)], 1)  # (n, 5)
-    kl, ent, excluded = _finish(_np(sums))
+                        p.sum(-1), pt.sum(-1), torch.where(mass & ~kept, p, zero).sum(-1),
+                        torch.where(mass, pt, zero).sum(-1)], 1)  # (n, 6)
+    kl, ent, excluded, k3 = _finish(_np(sums))
     bt, br = _np(bad_t), _np(bad_r) | ~(_np(sums[:, 2]) > 0)  # a rollout row with no mass is no distribution
     kl = np.where(bt | br, math.nan, kl)
+    k3 = np.where(bt | br, math.nan, k3)
     ent = np.where(br, math.nan, ent)
     excluded = np.where(bt | br, math.nan, excluded)
-    return kl, ent, excluded, bt, br
+    return kl, ent, excluded, k3, bt, br
 
 
 _LOCAL = threading.local()
@@ -280,28 +309,45 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
-    ws = _workspace(rows * v * (5 if uniforms is not None else 4), dev)
+    ws = _workspace(rows * v * (6 if uniforms is not None else 5), dev)
     buf = ws[:2 * rows * v].view(rows, 2, v)  # per row: [d, logp_r], then [p*d, p*logp_r]
-    pbuf = ws[2 * rows * v:4 * rows * v].view(rows, 2, v)  # per row: [p_r, p_t]
-    cbuf = ws[4 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
+    pbuf = ws[2 * rows * v:5 * rows * v].view(rows, 3, v)  # per row: [p_r, p_t, p_t where p_r > 0]
+    cbuf = ws[5 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
     sums, drawn, redone = [], [], []
     for a in range(0, n_rows, rows):
         b = min(a + rows, n_rows)
         n = b - a
         lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
-        x, y = buf[:n], pbuf[:n]  # (n, 2, V) each
-        p, pt = y[:, 0], y[:, 1]  # (n, V) views
+        x, y = buf[:n], pbuf[:n]  # (n, 2, V), (n, 3, V)
+        p, pt, pts = y[:, 0], y[:, 1], y[:, 2]  # (n, V) views
         d, l = x[:, 0], x[:, 1]  # (n, V) views
-        torch.nn.functional.threshold_(l.copy_(lr), LOG_ZERO, _EXP_FLOOR)  # -inf too (NaN, +inf stay)
-        torch.nn.functional.threshold_(torch.exp(l, out=p), _P_ZERO, 0.0)  # (n, V): exactly 0 there
-        torch.nn.functional.threshold_(pt.copy_(lt), LOG_ZERO, _EXP_FLOOR)
-        torch.nn.functional.threshold_(pt.exp_(), _P_ZERO, 0.0)  # (n, V) p_t, for its normaliser
-        d.copy_(lt).clamp_(min=-_F64_MAX)  # a trainer -inf -> -max: p*d >= e^-650*max > 1e8 where p > 0
-        torch.sub(l, d, out=d)  # logp_r - logp_t in float64
-        torch.mul(x, p[:, None], out=x)  # [p*d, p*logp_r]
-        s = np.zeros((n, 5))
-        s[:, 0:2] = x.sum(-1).cpu().numpy()  # sum p*d, sum p*logp_r
-        s[:, 2:4] = y.sum(-1).cpu().numpy()  # Z_r, Z_t (two outputs per row: one thread sums a row, in order)
+        # Plain chunks (every log-probability on both sides above e^-650: no -inf, NaN or tiny
+        # value) skip the thresholds; the values are the same either way (each step is elementwise).
+        plain = bool(((lr.amin(-1) > LOG_ZERO) & (lt.amin(-1) > LOG_ZERO)).all())  # NaN: not plain
+        l.copy_(lr)
+        pt.copy_(lt)
+        torch.sub(l if plain else torch.nn.functional.threshold_(l, LOG_ZERO, _EXP_FLOOR), pt, out=d)  # lr - lt
+        torch.exp(l, out=p)
+        if not plain:
+            # lr <= -650 (-inf too) went in as -700 (a CPU's exp is slow on -inf and subnormal
+            # results) and comes out as exactly 0; a trainer -inf gives d = +inf -> max, so that
+            # p*d >= e^-650*max > 1e8 where p > 0 (NaN and -inf stay)
+            torch.nn.functional.threshold_(p, _P_ZERO, 0.0)
+            d.clamp_(max=_F64_MAX)
+            torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
+        pt.exp_()  # (n, V) p_t, for its normaliser
+        if not plain:
+            torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
+            torch.where(p > 0, pt, torch.zeros((), dtype=f64, device=dev), out=pts)  # p_t on the rollout's support (the expected k3's)
+        d.mul_(p)  # p * (logp_r - logp_t)
+        l.mul_(p)  # p * logp_r
+        s = np.zeros((n, 6))
+        s[:, 0:2] = x.sum(-1).cpu().numpy()  # sum p*d, sum p*logp_r (2 outputs per row: one thread sums a row, in order)
+        if plain:
+            s[:, 2:4] = y[:, :2].sum(-1).cpu().numpy()  # Z_r, Z_t
+            s[:, 5] = s[:, 3]  # p > 0 everywhere: the support's p_t sum is Z_t
+        else:
+            s[:, [2, 3, 5]] = y.sum(-1).cpu().numpy()  # Z_r, Z_t, sum of p_t where p > 0
         # s[:, 4], the excluded mass, is 0 unless the row is redone below
         sums.append(s)
         finite = np.isfinite(s).all(-1) & (s[:, 2] > 0)  # (n,)
@@ -319,13 +365,13 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
         if uniforms is not None:
             drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf[:n]))
-    s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 5)
-    kl, ent, excl = _finish(s)
+    s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 6)
+    kl, ent, excl, k3 = _finish(s)
     bad_t, bad_r = np.zeros(n_rows, dtype=bool), np.zeros(n_rows, dtype=bool)
-    for i, kl_i, ent_i, ex_i, bt_i, br_i in redone:
-        kl[i], ent[i], excl[i], bad_t[i], bad_r[i] = kl_i, ent_i, ex_i, bt_i, br_i
+    for i, kl_i, ent_i, ex_i, k3_i, bt_i, br_i in redone:
+        kl[i], ent[i], excl[i], k3[i], bad_t[i], bad_r[i] = kl_i, ent_i, ex_i, k3_i, bt_i, br_i
     tokens = None if uniforms is None else drawn[0] if len(drawn) == 1 else torch.cat(drawn)
-    return {"kl": kl, "entropy": ent, "excluded": excl, "bad_trainer": bad_t, "bad_rollout": bad_r,
+    return {"kl": kl, "entropy": ent, "excluded": excl, "k3": k3, "bad_trainer": bad_t, "bad_rollout": bad_r,
             "tokens": tokens}
 
 
@@ -371,7 +417,7 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
     lt, lr = np.ascontiguousarray(picked.T)  # (T,) each
     tok = _np(tok_d).reshape(n)
     kl, entropy, bad_t, bad_r = stats["kl"], stats["entropy"], stats["bad_trainer"], stats["bad_rollout"]
-    excluded = stats["excluded"]
+    excluded, k3_rows = stats["excluded"], stats["k3"]
     with np.errstate(all="ignore"):
         d = lt - lr  # (T,) log r
         k3 = k3_of(d)  # (T,)
@@ -388,6 +434,7 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
             k3_kl=_mean(k3),
             k3_seq_max=float(k3_seq.max()),
             kl=_mean(kl),
+            k3_expected=_mean(k3_rows),
             max_abs_dlogp=float(np.abs(d).max()),
             probs_diff_max=float(np.abs(pt - pr).max()),
             log_ppl_diff=_mean(d_seq),
@@ -409,6 +456,7 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
                 "logp_rollout": lr,
                 "k3": k3,
                 "kl": kl,
+                "k3_expected": k3_rows,
             },
         )
 

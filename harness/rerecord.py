@@ -6,7 +6,8 @@ bit-for-bit" without changing any verdict. This command replays each repro and, 
 replay keeps the recorded verdict (same symptom; a divergence still above its threshold; a `fixed`
 repro still clean), writes the new metrics into the file, rewrites the case in the current schema
 (a schema-1 case keeps `streams: "single"`, so its tensors are unchanged), and appends a
-`rerecorded` entry to its history. A repro whose verdict changed is left untouched and reported:
+`rerecorded` entry to its history. A file that did not record the torch thread count it was found
+with gets this process's (the count its new metrics were computed with; replay uses it). A repro whose verdict changed is left untouched and reported:
 that is a behaviour change for a person to look at, not a rounding change.
 """
 
@@ -21,6 +22,7 @@ import click
 def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     """(outcome, detail) for one file: outcome is "rewritten", "unchanged", "verdict changed" or "skipped"."""
     from . import corpus
+    from .env import recorded_threads
     from .errors import HarnessError
 
     try:
@@ -41,9 +43,14 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
         return "verdict changed", (f"recorded {repro.symptom} ({repro.status}), replay gives {ev.symptom.value} "
                                    f"k3={ev.k3:.4g}")
     new_metrics = corpus.metrics_json(ev) if ev.divergence is not None else repro.metrics
-    if new_metrics == repro.metrics and repro.to_json()["case"] == repro.case.to_json():
+    threads = recorded_threads(repro.environment)
+    if new_metrics == repro.metrics and repro.to_json()["case"] == repro.case.to_json() and threads is not None:
         return "unchanged", ""
     repro.metrics = new_metrics
+    if threads is None:  # replayed with this process's thread count: the metrics are that count's
+        import torch
+
+        repro.environment = {**repro.environment, "torch_threads": torch.get_num_threads()}
     repro.history.append({"event": "rerecorded", "at": corpus.now_iso(),
                           "note": "metrics recomputed by this harness version; verdict unchanged"})
     repro.save(path)

@@ -653,6 +653,9 @@ def _measure(t: Triage, loc: Localization | None = None) -> str:
     kl = getattr(d, "kl", float("nan")) if d is not None else float("nan")
     fired = getattr(d, "fired", "") if d is not None else ""
     parts = [f"k3 {t.k3:.4f}" + (f" -> {loc.k3_minimal_aligned:.4f}" if loc else "")]
+    expected = getattr(d, "k3_expected", float("nan")) if d is not None else float("nan")
+    if "k3" in fired and math.isfinite(expected) and math.isfinite(t.k3):
+        parts.append(f"expected k3 {expected:.4f}")
     if "kl" in fired:
         parts.append(f"KL {kl:.4f}" + (f" -> {loc.kl_minimal_aligned:.4f}" if loc else ""))
     return ", ".join(parts)
@@ -663,6 +666,13 @@ def verdict_line(t: Triage) -> str:
     symptom = getattr(ev.symptom, "value", str(ev.symptom))
     if ev.error:
         return f"the pair raised {ev.error['type']} on this case ({ev.error.get('where', '?')}): nothing to compare"
+    if symptom == "divergence" and t.k3 == math.inf:  # not a NaN: a sampled token the trainer excludes
+        head = ("the rollout sampled a token the trainer's distribution excludes (k3 = inf): the two paths "
+                "truncate (top-k/top-p) at different boundaries")
+        at = _at(t)
+        if loc is not None and loc.explained:
+            return f"{_label(loc, loc.minimal)}{', ' + at if at else ''}: {head}; aligning it gives k3 {loc.k3_minimal_aligned:.4f}"
+        return head + (f"; divergence starts {at}" if at else "")
     if symptom == "nonfinite" or not math.isfinite(t.k3):
         nf = t.nonfinite
         paths = sorted(p for p, n in (("trainer", getattr(ev.divergence, "nonfinite_trainer", 0)),

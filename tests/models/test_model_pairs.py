@@ -109,16 +109,17 @@ def test_router_replay_reuses_the_rollout_experts():
 
 
 def test_replay_alone_does_not_close_the_gap_when_aggregation_precision_differs():
-    """Replay removes every flip, yet k3 stays over the threshold; aligning the MoE aggregation too
-    brings it down (the finding recorded in corpora/model.bf16_rollout.replay)."""
+    """Replay removes every flip, yet the expected k3 stays over the threshold; aligning the MoE
+    aggregation too brings it under (about half of this case's gap is the aggregation's)."""
     pair = REGISTRY.get("model.bf16_rollout.replay")
-    c = Case(seed=0, seq_lens=(3,), logit_scale=4.0, params={"decode": 0, "temperature": 0.7, "tie_layer": 0},
-             streams="single")
+    c = Case(seed=22, seq_lens=(8,), logit_scale=6.0, params={"tie_layer": 0})
     ev = run_case(pair, c)
-    assert ev.failed and ev.divergence.flip_rate == 0.0 and ev.divergence.tie_flip_rate == 0.0
+    d = ev.divergence
+    assert ev.failed and d.flip_rate == 0.0 and d.tie_flip_rate == 0.0 and d.k3_expected > DEFAULT_THRESHOLD
     prof = pair.profiles
     fixed = prof.variant(prof.trainer, {**prof.rollout, "moe_aggregate": "float32"})
-    assert run_case(fixed, c).k3 < ev.k3 / 1.5
+    aligned = run_case(fixed, c)
+    assert not aligned.failed and aligned.divergence.k3_expected < d.k3_expected / 2
 
 
 def test_positions_bug_is_invisible_without_packing():

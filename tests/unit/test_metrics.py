@@ -121,14 +121,43 @@ def test_verdict_sees_truncated_sampling_through_the_exact_kl():
 
 
 def test_fired_names_the_means_above_the_threshold():
-    def div(k3, kl):
-        return Divergence(k3, k3, kl, *([0.0] * 9), 0, 0, 1)
+    def div(k3, kl, expected=math.nan):
+        return Divergence(k3, k3, kl, *([0.0] * 9), 0, 0, 1, k3_expected=expected)
 
+    # without an expected k3 the sampled mean is judged; with one, the expected k3 is
     assert [fired(div(a, b), 1e-3) for a, b in [(2e-3, 0), (0, 2e-3), (2e-3, math.inf), (1e-4, 1e-4),
                                                   (math.nan, 0.0)]] == ["k3", "kl", "k3+kl", "", ""]
+    assert [fired(div(a, b, e), 1e-3) for a, b, e in [(2e-3, 1e-4, 1e-4), (1e-4, 1e-4, 2e-3), (math.inf, 0, 1e-4),
+                                                       (2e-3, 2e-3, 1e-4)]] == ["", "k3", "k3", "kl"]
     trainer = Outcome(logprobs=lp([[0.5, 0.5]]))
     ev = judge(_Pair(), Case(seed=0, seq_lens=(1,)), trainer, Outcome(logprobs=lp([[0.5, 0.5]]), tokens=torch.tensor([0])))
     assert ev.symptom is Symptom.NONE and ev.divergence.fired == ""
+
+
+def test_an_unlucky_draw_on_a_small_case_is_not_a_divergence():
+    # KL 2.5e-4 at every position; the rollout's rare token (p = 0.01) sampled at both positions gives
+    # a mean k3 of ~0.014, 14x the line, from a draw that happens once in 10^4
+    trainer = Outcome(logprobs=lp([[0.99 - 0.00158, 0.01 + 0.00158]] * 2))
+    rollout = Outcome(logprobs=lp([[0.99, 0.01]] * 2), tokens=torch.tensor([1, 1]))
+    ev = judge(_Pair(), Case(seed=0, seq_lens=(2,)), trainer, rollout, threshold=1e-3)
+    d = ev.divergence
+    assert d.k3_kl > 10e-3 and d.kl < 1e-3
+    assert d.k3_expected == pytest.approx(d.kl, rel=1e-9)  # both sides normalised: E[k3] is the KL
+    assert ev.symptom is Symptom.NONE and d.fired == ""
+
+
+def test_reported_log_probs_off_by_their_normaliser_are_a_k3_divergence():
+    # the rollout divides its log-probs by the temperature after the log-softmax: the distributions
+    # agree once normalised (KL ~0), every reported log-prob does not (what an importance ratio uses)
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    trainer = Outcome(logprobs=torch.log_softmax(logits / 2.0, -1))
+    rollout = Outcome(logprobs=torch.log_softmax(logits, -1) / 2.0)
+    u = torch.rand(6, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    d = compare(trainer, rollout, (6,), uniforms=u)
+    assert d.kl < 1e-12 and d.k3_expected > 0.01
+    offset = (torch.log_softmax(logits / 2.0, -1) - torch.log_softmax(logits, -1) / 2.0)[:, 0]  # per row, constant
+    assert d.k3_expected == pytest.approx(float((torch.expm1(offset) - offset).mean()), rel=1e-9)
+    assert fired(d, 1e-3) == "k3"
 
 
 def test_trainer_excluding_a_token_the_rollout_can_produce_is_reported_and_a_divergence_when_sampled():

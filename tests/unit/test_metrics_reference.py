@@ -3,7 +3,8 @@
 The reference is the definition written plainly: per row, masked sums over the vocabulary in float64
 added with `math.fsum` (exactly rounded), and k3 = expm1(d) - d evaluated with 40 significant
 digits. compare must agree to a relative 1e-9 on k3 (per token and its mean) and on the exact KL
-(per position and its mean), over random tensors of several shapes (peaked, truncated with -inf,
+(per position and its mean), and on the expected k3 (the exact mean of k3 over the rollout's distribution),
+over random tensors of several shapes (peaked, truncated with -inf,
 bf16-rounded) and over every repro in corpora/, replayed. Chunking must not change the values.
 """
 
@@ -46,7 +47,7 @@ def reference(lt: torch.Tensor, lr: torch.Tensor, tokens) -> dict[str, np.ndarra
     lr = lr.detach().to(torch.float64).cpu().numpy()
     tok = np.asarray(tokens, dtype=np.int64)
     n = lt.shape[0]
-    kl, ent = np.empty(n), np.empty(n)
+    kl, ent, ek3 = np.empty(n), np.empty(n), np.empty(n)
     with np.errstate(all="ignore"):
         for i in range(n):
             bad_t, bad_r = not (lt[i] < math.inf).all(), not (lr[i] < math.inf).all()
@@ -57,12 +58,15 @@ def reference(lt: torch.Tensor, lr: torch.Tensor, tokens) -> dict[str, np.ndarra
             m = (q > 0) & (lt[i] > LOG_ZERO)  # 0 * log 0 = 0; tokens the trainer excludes: reported apart
             kl[i] = math.nan if bad_t or bad_r else math.fsum(q[m] * ((lr[i][m] - log_zr) - (lt[i][m] - log_zt)))
             ent[i] = math.nan if bad_r else -math.fsum(q[q > 0] * (lr[i][q > 0] - log_zr))
+            # the expected k3 of a token drawn from the rollout: of the log-probabilities as reported
+            dm = lt[i][m] - lr[i][m]
+            ek3[i] = math.nan if bad_t or bad_r else math.fsum(q[m] * (np.expm1(dm) - dm))
         rows = np.arange(n)
         d = lt[rows, tok] - lr[rows, tok]
     k3 = np.array([k3_exact(float(x)) for x in d])
     mean = (lambda a: math.fsum(a) / len(a) if np.isfinite(a).all() else float(np.mean(a)))
     return {"k3": k3, "kl_rows": kl, "entropy_rows": ent, "k3_kl": mean(k3), "kl": mean(kl),
-            "entropy": mean(ent)}
+            "entropy": mean(ent), "k3_expected_rows": ek3, "k3_expected": mean(ek3)}
 
 
 # The KL of normalised distributions depends on each side's log-normaliser, which float64 knows to
@@ -89,6 +93,10 @@ def check_against_reference(trainer: Outcome, rollout: Outcome, seq_lens, div) -
     assert_rel(div.per_token["kl"], ref["kl_rows"], what="kl per position", abs_floor=KL_ABS)
     assert_rel(div.kl, ref["kl"], what="kl", abs_floor=KL_ABS)
     assert_rel(div.entropy, ref["entropy"], rel=1e-12, what="entropy", abs_floor=KL_ABS)
+    # from the row sums (p_t, p, p*d): like the KL, exact to the log-normalisers' ~1e-16
+    assert_rel(div.per_token["k3_expected"], ref["k3_expected_rows"], what="expected k3 per position",
+               abs_floor=KL_ABS)
+    assert_rel(div.k3_expected, ref["k3_expected"], what="k3_expected", abs_floor=KL_ABS)
 
 
 def perturbed(t: int, v: int, scale: float, noise: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
