@@ -13,8 +13,11 @@ network is ever unpickled.
 What the supervisor turns into findings:
 
 - `timeout`: a case still running after the per-case timeout (wall seconds, default
-  `DEFAULT_TIMEOUT`). The worker dumps its Python stack just before the timeout (faulthandler), so
-  the finding says where it hung; then it is killed and a fresh one starts for the next case.
+  `DEFAULT_TIMEOUT`). The supervisor then signals the worker (SIGUSR1), whose faulthandler writes
+  every thread's Python stack from the signal handler, even when the thread is stuck in C code
+  holding the GIL, so the finding says where it hung; then it is killed and a fresh one starts for
+  the next case. (A per-case watchdog thread, `faulthandler.dump_traceback_later`, cost ~130 us of
+  thread start and join on every case; the signal costs nothing until a case hangs.)
 - `crash`: the worker died while running the case (a signal: SIGSEGV in a kernel, SIGABRT from an
   assert, SIGKILL from the OOM killer; or an exit). The stack faulthandler printed, if any, is kept.
 
@@ -202,11 +205,16 @@ class Worker:
         self.inflight = None
         out_of_wall = wall_at <= hang_at
         stack = ""
-        for _ in range(20):  # the worker's own watchdog writes its stack just before the timeout
+        if not out_of_wall:
+            try:
+                os.kill(self.proc.pid, signal.SIGUSR1)  # the worker's faulthandler writes its stacks
+            except (OSError, TypeError):
+                pass
+        for _ in range(40):
             stack = self._read_log()
             if stack or out_of_wall:
                 break
-            time.sleep(0.05)
+            time.sleep(0.025)
         self.kill()
         self.restarts += 1
         if out_of_wall:
@@ -254,6 +262,7 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     fault = open(log, "a")  # appends: the supervisor empties it between cases
     faulthandler.enable(file=fault)
+    faulthandler.register(signal.SIGUSR1, file=fault, all_threads=True)  # a hang: the supervisor asks
     import torch
 
     torch.set_num_threads(threads)
@@ -276,10 +285,7 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
         except Exception as e:
             conn.send(("error", f"pair {name!r} does not load in the worker process: {type(e).__name__}: {e}"))
             continue
-        # a stack dump just before the supervisor's timeout: where the case hung
-        faulthandler.dump_traceback_later(max(0.01, timeout - min(0.5, 0.1 * timeout)), file=fault)
         ev = run_case(pair, case, device, threshold)
-        faulthandler.cancel_dump_traceback_later()
         if not ev.failed and ev.divergence is not None:
             ev.divergence.per_token = {}  # a passing case's verdict is all the campaign keeps
         conn.send(("ok", ev))
