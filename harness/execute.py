@@ -47,8 +47,10 @@ class Evaluation:
         return self.symptom is not Symptom.NONE
 
 
-def finalize(pair: TargetPair, case: Case, out: Outcome, role: str) -> Outcome:
-    """Apply the pair's readout to a path that returned hidden states; check the shape."""
+def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcome | None = None) -> Outcome:
+    """Apply the pair's readout to a path that returned hidden states; check the shape. With `twin`
+    (the other path, finalized) holding the same hidden states bit for bit, its log-probabilities are
+    reused: the readout is deterministic, so they are the values it would compute."""
     if out is None or not isinstance(out, Outcome):
         raise TypeError(f"{pair.name}: {role} must return a harness.Outcome, got {type(out).__name__}")
     if out.logprobs is None:
@@ -56,7 +58,14 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str) -> Outcome:
             raise TypeError(f"{pair.name}: {role} returned an Outcome with neither logprobs nor hidden")
         if pair.readout is None:
             raise TypeError(f"{pair.name}: {role} returned hidden states but the pair declares no readout")
-        out.logprobs = pair.readout.apply(out.hidden, case)
+        import torch
+
+        h, th = out.hidden, twin.hidden if twin is not None else None
+        if (th is not None and twin.logprobs is not None and isinstance(h, torch.Tensor) and isinstance(th, torch.Tensor)
+                and h.dtype == th.dtype and h.device == th.device and torch.equal(h, th)):
+            out.logprobs = twin.logprobs
+        else:
+            out.logprobs = pair.readout.apply(out.hidden, case)
     if out.logprobs.dim() != 2 or out.logprobs.shape[0] != case.n_tokens:
         raise ValueError(f"{pair.name}: {role} logprobs have shape {tuple(out.logprobs.shape)}, expected "
                          f"({case.n_tokens}, vocab): one row per token of the case, in case order")
@@ -71,7 +80,7 @@ def run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Outcome, Outco
         inputs = pair.build(case, device)
         rollout = finalize(pair, case, pair.rollout(inputs), "rollout")
         trainer_out = pair.trainer(inputs, rollout) if pair.trainer_reads_rollout else pair.trainer(inputs)
-        trainer = finalize(pair, case, trainer_out, "trainer")
+        trainer = finalize(pair, case, trainer_out, "trainer", twin=rollout)
     return trainer, rollout
 
 

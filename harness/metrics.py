@@ -310,44 +310,54 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
     ws = _workspace(rows * v * (6 if uniforms is not None else 5), dev)
-    buf = ws[:2 * rows * v].view(rows, 2, v)  # per row: [d, logp_r], then [p*d, p*logp_r]
-    pbuf = ws[2 * rows * v:5 * rows * v].view(rows, 3, v)  # per row: [p_r, p_t, p_t where p_r > 0]
+    # per row: [d, logp_r, p_r, p_t, p_t where p_r > 0]; d and logp_r become p*d and p*logp_r, then
+    # one reduction sums them all (>= 4 outputs per row: one thread sums a row, in order)
+    buf = ws[:5 * rows * v].view(rows, 5, v)
     cbuf = ws[5 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
+    # Small inputs (one chunk) that are the same tensor values on both sides (an aligned pair whose
+    # paths agree bit for bit) skip the trainer's exp: p_t = p_r, d = 0, the same values either way.
+    same = n_rows <= rows and trainer_lp.dtype == rollout_lp.dtype and bool(torch.equal(trainer_lp.to(dev), rollout_lp))
     sums, drawn, redone = [], [], []
     for a in range(0, n_rows, rows):
         b = min(a + rows, n_rows)
         n = b - a
         lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
-        x, y = buf[:n], pbuf[:n]  # (n, 2, V), (n, 3, V)
-        p, pt, pts = y[:, 0], y[:, 1], y[:, 2]  # (n, V) views
-        d, l = x[:, 0], x[:, 1]  # (n, V) views
+        x = buf[:n]  # (n, 5, V)
+        d, l, p, pt, pts = x.unbind(1)  # (n, V) views
         # Plain chunks (every log-probability on both sides above e^-650: no -inf, NaN or tiny
         # value) skip the thresholds; the values are the same either way (each step is elementwise).
-        plain = bool(((lr.amin(-1) > LOG_ZERO) & (lt.amin(-1) > LOG_ZERO)).all())  # NaN: not plain
+        plain = min(float(lr.amin()), float(lr.amin() if same else lt.amin())) > LOG_ZERO  # NaN: not plain
         l.copy_(lr)
-        pt.copy_(lt)
-        torch.sub(l if plain else torch.nn.functional.threshold_(l, LOG_ZERO, _EXP_FLOOR), pt, out=d)  # lr - lt
+        if not plain:
+            torch.nn.functional.threshold_(l, LOG_ZERO, _EXP_FLOOR)
         torch.exp(l, out=p)
         if not plain:
             # lr <= -650 (-inf too) went in as -700 (a CPU's exp is slow on -inf and subnormal
-            # results) and comes out as exactly 0; a trainer -inf gives d = +inf -> max, so that
-            # p*d >= e^-650*max > 1e8 where p > 0 (NaN and -inf stay)
+            # results) and comes out as exactly 0
             torch.nn.functional.threshold_(p, _P_ZERO, 0.0)
-            d.clamp_(max=_F64_MAX)
-            torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
-        pt.exp_()  # (n, V) p_t, for its normaliser
+        if same:
+            d.zero_()
+            pt.copy_(p)
+        else:
+            pt.copy_(lt)
+            torch.sub(l, pt, out=d)  # logp_r - logp_t in float64
+            if not plain:
+                # a trainer -inf gives d = +inf -> max, so that p*d >= e^-650*max > 1e8 where p > 0
+                d.clamp_(max=_F64_MAX)
+                torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
+            pt.exp_()  # (n, V) p_t, for its normaliser
+            if not plain:
+                torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
         if not plain:
-            torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
-            torch.where(p > 0, pt, torch.zeros((), dtype=f64, device=dev), out=pts)  # p_t on the rollout's support (the expected k3's)
+            torch.where(p > 0, pt, torch.zeros((), dtype=f64, device=dev), out=pts)  # p_t on the rollout's support
         d.mul_(p)  # p * (logp_r - logp_t)
         l.mul_(p)  # p * logp_r
         s = np.zeros((n, 6))
-        s[:, 0:2] = x.sum(-1).cpu().numpy()  # sum p*d, sum p*logp_r (2 outputs per row: one thread sums a row, in order)
-        if plain:
-            s[:, 2:4] = y[:, :2].sum(-1).cpu().numpy()  # Z_r, Z_t
-            s[:, 5] = s[:, 3]  # p > 0 everywhere: the support's p_t sum is Z_t
-        else:
-            s[:, [2, 3, 5]] = y.sum(-1).cpu().numpy()  # Z_r, Z_t, sum of p_t where p > 0
+        if plain:  # sum p*d, sum p*logp_r, Z_r, Z_t; p > 0 everywhere: the support's p_t sum is Z_t
+            s[:, 0:4] = x[:, :4].sum(-1).cpu().numpy()
+            s[:, 5] = s[:, 3]
+        else:  # ... and the sum of p_t where p > 0
+            s[:, [0, 1, 2, 3, 5]] = x.sum(-1).cpu().numpy()
         # s[:, 4], the excluded mass, is 0 unless the row is redone below
         sums.append(s)
         finite = np.isfinite(s).all(-1) & (s[:, 2] > 0)  # (n,)
@@ -356,7 +366,7 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
         check = finite & (s[:, 0] > _KL_CHECK)
         if check.any():
             i = torch.from_numpy(np.flatnonzero(check)).to(dev)
-            i = i[x[i, 0].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
+            i = i[d[i].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
             if i.numel():
                 finite[_np(i)] = False
         if not finite.all():  # NaN or +inf, no mass, or excluded tokens: the masked definition

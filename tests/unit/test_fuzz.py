@@ -263,18 +263,3 @@ def test_crash_and_timeout_signatures():
     hang = Evaluation("p", case, Symptom.TIMEOUT, error={"type": "Timeout", "where": "worker"})
     assert len({signature("p", e) for e in (segv, abrt, hang)}) == 3
 
-
-def test_a_sampled_token_the_trainer_excludes_is_its_own_finding():
-    """k3 = +inf from a truncation boundary drawn differently is a bug of its own, beside a drift of
-    the distributions: another signature, so shrinking one never turns it into the other."""
-    from harness.execute import Evaluation
-    from harness.fuzz import excluded_token, signature
-    from harness.metrics import Divergence
-
-    def ev(k3):
-        d = Divergence(k3, k3, 2e-3, *([0.0] * 9), 0, 0, 1, k3_expected=2e-3)
-        return Evaluation("p", Case(seed=0, seq_lens=(1,)), Symptom.DIVERGENCE, divergence=d)
-
-    drift, boundary = ev(3e-3), ev(math.inf)
-    assert not excluded_token(drift) and excluded_token(boundary)
-    assert signature("p", drift) != signature("p", boundary) == signature("p", ev(math.inf))

@@ -215,3 +215,19 @@ def test_on_cuda_matches_the_reference_and_draws_the_cpu_tokens():
     gpu = compare(Outcome(logprobs=lt.cuda()), Outcome(logprobs=lr.cuda()), (100, 200), uniforms=u)
     assert (gpu.per_token["token"] == cpu.per_token["token"]).all()
     check_against_reference(Outcome(logprobs=lt), Outcome(logprobs=lr), (100, 200), gpu)
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_equal_outcomes_take_the_shortcut_with_the_same_values(truncate):
+    """One chunk with the same values on both sides skips the trainer's exp; several chunks do not."""
+    _, lr = perturbed(12, 700, 3.0, 1e-3, seed=5)
+    if truncate:
+        lr = process_logits(lr, 1.0, top_k=30)
+    u = torch.rand(12, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    tr, ro = Outcome(logprobs=lr.clone()), Outcome(logprobs=lr)
+    short = compare(tr, ro, (5, 7), uniforms=u)
+    long = compare(tr, ro, (5, 7), uniforms=u, chunk_elems=700 * 5)  # 3 chunks: the general path
+    assert short.k3_kl == short.kl == short.k3_expected == 0.0
+    for k in short.as_dict():
+        assert_rel(getattr(short, k), getattr(long, k), rel=0.0, what=k)
+    assert (short.per_token["token"] == long.per_token["token"]).all()
