@@ -142,9 +142,15 @@ def overhead_command(pair_names: tuple[str, ...], cases: int, out: Path, plugins
 # ---------------------------------------------------------------------------------------------
 # pytest-xdist scaling
 # ---------------------------------------------------------------------------------------------
-def xdist(pair_globs: tuple[str, ...], budget: float, streams: int, out: Path, rounds: int = 1) -> str:
-    """`pytest --harness-fuzz` with 1 and 2 xdist workers on the same pairs, seed and per-pair budget,
-    alternating; cases/s = cases of the whole session / its wall time (startup included)."""
+def xdist(pair_globs: tuple[str, ...], budget: float | None, streams: int, out: Path, rounds: int = 1,
+          max_examples: int = 60) -> str:
+    """`pytest --harness-fuzz` with 1 and 2 xdist workers on the same pairs and seed, alternating.
+
+    Fixed work (the default): every pair runs `max_examples` Hypothesis examples split over its
+    streams, with no time budget, so the two configurations with the same streams run exactly the
+    same cases and the ratio of their wall times is the speed-up; with `budget` each pair runs for
+    that many seconds instead (then the cases differ, and so does their mix of sizes).
+    cases/s = cases of the whole session / its wall time, startup included."""
     import json
     import os
     import subprocess
@@ -153,13 +159,14 @@ def xdist(pair_globs: tuple[str, ...], budget: float, streams: int, out: Path, r
 
     configs = [(1, 1), (1, streams), (2, streams)]  # (workers, streams per pair)
     runs: dict[tuple[int, int], list[tuple[float, int]]] = {c: [] for c in configs}
+    limit = (["--harness-budget", str(budget), "--harness-max-examples", "1000000"] if budget is not None
+             else ["--harness-max-examples", str(max_examples)])
     with tempfile.TemporaryDirectory(prefix="harness-xdist-") as tmp:
         for r in range(rounds):
             for workers, n_streams in configs:
                 tag = f"{r}-{workers}-{n_streams}"
                 cmd = [sys.executable, "-m", "pytest", "--harness-fuzz", "-n", str(workers), "-q",
-                       "-p", "no:cacheprovider", "--harness-streams", str(n_streams),
-                       "--harness-budget", str(budget), "--harness-max-examples", "1000000", "--harness-seed", "1",
+                       "-p", "no:cacheprovider", "--harness-streams", str(n_streams), *limit, "--harness-seed", "1",
                        "--harness-no-tracking", "--harness-corpus", f"{tmp}/corpus-{tag}",
                        "--harness-out", f"{tmp}/out-{tag}", *(a for g in pair_globs for a in ("--harness-pairs", g))]
                 t = time.perf_counter()
@@ -168,23 +175,30 @@ def xdist(pair_globs: tuple[str, ...], budget: float, streams: int, out: Path, r
                 cases = json.loads(Path(f"{tmp}/out-{tag}/summary.json").read_text())["cases"]
                 runs[(workers, n_streams)].append((wall, cases))
     base = statistics.median(c / w for w, c in runs[(1, 1)])
+    same = statistics.median(c / w for w, c in runs[(1, streams)])
+    what = (f"--harness-budget {budget:g}` (seconds per pair, shared by its streams)" if budget is not None
+            else f"--harness-max-examples {max_examples}` (Hypothesis examples per pair, split over its streams; "
+                 "no time budget, so the runs with the same streams evaluate the same cases)")
     body = [
         "## pytest-xdist: 2 workers against 1",
         "",
-        "Command: `" + " ".join(["OMP_NUM_THREADS=1 harness bench xdist --budget", f"{budget:g}", "--streams",
-                                 str(streams), *(f"'{g}'" for g in pair_globs)]) + f"` ({machine()}).",
-        f"`pytest --harness-fuzz -n W --harness-streams S --harness-budget {budget:g}` (seconds per pair, shared by",
-        "its streams), seed 1, the same pairs in every run, runs alternating; cases/s = the session's cases / its",
-        "wall time, startup and imports included. Goal: 2 workers >= 1.8x the cases/s of 1.",
+        "Command: `" + " ".join(["OMP_NUM_THREADS=1 harness bench xdist",
+                                 *(["--budget", f"{budget:g}"] if budget is not None else ["--max-examples", str(max_examples)]),
+                                 "--streams", str(streams), "--rounds", str(rounds), *(f"'{g}'" for g in pair_globs)])
+        + f"` ({machine()}).",
+        f"`pytest --harness-fuzz -n W --harness-streams S {what}, seed 1, the same pairs in every run, runs",
+        "alternating, median of the rounds; cases/s = the session's cases / its wall time, startup and imports",
+        "included. Goal: 2 workers >= 1.8x the cases/s of 1.",
         "",
-        "| workers | streams per pair | wall s | cases | cases/s | vs 1 worker, 1 stream |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| workers | streams per pair | wall s | cases | cases/s | vs 1 worker, 1 stream | vs 1 worker, same streams |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (workers, n_streams), rs in runs.items():
         wall = statistics.median(w for w, _ in rs)
         cases = int(statistics.median(c for _, c in rs))
         rate = statistics.median(c / w for w, c in rs)
-        body.append(f"| {workers} | {n_streams} | {wall:.1f} | {cases} | {rate:.1f} | {rate / base:.2f}x |")
+        vs_same = f"{rate / same:.2f}x" if n_streams == streams else "-"
+        body.append(f"| {workers} | {n_streams} | {wall:.1f} | {cases} | {rate:.1f} | {rate / base:.2f}x | {vs_same} |")
     text = "\n".join(body)
     write_section(out, "xdist", text)
     return text + f"\n\nwritten to {out}"
@@ -192,11 +206,14 @@ def xdist(pair_globs: tuple[str, ...], budget: float, streams: int, out: Path, r
 
 @click.command("xdist")
 @click.argument("pair_globs", nargs=-1)
-@click.option("--budget", type=click.FloatRange(0, min_open=True), default=4.0, show_default=True,
-              help="Seconds per pair (shared by its streams).")
+@click.option("--budget", type=click.FloatRange(0, min_open=True), default=None,
+              help="Seconds per pair (shared by its streams) instead of a fixed number of examples.")
+@click.option("--max-examples", type=click.IntRange(1), default=60, show_default=True,
+              help="Hypothesis examples per pair (split over its streams; no time budget): the same cases in every run.")
 @click.option("--streams", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
-def xdist_command(pair_globs: tuple[str, ...], budget: float, streams: int, rounds: int, out: Path) -> None:
+def xdist_command(pair_globs: tuple[str, ...], budget: float | None, max_examples: int, streams: int, rounds: int,
+                  out: Path) -> None:
     """Cases/s of `pytest --harness-fuzz` with 2 xdist workers against 1."""
-    click.echo(xdist(pair_globs, budget, streams, out, rounds))
+    click.echo(xdist(pair_globs, budget, streams, out, rounds, max_examples))

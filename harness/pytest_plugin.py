@@ -196,8 +196,13 @@ class FuzzSession:
         if self.unit_list is None:
             from harness.fuzz import campaign_units
 
-            self.unit_list = [{"pair": u.pair.name, "expected": u.pair.expected, "source": u.pair.source,
-                               "stream": u.stream} for u in campaign_units(self.all_pairs(), self.streams, self.shard)]
+            units = [{"pair": u.pair.name, "expected": u.pair.expected, "source": u.pair.source,
+                      "stream": u.stream, "kind": u.pair.kind}
+                     for u in campaign_units(self.all_pairs(), self.streams, self.shard)]
+            # heaviest first (model pairs, then ops; by name within each): xdist hands items out in
+            # this order as workers free up, so a long model item never starts last on one worker
+            # while the others sit idle
+            self.unit_list = sorted(units, key=lambda u: (u["kind"] != "model", u["pair"], u["stream"]))
         return self.unit_list
 
     def campaign_config(self, pairs: list) -> Any:
