@@ -75,7 +75,7 @@ METRIC_KEYS = (
 )
 
 # float64 elements per chunk buffer: small enough to stay in cache on a CPU, large enough on an
-# accelerator that a chunk is a few big kernels. Three such buffers per chunk.
+# accelerator that a chunk is a few big kernels. The workspace holds five such buffers (six when it draws tokens).
 CHUNK_ELEMS_CPU = 1 << 17
 CHUNK_ELEMS_DEVICE = 1 << 25
 

@@ -543,6 +543,13 @@ def pytest_configure(config: pytest.Config) -> None:
         session.start = time.time()  # campaign seconds (and cases/s) count fuzzing, not tracking setup
         if config.pluginmanager.hasplugin("xdist"):
             config.pluginmanager.register(_XdistController(session), "harness-xdist-controller")
+            # xdist's load scheduler hands each worker a chunk of consecutive items up front (a
+            # quarter of its share): with the heaviest items first, one worker got every model item
+            # and ran 50 s while the other ran 15 s and idled. One item at a time (as each worker
+            # frees up), heaviest first, balances them; an item is a whole campaign, so the extra
+            # round trips cost nothing. A --maxschedchunk given on the command line wins.
+            if getattr(config.option, "maxschedchunk", 0) is None:
+                config.option.maxschedchunk = 1
 
 
 class _XdistController:
