@@ -319,7 +319,22 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             progress(result, False)
         return ev
 
+    # Isolated, the last uniform case of an example is handed to the worker before Hypothesis draws
+    # the next example, and collected at the start of it: the worker computes while this process
+    # draws (two cores busy, not one). Cases run in the same order either way, so a campaign finds
+    # the same things; a uniform failure stops Hypothesis one example later, before it runs.
+    prefetch = getattr(evaluate, "prefetch", None)
+    pending: list[Case] = []
+
+    def take_pending() -> None:
+        while pending:
+            ev_u = run(pending.pop(0))
+            if isinstance(ev_u, Evaluation) and ev_u.failed:
+                hit["ev"] = ev_u
+                raise _UniformHit  # a BaseException: Hypothesis stops; the polish pass shrinks it
+
     def prop(case: Case) -> None:
+        take_pending()
         ev = run(case)
         k3 = ev if isinstance(ev, float) else ev.k3
         if math.isfinite(k3) and k3 > floor:
@@ -330,10 +345,14 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             target(k3, label="k3")
         if isinstance(ev, Evaluation) and ev.failed:
             raise _RAISE[ev.symptom](ev)
-        for _ in range(n_uniform):
+        for i in range(n_uniform):
             if smallest:
                 break
             u = uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
+            if (prefetch is not None and i == n_uniform - 1 and _cache_key(u) not in cache
+                    and (limit["deadline"] is None or time.monotonic() < limit["deadline"]) and prefetch(u)):
+                pending.append(u)  # collected by the next example (or after the last)
+                break
             ev_u = run(u)
             if isinstance(ev_u, Evaluation) and ev_u.failed:
                 hit["ev"] = ev_u
@@ -354,6 +373,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     failures: list[Evaluation] = []
     try:
         test()
+        take_pending()  # the last example's uniform case
     except _Failed as e:
         failures.append(e.evaluation)
     except BaseExceptionGroup as group:  # several distinct bugs
@@ -617,6 +637,17 @@ class Executor:
             self.warm.add(pair.name)
             return ev
 
+        def prefetch(case: Case) -> bool:
+            """Hand a case to the warm, idle worker without waiting; `evaluate(case)` collects it."""
+            if source in self.parked_sources or pair.name not in self.warm:
+                return False
+            worker = self._current()
+            if worker.inflight is not None or not worker.ready or not worker.alive():
+                return False
+            worker.submit(pair, case, cfg.threshold, timeout, wall)
+            return True
+
+        evaluate.prefetch = prefetch  # type: ignore[attr-defined]
         return evaluate
 
     @property

@@ -155,3 +155,42 @@ def test_a_slow_first_case_is_deferred_and_starves_no_other_pair(tmp_path, harne
     assert rows["cold.compiled"][2] == "caught" and rows["faults.diverges"][2] == "caught"
     assert rows["moe_aggregate.aligned"][2] == "clean" and int(rows["moe_aggregate.aligned"][3]) > 10
     assert wall < 30 + 30  # startup and imports on a loaded machine aside
+
+
+def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path):
+    """Isolated, each example's uniform case runs in the worker while Hypothesis draws the next
+    example; the cases, their order and what is found are those of an in-process campaign."""
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, Executor, fuzz_pair, pair_seed
+
+    for name in ("moe_aggregate.aligned", "moe_aggregate.no_replay", "router.topk_softmax"):
+        pair = REGISTRY.get(name)
+        runs, ahead = [], []
+        for isolation in (False, True):
+            seen: list = []
+            cfg = CampaignConfig(pairs=[pair], seed=5, max_examples=25, write_corpus=False, isolation=isolation)
+            executor = Executor(cfg)
+            inner = executor.evaluator(pair, None)
+
+            def evaluate(case, inner=inner, seen=seen):
+                seen.append(case.key())
+                return inner(case)
+
+            if hasattr(inner, "prefetch"):  # what the campaign hands ahead is part of the order too
+                def prefetch(case, inner=inner, seen=seen):
+                    ok = inner.prefetch(case)
+                    if ok:
+                        seen.append(case.key())
+                        ahead.append(case)
+                    return ok
+
+                evaluate.prefetch = prefetch
+            try:
+                r = fuzz_pair(pair, cfg, pair_seed(5, name), deadline=None, evaluate=evaluate)
+            finally:
+                executor.close()
+            runs.append((r.examples, r.max_k3, sorted(f.case.key() for f in r.findings),
+                         list(dict.fromkeys(seen))))
+        assert runs[0][:3] == runs[1][:3], name
+        assert runs[0][3] == runs[1][3], name  # the same distinct cases, in the same order
+        assert ahead, name  # ... and the isolated one did run cases ahead
