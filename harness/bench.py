@@ -78,6 +78,9 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
                 seen.append(case)
                 return inner(case)
 
+            if hasattr(inner, "prefetch"):  # isolated: the campaign hands uniform cases to the worker ahead
+                evaluate.prefetch = inner.prefetch  # type: ignore[attr-defined]
+
             seen.clear()
             return fuzz_pair(pair, cfg, pair_seed(0, pair.name), deadline=None, evaluate=evaluate).examples
 
