@@ -231,9 +231,6 @@ _RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.
           Symptom.TIMEOUT: _TimedOut, Symptom.CRASH: _WorkerDied}
 
 
-UNIFORM_PER_EXAMPLE = 1  # uniform random cases after each Hypothesis example (`fuzz_pair(uniform=...)`)
-
-
 def _cache_key(case: Case) -> Any:
     """Equal cases, equal keys: the field values as a tuple (20x cheaper than `case.key()`'s JSON)."""
     try:
@@ -250,7 +247,7 @@ def _size(case: Case) -> tuple:
 
 def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float | None,
               progress: Callable[[PairResult, bool], None] | None = None, evaluate: Evaluate | None = None,
-              max_examples: int | None = None, wall: float | None = None, uniform: bool | int = True,
+              max_examples: int | None = None, wall: float | None = None, uniform: bool = True,
               polish_evals: int = 150) -> PairResult:
     """Fuzz one pair until max_examples or the deadline (time.monotonic()); shrink what fails.
 
@@ -278,11 +275,9 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     start = time.monotonic()
     last_report = [start]
     floor = cfg.threshold * 1e-3
-    # Every Hypothesis case is followed by `UNIFORM_PER_EXAMPLE` uniform random cases over the same
-    # axes (see `strategies`): Hypothesis finds small and near-tie triggers, uniform draws find large
-    # ones, and a uniform case costs ~50 us to draw where a Hypothesis example costs ~2 ms.
-    n_uniform = (UNIFORM_PER_EXAMPLE if uniform is True else int(uniform)) if uniform else 0
-    uniform_rng = random.Random(seed ^ 0x5DEECE66D) if n_uniform else None
+    # Every Hypothesis case is followed by one uniform random case over the same axes (see
+    # `strategies`): Hypothesis finds small and near-tie triggers, uniform draws find large ones.
+    uniform_rng = random.Random(seed ^ 0x5DEECE66D) if uniform else None
     hit: dict[str, Evaluation] = {}
 
     def run(case: Case) -> Evaluation | float:
@@ -345,18 +340,12 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             target(k3, label="k3")
         if isinstance(ev, Evaluation) and ev.failed:
             raise _RAISE[ev.symptom](ev)
-        for i in range(n_uniform):
-            if smallest:
-                break
-            u = uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
-            if (prefetch is not None and i == n_uniform - 1 and _cache_key(u) not in cache
-                    and (limit["deadline"] is None or time.monotonic() < limit["deadline"]) and prefetch(u)):
-                pending.append(u)  # collected by the next example (or after the last)
-                break
-            ev_u = run(u)
-            if isinstance(ev_u, Evaluation) and ev_u.failed:
-                hit["ev"] = ev_u
-                raise _UniformHit  # a BaseException: Hypothesis stops; the polish pass shrinks it
+        if uniform_rng is not None and not smallest:
+            pending.append(uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True))
+            u = pending[0]
+            if (prefetch is None or _cache_key(u) in cache
+                    or (limit["deadline"] is not None and time.monotonic() >= limit["deadline"]) or not prefetch(u)):
+                take_pending()  # run it now; else it runs in the worker and the next example collects it
 
     test = settings(
         max_examples=max_examples if max_examples is not None else cfg.max_examples,

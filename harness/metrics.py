@@ -326,7 +326,7 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
         d, l, p, pt, pts = x.unbind(1)  # (n, V) views
         # Plain chunks (every log-probability on both sides above e^-650: no -inf, NaN or tiny
         # value) skip the thresholds; the values are the same either way (each step is elementwise).
-        plain = min(float(lr.amin()), float(lr.amin() if same else lt.amin())) > LOG_ZERO  # NaN: not plain
+        plain = float(lr.amin()) > LOG_ZERO and (same or float(lt.amin()) > LOG_ZERO)  # NaN: not plain
         l.copy_(lr)
         if not plain:
             torch.nn.functional.threshold_(l, LOG_ZERO, _EXP_FLOOR)

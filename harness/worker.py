@@ -162,7 +162,7 @@ class Worker:
                 self.ready = True
             self._clear_log()
             try:
-                self.conn.send(("case", pair.name, pair.source, case, threshold, timeout))
+                self.conn.send(("case", pair.name, pair.source, case, threshold))
                 break
             except (OSError, BrokenPipeError):  # died between cases: start another and send again
                 self.kill()
@@ -277,7 +277,7 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
             return
         if msg[0] == "stop":
             return
-        _, name, source, case, threshold, timeout = msg
+        _, name, source, case, threshold = msg
         try:
             pair = pairs.get((name, source))
             if pair is None:
