@@ -90,14 +90,9 @@ def models(pair_names: tuple[str, ...], n_cases: int, rounds: int, out: Path) ->
 def models_command(pair_names: tuple[str, ...], cases: int, rounds: int, threads: int, out: Path,
                    plugins: tuple[str, ...]) -> None:
     """Full-model cases/s per pair and harness overhead vs bare calls of both paths."""
-    import torch
-
     from .cli import load_plugins
+    from .env import threads_as
 
     load_plugins(plugins)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with threads_as(threads):
         click.echo(models(pair_names, cases, rounds, out))
-    finally:
-        torch.set_num_threads(before)

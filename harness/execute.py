@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import traceback
 from dataclasses import dataclass
-from typing import Any
 
 from .case import Case
 from .metrics import Divergence, compare, fired, with_routing

@@ -273,8 +273,8 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
             lines.append(f"| {c['start']:%Y-%m-%d %H:%M} | {c['profile']} | {c['shard']} | {c['device']} | {c['seed']} | "
                          f"{c['n_pairs']} | {int(c['cases'])} | {c['cases_per_second']:.1f} | {int(c['findings'])} | "
                          f"{c['run_id'][:12]} |")
-        lines += ["", f"Rerun a night exactly: `harness fuzz --seed SEED` (or `pytest --harness-fuzz --harness-seed "
-                      f"SEED --shard i/N`) with the seed above.", ""]
+        lines += ["", "Rerun a night exactly: `harness fuzz --seed SEED` (or `pytest --harness-fuzz --harness-seed "
+                      "SEED --shard i/N`) with the seed above.", ""]
     else:
         lines += ["No campaign run started in this window.", ""]
     if plot_name:

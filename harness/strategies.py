@@ -34,7 +34,6 @@ gaps log-uniformly over seven decades, so the interesting region is hit often.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from hypothesis import strategies as st

@@ -356,18 +356,15 @@ def detection(names: tuple[str, ...] = (), seeds: int = 3, cap: int = 300, twin_
               out: Path = Path("reports/BENCHMARKS.md"), plot_path: Path | None = DEFAULT_PLOT,
               threshold: float | None = None, log: Callable[[str], None] = lambda msg: None) -> list[ClassSummary]:
     """Run the detection benchmark, write its section (and the plot); returns the per-class summaries."""
-    import torch
-
     from ..bench import machine, write_section
+    from ..env import threads_as
     from ..execute import DEFAULT_THRESHOLD
 
     threshold = DEFAULT_THRESHOLD if threshold is None else threshold
     classes = planted_classes(names)
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
     trials = []
-    try:
+    with threads_as(1):
         for pc in classes:
             for seed in range(1, seeds + 1):
                 t = run_trial(pc, seed, cap, twin_cases, threshold)
@@ -376,8 +373,6 @@ def detection(names: tuple[str, ...] = (), seeds: int = 3, cap: int = 300, twin_
                     f"simplest {t.simplest}, twin findings {t.twin_findings} ({t.seconds:.1f}s)")
         summaries = summarise(trials, classes, cap)
         info = machine()
-    finally:
-        torch.set_num_threads(old_threads)
     wall = time.perf_counter() - t0
     command = ["harness bench detection", f"--seeds {seeds}", f"--cap {cap}", f"--twin-cases {twin_cases}",
                *names]
