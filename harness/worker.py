@@ -16,8 +16,8 @@ What the supervisor turns into findings:
   `DEFAULT_TIMEOUT`). The supervisor then signals the worker (SIGUSR1), whose faulthandler writes
   every thread's Python stack from the signal handler, even when the thread is stuck in C code
   holding the GIL, so the finding says where it hung; then it is killed and a fresh one starts for
-  the next case. (A per-case watchdog thread, `faulthandler.dump_traceback_later`, cost ~130 us of
-  thread start and join on every case; the signal costs nothing until a case hangs.)
+  the next case. (A per-case watchdog thread, `faulthandler.dump_traceback_later`, cost a thread start and
+  join on every case; the signal costs nothing until a case hangs.)
 - `crash`: the worker died while running the case (a signal: SIGSEGV in a kernel, SIGABRT from an
   assert, SIGKILL from the OOM killer; or an exit). The stack faulthandler printed, if any, is kept.
 
