@@ -58,8 +58,8 @@ def bare_calls(pair: Any, cases: list, device: str = "cpu") -> None:
 
 
 def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int = 3) -> str:
-    from .execute import run_case
-    from .fuzz import CampaignConfig, Executor, fuzz_pair, pair_seed
+    from .execute import judge, run_case, run_paths
+    from .fuzz import CampaignConfig, Executor, fuzz_pair, pair_seed, uniform_per_example
     from .pairs import REGISTRY
 
     rows = []
@@ -87,12 +87,23 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
         def bare() -> None:
             bare_calls(pair, cases)
 
+        def split() -> tuple[float, float]:
+            """Seconds of (build + both paths + readout) and of the metrics step, over the cases."""
+            paths = metrics = 0.0
+            for c in cases:
+                t0 = time.perf_counter()
+                tr, ro = run_paths(pair, c, cfg.device)
+                t1 = time.perf_counter()
+                judge(pair, c, tr, ro, cfg.threshold)
+                paths, metrics = paths + t1 - t0, metrics + time.perf_counter() - t1
+            return paths, metrics
+
         try:
             campaign(True)  # warm up the worker (imports, compilation, exports, caches)
             campaign(False)  # ... and this process, recording the cases
             cases = list(seen)
             bare()
-            t_bare, t_in, t_iso = [], [], []
+            t_bare, t_in, t_iso, t_paths, t_metrics = [], [], [], [], []
             for _ in range(rounds):
                 t = time.perf_counter()
                 n = campaign(False)
@@ -101,10 +112,15 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
                 n = campaign(True)
                 t_iso.append((time.perf_counter() - t) / n)
                 t_bare.append(_time(bare) / len(cases))
+                paths, metrics = split()
+                t_paths.append(paths / len(cases))
+                t_metrics.append(metrics / len(cases))
         finally:
             executor.close()
         b, h, i = statistics.median(t_bare), statistics.median(t_in), statistics.median(t_iso)
-        rows.append((pair.name, pair.kind, len(cases), b * 1e3, h * 1e3, i * 1e3))
+        ro, me = max(0.0, statistics.median(t_paths) - b), statistics.median(t_metrics)
+        rows.append((pair.name, pair.kind, uniform_per_example(pair, cfg), len(cases), b * 1e3, h * 1e3, i * 1e3,
+                     ro * 1e3, me * 1e3, max(0.0, h - b - ro - me) * 1e3))
     body = [
         "## Harness overhead per case",
         "",
@@ -116,13 +132,19 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
         "(`--no-isolation`) and isolated (the default: the case goes to a worker process, which builds, runs",
         "both paths and the metrics, and sends back the verdict); bare = build + rollout + trainer called",
         "directly on exactly those cases. Added = harness - bare. Goal: added <= 0.5 ms per case for op",
-        "pairs, ratio <= 1.25 for CPU model pairs.",
+        "pairs, ratio <= 1.25 for CPU model pairs. *u/ex* = uniform cases per Hypothesis example.",
+        "Where the in-process added time goes, timed on the same cases: *readout* (the pair's declared",
+        "`Readout`, float64: `run_paths` - bare), *metrics* (`judge`: exact sums over the vocabulary, token",
+        "draw, verdict) and *engine* (the rest: Hypothesis's generation, targeting and shrinking, case",
+        "bookkeeping).",
         "",
-        "| pair | kind | cases | bare ms/case | in-process ms/case | added ms | ratio | isolated ms/case | added ms | ratio |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| pair | kind | u/ex | cases | bare ms/case | in-process ms/case | added ms | ratio | isolated ms/case | added ms | ratio "
+        "| readout ms | metrics ms | engine ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    body += [f"| {n} | {k} | {c} | {b:.2f} | {h:.2f} | {h - b:.2f} | {h / b:.2f} | {i:.2f} | {i - b:.2f} | {i / b:.2f} |"
-             for n, k, c, b, h, i in rows]
+    body += [f"| {n} | {k} | {u} | {c} | {b:.2f} | {h:.2f} | {h - b:.2f} | {h / b:.2f} | {i:.2f} | {i - b:.2f} | "
+             f"{i / b:.2f} | {ro:.2f} | {me:.2f} | {en:.2f} |"
+             for n, k, u, c, b, h, i, ro, me, en in rows]
     text = "\n".join(body)
     write_section(out, "overhead", text)
     return text + f"\n\nwritten to {out}"

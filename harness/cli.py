@@ -182,11 +182,14 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
               "(for debugging: no timeouts, and a crash of a target ends the campaign).")
 @click.option("--streams", type=click.IntRange(1), default=1, show_default=True,
               help="Independently seeded streams per pair (each runs its share of the cases); --shard spreads them.")
+@click.option("--uniform-per-example", type=click.IntRange(0), default=None,
+              help="Uniform random cases run after each Hypothesis example [default: 3 for op pairs, 1 for model "
+              "pairs]; 0 leaves the search to Hypothesis alone.")
 @plugin_option
 def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | None, seed: int | None,
          threshold: float, device: str, corpus_dir: Path, shard: str | None, tracking_uri: str | None,
          no_tracking: bool, profile: str | None, timeouts: tuple[str, ...], no_isolation: bool, streams: int,
-         plugins: tuple[str, ...]) -> None:
+         uniform_per_example: int | None, plugins: tuple[str, ...]) -> None:
     """Fuzz pairs (all registered pairs when none are named); shrink and record what diverges."""
     from .env import resolve_device
     from .fuzz import CampaignConfig, run_campaign, summary_table
@@ -211,7 +214,7 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     cfg = CampaignConfig(pairs=pairs, seed=s.seed, max_examples=s.max_examples, budget=s.budget,
                          threshold=threshold, device=dev, corpus=corpus_dir, shard=parse_shard(shard),
                          profile=profile, isolation=not no_isolation, timeout=default_timeout, timeouts=per_pair,
-                         plugins=tuple(plugins), streams=streams)
+                         plugins=tuple(plugins), streams=streams, uniform_per_example=uniform_per_example)
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err)
 
     def announce(f: Any) -> None:

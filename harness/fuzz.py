@@ -136,6 +136,8 @@ class CampaignConfig:
     plugins: tuple[str, ...] = ()  # plugin specs the workers load (pairs are found by name there)
     streams: int = 1  # independently seeded streams per pair (each runs max_examples / streams cases)
     stream: int | None = None  # run only this stream of each pair (0-based; a pytest item, a CI job)
+    # uniform random cases after each Hypothesis example; None: `UNIFORM_PER_EXAMPLE` by the pair's kind
+    uniform_per_example: int | None = None
 
     def timeout_for(self, pair: str, own: float | None = None) -> float:
         """The per-case timeout of a pair: the command line's for this pair, else the larger of the
@@ -231,6 +233,18 @@ _RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.
           Symptom.TIMEOUT: _TimedOut, Symptom.CRASH: _WorkerDied}
 
 
+# Uniform random cases run after each Hypothesis example, by pair kind. Hypothesis's engine costs
+# 1-2 ms per example on a CPU (drawing, bookkeeping, mutation), about what a whole op case costs
+# (build, both paths, readout, metrics), so op pairs amortize it over three uniform cases; a model
+# case costs 50-250 ms, so model pairs keep the 1:1 mix that leaves Hypothesis half the cases.
+UNIFORM_PER_EXAMPLE = {"op": 3, "model": 1}
+
+
+def uniform_per_example(pair: TargetPair, cfg: CampaignConfig) -> int:
+    n = cfg.uniform_per_example
+    return UNIFORM_PER_EXAMPLE.get(pair.kind, 1) if n is None else n
+
+
 def _cache_key(case: Case) -> Any:
     """Equal cases, equal keys: the field values as a tuple (20x cheaper than `case.key()`'s JSON)."""
     try:
@@ -275,9 +289,10 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     start = time.monotonic()
     last_report = [start]
     floor = cfg.threshold * 1e-3
-    # Every Hypothesis case is followed by one uniform random case over the same axes (see
-    # `strategies`): Hypothesis finds small and near-tie triggers, uniform draws find large ones.
-    uniform_rng = random.Random(seed ^ 0x5DEECE66D) if uniform else None
+    # Every Hypothesis case is followed by `uniform_per_example` uniform random cases over the same
+    # axes (see `strategies`): Hypothesis finds small and near-tie triggers, uniform draws find large ones.
+    n_uniform = uniform_per_example(pair, cfg) if uniform else 0
+    uniform_rng = random.Random(seed ^ 0x5DEECE66D) if n_uniform > 0 else None
     hit: dict[str, Evaluation] = {}
 
     def run(case: Case) -> Evaluation | float:
@@ -314,10 +329,10 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             progress(result, False)
         return ev
 
-    # Isolated, the last uniform case of an example is handed to the worker before Hypothesis draws
-    # the next example, and collected at the start of it: the worker computes while this process
-    # draws (two cores busy, not one). Cases run in the same order either way, so a campaign finds
-    # the same things; a uniform failure stops Hypothesis one example later, before it runs.
+    # Isolated, an example's uniform cases are handed to the worker before Hypothesis draws the next
+    # example, and collected at the start of it: the worker computes while this process draws (two
+    # cores busy, not one). Cases run in the same order either way, so a campaign finds the same
+    # things; a uniform failure stops Hypothesis one example later, before it runs.
     prefetch = getattr(evaluate, "prefetch", None)
     pending: list[Case] = []
 
@@ -325,6 +340,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         while pending:
             ev_u = run(pending.pop(0))
             if isinstance(ev_u, Evaluation) and ev_u.failed:
+                pending.clear()
                 hit["ev"] = ev_u
                 raise _UniformHit  # a BaseException: Hypothesis stops; the polish pass shrinks it
 
@@ -341,11 +357,14 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if isinstance(ev, Evaluation) and ev.failed:
             raise _RAISE[ev.symptom](ev)
         if uniform_rng is not None and not smallest:
-            pending.append(uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True))
-            u = pending[0]
-            if (prefetch is None or _cache_key(u) in cache
-                    or (limit["deadline"] is not None and time.monotonic() >= limit["deadline"]) or not prefetch(u)):
-                take_pending()  # run it now; else it runs in the worker and the next example collects it
+            pending.extend(uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
+                           for _ in range(n_uniform))
+            ahead = prefetch is not None
+            for u in pending:
+                ahead = ahead and _cache_key(u) not in cache and (
+                    limit["deadline"] is None or time.monotonic() < limit["deadline"]) and prefetch(u)
+            if not ahead:
+                take_pending()  # run them now; else they run in the worker and the next example collects them
 
     test = settings(
         max_examples=max_examples if max_examples is not None else cfg.max_examples,
@@ -541,6 +560,7 @@ class Executor:
     MAX_PARKED = 2
     DEFER_AFTER = 5.0  # a first case is deferred only once it has run this long (and past its share)
     COLD_START_TIMEOUT = 300.0
+    PREFETCH_DEPTH = 8  # cases a campaign may hand the worker ahead of asking for them
 
     def __init__(self, cfg: CampaignConfig) -> None:
         self.cfg = cfg
@@ -607,13 +627,17 @@ class Executor:
             if source in self.parked_sources:
                 self._resume(source)
             worker = self._current()
-            if worker.inflight is not None:  # a parked first case: collect it
-                other, pending = worker.inflight[0], worker.inflight[1]
+            key = _cache_key(case)
+            while worker.inflight is not None:  # cases handed ahead (or a parked first case): collect in order
+                other, sent = worker.inflight[0], worker.inflight[1]
                 ev = worker.collect(wall)
                 self.warm.add(other.name)
-                if other.name == pair.name and pending == case:
+                if other.name == pair.name and _cache_key(sent) == key:
+                    self.done.pop((pair.name, key), None)
                     return ev
-                self.done[(other.name, _cache_key(pending))] = ev
+                self.done[(other.name, _cache_key(sent))] = ev
+                if ev.symptom in (Symptom.TIMEOUT, Symptom.CRASH):
+                    break  # the worker is gone, and what was queued behind the case with it
             cold = pair.name not in self.warm
             worker.submit(pair, case, cfg.threshold, max(timeout, self.COLD_START_TIMEOUT) if cold else timeout, wall)
             if may_defer and share is not None and cold and len(self.parked) < self.MAX_PARKED:
@@ -627,12 +651,15 @@ class Executor:
             return ev
 
         def prefetch(case: Case) -> bool:
-            """Hand a case to the warm, idle worker without waiting; `evaluate(case)` collects it."""
+            """Hand a case to the warm worker without waiting (behind at most `PREFETCH_DEPTH - 1`
+            others); `evaluate(case)` collects it."""
             if source in self.parked_sources or pair.name not in self.warm:
                 return False
             worker = self._current()
-            if worker.inflight is not None or not worker.ready or not worker.alive():
+            if len(worker.queue) >= self.PREFETCH_DEPTH or not worker.ready or not worker.alive():
                 return False
+            if any(q[0].name != pair.name for q in worker.queue):
+                return False  # a parked first case of another pair is still running
             worker.submit(pair, case, cfg.threshold, timeout, wall)
             return True
 

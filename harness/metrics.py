@@ -214,16 +214,19 @@ def multinomial_tokens(logp_rollout: Any, generator: Any) -> Any:
     return torch.multinomial(p, 1, generator=generator).squeeze(-1)
 
 
-def _inverse_cdf(p: Any, u: Any, out: Any) -> Any:
+def _inverse_cdf(p: Any, u: Any, out: Any, positive: bool = False) -> Any:
     """(n, V) float64 probabilities (finite, >= 0) and (n,) float64 uniforms in [0, 1) -> (n,) token
     ids: the first token whose cumulative mass exceeds u * total (`out`: an (n, V) float64 buffer
-    for the cumulative sums). Never a zero-probability token; a row with no mass gives its argmax."""
+    for the cumulative sums). Never a zero-probability token; a row with no mass gives its argmax.
+    `positive`: every p is > 0 (nothing to step over; the check is skipped)."""
     import torch
 
     c = torch.cumsum(p, dim=-1, out=out)  # (n, V)
     target = u[:, None] * c[:, -1:]  # (n, 1)
     idx = torch.searchsorted(c, target, right=True).squeeze(-1)  # (n,)
     idx = torch.clamp_(idx, max=p.shape[-1] - 1)
+    if positive:
+        return idx
     zero = p.gather(-1, idx[:, None]).squeeze(-1) <= 0
     if bool(zero.any()):
         idx = torch.where(zero, p.argmax(-1), idx)
@@ -327,10 +330,16 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
         # Plain chunks (every log-probability on both sides above e^-650: no -inf, NaN or tiny
         # value) skip the thresholds; the values are the same either way (each step is elementwise).
         plain = float(lr.amin()) > LOG_ZERO and (same or float(lt.amin()) > LOG_ZERO)  # NaN: not plain
-        l.copy_(lr)
-        if not plain:
-            torch.nn.functional.threshold_(l, LOG_ZERO, _EXP_FLOOR)
-        torch.exp(l, out=p)
+        # float64 inputs in a plain chunk are read in place (every step below is elementwise, so the
+        # values are those of the copies); otherwise they are copied into the buffer first
+        direct = plain and lr.dtype == f64 and lt.dtype == f64
+        if direct:
+            src_r, src_t = lr, lt
+        else:
+            src_r, src_t = l.copy_(lr), pt
+            if not plain:
+                torch.nn.functional.threshold_(l, LOG_ZERO, _EXP_FLOOR)
+        torch.exp(src_r, out=p)
         if not plain:
             # lr <= -650 (-inf too) went in as -700 (a CPU's exp is slow on -inf and subnormal
             # results) and comes out as exactly 0
@@ -339,19 +348,20 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             d.zero_()
             pt.copy_(p)
         else:
-            pt.copy_(lt)
-            torch.sub(l, pt, out=d)  # logp_r - logp_t in float64
+            if not direct:
+                pt.copy_(lt)
+            torch.sub(src_r, src_t, out=d)  # logp_r - logp_t in float64
             if not plain:
                 # a trainer -inf gives d = +inf -> max, so that p*d >= e^-650*max > 1e8 where p > 0
                 d.clamp_(max=_F64_MAX)
                 torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
-            pt.exp_()  # (n, V) p_t, for its normaliser
+            torch.exp(src_t, out=pt)  # (n, V) p_t, for its normaliser
             if not plain:
                 torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
         if not plain:
             torch.where(p > 0, pt, torch.zeros((), dtype=f64, device=dev), out=pts)  # p_t on the rollout's support
         d.mul_(p)  # p * (logp_r - logp_t)
-        l.mul_(p)  # p * logp_r
+        torch.mul(src_r, p, out=l)  # p * logp_r
         s = np.zeros((n, 6))
         if plain:  # sum p*d, sum p*logp_r, Z_r, Z_t; p > 0 everywhere: the support's p_t sum is Z_t
             s[:, 0:4] = x[:, :4].sum(-1).cpu().numpy()
@@ -369,12 +379,14 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             i = i[d[i].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
             if i.numel():
                 finite[_np(i)] = False
-        if not finite.all():  # NaN or +inf, no mass, or excluded tokens: the masked definition
+        all_finite = bool(finite.all())
+        if not all_finite:  # NaN or +inf, no mass, or excluded tokens: the masked definition
             i = torch.from_numpy(np.flatnonzero(~finite)).to(dev)
             redone.append((a + _np(i), *_exact_rows(lt[i], lr[i])))
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
         if uniforms is not None:
-            drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf[:n]))
+            # a plain chunk has p > e^-650 everywhere: no zero-probability token to step over
+            drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf[:n], positive=plain and all_finite))
     s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 6)
     kl, ent, excl, k3 = _finish(s)
     bad_t, bad_r = np.zeros(n_rows, dtype=bool), np.zeros(n_rows, dtype=bool)

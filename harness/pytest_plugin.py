@@ -87,6 +87,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--harness-streams", type=int, default=1, metavar="N",
                     help="Split each pair into N independently seeded streams, one test item each, so xdist workers "
                     "and shards scale past the number of pairs (default: 1).")
+    group.addoption("--harness-uniform-per-example", type=int, default=None, metavar="N",
+                    help="Uniform random cases after each Hypothesis example (default: 3 for op pairs, 1 for model "
+                    "pairs; 0: Hypothesis alone).")
     group.addoption("--harness-timeout", type=float, default=None, metavar="SECONDS",
                     help="Per-case wall seconds before a case is a `timeout` finding (default: 60).")
     group.addoption("--harness-no-isolation", action="store_true", default=False,
@@ -133,6 +136,10 @@ class FuzzSession:
         self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLD
         self.corpus = Path(opt("harness_corpus"))
         self.streams = opt("harness_streams")
+        self.uniform_per_example = opt("harness_uniform_per_example")
+        if self.uniform_per_example is not None and self.uniform_per_example < 0:
+            raise pytest.UsageError(f"--harness-uniform-per-example {self.uniform_per_example!r} must be >= 0 "
+                                    "(uniform cases per Hypothesis example).")
         if self.streams < 1:
             raise pytest.UsageError(f"--harness-streams {self.streams!r} must be >= 1 (streams per pair; default 1).")
         from harness.worker import DEFAULT_TIMEOUT
@@ -211,7 +218,8 @@ class FuzzSession:
         cfg = CampaignConfig(pairs=pairs, seed=self.seed, max_examples=self.max_examples, budget=None,
                              threshold=self.threshold, device=self.device(), corpus=self.corpus,
                              shard=self.shard, isolation=self.isolation, timeout=self.timeout,
-                             plugins=tuple(self.plugins), streams=self.streams)
+                             plugins=tuple(self.plugins), streams=self.streams,
+                             uniform_per_example=self.uniform_per_example)
         cfg.budget = self.budget * len(pairs) if self.budget is not None else None  # per pair -> campaign
         cfg.profile = self.profile_name  # stored with the campaign run
         return cfg

@@ -36,6 +36,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
+from collections import deque
 from typing import Any
 
 from .errors import HarnessError
@@ -79,7 +80,10 @@ class Worker:
         self.proc: Any = None
         self.conn: Any = None
         self.restarts = 0  # workers started after the first (each timeout or crash costs one)
-        self.inflight: tuple | None = None  # (pair, case, timeout, sent at) of the case being run
+        # (pair, case, timeout, sent at) of each case sent and not yet collected, in order: the worker
+        # runs them one after another, so a campaign may hand it the next few while it computes
+        self.queue: deque[tuple] = deque()
+        self._last_done = 0.0  # when the last result came back (the next queued case started by then)
         self._log: Path | None = None
         self._dir = tempfile.mkdtemp(prefix="harness-worker-")
 
@@ -104,6 +108,11 @@ class Worker:
         self.conn = parent
         self.ready = False  # until the worker says it has imported what every case needs
 
+    @property
+    def inflight(self) -> tuple | None:
+        """(pair, case, timeout, sent at) of the oldest case not yet collected, or None."""
+        return self.queue[0] if self.queue else None
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
 
@@ -115,6 +124,7 @@ class Worker:
         self.proc.join(5)
         self.conn.close()
         self.proc = self.conn = None
+        self.queue.clear()  # what was queued behind the case is lost with the process
 
     def close(self) -> None:
         """Stop the worker (asked politely first) and remove its temporary files."""
@@ -148,7 +158,8 @@ class Worker:
 
     def submit(self, pair: Any, case: Any, threshold: float, timeout: float | None = None,
                wall: float | None = None) -> None:
-        """Send a case to the worker (starting one if needed); `collect` gets its Evaluation."""
+        """Send a case to the worker (starting one if needed); `collect` gets its Evaluation. Cases
+        sent before it and not collected yet run first (`collect` returns them in order)."""
         timeout = self.timeout if timeout is None else timeout
         for attempt in range(2):
             if self.proc is None or not self.proc.is_alive():
@@ -160,29 +171,35 @@ class Worker:
                 if not self._wait_ready(wall):
                     raise OutOfTime
                 self.ready = True
-            self._clear_log()
+            if not self.queue:
+                self._clear_log()
             try:
                 self.conn.send(("case", pair.name, pair.source, case, threshold))
                 break
             except (OSError, BrokenPipeError):  # died between cases: start another and send again
                 self.kill()
                 self.restarts += 1
-        self.inflight = (pair, case, timeout, time.monotonic())
+        self.queue.append((pair, case, timeout, time.monotonic()))
 
     def collect(self, wall: float | None = None, until: float | None = None) -> Any:
-        """The Evaluation of the case in flight, or None when `until` (time.monotonic()) comes first.
+        """The Evaluation of the oldest case in flight, or None when `until` (time.monotonic()) comes
+        first.
 
         A case past its timeout is a `timeout` Evaluation, a worker that died a `crash` one (the
-        worker is replaced at the next case); past `wall` the case is stopped and `OutOfTime` raised.
+        worker is replaced at the next case, and the cases queued behind this one are dropped: they
+        are sent again when asked for); past `wall` the case is stopped and `OutOfTime` raised. A
+        queued case's timeout counts from when the one before it came back (or from when it was
+        sent, if later): it started no earlier.
         """
         from .execute import Evaluation, Symptom
 
-        pair, case, timeout, sent = self.inflight
-        hang_at = sent + timeout
+        pair, case, timeout, sent = self.queue[0]
+        hang_at = max(sent, self._last_done) + timeout
         wall_at = wall if wall is not None else float("inf")
         stop = min(hang_at, wall_at, until if until is not None else float("inf"))
         if self.conn.poll(max(0.0, stop - time.monotonic())):
-            self.inflight = None
+            self.queue.popleft()
+            self._last_done = time.monotonic()
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
@@ -202,7 +219,6 @@ class Worker:
                 "traceback": self._read_log()})
         if stop < min(hang_at, wall_at):
             return None  # still running; the caller may come back for it
-        self.inflight = None
         out_of_wall = wall_at <= hang_at
         stack = ""
         if not out_of_wall:

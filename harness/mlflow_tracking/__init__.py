@@ -8,7 +8,7 @@ absolute paths: MLflow's own default depends on the working directory). Experime
 (`$HARNESS_MLFLOW_EXPERIMENT` overrides it).
 
 - One *campaign run* per `harness fuzz` (tag `harness.kind=campaign`): params pairs, seed,
-  max_examples, budget, threshold, device, shard, profile, versions, git commit; metrics cases,
+  max_examples, budget, threshold, device, shard, profile, streams, uniform_per_example, versions, git commit; metrics cases,
   cases_per_second, findings and findings per symptom.
 - One *regression run* per signature, nested under the campaign that first found it (tag
   `mlflow.parentRunId`): tags `harness.kind=regression`, pair, expected, symptom, signature,

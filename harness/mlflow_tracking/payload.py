@@ -39,6 +39,9 @@ def campaign_payload(cfg: Any, seed: int, pairs: list, uid: str) -> dict[str, An
         "device": getattr(cfg, "device", None),
         "shard": f"{shard[0]}/{shard[1]}" if shard else "none",
         "profile": getattr(cfg, "profile", None) or "none",
+        "streams": getattr(cfg, "streams", 1),
+        "uniform_per_example": ("by kind (op 3, model 1)" if getattr(cfg, "uniform_per_example", None) is None
+                                else cfg.uniform_per_example),
         "harness_version": __version__,
         "torch_version": _version("torch"),
         "git_commit": git_commit() or "unknown",

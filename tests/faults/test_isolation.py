@@ -158,8 +158,10 @@ def test_a_slow_first_case_is_deferred_and_starves_no_other_pair(tmp_path, harne
 
 
 def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path):
-    """Isolated, each example's uniform case runs in the worker while Hypothesis draws the next
-    example; the cases, their order and what is found are those of an in-process campaign."""
+    """Isolated, each example's uniform cases run in the worker while Hypothesis draws the next
+    example; the cases, their order and what is found are those of an in-process campaign. (A case
+    handed ahead whose result is never asked for, behind a uniform case that failed, is computed
+    but not counted: as in-process, where it never runs.)"""
     from harness import REGISTRY
     from harness.fuzz import CampaignConfig, Executor, fuzz_pair, pair_seed
 
@@ -176,11 +178,10 @@ def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path):
                 seen.append(case.key())
                 return inner(case)
 
-            if hasattr(inner, "prefetch"):  # what the campaign hands ahead is part of the order too
-                def prefetch(case, inner=inner, seen=seen):
+            if hasattr(inner, "prefetch"):
+                def prefetch(case, inner=inner):
                     ok = inner.prefetch(case)
                     if ok:
-                        seen.append(case.key())
                         ahead.append(case)
                     return ok
 
@@ -194,3 +195,31 @@ def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path):
         assert runs[0][:3] == runs[1][:3], name
         assert runs[0][3] == runs[1][3], name  # the same distinct cases, in the same order
         assert ahead, name  # ... and the isolated one did run cases ahead
+
+
+def test_cases_handed_ahead_come_back_in_order_and_a_crash_drops_only_what_was_queued_behind_it():
+    """The worker runs queued cases one after another; a crash is the case it happened in, and the
+    cases queued behind it are sent again when the campaign asks for them."""
+    from harness import REGISTRY
+    from harness.case import Case
+    from harness.execute import Symptom
+    from harness.fuzz import CampaignConfig, Executor
+
+    REGISTRY.load_plugin(FAULTS)
+    pair = REGISTRY.get("faults.segfault")
+    one, two, three = Case(seed=1, seq_lens=(3,)), Case(seed=2, seq_lens=(2, 2)), Case(seed=3, seq_lens=(4,))
+    cfg = CampaignConfig(pairs=[pair], seed=0, write_corpus=False, isolation=True, plugins=(FAULTS,))
+    executor = Executor(cfg)
+    try:
+        evaluate = executor.evaluator(pair, None)
+        assert evaluate(Case(seed=9, seq_lens=(1,))).symptom is Symptom.NONE  # warm: prefetch is for warm pairs
+        assert all(evaluate.prefetch(c) for c in (one, two, three))
+        assert len(executor.worker.queue) == 3
+        ev3 = evaluate(three)  # collects one and two on the way; two killed the worker, three is sent again
+        assert ev3.symptom is Symptom.NONE and ev3.case == three
+        assert evaluate(one).symptom is Symptom.NONE
+        crash = evaluate(two)
+        assert crash.symptom is Symptom.CRASH and crash.case == two and "SIGSEGV" in crash.error["type"]
+        assert not executor.worker.queue and executor.restarts == 1
+    finally:
+        executor.close()
