@@ -23,7 +23,9 @@ bounds of floats), so every axis is drawn on purpose:
   has seen, which finds small triggers fast and large ones slowly (measured: a left-pad mask bug
   took 77 cases where uniform random needed 1), and no strategy shape changes that (a `one_of`
   with a uniform branch got 11-29% of the draws). So a campaign interleaves: every Hypothesis case
-  is followed by one uniform case from the stream's own RNG (`harness.fuzz`); a failing uniform
+  is followed by uniform cases from the stream's own RNG (`harness.fuzz.UNIFORM_PER_EXAMPLE`: three
+  for op pairs, whose cases cost about what Hypothesis's engine costs per example, one for model
+  pairs; `--uniform-per-example`); a failing uniform
   case is shrunk by the polish pass (`harness.shrink`).
 
 The near-tie gap is drawn as its own value, `gap = mantissa * max_gap * 10**(exponent - 7)`, with

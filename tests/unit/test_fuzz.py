@@ -263,3 +263,43 @@ def test_crash_and_timeout_signatures():
     hang = Evaluation("p", case, Symptom.TIMEOUT, error={"type": "Timeout", "where": "worker"})
     assert len({signature("p", e) for e in (segv, abrt, hang)}) == 3
 
+
+
+@pytest.mark.parametrize("name, n, per_example", [("moe_aggregate.aligned", None, 3), ("moe_aggregate.aligned", 0, 0),
+                                                  ("moe_aggregate.aligned", 2, 2), ("model.aligned", None, 1)])
+def test_each_hypothesis_example_is_followed_by_its_uniform_cases(name, n, per_example):
+    """Op pairs run three uniform cases per Hypothesis example by default, model pairs one;
+    `uniform_per_example` sets it (0: Hypothesis alone). The mix is deterministic given the seed."""
+    from harness.fuzz import fuzz_pair, pair_seed, uniform_per_example
+    from harness.strategies import uniform_cases
+
+    pair = REGISTRY.get(name)
+    examples = 4 if pair.kind == "model" else 12
+    cfg = CampaignConfig(pairs=[pair], seed=2, max_examples=examples, write_corpus=False, uniform_per_example=n)
+    assert uniform_per_example(pair, cfg) == per_example
+    runs = []
+    for _ in range(2):
+        seen: list = []
+
+        def evaluate(case, seen=seen):
+            seen.append(case)
+            return run_case(pair, case)
+
+        r = fuzz_pair(pair, cfg, pair_seed(2, name), deadline=None, evaluate=evaluate)
+        assert not r.findings
+        runs.append([(c.seed, c.seq_lens, c.logit_scale) for c in seen])  # (a uniform case takes the example's params)
+    assert runs[0] == runs[1]
+    import random
+
+    rng = random.Random(pair_seed(2, name) ^ 0x5DEECE66D)  # the stream's own uniform RNG
+    stream = [(u.seed, u.seq_lens, u.logit_scale) for u in
+              (uniform_cases(pair.axes, rng, log_gap=True) for _ in range(per_example * examples * 3))]
+    taken, hypothesis = 0, 0
+    for key in runs[0]:
+        if taken < len(stream) and key == stream[taken]:
+            taken += 1
+        else:  # a Hypothesis case comes only between whole groups of uniform cases
+            assert taken % per_example == 0 if per_example else taken == 0
+            hypothesis += 1
+    assert hypothesis >= examples // 2
+    assert taken >= per_example * hypothesis - per_example and taken % max(per_example, 1) == 0
