@@ -63,10 +63,13 @@ def _example_inputs(cfg: ModelConfig) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def exported(cfg: ModelConfig, nx: Numerics) -> tuple[bytes, tuple[str, ...]]:
-    """Export the model once per (config, profile): the serialized .onnx model and its weight input
-    names. The export goes through a temporary folder that is removed at once (nothing is left in
-    /tmp, whichever way the process ends later)."""
-    m = MoEDecoder(cfg).eval()  # weights are inputs: any distinct values (equal ones would be merged)
+    """Export the model once per (config, profile): the serialized .onnx graph and its weight input
+    names. The graph carries no weights (`export_params=False`: each is a graph input, fed with the
+    case's values), so its size does not grow with the model's: a real-size config (5 GB of float32
+    weights) stays far under protobuf's 2 GB limit and needs no external-data files. The export goes
+    through a temporary folder that is removed at once (nothing is left in /tmp, whichever way the
+    process ends later)."""
+    m = MoEDecoder(cfg).eval()  # traced with any distinct values (equal ones could be merged)
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         for prm in m.parameters():
@@ -76,7 +79,7 @@ def exported(cfg: ModelConfig, nx: Numerics) -> tuple[bytes, tuple[str, ...]]:
         path = os.path.join(folder, "moe_decoder.onnx")
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter is chosen on purpose
-            torch.onnx.export(_Fixed(m, nx), _example_inputs(cfg), path, dynamo=False, export_params=True,
+            torch.onnx.export(_Fixed(m, nx), _example_inputs(cfg), path, dynamo=False, export_params=False,
                               keep_initializers_as_inputs=True, do_constant_folding=False,
                               input_names=INPUTS, output_names=OUTPUTS,
                               dynamic_axes=DYNAMIC, opset_version=OPSET)

@@ -375,3 +375,23 @@ def test_show_of_a_repro_without_its_first_sighting_counts_shrinking_in(repro, c
     assert "cases_to_first" not in json.loads(repro.read_text())["found"]
     code, out, _ = run_cli(capsys, "show", str(repro))
     assert code == 0 and "; 1 cases in all, shrinking included" in out
+
+
+def test_the_onnx_graph_carries_no_weights_so_a_real_size_config_exports():
+    """The weights are graph inputs, not initializers: the serialized graph's size does not grow with
+    them, so the 5 GB `LARGE` config stays far under protobuf's 2 GB limit (the graph is held in
+    memory; external data would need its folder to outlive the export)."""
+    pytest.importorskip("onnxruntime", reason="the ONNX Runtime backend needs onnxruntime")
+    from targets.backends.onnxruntime import exported, session
+    from targets.models.moe_decoder import FP32, TINY, ModelConfig, MoEDecoder
+
+    wide = ModelConfig(vocab=4096, hidden=128, experts=16, expert_hidden=128)
+    sizes = {}
+    for cfg in (TINY, wide):
+        graph, names = exported(cfg, FP32)
+        weights = sum(p.numel() * 4 for p in MoEDecoder(cfg).parameters())
+        assert len(graph) < weights / 8, (len(graph), weights)
+        feeds = {i.name for i in session(cfg, FP32, "cpu").get_inputs()}
+        assert {f"m.{n}" for n in names} <= feeds  # every weight is fed with the case's values
+        sizes[cfg] = (len(graph), weights)
+    assert sizes[wide][1] > 4 * sizes[TINY][1] and sizes[wide][0] < 2 * sizes[TINY][0]
