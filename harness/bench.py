@@ -187,12 +187,13 @@ def xdist(pair_globs: tuple[str, ...], budget: float | None, streams: int, out: 
     cases/s = cases of the whole session / its wall time, startup included."""
     import json
     import os
+    import resource
     import subprocess
     import sys
     import tempfile
 
     configs = [(1, 1), (1, streams), (2, streams)]  # (workers, streams per pair)
-    runs: dict[tuple[int, int], list[tuple[float, int]]] = {c: [] for c in configs}
+    runs: dict[tuple[int, int], list[tuple[float, int, float]]] = {c: [] for c in configs}
     limit = (["--harness-budget", str(budget), "--harness-max-examples", "1000000"] if budget is not None
              else ["--harness-max-examples", str(max_examples)])
     with tempfile.TemporaryDirectory(prefix="harness-xdist-") as tmp:
@@ -203,13 +204,16 @@ def xdist(pair_globs: tuple[str, ...], budget: float | None, streams: int, out: 
                        "-p", "no:cacheprovider", "--harness-streams", str(n_streams), *limit, "--harness-seed", "1",
                        "--harness-no-tracking", "--harness-corpus", f"{tmp}/corpus-{tag}",
                        "--harness-out", f"{tmp}/out-{tag}", *(a for g in pair_globs for a in ("--harness-pairs", g))]
+                before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 t = time.perf_counter()
                 subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
                 wall = time.perf_counter() - t
+                after = resource.getrusage(resource.RUSAGE_CHILDREN)
+                cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
                 cases = json.loads(Path(f"{tmp}/out-{tag}/summary.json").read_text())["cases"]
-                runs[(workers, n_streams)].append((wall, cases))
-    base = statistics.median(c / w for w, c in runs[(1, 1)])
-    same = statistics.median(c / w for w, c in runs[(1, streams)])
+                runs[(workers, n_streams)].append((wall, cases, cpu))
+    base = statistics.median(c / w for w, c, _ in runs[(1, 1)])
+    same = statistics.median(c / w for w, c, _ in runs[(1, streams)])
     what = (f"--harness-budget {budget:g}` (seconds per pair, shared by its streams)" if budget is not None
             else f"--harness-max-examples {max_examples}` (Hypothesis examples per pair, split over its streams; "
                  "no time budget, so the runs with the same streams evaluate the same cases)")
@@ -222,17 +226,23 @@ def xdist(pair_globs: tuple[str, ...], budget: float | None, streams: int, out: 
         + f"` ({machine()}).",
         f"`pytest --harness-fuzz -n W --harness-streams S {what}, seed 1, the same pairs in every run, runs",
         "alternating, median of the rounds; cases/s = the session's cases / its wall time, startup and imports",
-        "included. Goal: 2 workers >= 1.8x the cases/s of 1.",
+        "included. *cores busy* = CPU seconds of the session and every process it started (pytest, xdist",
+        "workers, their harness workers), user + system, / wall seconds: an xdist worker is two processes",
+        "(the campaign draws examples while its harness worker runs cases), so one of them already keeps",
+        "more than one core busy. Goal: 2 workers >= 1.8x the cases/s of 1.",
         "",
-        "| workers | streams per pair | wall s | cases | cases/s | vs 1 worker, 1 stream | vs 1 worker, same streams |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| workers | streams per pair | wall s | cases | cases/s | cores busy | vs 1 worker, 1 stream "
+        "| vs 1 worker, same streams |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (workers, n_streams), rs in runs.items():
-        wall = statistics.median(w for w, _ in rs)
-        cases = int(statistics.median(c for _, c in rs))
-        rate = statistics.median(c / w for w, c in rs)
+        wall = statistics.median(w for w, _, _ in rs)
+        cases = int(statistics.median(c for _, c, _ in rs))
+        rate = statistics.median(c / w for w, c, _ in rs)
+        busy = statistics.median(u / w for w, _, u in rs)
         vs_same = f"{rate / same:.2f}x" if n_streams == streams else "-"
-        body.append(f"| {workers} | {n_streams} | {wall:.1f} | {cases} | {rate:.1f} | {rate / base:.2f}x | {vs_same} |")
+        body.append(f"| {workers} | {n_streams} | {wall:.1f} | {cases} | {rate:.1f} | {busy:.2f} | {rate / base:.2f}x "
+                    f"| {vs_same} |")
     text = "\n".join(body)
     write_section(out, "xdist", text)
     return text + f"\n\nwritten to {out}"

@@ -288,7 +288,28 @@ def _workspace(n: int, dev: Any) -> Any:
     buf = getattr(_LOCAL, "workspace", None)
     if buf is None or buf.numel() < n:
         buf = _LOCAL.workspace = torch.empty(n, dtype=torch.float64)
+        _LOCAL.views = {}
     return buf[:n]
+
+
+def _chunk_views(rows: int, v: int, n: int, draw: bool, dev: Any) -> tuple:
+    """The views of one chunk of n rows (of at most `rows`) into the workspace: the (n, 5, V) buffer,
+    its five (n, V) slots [d, logp_r, p_r, p_t, p_t on the support], and the (n, V) cumulative sums
+    (None without a draw). On a CPU they are made once per shape and reused: a small case's metrics
+    are a few dozen tensor calls, and making views is a sixth of them."""
+    cache = getattr(_LOCAL, "views", None) if dev.type == "cpu" else None
+    key = (rows, v, n, draw)
+    if cache is not None and key in cache:
+        return cache[key]
+    ws = _workspace(rows * v * (6 if draw else 5), dev)
+    x = ws[:5 * rows * v].view(rows, 5, v)[:n]
+    out = (x, *x.unbind(1), ws[5 * rows * v:].view(rows, v)[:n] if draw else None)
+    cache = getattr(_LOCAL, "views", None) if dev.type == "cpu" else None  # (the workspace may have grown)
+    if cache is not None:
+        if len(cache) > 64:
+            cache.clear()
+        cache[key] = out
+    return out
 
 
 
@@ -312,24 +333,22 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
-    ws = _workspace(rows * v * (6 if uniforms is not None else 5), dev)
     # per row: [d, logp_r, p_r, p_t, p_t where p_r > 0]; d and logp_r become p*d and p*logp_r, then
     # one reduction sums them all (>= 4 outputs per row: one thread sums a row, in order)
-    buf = ws[:5 * rows * v].view(rows, 5, v)
-    cbuf = ws[5 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
     # Small inputs (one chunk) that are the same tensor values on both sides (an aligned pair whose
     # paths agree bit for bit) skip the trainer's exp: p_t = p_r, d = 0, the same values either way.
     same = n_rows <= rows and trainer_lp.dtype == rollout_lp.dtype and bool(torch.equal(trainer_lp.to(dev), rollout_lp))
     sums, drawn, redone = [], [], []
+    all_plain = True
     for a in range(0, n_rows, rows):
         b = min(a + rows, n_rows)
         n = b - a
         lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
-        x = buf[:n]  # (n, 5, V)
-        d, l, p, pt, pts = x.unbind(1)  # (n, V) views
+        x, d, l, p, pt, pts, cbuf = _chunk_views(rows, v, n, uniforms is not None, dev)  # (n, 5, V), (n, V) each
         # Plain chunks (every log-probability on both sides above e^-650: no -inf, NaN or tiny
         # value) skip the thresholds; the values are the same either way (each step is elementwise).
         plain = float(lr.amin()) > LOG_ZERO and (same or float(lt.amin()) > LOG_ZERO)  # NaN: not plain
+        all_plain = all_plain and plain
         # float64 inputs in a plain chunk are read in place (every step below is elementwise, so the
         # values are those of the copies); otherwise they are copied into the buffer first
         direct = plain and lr.dtype == f64 and lt.dtype == f64
@@ -386,9 +405,14 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
         if uniforms is not None:
             # a plain chunk has p > e^-650 everywhere: no zero-probability token to step over
-            drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf[:n], positive=plain and all_finite))
+            drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf, positive=plain and all_finite))
     s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 6)
-    kl, ent, excl, k3 = _finish(s)
+    if all_plain and not redone:  # _finish with no excluded mass and every sum positive and finite: the same values
+        zr, zt, a = s[:, 2], s[:, 3], s[:, 0]
+        log_zr = np.log(zr)
+        kl, ent, excl, k3 = a / zr - (log_zr - np.log(zt)), -(s[:, 1] / zr - log_zr), np.zeros(n_rows), (zt - zr + a) / zr
+    else:
+        kl, ent, excl, k3 = _finish(s)
     bad_t, bad_r = np.zeros(n_rows, dtype=bool), np.zeros(n_rows, dtype=bool)
     for i, kl_i, ent_i, ex_i, k3_i, bt_i, br_i in redone:
         kl[i], ent[i], excl[i], k3[i], bad_t[i], bad_r[i] = kl_i, ent_i, ex_i, k3_i, bt_i, br_i
@@ -433,11 +457,18 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
     if tokens is None:
         tokens = stats["tokens"]
     dev = lr_all.device
-    tok_d = torch.as_tensor(tokens, device=dev).to(torch.int64).reshape(n, 1)  # (T, 1)
-    picked = torch.cat([lt_all.to(dev).gather(1, tok_d).to(torch.float64),
-                        lr_all.gather(1, tok_d).to(torch.float64)], 1).cpu().numpy()  # (T, 2)
-    lt, lr = np.ascontiguousarray(picked.T)  # (T,) each
-    tok = _np(tok_d).reshape(n)
+    tok = _np(torch.as_tensor(tokens)).astype(np.int64, copy=False).reshape(n)  # (T,)
+    floats = (torch.float32, torch.float64)
+    if (dev.type == "cpu" and lt_all.device.type == "cpu" and lt_all.dtype in floats
+            and lr_all.dtype in floats and n and 0 <= int(tok.min()) and int(tok.max()) < lr_all.shape[1]):
+        rows = np.arange(n)  # numpy indexing on CPU: a dozen tensor calls fewer, the same values
+        lt = lt_all.numpy()[rows, tok].astype(np.float64)  # (T,) each
+        lr = lr_all.numpy()[rows, tok].astype(np.float64)
+    else:
+        tok_d = torch.as_tensor(tokens, device=dev).to(torch.int64).reshape(n, 1)  # (T, 1)
+        picked = torch.cat([lt_all.to(dev).gather(1, tok_d).to(torch.float64),
+                            lr_all.gather(1, tok_d).to(torch.float64)], 1).cpu().numpy()  # (T, 2)
+        lt, lr = np.ascontiguousarray(picked.T)  # (T,) each
     kl, entropy, bad_t, bad_r = stats["kl"], stats["entropy"], stats["bad_trainer"], stats["bad_rollout"]
     excluded, k3_rows = stats["excluded"], stats["k3"]
     with np.errstate(all="ignore"):
@@ -472,7 +503,7 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
             n_tokens=n,
             per_token={
                 "sequence": seg,
-                "position": np.concatenate([np.arange(m) for m in seq_lens]),
+                "position": np.arange(n) - np.repeat(np.cumsum(counts) - counts, seq_lens).astype(np.int64),
                 "token": tok,
                 "logp_trainer": lt,
                 "logp_rollout": lr,

@@ -1,0 +1,487 @@
+"""Divergence metrics between a trainer and a rollout path. Pure functions on tensors.
+
+Names follow the rollout-correction metrics RL users already log (verl): `k3_kl`, `kl`,
+`log_ppl_diff`, `ppl_ratio`, `chi2_token`, `probs_diff_max`, `pearson`, so a harness figure can be
+read next to a training dashboard. Per token, with logp_t (trainer) and logp_r (rollout) of the
+token the rollout produced:
+
+    log r = logp_t - logp_r,   r = exp(log r),   k3 = (r - 1) - log r        (>= 0, 0 iff equal)
+
+`k3_kl` is the mean of k3 over all tokens of the case (what an RL dashboard logs). Where full
+distributions exist, two exact means over the vocabulary are computed per position and averaged:
+`k3_expected`, the expectation of k3 for a token drawn from the rollout's distribution (what the
+mean k3 of a large batch converges to, without the draw's noise: it sees the log-probabilities as
+reported, normaliser included), and `kl`, the exact KL(rollout || trainer) of the two normalised
+distributions. The verdict judges those two (`fired`): a case diverges when either is above the
+threshold, or when a sampled token is one the trainer excludes (k3 = +inf). The mean k3 of the
+case's own few sampled tokens is not judged: on a case of a handful of tokens it is a noisy
+estimate, and a search keeps exactly the unlucky draws (an aligned pair at KL 2e-4 crossed the line
+on a two-token case). k3 is biased low when the rollout samples from a truncated distribution
+(its expectation is about (1 - kept mass)^2 / 2 of a KL of -log(kept mass)): the KL sees that.
+
+Values. -inf is log 0 (an entry truncated by top-k/top-p), not a non-finite value; NaN or +inf is.
+A probability at or below e^-650 (~5e-283) counts as 0. A row with NaN or +inf anywhere is
+non-finite (counted per path; its `kl` and `entropy` are NaN).
+
+The exact KL is that of the two *distributions*: each side is normalised in float64 (log p^ = log p
+- log sum p), so a path whose log-probabilities are rounded (bf16 log-softmax output sums to 1 only
+to ~1e-3) is judged on the second-order gap, not on its first-order normalisation error (which has
+either sign and would flag or hide a pair at random). The sum runs over the tokens the trainer
+keeps: tokens the trainer gives -inf and the rollout gives mass are reported as `kl_excluded` (their
+rollout mass), not folded in as +inf, because two aligned paths that both truncate (top-k/top-p on
+both sides) put a boundary token in or out on last-bit differences. A *sampled* token the trainer
+excludes still has k3 = +inf: a divergence, not a non-finite value. A rollout truncating what the
+trainer scores in full (an engine's default top-k) gives KL = -log(kept mass), what the verdict needs.
+
+How it is computed. On the outcomes' device, in chunks of rows, so memory stays a small multiple of
+one (T, V) fp32 tensor whatever T is (a chunk's float64 buffers hold at most `chunk_elems` elements
+each: five of them, six when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
+exp(logp_t), d = logp_r - logp_t with a trainer -inf raised to -max (so an excluded token with
+rollout mass adds > 1e8), then five sums over the vocabulary per row (sum p*d, sum p*logp_r,
+sum p, sum p_t, and sum p_t where p > 0), from which the normalised KL, the expected k3
+((sum_{p>0} p_t - sum p + sum p*d) / sum p) and the entropy follow. A chunk whose log-probabilities
+are all above e^-650 on both sides (no -inf, NaN or tiny value: the common case) skips the
+thresholds and masks; its values are the same either way. Rows whose sums are not
+finite (NaN, +inf) or that hold an excluded token are recomputed with the masked definition,
+which also gives their excluded mass.
+Each row is summed by one thread in a fixed order (every reduction has >= 2 outputs, so torch never
+splits a row across threads): a row's value does not depend on the chunk size, the other rows or the
+number of CPU threads, so a replay is bit-for-bit whatever thread count the campaign ran with.
+Per-token values (T of them) are gathered and computed in float64 numpy; k3 of a small log-ratio
+uses its Taylor series, since expm1(d) - d loses digits to cancellation there.
+
+Tokens, when the rollout does not return them, are drawn from the rollout distribution: by inverse
+CDF (a float64 cumulative sum per row) on uniforms the case draws on the CPU, one per token from
+its sequence's own stream (`case.token_uniforms("tokens")`), so the draw is the same on every
+device and removing one sequence leaves the others' tokens unchanged. An upgraded schema-1 repro
+(`case.streams == "single"`) keeps the schema-1 draw (`torch.multinomial` on its one stream) so it
+replays the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Keys of `Divergence.as_dict()`, in display order (all numeric; see `Divergence.fired`).
+METRIC_KEYS = (
+    "k3_kl", "k3_expected", "k3_seq_max", "kl", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
+    "chi2_token", "pearson", "entropy", "kl_excluded", "flip_rate", "tie_flip_rate", "nonfinite_trainer", "nonfinite_rollout",
+    "n_tokens",
+)
+
+# float64 elements per chunk buffer: small enough to stay in cache on a CPU, large enough on an
+# accelerator that a chunk is a few big kernels. The workspace holds five such buffers (six when it draws tokens).
+CHUNK_ELEMS_CPU = 1 << 17
+CHUNK_ELEMS_DEVICE = 1 << 25
+
+# A probability at or below e^-650 (~5e-283) counts as 0: such a term adds nothing a float64 sum
+# keeps, and a CPU's exp is 2-10x slower on -inf and on arguments under ~-708 (subnormal results).
+# Those entries go into the exp as _EXP_FLOOR (fast) and come out as exactly 0 (p <= _P_ZERO).
+LOG_ZERO = -650.0
+_EXP_FLOOR = -700.0  # e^-700 ~ 1e-304
+_F64_MAX = 1.7976931348623157e308
+_KL_CHECK = 1.0  # a row's KL above this may hold a token the trainer excludes (see row_stats)
+_EXCLUDED_TERM = 1e8  # ... and the term p * d of such a token is >= e^-650 * max (~9e25)
+_P_ZERO = 1e-290  # between e^-700 and e^-650
+
+TOKEN_SALT = "tokens"  # the stream the case's tokens are drawn from when the rollout returns none
+
+_K3_SERIES_BELOW = 0.0625  # |log r| under which k3 is summed as its Taylor series (above: <= 5 bits lost)
+_K3_SERIES = tuple(1.0 / math.factorial(n) for n in range(2, 14))  # d^2/2!, ... d^13/13! (next: < 1e-22 rel)
+
+
+@dataclass
+class Divergence:
+    k3_kl: float  # mean k3 over tokens
+    k3_seq_max: float  # largest per-sequence mean k3
+    kl: float  # mean exact KL(rollout || trainer) per position, both normalised, over the tokens the trainer keeps
+    max_abs_dlogp: float  # max |logp_t - logp_r| over tokens
+    probs_diff_max: float  # max |p_t - p_r| over tokens
+    log_ppl_diff: float  # mean over sequences of mean(logp_t - logp_r) = log ppl_rollout - log ppl_train
+    ppl_ratio: float  # mean over sequences of exp(per-sequence log_ppl_diff)
+    chi2_token: float  # mean(r^2) - 1
+    pearson: float  # correlation of p_t and p_r over tokens (nan for fewer than 2 distinct values)
+    entropy: float  # mean entropy of the rollout distribution (nats): k3 grows as it falls
+    flip_rate: float  # routed (token, layer) pairs whose expert set differs, not at an exact tie
+    tie_flip_rate: float  # ... whose expert set differs where either path had an exact boundary tie
+    nonfinite_trainer: int  # tokens whose trainer row has NaN/+inf or whose logp_t is NaN/+inf
+    nonfinite_rollout: int  # tokens whose rollout row has NaN/+inf or whose logp_r is not finite
+    n_tokens: int
+    kl_excluded: float = 0.0  # mean rollout mass on tokens the trainer gives -inf (kept out of `kl`; reported)
+    # mean over positions of the expected k3 of a token drawn from the rollout's distribution (over
+    # the tokens the trainer keeps): what `k3_kl` estimates, without the draw's noise
+    k3_expected: float = math.nan
+    # Which mean crossed the verdict's threshold: "k3", "kl", "k3+kl", or "" (set by the verdict,
+    # `execute.judge`; a string, so it is not one of METRIC_KEYS).
+    fired: str = ""
+    flips_per_layer: dict[str, dict[str, int]] = field(default_factory=dict)  # layer -> counts
+    per_token: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # for tables and plots
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {k: getattr(self, k) for k in METRIC_KEYS}
+
+    @property
+    def nonfinite(self) -> bool:
+        """NaN or +inf in either path (an infinite k3 or KL from a trainer -inf is a divergence)."""
+        return self.nonfinite_trainer > 0 or self.nonfinite_rollout > 0 or math.isnan(self.k3_kl)
+
+
+def fired(div: Divergence, threshold: float) -> str:
+    """Which of the verdict's two means is above the threshold: "k3", "kl", "k3+kl" or "".
+
+    "k3" is the expected k3 (`k3_expected`: exact over the vocabulary, what the mean k3 of a large
+    batch converges to), or a sampled token the trainer excludes (`k3_kl` = +inf). The mean k3 of
+    the case's own few sampled tokens is reported but not judged: on a case of a handful of tokens
+    it is a noisy estimate, and a search that keeps what crosses the line finds the unlucky draws
+    (an aligned pair with KL 2e-4 crossed it on a two-token case). Without an expected k3 (NaN),
+    the sampled mean is judged.
+    """
+    k3 = div.k3_expected if not math.isnan(div.k3_expected) else div.k3_kl
+    if div.k3_kl == math.inf:
+        k3 = math.inf
+    names = [name for name, v in (("k3", k3), ("kl", div.kl)) if v > threshold]
+    return "+".join(names)
+
+
+def k3_of(d: np.ndarray) -> np.ndarray:
+    """k3 = expm1(d) - d for float64 log-ratios d, to ~1e-14 relative for every d (its Taylor series
+    where |d| is small: there the direct form cancels, losing ~log2(1/|d|) bits)."""
+    d = np.asarray(d, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        s = np.full_like(d, _K3_SERIES[-1])
+        for c in _K3_SERIES[-2::-1]:  # Horner, over every d (T values: cheaper than selecting)
+            s = s * d + c
+        return np.where(np.abs(d) < _K3_SERIES_BELOW, s * d * d, np.expm1(d) - d)
+
+
+def boundary_tie(scores: Any, k: int) -> np.ndarray:
+    """(T,) bool: the k-th and (k+1)-th largest scores are exactly equal."""
+    if scores is None:
+        return np.zeros(0, dtype=bool)
+    s = _np(scores).astype(np.float32)
+    if s.shape[-1] <= k:
+        return np.zeros(s.shape[0], dtype=bool)
+    top = -np.partition(-s, (k - 1, k), axis=-1)  # ranks k-1 and k (0-based) in place
+    return top[:, k - 1] == top[:, k]
+
+
+def routing_flips(routing_t: dict, routing_r: dict) -> dict[str, dict[str, int]]:
+    """Per router layer present in both paths: tokens routed, flips at an exact tie, other flips."""
+    out: dict[str, dict[str, int]] = {}
+    for layer in sorted(set(routing_t) & set(routing_r)):
+        et = np.sort(_np(routing_t[layer].experts), axis=-1)
+        er = np.sort(_np(routing_r[layer].experts), axis=-1)
+        flipped = (et != er).any(-1)
+        k = et.shape[-1]
+        tie = np.zeros_like(flipped)
+        for s in (routing_t[layer].scores, routing_r[layer].scores):
+            if s is not None:
+                tie |= boundary_tie(s, k)
+        out[layer] = {"tokens": int(flipped.size), "tie_flips": int((flipped & tie).sum()),
+                      "flips": int((flipped & ~tie).sum())}
+    return out
+
+
+def _np(t: Any) -> np.ndarray:
+    """A CPU numpy view of a tensor (bf16/fp16 widened to float32 first: numpy has no bf16)."""
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        t = t.detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.cpu().numpy()
+    return np.asarray(t)
+
+
+def multinomial_tokens(logp_rollout: Any, generator: Any) -> Any:
+    """The schema-1 draw: one token per row by `torch.multinomial` on float64 probabilities on the
+    CPU (rows that are not distributions: uniform). Kept bit-for-bit for upgraded schema-1 repros;
+    it holds the whole (T, V) in float64, so new cases use the chunked inverse CDF instead."""
+    import torch
+
+    with np.errstate(all="ignore"):
+        p = torch.from_numpy(np.exp(logp_rollout.detach().to(torch.float64).cpu().numpy()))  # (T, V)
+    p = torch.nan_to_num(p, nan=0.0, posinf=0.0, neginf=0.0)
+    bad = p.sum(-1) <= 0
+    if bool(bad.any()):
+        p[bad] = 1.0
+    return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+
+def _inverse_cdf(p: Any, u: Any, out: Any) -> Any:
+    """(n, V) float64 probabilities (finite, >= 0) and (n,) float64 uniforms in [0, 1) -> (n,) token
+    ids: the first token whose cumulative mass exceeds u * total (`out`: an (n, V) float64 buffer
+    for the cumulative sums). Never a zero-probability token; a row with no mass gives its argmax."""
+    import torch
+
+    c = torch.cumsum(p, dim=-1, out=out)  # (n, V)
+    target = u[:, None] * c[:, -1:]  # (n, 1)
+    idx = torch.searchsorted(c, target, right=True).squeeze(-1)  # (n,)
+    idx = torch.clamp_(idx, max=p.shape[-1] - 1)
+    zero = p.gather(-1, idx[:, None]).squeeze(-1) <= 0
+    if bool(zero.any()):
+        idx = torch.where(zero, p.argmax(-1), idx)
+    return idx
+
+
+def _finish(sums: Any) -> tuple[Any, Any, Any, Any]:
+    """(n, 6) float64 row sums [sum p*(lr-lt) over kept tokens, sum p*lr, Z_r = sum p, Z_t = sum p_t,
+    sum p over tokens the trainer excludes, sum p_t over the rollout's support] -> (KL, entropy,
+    excluded mass, expected k3), each (n,), with both distributions normalised (log p^ = log p - log Z
+    on each side) for the KL; the expected k3 is that of the log-probabilities as reported."""
+    a, b, zr, zt, e, zts = (sums[:, i] for i in range(6))
+    with np.errstate(all="ignore"):
+        log_zr, log_zt = np.log(zr), np.log(zt)
+        kl = a / zr - ((zr - e) / zr) * (log_zr - log_zt)
+        ent = -(b / zr - log_zr)
+        excluded = e / zr
+        # E_{x ~ p_r / Z_r}[k3] over kept tokens = (1/Z_r) sum p * (exp(-d) - 1 + d), with p * exp(-d) = p_t
+        k3 = (zts - (zr - e) + a) / zr
+    return kl, ent, excluded, k3
+
+
+def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """The definition, masked, in float64, for a few rows: (KL, entropy, excluded, expected k3,
+    trainer bad, rollout bad)."""
+    import torch
+
+    lt64, lr64 = lt.to(torch.float64), lr.to(torch.float64)  # (n, V)
+    bad_t = ~(lt64.amax(-1) < math.inf)  # NaN (amax propagates it) or +inf somewhere in the row
+    bad_r = ~(lr64.amax(-1) < math.inf)
+    p = torch.exp(torch.where(lr64 <= LOG_ZERO, -math.inf, lr64))  # p at or below e^-650: 0
+    pt = torch.exp(torch.where(lt64 <= LOG_ZERO, -math.inf, lt64))
+    mass, kept = p > 0, lt64 > LOG_ZERO  # 0 * log 0 terms are 0, not NaN
+    both = mass & kept
+    zero = torch.zeros((), dtype=torch.float64, device=p.device)
+    sums = torch.stack([torch.where(both, p * (lr64 - lt64), zero).sum(-1), torch.where(mass, p * lr64, zero).sum(-1),
+                        p.sum(-1), pt.sum(-1), torch.where(mass & ~kept, p, zero).sum(-1),
+                        torch.where(mass, pt, zero).sum(-1)], 1)  # (n, 6)
+    kl, ent, excluded, k3 = _finish(_np(sums))
+    bt, br = _np(bad_t), _np(bad_r) | ~(_np(sums[:, 2]) > 0)  # a rollout row with no mass is no distribution
+    kl = np.where(bt | br, math.nan, kl)
+    k3 = np.where(bt | br, math.nan, k3)
+    ent = np.where(br, math.nan, ent)
+    excluded = np.where(bt | br, math.nan, excluded)
+    return kl, ent, excluded, k3, bt, br
+
+
+_LOCAL = threading.local()
+
+
+def _workspace(n: int, dev: Any) -> Any:
+    """n float64 elements of scratch on `dev`. On a CPU one buffer per thread is kept and grown, not
+    allocated per call: a fresh multi-MiB allocation is fresh pages, and faulting them in cost more
+    than the metrics on small cases. Accelerators' caching allocators already reuse memory."""
+    import torch
+
+    if dev.type != "cpu":
+        return torch.empty(n, dtype=torch.float64, device=dev)
+    buf = getattr(_LOCAL, "workspace", None)
+    if buf is None or buf.numel() < n:
+        buf = _LOCAL.workspace = torch.empty(n, dtype=torch.float64)
+    return buf[:n]
+
+
+
+def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
+              chunk_elems: int | None = None) -> dict[str, Any]:
+    """Sums over the vocabulary of two (T, V) log-probability tensors, in chunks of rows.
+
+    Returns (T,) numpy arrays `kl` (exact KL(rollout || trainer) of the normalised distributions
+    over the tokens the trainer keeps, float64), `excluded` (rollout mass on tokens the trainer
+    gives -inf), `entropy` (of the rollout, float64), `bad_trainer` / `bad_rollout` (bool: NaN or
+    +inf in the row), and `tokens` (an int64 tensor on the rollout's device: inverse-CDF draws on
+    `uniforms`; None without them).
+    """
+    import torch
+
+    n_rows, v = rollout_lp.shape
+    dev = rollout_lp.device
+    f64 = torch.float64
+    if chunk_elems is None:
+        chunk_elems = CHUNK_ELEMS_CPU if dev.type == "cpu" else CHUNK_ELEMS_DEVICE
+    rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
+    if uniforms is not None:
+        uniforms = uniforms.to(device=dev, dtype=f64)
+    ws = _workspace(rows * v * (6 if uniforms is not None else 5), dev)
+    # per row: [d, logp_r, p_r, p_t, p_t where p_r > 0]; d and logp_r become p*d and p*logp_r, then
+    # one reduction sums them all (>= 4 outputs per row: one thread sums a row, in order)
+    buf = ws[:5 * rows * v].view(rows, 5, v)
+    cbuf = ws[5 * rows * v:].view(rows, v) if uniforms is not None else None  # cumulative p_r
+    # Small inputs (one chunk) that are the same tensor values on both sides (an aligned pair whose
+    # paths agree bit for bit) skip the trainer's exp: p_t = p_r, d = 0, the same values either way.
+    same = n_rows <= rows and trainer_lp.dtype == rollout_lp.dtype and bool(torch.equal(trainer_lp.to(dev), rollout_lp))
+    sums, drawn, redone = [], [], []
+    for a in range(0, n_rows, rows):
+        b = min(a + rows, n_rows)
+        n = b - a
+        lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
+        x = buf[:n]  # (n, 5, V)
+        d, l, p, pt, pts = x.unbind(1)  # (n, V) views
+        # Plain chunks (every log-probability on both sides above e^-650: no -inf, NaN or tiny
+        # value) skip the thresholds; the values are the same either way (each step is elementwise).
+        plain = float(lr.amin()) > LOG_ZERO and (same or float(lt.amin()) > LOG_ZERO)  # NaN: not plain
+        l.copy_(lr)
+        if not plain:
+            torch.nn.functional.threshold_(l, LOG_ZERO, _EXP_FLOOR)
+        torch.exp(l, out=p)
+        if not plain:
+            # lr <= -650 (-inf too) went in as -700 (a CPU's exp is slow on -inf and subnormal
+            # results) and comes out as exactly 0
+            torch.nn.functional.threshold_(p, _P_ZERO, 0.0)
+        if same:
+            d.zero_()
+            pt.copy_(p)
+        else:
+            pt.copy_(lt)
+            torch.sub(l, pt, out=d)  # logp_r - logp_t in float64
+            if not plain:
+                # a trainer -inf gives d = +inf -> max, so that p*d >= e^-650*max > 1e8 where p > 0
+                d.clamp_(max=_F64_MAX)
+                torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
+            pt.exp_()  # (n, V) p_t, for its normaliser
+            if not plain:
+                torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
+        if not plain:
+            torch.where(p > 0, pt, torch.zeros((), dtype=f64, device=dev), out=pts)  # p_t on the rollout's support
+        d.mul_(p)  # p * (logp_r - logp_t)
+        l.mul_(p)  # p * logp_r
+        s = np.zeros((n, 6))
+        if plain:  # sum p*d, sum p*logp_r, Z_r, Z_t; p > 0 everywhere: the support's p_t sum is Z_t
+            s[:, 0:4] = x[:, :4].sum(-1).cpu().numpy()
+            s[:, 5] = s[:, 3]
+        else:  # ... and the sum of p_t where p > 0
+            s[:, [0, 1, 2, 3, 5]] = x.sum(-1).cpu().numpy()
+        # s[:, 4], the excluded mass, is 0 unless the row is redone below
+        sums.append(s)
+        finite = np.isfinite(s).all(-1) & (s[:, 2] > 0)  # (n,)
+        # A token the trainer excludes (-inf) where the rollout has mass adds > 1e8 to a row's sum
+        # (the rest of a KL sum is >= -1/e for distributions): only rows above 1 can hold one.
+        check = finite & (s[:, 0] > _KL_CHECK)
+        if check.any():
+            i = torch.from_numpy(np.flatnonzero(check)).to(dev)
+            i = i[d[i].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
+            if i.numel():
+                finite[_np(i)] = False
+        if not finite.all():  # NaN or +inf, no mass, or excluded tokens: the masked definition
+            i = torch.from_numpy(np.flatnonzero(~finite)).to(dev)
+            redone.append((a + _np(i), *_exact_rows(lt[i], lr[i])))
+            p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution
+        if uniforms is not None:
+            drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf[:n]))
+    s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 6)
+    kl, ent, excl, k3 = _finish(s)
+    bad_t, bad_r = np.zeros(n_rows, dtype=bool), np.zeros(n_rows, dtype=bool)
+    for i, kl_i, ent_i, ex_i, k3_i, bt_i, br_i in redone:
+        kl[i], ent[i], excl[i], k3[i], bad_t[i], bad_r[i] = kl_i, ent_i, ex_i, k3_i, bt_i, br_i
+    tokens = None if uniforms is None else drawn[0] if len(drawn) == 1 else torch.cat(drawn)
+    return {"kl": kl, "entropy": ent, "excluded": excl, "k3": k3, "bad_trainer": bad_t, "bad_rollout": bad_r,
+            "tokens": tokens}
+
+
+def draw_tokens_for(case: Any) -> dict[str, Any]:
+    """How `compare` draws the tokens of a case whose rollout returned none: keyword arguments."""
+    if getattr(case, "streams", "single") == "single":
+        return {"generator": case.generator(TOKEN_SALT)}
+    return {"uniforms": case.token_uniforms(TOKEN_SALT)}
+
+
+def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any = None,
+            generator: Any = None, *, uniforms: Any = None, case: Any = None,
+            chunk_elems: int | None = None) -> Divergence:
+    """Compare two (T, V) log-probability tensors at (T,) tokens; rows in case order.
+
+    With `tokens=None` one token per row is drawn from the rollout distribution: by inverse CDF on
+    `uniforms` ((T,) in [0, 1)), by the schema-1 multinomial on `generator`, or as the `case` says
+    (`draw_tokens_for`). Computed on the rollout outcome's device (see the module note).
+    """
+    import torch
+
+    lt_all, lr_all = trainer.logprobs.detach(), rollout.logprobs.detach()  # (T, V) each
+    if lt_all.shape != lr_all.shape:
+        raise ValueError(f"trainer logprobs {tuple(lt_all.shape)} and rollout logprobs "
+                         f"{tuple(lr_all.shape)} differ in shape")
+    n = sum(seq_lens)
+    if lt_all.shape[0] != n:
+        raise ValueError(f"logprobs have {lt_all.shape[0]} rows but the case has {n} tokens")
+    if tokens is None and uniforms is None and generator is None:
+        if case is None:
+            raise ValueError("compare needs tokens, or uniforms / a generator / the case to draw them")
+        draw = draw_tokens_for(case)
+        uniforms, generator = draw.get("uniforms"), draw.get("generator")
+    if tokens is None and uniforms is None:
+        tokens = multinomial_tokens(lr_all, generator)
+    stats = row_stats(lt_all, lr_all, uniforms if tokens is None else None, chunk_elems)
+    if tokens is None:
+        tokens = stats["tokens"]
+    dev = lr_all.device
+    tok_d = torch.as_tensor(tokens, device=dev).to(torch.int64).reshape(n, 1)  # (T, 1)
+    picked = torch.cat([lt_all.to(dev).gather(1, tok_d).to(torch.float64),
+                        lr_all.gather(1, tok_d).to(torch.float64)], 1).cpu().numpy()  # (T, 2)
+    lt, lr = np.ascontiguousarray(picked.T)  # (T,) each
+    tok = _np(tok_d).reshape(n)
+    kl, entropy, bad_t, bad_r = stats["kl"], stats["entropy"], stats["bad_trainer"], stats["bad_rollout"]
+    excluded, k3_rows = stats["excluded"], stats["k3"]
+    with np.errstate(all="ignore"):
+        d = lt - lr  # (T,) log r
+        k3 = k3_of(d)  # (T,)
+        seg = np.repeat(np.arange(len(seq_lens)), seq_lens)  # (T,)
+        counts = np.asarray(seq_lens, dtype=np.float64)
+        k3_seq = np.bincount(seg, weights=k3, minlength=len(seq_lens)) / counts
+        d_seq = np.bincount(seg, weights=d, minlength=len(seq_lens)) / counts
+        pt, pr = np.exp(lt), np.exp(lr)
+        ct, cr = pt - _mean(pt), pr - _mean(pr)
+        vt, vr = ct @ ct, cr @ cr
+        pearson = float(np.clip((ct @ cr) / math.sqrt(vt * vr), -1.0, 1.0)) if n >= 2 and vt > 0 and vr > 0 \
+            else math.nan
+        return Divergence(
+            k3_kl=_mean(k3),
+            k3_seq_max=float(k3_seq.max()),
+            kl=_mean(kl),
+            k3_expected=_mean(k3_rows),
+            max_abs_dlogp=float(np.abs(d).max()),
+            probs_diff_max=float(np.abs(pt - pr).max()),
+            log_ppl_diff=_mean(d_seq),
+            ppl_ratio=_mean(np.exp(d_seq)),
+            chi2_token=_mean(np.exp(2 * d)) - 1,
+            pearson=pearson,
+            entropy=_mean(entropy),
+            kl_excluded=_mean(excluded),
+            flip_rate=0.0,
+            tie_flip_rate=0.0,
+            nonfinite_trainer=int((bad_t | np.isnan(lt) | (lt == math.inf)).sum()),
+            nonfinite_rollout=int((bad_r | ~np.isfinite(lr)).sum()),
+            n_tokens=n,
+            per_token={
+                "sequence": seg,
+                "position": np.concatenate([np.arange(m) for m in seq_lens]),
+                "token": tok,
+                "logp_trainer": lt,
+                "logp_rollout": lr,
+                "k3": k3,
+                "kl": kl,
+                "k3_expected": k3_rows,
+            },
+        )
+
+
+def _mean(a: np.ndarray) -> float:
+    """`a.mean()` for a 1-D float64 array (the same pairwise sum, then / size), without its overhead."""
+    return float(np.add.reduce(a)) / a.size if a.size else math.nan
+
+
+def with_routing(div: Divergence, trainer: Any, rollout: Any) -> Divergence:
+    """Fill the tie-aware flip rates from both outcomes' routing decisions."""
+    per_layer = routing_flips(trainer.routing, rollout.routing)
+    routed = sum(v["tokens"] for v in per_layer.values())
+    if routed:
+        div.flip_rate = sum(v["flips"] for v in per_layer.values()) / routed
+        div.tie_flip_rate = sum(v["tie_flips"] for v in per_layer.values()) / routed
+    div.flips_per_layer = per_layer
+    return div
