@@ -503,7 +503,7 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
             n_tokens=n,
             per_token={
                 "sequence": seg,
-                "position": np.arange(n) - np.repeat(np.cumsum(counts) - counts, seq_lens).astype(np.int64),
+                "position": np.concatenate([np.arange(m) for m in seq_lens]),
                 "token": tok,
                 "logp_trainer": lt,
                 "logp_rollout": lr,

@@ -224,3 +224,22 @@ def test_values_do_not_depend_on_the_thread_count():
         torch.set_num_threads(before)
     assert runs[0].as_dict() == runs[1].as_dict()
     assert (runs[0].per_token["kl"] == runs[1].per_token["kl"]).all()
+
+
+@pytest.mark.parametrize("bad", [-1, 8])
+def test_a_token_id_outside_the_vocabulary_is_an_error_not_a_wrapped_index(bad):
+    """Returned tokens are read by index on the CPU: -1 must not quietly mean the last token."""
+    lp = torch.log_softmax(torch.randn(3, 8, dtype=torch.float64), -1)
+    with pytest.raises((RuntimeError, IndexError)):
+        compare(Outcome(logprobs=lp), Outcome(logprobs=lp.clone()), (3,), tokens=torch.tensor([0, bad, 2]))
+
+
+def test_gathered_tokens_are_the_same_whatever_the_dtype_and_device_path():
+    """The CPU index path (float32/float64) and the tensor path (bfloat16) read the same values."""
+    g = torch.Generator().manual_seed(3)
+    lp = torch.log_softmax(torch.randn(6, 32, generator=g), -1).bfloat16()
+    tokens = torch.randint(0, 32, (6,), generator=g)
+    a = compare(Outcome(logprobs=lp), Outcome(logprobs=lp.float() + 1e-3), (2, 4), tokens=tokens)
+    b = compare(Outcome(logprobs=lp.float()), Outcome(logprobs=lp.float() + 1e-3), (2, 4), tokens=tokens)
+    assert np.array_equal(a.per_token["logp_trainer"], b.per_token["logp_trainer"])
+    assert np.array_equal(a.per_token["token"], tokens.numpy()) and a.k3_kl == b.k3_kl
