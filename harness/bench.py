@@ -186,8 +186,8 @@ def xdist(pair_globs: tuple[str, ...], budget: float | None, streams: int, out: 
     that many seconds instead (then the cases differ, and so does their mix of sizes).
     cases/s = cases of the whole session / its wall time, startup included."""
     import json
+    import math
     import os
-    import resource
     import subprocess
     import sys
     import tempfile
@@ -204,12 +204,12 @@ def xdist(pair_globs: tuple[str, ...], budget: float | None, streams: int, out: 
                        "-p", "no:cacheprovider", "--harness-streams", str(n_streams), *limit, "--harness-seed", "1",
                        "--harness-no-tracking", "--harness-corpus", f"{tmp}/corpus-{tag}",
                        "--harness-out", f"{tmp}/out-{tag}", *(a for g in pair_globs for a in ("--harness-pairs", g))]
-                before = resource.getrusage(resource.RUSAGE_CHILDREN)
+                before = _busy_seconds()
                 t = time.perf_counter()
                 subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
                 wall = time.perf_counter() - t
-                after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+                after = _busy_seconds()
+                cpu = after - before if before is not None and after is not None else math.nan
                 cases = json.loads(Path(f"{tmp}/out-{tag}/summary.json").read_text())["cases"]
                 runs[(workers, n_streams)].append((wall, cases, cpu))
     base = statistics.median(c / w for w, c, _ in runs[(1, 1)])
@@ -226,8 +226,8 @@ def xdist(pair_globs: tuple[str, ...], budget: float | None, streams: int, out: 
         + f"` ({machine()}).",
         f"`pytest --harness-fuzz -n W --harness-streams S {what}, seed 1, the same pairs in every run, runs",
         "alternating, median of the rounds; cases/s = the session's cases / its wall time, startup and imports",
-        "included. *cores busy* = CPU seconds of the session and every process it started (pytest, xdist",
-        "workers, their harness workers), user + system, / wall seconds: an xdist worker is two processes",
+        "included. *cores busy* = the machine's busy CPU seconds during the session (`/proc/stat`: user, nice,",
+        "system, irq, softirq; not idle, iowait or steal) / wall seconds: an xdist worker is two processes",
         "(the campaign draws examples while its harness worker runs cases), so one of them already keeps",
         "more than one core busy. Goal: 2 workers >= 1.8x the cases/s of 1.",
         "",
@@ -246,6 +246,21 @@ def xdist(pair_globs: tuple[str, ...], budget: float | None, streams: int, out: 
     text = "\n".join(body)
     write_section(out, "xdist", text)
     return text + f"\n\nwritten to {out}"
+
+
+def _busy_seconds() -> float | None:
+    """The machine's busy CPU seconds since boot (`/proc/stat`: user, nice, system, irq, softirq), or
+    None where there is no /proc/stat."""
+    import os
+
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in fields[1:8])
+    return (user + nice + system + irq + softirq) / ticks
 
 
 @click.command("xdist")
