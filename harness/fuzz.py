@@ -569,6 +569,7 @@ class Executor:
         self.parked: dict[str, tuple[str, Any]] = {}  # pair name -> (its source, the worker finishing its first case)
         self.done: dict[tuple[str, Any], Evaluation] = {}  # results of parked first cases not yet asked for
         self._restarts = 0  # of workers already closed
+        self.hand_ahead = spare_core_per_worker()
 
     @staticmethod
     def source(pair: TargetPair) -> str:
@@ -653,7 +654,7 @@ class Executor:
         def prefetch(case: Case) -> bool:
             """Hand a case to the warm worker without waiting (behind at most `PREFETCH_DEPTH - 1`
             others); `evaluate(case)` collects it."""
-            if source in self.parked_sources or pair.name not in self.warm:
+            if not self.hand_ahead or source in self.parked_sources or pair.name not in self.warm:
                 return False
             worker = self._current()
             if len(worker.queue) >= self.PREFETCH_DEPTH or not worker.ready or not worker.alive():
@@ -675,6 +676,25 @@ class Executor:
             if w is not None:
                 self._retire(w)
         self.worker, self.parked = None, {}
+
+
+def spare_core_per_worker() -> bool:
+    """Whether this machine has a core for each campaign's worker besides the campaign itself: two per
+    campaign running at once (pytest-xdist workers: `PYTEST_XDIST_WORKER_COUNT`). Handing cases
+    ahead lets the worker compute while the campaign draws, which pays only with a core to spare:
+    measured on 2 cores with 2 xdist workers, handing ahead made the session 7% slower (128.5 s
+    against 120.0 s), with 1 worker 4% faster (194.2 s against 202.5 s)."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        campaigns = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    except ValueError:
+        campaigns = 1
+    return cores >= 2 * campaigns
 
 
 class _Signals:

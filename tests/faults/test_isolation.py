@@ -172,6 +172,7 @@ def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path):
             seen: list = []
             cfg = CampaignConfig(pairs=[pair], seed=5, max_examples=25, write_corpus=False, isolation=isolation)
             executor = Executor(cfg)
+            executor.hand_ahead = True  # whatever cores this machine spares: the mechanism is under test
             inner = executor.evaluator(pair, None)
 
             def evaluate(case, inner=inner, seen=seen):
@@ -210,6 +211,7 @@ def test_cases_handed_ahead_come_back_in_order_and_a_crash_drops_only_what_was_q
     one, two, three = Case(seed=1, seq_lens=(3,)), Case(seed=2, seq_lens=(2, 2)), Case(seed=3, seq_lens=(4,))
     cfg = CampaignConfig(pairs=[pair], seed=0, write_corpus=False, isolation=True, plugins=(FAULTS,))
     executor = Executor(cfg)
+    executor.hand_ahead = True
     try:
         evaluate = executor.evaluator(pair, None)
         assert evaluate(Case(seed=9, seq_lens=(1,))).symptom is Symptom.NONE  # warm: prefetch is for warm pairs
@@ -223,3 +225,19 @@ def test_cases_handed_ahead_come_back_in_order_and_a_crash_drops_only_what_was_q
         assert not executor.worker.queue and executor.restarts == 1
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize("cores, xdist_workers, ahead", [(2, None, True), (2, "2", False), (4, "2", True),
+                                                        (1, None, False), (16, "8", True), (2, "junk", True)])
+def test_cases_are_handed_ahead_only_with_a_core_to_spare(monkeypatch, cores, xdist_workers, ahead):
+    from harness import fuzz
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    if xdist_workers is None:
+        monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", xdist_workers)
+    assert fuzz.spare_core_per_worker() is ahead
+    cfg = fuzz.CampaignConfig(pairs=[], isolation=True)
+    executor = fuzz.Executor(cfg)
+    assert executor.hand_ahead is ahead
