@@ -234,7 +234,7 @@ _RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.
 
 
 # Uniform random cases run after each Hypothesis example, by pair kind. Hypothesis's engine costs
-# 1-2 ms per example on a CPU (drawing, bookkeeping, mutation), about what a whole op case costs
+# 1-2.5 ms per example on a CPU (drawing, bookkeeping, mutation), about what a whole op case costs
 # (build, both paths, readout, metrics), so op pairs amortize it over three uniform cases; a model
 # case costs 50-250 ms, so model pairs keep the 1:1 mix that leaves Hypothesis half the cases.
 UNIFORM_PER_EXAMPLE = {"op": 3, "model": 1}
@@ -329,10 +329,11 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             progress(result, False)
         return ev
 
-    # Isolated, an example's uniform cases are handed to the worker before Hypothesis draws the next
-    # example, and collected at the start of it: the worker computes while this process draws (two
-    # cores busy, not one). Cases run in the same order either way, so a campaign finds the same
-    # things; a uniform failure stops Hypothesis one example later, before it runs.
+    # Isolated, with a core to spare (`Executor.hand_ahead`), an example's uniform cases are handed to
+    # the worker before Hypothesis draws the next example, and collected at the start of it: the
+    # worker computes while this process draws. Cases run in the same order either way, so a campaign
+    # finds the same things; a uniform failure stops Hypothesis one example later, before it runs
+    # (the cases queued behind it are computed and never counted, as in-process they never run).
     prefetch = getattr(evaluate, "prefetch", None)
     pending: list[Case] = []
 
@@ -567,7 +568,9 @@ class Executor:
         self.worker: Any = None  # the worker new cases go to
         self.warm: set[str] = set()  # pairs the current worker has run a case of
         self.parked: dict[str, tuple[str, Any]] = {}  # pair name -> (its source, the worker finishing its first case)
-        self.done: dict[tuple[str, Any], Evaluation] = {}  # results of parked first cases not yet asked for
+        # results collected on the way to another case (a parked first case, cases handed ahead) and not
+        # yet asked for; at most PREFETCH_DEPTH are left behind by a uniform failure, until close()
+        self.done: dict[tuple[str, Any], Evaluation] = {}
         self._restarts = 0  # of workers already closed
         self.hand_ahead = spare_core_per_worker()
 
@@ -675,7 +678,7 @@ class Executor:
         for w in (self.worker, *(w for _, w in self.parked.values())):
             if w is not None:
                 self._retire(w)
-        self.worker, self.parked = None, {}
+        self.worker, self.parked, self.done = None, {}, {}
 
 
 def spare_core_per_worker() -> bool:
