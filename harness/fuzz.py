@@ -234,9 +234,10 @@ _RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.
 
 
 # Uniform random cases run after each Hypothesis example, by pair kind. Hypothesis's engine costs
-# 1-2.5 ms per example on a CPU (drawing, bookkeeping, mutation), about what a whole op case costs
-# (build, both paths, readout, metrics), so op pairs amortize it over three uniform cases; a model
-# case costs 50-250 ms, so model pairs keep the 1:1 mix that leaves Hypothesis half the cases.
+# about as much per example on a CPU (drawing, bookkeeping, mutation) as a whole op case (build,
+# both paths, readout, metrics; `harness bench overhead` shows both), so op pairs amortize it over
+# three uniform cases; a model case costs 50-250 ms (`harness bench models`), so model pairs keep
+# the 1:1 mix that leaves Hypothesis half the cases.
 UNIFORM_PER_EXAMPLE = {"op": 3, "model": 1}
 
 
@@ -261,7 +262,7 @@ def _size(case: Case) -> tuple:
 
 def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float | None,
               progress: Callable[[PairResult, bool], None] | None = None, evaluate: Evaluate | None = None,
-              max_examples: int | None = None, wall: float | None = None, uniform: bool = True,
+              max_examples: int | None = None, wall: float | None = None,
               polish_evals: int = 150) -> PairResult:
     """Fuzz one pair until max_examples or the deadline (time.monotonic()); shrink what fails.
 
@@ -291,7 +292,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     floor = cfg.threshold * 1e-3
     # Every Hypothesis case is followed by `uniform_per_example` uniform random cases over the same
     # axes (see `strategies`): Hypothesis finds small and near-tie triggers, uniform draws find large ones.
-    n_uniform = uniform_per_example(pair, cfg) if uniform else 0
+    n_uniform = uniform_per_example(pair, cfg)
     uniform_rng = random.Random(seed ^ 0x5DEECE66D) if n_uniform > 0 else None
     hit: dict[str, Evaluation] = {}
 
@@ -360,11 +361,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if uniform_rng is not None and not smallest:
             pending.extend(uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
                            for _ in range(n_uniform))
-            ahead = prefetch is not None
-            for u in pending:
-                ahead = ahead and _cache_key(u) not in cache and (
-                    limit["deadline"] is None or time.monotonic() < limit["deadline"]) and prefetch(u)
-            if not ahead:
+            in_time = limit["deadline"] is None or time.monotonic() < limit["deadline"]
+            if not (prefetch is not None and in_time and all(_cache_key(u) not in cache and prefetch(u) for u in pending)):
                 take_pending()  # run them now; else they run in the worker and the next example collects them
 
     test = settings(
@@ -637,11 +635,8 @@ class Executor:
                 ev = worker.collect(wall)
                 self.warm.add(other.name)
                 if other.name == pair.name and _cache_key(sent) == key:
-                    self.done.pop((pair.name, key), None)
                     return ev
-                self.done[(other.name, _cache_key(sent))] = ev
-                if ev.symptom in (Symptom.TIMEOUT, Symptom.CRASH):
-                    break  # the worker is gone, and what was queued behind the case with it
+                self.done[(other.name, _cache_key(sent))] = ev  # (a timeout or crash also empties the queue)
             cold = pair.name not in self.warm
             worker.submit(pair, case, cfg.threshold, max(timeout, self.COLD_START_TIMEOUT) if cold else timeout, wall)
             if may_defer and share is not None and cold and len(self.parked) < self.MAX_PARKED:
@@ -684,9 +679,8 @@ class Executor:
 def spare_core_per_worker() -> bool:
     """Whether this machine has a core for each campaign's worker besides the campaign itself: two per
     campaign running at once (pytest-xdist workers: `PYTEST_XDIST_WORKER_COUNT`). Handing cases
-    ahead lets the worker compute while the campaign draws, which pays only with a core to spare:
-    measured on 2 cores with 2 xdist workers, handing ahead made the session 7% slower (128.5 s
-    against 120.0 s), with 1 worker 4% faster (194.2 s against 202.5 s)."""
+    ahead lets the worker compute while the campaign draws, which pays only with a core to spare;
+    without one the campaign and its worker compete for a core with the other campaigns' processes."""
     import os
 
     try:

@@ -233,12 +233,18 @@ def _inverse_cdf(p: Any, u: Any, out: Any, positive: bool = False) -> Any:
     return idx
 
 
-def _finish(sums: Any) -> tuple[Any, Any, Any, Any]:
+def _finish(sums: Any, plain: bool = False) -> tuple[Any, Any, Any, Any]:
     """(n, 6) float64 row sums [sum p*(lr-lt) over kept tokens, sum p*lr, Z_r = sum p, Z_t = sum p_t,
     sum p over tokens the trainer excludes, sum p_t over the rollout's support] -> (KL, entropy,
     excluded mass, expected k3), each (n,), with both distributions normalised (log p^ = log p - log Z
-    on each side) for the KL; the expected k3 is that of the log-probabilities as reported."""
+    on each side) for the KL; the expected k3 is that of the log-probabilities as reported.
+    `plain`: every row's sums are finite, Z_r and Z_t > 0 and nothing is excluded (e = 0, Z_t over
+    the support = Z_t), so the same values come without the error-state guard and the e terms
+    ((Z_r - 0) / Z_r is exactly 1)."""
     a, b, zr, zt, e, zts = (sums[:, i] for i in range(6))
+    if plain:
+        log_zr = np.log(zr)
+        return a / zr - (log_zr - np.log(zt)), -(b / zr - log_zr), np.zeros(len(zr)), (zt - zr + a) / zr
     with np.errstate(all="ignore"):
         log_zr, log_zt = np.log(zr), np.log(zt)
         kl = a / zr - ((zr - e) / zr) * (log_zr - log_zt)
@@ -297,19 +303,15 @@ def _chunk_views(rows: int, v: int, n: int, draw: bool, dev: Any) -> tuple:
     its five (n, V) slots [d, logp_r, p_r, p_t, p_t on the support], and the (n, V) cumulative sums
     (None without a draw). On a CPU they are made once per shape and reused: a small case's metrics
     are a few dozen tensor calls, and making views is a sixth of them."""
-    cache = getattr(_LOCAL, "views", None) if dev.type == "cpu" else None
+    ws = _workspace(rows * v * (6 if draw else 5), dev)  # a new CPU workspace empties the cache
+    cache = _LOCAL.views if dev.type == "cpu" else {}
     key = (rows, v, n, draw)
-    if cache is not None and key in cache:
-        return cache[key]
-    ws = _workspace(rows * v * (6 if draw else 5), dev)
-    x = ws[:5 * rows * v].view(rows, 5, v)[:n]
-    out = (x, *x.unbind(1), ws[5 * rows * v:].view(rows, v)[:n] if draw else None)
-    cache = getattr(_LOCAL, "views", None) if dev.type == "cpu" else None  # (the workspace may have grown)
-    if cache is not None:
+    if key not in cache:
         if len(cache) > 64:
             cache.clear()
-        cache[key] = out
-    return out
+        x = ws[:5 * rows * v].view(rows, 5, v)[:n]
+        cache[key] = (x, *x.unbind(1), ws[5 * rows * v:].view(rows, v)[:n] if draw else None)
+    return cache[key]
 
 
 
@@ -407,12 +409,7 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             # a plain chunk has p > e^-650 everywhere: no zero-probability token to step over
             drawn.append(_inverse_cdf(p, uniforms[a:b], out=cbuf, positive=plain and all_finite))
     s = sums[0] if len(sums) == 1 else np.concatenate(sums)  # (T, 6)
-    if all_plain and not redone:  # _finish with no excluded mass and every sum positive and finite: the same values
-        zr, zt, a = s[:, 2], s[:, 3], s[:, 0]
-        log_zr = np.log(zr)
-        kl, ent, excl, k3 = a / zr - (log_zr - np.log(zt)), -(s[:, 1] / zr - log_zr), np.zeros(n_rows), (zt - zr + a) / zr
-    else:
-        kl, ent, excl, k3 = _finish(s)
+    kl, ent, excl, k3 = _finish(s, plain=all_plain and not redone)
     bad_t, bad_r = np.zeros(n_rows, dtype=bool), np.zeros(n_rows, dtype=bool)
     for i, kl_i, ent_i, ex_i, k3_i, bt_i, br_i in redone:
         kl[i], ent[i], excl[i], k3[i], bad_t[i], bad_r[i] = kl_i, ent_i, ex_i, k3_i, bt_i, br_i

@@ -35,8 +35,8 @@ import os
 import signal
 import tempfile
 import time
-from pathlib import Path
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from .errors import HarnessError
