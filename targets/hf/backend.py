@@ -35,7 +35,8 @@ the response tokens in case order.
 
 Numerics (`Numerics`, one per path): body dtype (weights and activations), router dtype, LM-head
 dtype, attention implementation (eager / sdpa), experts implementation (eager / grouped_mm /
-batched_mm), and, for the trainer only, whether the packed forward passes `use_cache=False`. Each
+batched_mm), a module patch (`register_patch`: modules of your own swapped into that path's copy
+of the model), and, for the trainer only, whether the packed forward passes `use_cache=False`. Each
 pair exposes both profiles in the triage protocol (`HFProfiles`), so `harness triage` swaps one
 component at a time.
 
@@ -55,7 +56,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from harness.errors import UsageError
 
@@ -66,6 +67,10 @@ USE_CACHE = ("off", "default")
 TIE_FLOOR = 1e-5  # smallest near-tie gap: below it fp32 layout noise breaks ties differently on each path
 RECORDED_KEYS = ("rec_prompt", "rec_response", "rec_logprobs")  # case params holding a recorded sample
 
+# name -> module patch: your own modules swapped into a path's model (`register_patch`)
+PATCHES: dict[str, Callable[[Any], Any]] = {}
+NO_PATCH = "none"
+
 # component -> what a person calls it (the triage labels)
 COMPONENTS = {
     "body": "model dtype (weights, activations, attention, experts)",
@@ -74,7 +79,48 @@ COMPONENTS = {
     "attention": "attention implementation",
     "experts": "experts implementation",
     "use_cache": "use_cache in the packed trainer forward (block-diagonal mask)",
+    "patch": "module patch (modules of your own swapped in: register_patch)",
 }
+
+
+def register_patch(name: str, fn: Callable[[Any], Any] | None = None) -> Any:
+    """Register a module patch under `name`, for `Numerics(patch=name)`; usable as a decorator.
+
+    `fn(model)` receives one path's copy of the model (a transformers causal LM, already on the
+    path's device and in its dtypes) and changes it in place (or returns a replacement): swap the MoE
+    blocks for your engine's fused kernel, the attention for your own, a module for a quantized one.
+    It must be deterministic: every case of the pair runs on that copy, and a repro replays it. Each
+    path gets its own copy, so a patch on the rollout leaves the trainer as it was; triage swaps the
+    patch off (`none`) like any other component. Routers are hooked after the patch: a patched MoE
+    block that keeps its `gate` module keeps its routing (flips, near ties, replay).
+
+        @register_patch("fused_moe")
+        def fused_moe(model):
+            for layer in model.model.layers:
+                layer.mlp.experts = MyFusedExperts(layer.mlp.experts)
+
+        register(hf_pair("mine.fused_moe", CHECKPOINT, FP32, FP32.replace(patch="fused_moe")))
+    """
+    if not isinstance(name, str) or not name or name == NO_PATCH or not name.replace("_", "a").replace(".", "a").replace(
+            "-", "a").isalnum():
+        raise UsageError(f"register_patch: {name!r} is not a usable patch name; use letters, digits, '_', '-' or '.' "
+                         f"(and not {NO_PATCH!r}, which means no patch).")
+
+    def add(f: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        if not callable(f):
+            raise UsageError(f"register_patch({name!r}): the patch must be a function taking the model; got "
+                             f"{type(f).__name__}.")
+        if PATCHES.get(name, f) is not f and PATCHES[name].__qualname__ != getattr(f, "__qualname__", None):
+            raise UsageError(f"register_patch: a different patch is already registered as {name!r} "
+                             f"({_where(PATCHES[name])}); pick another name.")
+        PATCHES[name] = f
+        return f
+
+    return add(fn) if fn is not None else add
+
+
+def _where(f: Any) -> str:
+    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', '?')}"
 
 
 @dataclass(frozen=True)
@@ -87,12 +133,18 @@ class Numerics:
     attention: str = "sdpa"  # transformers attention implementation: "eager" or "sdpa"
     experts: str = "eager"  # transformers experts implementation (MoE models): "eager", "grouped_mm", "batched_mm"
     use_cache: str = "off"  # trainer only: "off" passes use_cache=False; "default" leaves it (the packed-mask trap)
+    patch: str = NO_PATCH  # a module patch registered with `register_patch`, applied to this path's model copy
 
     def __post_init__(self) -> None:
         for name, allowed in (("body", DTYPES), ("router", DTYPES), ("lm_head", DTYPES), ("attention", ATTENTION),
                               ("experts", EXPERTS), ("use_cache", USE_CACHE)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"Numerics.{name}={getattr(self, name)!r} is not one of {allowed}; pick one of those.")
+        if self.patch != NO_PATCH and self.patch not in PATCHES:
+            known = ", ".join(sorted(PATCHES)) or "none registered"
+            raise UsageError(f"Numerics.patch={self.patch!r} is not a registered patch ({known}); register it with "
+                             "targets.hf.register_patch(name, fn) before building the Numerics that name it (in a "
+                             "plugin: above the hf_pair call), or use patch='none'.")
 
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -103,7 +155,7 @@ class Numerics:
     @property
     def model_key(self) -> tuple:
         """The fields that change the model object (use_cache only changes the call)."""
-        return (self.body, self.router, self.lm_head, self.attention, self.experts)
+        return (self.body, self.router, self.lm_head, self.attention, self.experts, self.patch)
 
 
 FP32 = Numerics()
@@ -211,7 +263,7 @@ def base_model(spec: HFModel) -> Any:
 @functools.lru_cache(maxsize=32)
 def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
     """The model as one path runs it (a copy of the base converted to its numerics) with hooks."""
-    nx = Numerics(*model_key)
+    nx = Numerics(*model_key[:5], patch=model_key[5])
     model = copy.deepcopy(base_model(spec))
     model.to(device=device, dtype=_dtype(nx.body))
     if hasattr(model, "set_attn_implementation"):
@@ -223,6 +275,12 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
         g.to(_dtype(nx.router))
     head = model.get_output_embeddings()
     head.to(_dtype(nx.lm_head))
+    if nx.patch != NO_PATCH:  # the user's modules, then the routers and head of the patched model
+        patched = PATCHES[nx.patch](model)
+        model = model if patched is None else patched
+        model.eval()
+        model.requires_grad_(False)
+        gates, head = router_modules(model), model.get_output_embeddings()
     return Runner(model, gates, head, nx)
 
 

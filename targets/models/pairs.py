@@ -20,8 +20,9 @@ Every pair exposes its profiles (`ModelProfiles`, the triage protocol of `harnes
 `harness triage` can swap one component at a time, and its torch modules, so it gets the
 per-module table. Backends (`targets/backends/`) reuse `model_pair` with another rollout forward.
 
-On `--device cuda` the pairs run the LARGE config (hidden 1024, 32 experts top-8, ~2k tokens per
-case through unscored context); the case's `n_experts`/`top_k` fields name the CPU config's.
+On `--device cuda` the pairs run the LARGE config (vocab 151936, hidden 2048, 64 experts top-8, 400
+unscored context tokens per sequence: up to ~4k tokens per case); the case's `n_experts`/`top_k`
+fields name the CPU config's.
 """
 
 from __future__ import annotations
