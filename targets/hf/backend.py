@@ -263,6 +263,8 @@ def base_model(spec: HFModel) -> Any:
 @functools.lru_cache(maxsize=32)
 def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
     """The model as one path runs it (a copy of the base converted to its numerics) with hooks."""
+    import torch
+
     nx = Numerics(*model_key[:5], patch=model_key[5])
     model = copy.deepcopy(base_model(spec))
     model.to(device=device, dtype=_dtype(nx.body))
@@ -274,6 +276,11 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
     for _, g in gates:
         g.to(_dtype(nx.router))
     head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    if nx.lm_head != nx.body and embed is not None and head.weight is embed.weight:
+        # tied embeddings (tie_word_embeddings): the head gets its own copy, else casting the head
+        # would cast the input embedding with it (and a bf16 body with a float32 head would fail)
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
     head.to(_dtype(nx.lm_head))
     if nx.patch != NO_PATCH:  # the user's modules, then the routers and head of the patched model
         patched = PATCHES[nx.patch](model)

@@ -128,6 +128,22 @@ def test_user_pair_from_config_dict_and_profiles_swap():
     assert ev.k3 < 1e-8 and math.isfinite(ev.k3)
 
 
+def test_tied_embeddings_keep_the_body_dtype_when_only_the_head_differs():
+    """A tied LM head (tie_word_embeddings: most small real checkpoints) in its own dtype gets its own
+    weight copy: the input embedding stays in the body dtype, and a bf16 body with a float32 head runs."""
+    cfg = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    for trainer, rollout in ((FP32, FP32.replace(lm_head="bfloat16")), (FP32, BF16.replace(lm_head="float32"))):
+        pair = hf_pair("user.tied", cfg, trainer, rollout, expected="diverges")
+        ev = run_case(pair, rl_case(seed=2))
+        assert ev.error is None and math.isfinite(ev.k3) and ev.k3 > 0, ev.error
+        runner = path_model(pair.profiles.model, rollout.model_key, "cpu")
+        assert runner.model.get_input_embeddings().weight.dtype == getattr(torch, rollout.body)
+        assert runner.head.weight.dtype == getattr(torch, rollout.lm_head)
+    same = path_model(pair.profiles.model, FP32.model_key, "cpu").model  # tied and one dtype: still tied
+    assert same.get_input_embeddings().weight is same.get_output_embeddings().weight
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf.qwen3.bf16_rollout", "hf.qwen3_moe.bf16_rollout", "hf.mixtral.bf16_rollout",
                                   "hf.qwen3_moe.packed_cache_trap"])
