@@ -361,13 +361,14 @@ class Runner:
                 want = torch.full_like(idx, -1)
                 want[valid] = table[keys[valid]].to(idx.device)
                 use = (want >= 0).all(-1)  # (N,)
-                if bool(use.any()):
-                    idx = torch.where(use[:, None], want, idx)
-                    probs = torch.softmax(logits.float(), dim=-1)
-                    vals = probs.gather(1, idx)
-                    if getattr(module, "norm_topk_prob", True):
-                        vals = vals / vals.sum(-1, keepdim=True)
-                    scores = torch.where(use[:, None], vals.to(scores.dtype), scores)
+                # where the replayed set is the router's own choice, its own weights stand (exact for
+                # every router); elsewhere (a flip) they are recomputed from its logits (`gate_weights`)
+                own = (want.sort(-1).values == idx.sort(-1).values).all(-1)
+                redo = use & ~own
+                if bool(redo.any()):
+                    check_gate_weights(module, logits[own], idx[own], scores[own])
+                    idx = torch.where(redo[:, None], want, idx)
+                    scores = torch.where(redo[:, None], gate_weights(module, logits, idx).to(scores.dtype), scores)
             if keys is not None:
                 sel = keys >= 0
                 ctx.captured.setdefault(layer, []).append((keys[sel].cpu(), idx[sel].cpu(), logits[sel].detach().cpu()))
@@ -383,6 +384,51 @@ class Runner:
             return self.model(**kwargs)
         finally:
             self.ctx = CallContext()
+
+
+def gate_weights(router: Any, logits: Any, idx: Any) -> Any:
+    """(N, k) float32 gate weights a transformers router gives experts `idx` (N, k) from its logits
+    (N, E), for router replay at positions where the replayed experts are not the router's own choice.
+
+    The router families of transformers' MoE models: sigmoid scores with a selection bias
+    (`e_score_correction_bias`: DeepSeek-V3, GLM-4.5, dots1), renormalised when `norm_topk_prob`, then
+    x `routed_scaling_factor`; softmax with `topk_method` (DeepSeek-V2): x `routed_scaling_factor`, no
+    renormalisation; softmax with `norm_min` (ERNIE 4.5): renormalised, the sum clamped; otherwise
+    softmax (Qwen2/3-MoE, Mixtral, OLMoE, MiniMax), renormalised unless `norm_topk_prob` is False.
+    `check_gate_weights` verifies the family on positions the router chose itself."""
+    import torch
+
+    x = logits.float()
+    if hasattr(router, "e_score_correction_bias"):
+        w = x.sigmoid().gather(1, idx)
+        if getattr(router, "norm_topk_prob", False):
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    else:
+        w = torch.softmax(x, dim=-1).gather(1, idx)
+        if hasattr(router, "norm_min"):
+            w = w / w.sum(-1, keepdim=True).clamp(min=router.norm_min)
+        elif not hasattr(router, "topk_method") and getattr(router, "norm_topk_prob", True):
+            w = w / w.sum(-1, keepdim=True)
+    return w * float(getattr(router, "routed_scaling_factor", 1.0) or 1.0)
+
+
+class ReplayError(RuntimeError):
+    """Router replay cannot recompute this router's gate weights (a router family `gate_weights` lacks)."""
+
+
+def check_gate_weights(router: Any, logits: Any, idx: Any, weights: Any) -> None:
+    """Raise `ReplayError` when `gate_weights` does not give the weights the router itself gave on
+    rows it chose (so a replayed flip would be weighted by a formula this router does not use)."""
+    if idx.numel() == 0:
+        return
+    want = weights.float()
+    got = gate_weights(router, logits, idx)
+    if not bool(((got - want).abs() <= 1e-2 * want.abs() + 1e-6).all()):
+        raise ReplayError(
+            f"router replay: the gate weights of {type(router).__name__} are not one of the router families "
+            "targets.hf.backend.gate_weights knows (softmax or sigmoid top-k, with or without renormalisation and "
+            "routed_scaling_factor), so a replayed expert cannot be weighted as the model would; run this model "
+            "without replay (hf_pair(..., replay=False)) or add its family to gate_weights.")
 
 
 def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, rounds: int = 3) -> Any:

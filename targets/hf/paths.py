@@ -240,6 +240,14 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
     import torch
 
     run = path_model(inp.spec, nx.model_key, inp.device)
+    if replay and not run.gates:
+        from .backend import ReplayError
+
+        raise ReplayError(
+            f"router replay: no router of this model ({type(run.model).__name__}) is one the HF backend hooks "
+            "(a `mlp.gate` module with `top_k` and `weight` that returns (logits, weights, experts), as in "
+            "transformers' Qwen-MoE, Mixtral, OLMoE, DeepSeek, GLM-4.5 and ERNIE models), so there are no "
+            "experts to replay; run this model without replay (hf_pair(..., replay=False)).")
     case, dev = inp.case, inp.device
     tokens = rollout_outcome.tokens.cpu().to(torch.int64)
     full, start = [], 0

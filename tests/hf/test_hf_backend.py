@@ -144,6 +144,67 @@ def test_tied_embeddings_keep_the_body_dtype_when_only_the_head_differs():
     assert same.get_input_embeddings().weight is same.get_output_embeddings().weight
 
 
+# MoE model types of transformers, one per router family (see targets.hf.backend.gate_weights)
+ROUTER_FAMILIES = ("qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "ernie4_5_moe")
+_SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_experts=8, num_local_experts=8,
+              n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=256, first_k_dense_replace=0,
+              shared_expert_intermediate_size=16, n_shared_experts=1, n_group=1, topk_group=1, kv_lora_rank=16,
+              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, decoder_sparse_step=1,
+              moe_layer_start_index=0, mlp_only_layers=[], tie_word_embeddings=False, norm_topk_prob=False)
+
+
+def small_moe(model_type: str) -> dict:
+    fields = transformers.AutoConfig.for_model(model_type).to_dict()
+    return {"model_type": model_type, **{k: v for k, v in _SMALL.items() if k in fields}}
+
+
+@pytest.mark.parametrize("model_type", ROUTER_FAMILIES)
+def test_replay_weights_are_the_routers_own_for_each_router_family(model_type):
+    """`gate_weights` gives the weights each family's router gives its own choice (softmax or sigmoid,
+    renormalised or not, routed_scaling_factor), so a replayed flip is weighted as the model would."""
+    from targets.hf import HFModel
+    from targets.hf.backend import base_model, check_gate_weights, gate_weights, router_modules
+
+    [(_, router)] = router_modules(base_model(HFModel.from_config(small_moe(model_type), init_seed=3)))
+    x = torch.randn(64, router.weight.shape[-1], generator=torch.Generator().manual_seed(0))
+    logits, weights, idx = router(x)
+    torch.testing.assert_close(gate_weights(router, logits, idx), weights.float(), rtol=1e-6, atol=1e-7)
+    check_gate_weights(router, logits, idx, weights)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "glm4_moe"])
+def test_replay_at_identical_numerics_is_clean_for_every_router_family(model_type):
+    """Replaying the rollout's experts where the trainer chose the same ones changes nothing (a
+    recomputed softmax weight on a sigmoid router gave k3 0.39-1.9 before the router's own weights stood)."""
+    cfg = small_moe(model_type)
+    replayed = hf_pair(f"user.{model_type}.replay", cfg, FP32, FP32, replay=True)
+    plain = hf_pair(f"user.{model_type}", cfg, FP32, FP32)
+    for seed in range(3):
+        case = rl_case(seed=seed, tie_fraction=0.5, tie_gap=1e-3)
+        ev = run_case(replayed, case)
+        assert ev.error is None and ev.k3 < 1e-8, (ev.k3, ev.error)
+        assert ev.k3 == run_case(plain, case).k3
+
+
+def test_replay_on_a_model_whose_routers_are_not_hooked_says_so():
+    ev = run_case(hf_pair("user.granitemoe.replay", small_moe("granitemoe"), FP32, BF16, replay=True), rl_case(seed=1))
+    assert ev.error is not None and ev.error["type"] == "ReplayError", ev.error
+    assert "GraniteMoeForCausalLM" in ev.error["message"] and "replay=False" in ev.error["message"]
+
+
+def test_replay_refuses_a_router_whose_weights_it_cannot_recompute():
+    from targets.hf.backend import ReplayError, check_gate_weights
+
+    class Odd(torch.nn.Module):  # weights = the top-k softmax squared: no family gate_weights knows
+        top_k = 2
+
+    logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    w, idx = torch.softmax(logits, -1).topk(2)
+    with pytest.raises(ReplayError, match="Odd.*replay=False"):
+        check_gate_weights(Odd(), logits, idx, w * w)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf.qwen3.bf16_rollout", "hf.qwen3_moe.bf16_rollout", "hf.mixtral.bf16_rollout",
                                   "hf.qwen3_moe.packed_cache_trap"])
