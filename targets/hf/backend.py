@@ -24,6 +24,10 @@ the response tokens in case order.
   a cache by default even in train mode: leave `use_cache` at its default (`Numerics(use_cache=
   "default")`) and packed sequences attend to each other (packed vs alone differed by 0.54 in
   logits). Padding at the end of a row is its own fake sequence (positions from 0), never attended.
+  `Numerics(packing="per_sequence")` gives every sequence a row of its own: models with
+  linear-attention layers (Qwen3-Next, MiniMax) carry state across packed sequences in
+  transformers' forward, so their packed trainer diverges from the rollout on any multi-sequence
+  row, and triage names `packing`.
 - **Routers** (MoE models): forward hooks on every router module (`*.mlp.gate`) record, per token
   position, the experts chosen and the router logits (`Outcome.routing["layers.i"]`, for the
   position whose output scores each response token), cast the router's input to its own dtype
@@ -64,6 +68,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("eager", "sdpa")
 EXPERTS = ("eager", "grouped_mm", "batched_mm")
 USE_CACHE = ("off", "default")
+PACKING = ("packed", "per_sequence")
 TIE_FLOOR = 1e-5  # smallest near-tie gap: below it fp32 layout noise breaks ties differently on each path
 RECORDED_KEYS = ("rec_prompt", "rec_response", "rec_logprobs")  # case params holding a recorded sample
 
@@ -79,6 +84,7 @@ COMPONENTS = {
     "attention": "attention implementation",
     "experts": "experts implementation",
     "use_cache": "use_cache in the packed trainer forward (block-diagonal mask)",
+    "packing": "trainer packing (sequences packed into shared rows, or one sequence per row)",
     "patch": "module patch (modules of your own swapped in: register_patch)",
 }
 
@@ -134,10 +140,11 @@ class Numerics:
     experts: str = "eager"  # transformers experts implementation (MoE models): "eager", "grouped_mm", "batched_mm"
     use_cache: str = "off"  # trainer only: "off" passes use_cache=False; "default" leaves it (the packed-mask trap)
     patch: str = NO_PATCH  # a module patch registered with `register_patch`, applied to this path's model copy
+    packing: str = "packed"  # trainer only: "packed" (the case's packed rows) or "per_sequence" (one sequence per row)
 
     def __post_init__(self) -> None:
         for name, allowed in (("body", DTYPES), ("router", DTYPES), ("lm_head", DTYPES), ("attention", ATTENTION),
-                              ("experts", EXPERTS), ("use_cache", USE_CACHE)):
+                              ("experts", EXPERTS), ("use_cache", USE_CACHE), ("packing", PACKING)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"Numerics.{name}={getattr(self, name)!r} is not one of {allowed}; pick one of those.")
         if self.patch != NO_PATCH and self.patch not in PATCHES:
@@ -154,7 +161,7 @@ class Numerics:
 
     @property
     def model_key(self) -> tuple:
-        """The fields that change the model object (use_cache only changes the call)."""
+        """The fields that change the model object (use_cache and packing only change the call)."""
         return (self.body, self.router, self.lm_head, self.attention, self.experts, self.patch)
 
 

@@ -76,6 +76,9 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     replay: the trainer reuses the rollout's experts at every position (router replay).
     """
     spec = model_from(model)
+    # the rollout runs every sequence in a row of its own (a left-padded batch, KV-cache decode):
+    # its profile says so, so the trainer's packing is a difference triage can swap
+    rollout = rollout.replace(packing="per_sequence")
     if replay and not spec.moe():
         raise UsageError(f"hf_pair {name!r}: replay=True needs a MoE model; this config has no experts.")
 

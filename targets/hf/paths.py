@@ -254,7 +254,7 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
     for p, r in zip(inp.prompts, inp.resp_lens):
         full.append(torch.cat([p, tokens[start:start + r]]))
         start += r
-    rows = case.packed_rows()
+    rows = case.packed_rows() if nx.packing == "packed" else [[j] for j in range(len(full))]
     width = max(sum(len(full[j]) for j in row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.int64)
     pos = torch.zeros(len(rows), width, dtype=torch.int64)

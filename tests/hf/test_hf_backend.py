@@ -176,7 +176,8 @@ def test_replay_weights_are_the_routers_own_for_each_router_family(model_type):
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "glm4_moe"])
 def test_replay_at_identical_numerics_is_clean_for_every_router_family(model_type):
     """Replaying the rollout's experts where the trainer chose the same ones changes nothing (a
-    recomputed softmax weight on a sigmoid router gave k3 0.39-1.9 before the router's own weights stood)."""
+    recomputed softmax weight on a sigmoid router diverged far above the line before the router's own
+    weights stood)."""
     cfg = small_moe(model_type)
     replayed = hf_pair(f"user.{model_type}.replay", cfg, FP32, FP32, replay=True)
     plain = hf_pair(f"user.{model_type}", cfg, FP32, FP32)
@@ -191,6 +192,23 @@ def test_replay_on_a_model_whose_routers_are_not_hooked_says_so():
     ev = run_case(hf_pair("user.granitemoe.replay", small_moe("granitemoe"), FP32, BF16, replay=True), rl_case(seed=1))
     assert ev.error is not None and ev.error["type"] == "ReplayError", ev.error
     assert "GraniteMoeForCausalLM" in ev.error["message"] and "replay=False" in ev.error["message"]
+
+
+def test_linear_attention_leaks_across_packed_sequences_and_one_sequence_per_row_does_not():
+    """Qwen3-Next's linear-attention layers carry state from one packed sequence into the next in
+    transformers' forward: the packed trainer diverges on a two-sequence row, not on one sequence or
+    with one sequence per row; triage's swap of `packing` finds it."""
+    from harness.triage import localize
+
+    cfg = {**small_moe("qwen3_next"), "num_hidden_layers": 4}  # 3 linear-attention layers, then full attention
+    packed = hf_pair("user.qwen3_next.aligned", cfg, FP32, FP32)
+    alone = hf_pair("user.qwen3_next.per_sequence", cfg, FP32.replace(packing="per_sequence"), FP32)
+    one, two = Case(seed=3, seq_lens=(5,), prompt_lens=(2,)), Case(seed=3, seq_lens=(5, 3), prompt_lens=(2, 0))
+    assert run_case(packed, one).k3 < 1e-8 and run_case(alone, two).k3 < 1e-8
+    ev = run_case(packed, two)
+    assert ev.error is None and ev.k3 > 1e-2, (ev.k3, ev.error)
+    loc = localize(packed, two, "cpu", 1e-3, ev.k3)
+    assert loc is not None and loc.minimal == ["packing"] and loc.explained, loc
 
 
 def test_replay_refuses_a_router_whose_weights_it_cannot_recompute():
