@@ -12,7 +12,8 @@ entropy: a bf16 rollout of a default-initialized Qwen3-MoE stayed under k3 2.1e-
 was never caught. A trained LM is peaked (1-3 nats) with a logit range of ~15-30. `realistic_init`
 gives a random model that shape of output:
 
-- embeddings N(0, 1); every norm weight 1; biases 0;
+- embeddings N(0, 1) (the input embedding, found by identity, whatever its name); biases 0; norm
+  weights and other 1-D parameters as the model initializes them (1 for a norm weight);
 - every input projection (q/k/v, gate/up, the experts' gate_up) N(0, 1/fan_in): activations keep
   unit scale through the stack, attention logits are O(1), not ~0 (so attention is not uniform);
 - output projections (o_proj, down_proj, the experts' down) N(0, OUT_GAIN^2 / (2 * layers * fan_in)):
@@ -75,8 +76,19 @@ def _is_router(name: str, module: Any) -> bool:
     return "router" in cls or name.endswith(".gate") and hasattr(module, "top_k")
 
 
+# output projections (their outputs add into the residual stream), by the names model families use
+_OUT_PROJ = ("o_proj", "down_proj", "w2", "out_proj", "c_proj", "fc2", "dense_4h_to_h", "attention.dense",
+             "self_attention.dense", "wo")
+
+
 def realistic_init(model: Any, init_seed: int, logit_std: float = LOGIT_STD, router_std: float = ROUTER_STD) -> Any:
-    """Re-draw every weight of `model` in place (see the module docstring); returns the model."""
+    """Re-draw every weight matrix of `model` in place (see the module docstring); returns the model.
+
+    The input embedding and the LM head are found by identity (`get_input_embeddings`,
+    `get_output_embeddings`), not by name. Biases become 0; other 1-D parameters (norm weights, and
+    the decay and step parameters of linear-attention and state-space layers) keep the model's own
+    initialization, which is what they mean (a norm weight of 1, or 0 where a norm scales by
+    1 + weight; a LayerNorm named `ln_f` set to 0 made a model's output uniform)."""
     import torch
 
     cfg = model.config
@@ -84,22 +96,26 @@ def realistic_init(model: Any, init_seed: int, logit_std: float = LOGIT_STD, rou
     hidden = int(cfg.hidden_size)
     g = torch.Generator().manual_seed(int(init_seed))
     routers = {n for n, m in model.named_modules() if n and _is_router(n, m)}
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embed_w = getattr(embed, "weight", None)
+    head_w = getattr(head, "weight", None)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             owner = name.rsplit(".", 1)[0]
-            if p.dim() == 1:  # norm weights and biases
-                p.fill_(1.0 if "norm" in name else 0.0)
+            if p.dim() == 1:
+                if name.endswith("bias"):
+                    p.zero_()
                 continue
-            if "embed_tokens" in name:
+            if p is embed_w:
                 std = 1.0
-            elif name.startswith("lm_head"):
+            elif p is head_w:
                 std = logit_std / math.sqrt(hidden)
             elif owner in routers:
                 std = router_std / math.sqrt(hidden)
             else:
                 fan_in = p.shape[-1]
                 std = 1.0 / math.sqrt(fan_in)
-                if any(k in name for k in ("o_proj", "down_proj", "w2")):
+                if any(k in name for k in _OUT_PROJ):
                     std *= OUT_GAIN / math.sqrt(2 * layers)
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * std)
     return model

@@ -66,6 +66,28 @@ def test_realistic_init_gives_trained_like_entropy(config):
     assert float(logits_range.mean()) > 15.0  # a trained LM's logit range, not a near-uniform one
 
 
+@pytest.mark.parametrize("model_type", ["falcon", "gpt_neox"])
+def test_realistic_init_finds_embeddings_head_and_norms_by_identity_in_other_families(model_type):
+    """Falcon (`word_embeddings`, LayerNorms with biases, a final norm named `ln_f`) and GPT-NeoX
+    (`embed_in`, `embed_out`): peaked outputs, biases 0, norm weights as the model initializes them.
+    Setting every 1-D parameter without "norm" in its name to 0 had zeroed `ln_f`: uniform output."""
+    from targets.hf import HFModel
+    from targets.hf.backend import base_model
+
+    cfg = dict(model_type=model_type, vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+               max_position_embeddings=256, tie_word_embeddings=False)
+    pair = hf_pair(f"user.{model_type}", cfg, FP32, FP32)
+    ev = run_case(pair, rl_case(), keep_outcomes=True)
+    assert ev.symptom.value == "none" and ev.divergence.entropy < 0.6 * math.log(256), ev.divergence.entropy
+    model = base_model(pair.profiles.model)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            assert not p.any(), name
+        elif p.dim() == 1:
+            assert bool((p == 1).all()), name  # LayerNorm weights: transformers' own 1
+    assert float(model.get_input_embeddings().weight.std()) == pytest.approx(1.0, rel=0.05)
+
+
 @pytest.mark.parametrize("name", ["hf.qwen3_moe.aligned", "hf.mixtral.bf16_rollout.replay", "hf.qwen3.eager_vs_sdpa"])
 def test_hf_pair_conforms(name):
     check_pair(name, n_cases=2)
