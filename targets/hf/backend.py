@@ -276,7 +276,13 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
     model = copy.deepcopy(base_model(spec))
     model.to(device=device, dtype=_dtype(nx.body))
     if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(nx.attention)
+        try:
+            model.set_attn_implementation(nx.attention)
+        except (ValueError, ImportError) as e:  # e.g. a model class with no sdpa attention in this transformers
+            raise UsageError(
+                f"{type(model).__name__} cannot run attention={nx.attention!r} here ({str(e).splitlines()[0][:200]}); "
+                "give both paths another attention, e.g. hf_pair(..., FP32.replace(attention='eager'), "
+                "BF16.replace(attention='eager')) (hf_pairs' standard set runs sdpa).") from None
     gates = router_modules(model)
     if gates and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(nx.experts)

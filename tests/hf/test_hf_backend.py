@@ -233,6 +233,16 @@ def test_linear_attention_leaks_across_packed_sequences_and_one_sequence_per_row
     assert loc is not None and loc.minimal == ["packing"] and loc.explained, loc
 
 
+def test_a_model_without_sdpa_attention_says_which_attention_to_use():
+    cfg = dict(model_type="gemma2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+    ev = run_case(hf_pair("user.gemma2", cfg, FP32, FP32), rl_case(seed=1))
+    assert ev.error is not None and ev.error["type"] == "UsageError", ev.error
+    assert "attention='sdpa'" in ev.error["message"] and "attention='eager'" in ev.error["message"]
+    eager = FP32.replace(attention="eager")
+    assert run_case(hf_pair("user.gemma2.eager", cfg, eager, eager), rl_case(seed=1)).k3 < 1e-8
+
+
 def test_replay_refuses_a_router_whose_weights_it_cannot_recompute():
     from targets.hf.backend import ReplayError, check_gate_weights
 
