@@ -305,10 +305,15 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
 
 
 def router_modules(model: Any) -> list[tuple[str, Any]]:
-    """(layer name, router module) in layer order: every `mlp.gate` that picks top-k experts."""
+    """(layer name, router module) in layer order: every router that picks top-k experts and returns
+    (logits, weights, experts), as transformers' MoE models do: a `mlp.gate` (Qwen-MoE, Mixtral,
+    OLMoE, DeepSeek, GLM-4.5, ERNIE) or a `*TopKRouter` module (gpt-oss's `mlp.router`, GraniteMoE's
+    `block_sparse_moe.router`), with `top_k` and an (experts, hidden) `weight`."""
     out = []
     for name, mod in model.named_modules():
-        if name.endswith("mlp.gate") and hasattr(mod, "top_k") and hasattr(mod, "weight"):
+        kind = type(mod).__name__.lower()
+        if ((name.endswith("mlp.gate") or kind.endswith("topkrouter")) and hasattr(mod, "top_k")
+                and getattr(getattr(mod, "weight", None), "dim", lambda: 0)() == 2):
             idx = name.split("layers.")[1].split(".")[0] if "layers." in name else str(len(out))
             out.append((f"layers.{idx}", mod))
     return out
@@ -356,7 +361,7 @@ class Runner:
                 force = valid.clone()
                 force[valid] = ctx.forced.to(valid.device)[ctx.keys[valid]]
                 if bool(force.any()):
-                    x = tie_nudge(x, module.weight, force, ctx.gap, int(module.top_k))
+                    x = tie_nudge(x, module.weight, force, ctx.gap, int(module.top_k), getattr(module, "bias", None))
             return (x.to(module.weight.dtype),)
 
         return pre
@@ -365,8 +370,14 @@ class Runner:
         def post(module: Any, args: tuple, out: tuple) -> tuple:
             import torch
 
-            logits, scores, idx = out  # (N, E), (N, k), (N, k)
             ctx = self.ctx
+            if not (isinstance(out, tuple) and len(out) == 3):  # not (logits, weights, experts): not ours to read
+                if ctx.replay is not None:
+                    raise ReplayError(f"router replay: {type(module).__name__} ({layer}) does not return (logits, "
+                                      "weights, experts), so its experts cannot be replaced; run this model without "
+                                      "replay (hf_pair(..., replay=False)).")
+                return out
+            logits, scores, idx = out  # (N, E), (N, k), (N, k)
             keys = ctx.keys
             if ctx.replay is not None and layer in ctx.replay and keys is not None:
                 table = ctx.replay[layer]  # (n_keys, k)
@@ -444,8 +455,8 @@ def check_gate_weights(router: Any, logits: Any, idx: Any, weights: Any) -> None
             "without replay (hf_pair(..., replay=False)) or add its family to gate_weights.")
 
 
-def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, rounds: int = 3) -> Any:
-    """Router input x (N, H) moved, for forced rows, so that the router logits x @ w.T have their
+def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None, rounds: int = 3) -> Any:
+    """Router input x (N, H) moved, for forced rows, so that the router logits x @ w.T (+ bias) have their
     top-k boundary (k-th vs (k+1)-th expert) at exactly `gap` in float64 (the higher expert id leads):
     the move is along w[a] - w[b], the one direction that changes that gap and nothing else of the pair.
     Row-wise, so a position gets the same nudge whichever batch it runs in (`harness.strategies.
@@ -454,8 +465,9 @@ def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, rounds: int = 3) 
     import torch
 
     xs, wf = x.to(torch.float64), w.to(torch.float64)  # (N, H), (E, H)
+    bf = bias.to(torch.float64) if bias is not None else 0.0  # (E,): gpt-oss's router has one
     for _ in range(rounds):
-        logits = xs @ wf.T  # (N, E)
+        logits = xs @ wf.T + bf  # (N, E)
         top = torch.topk(logits, k + 1, dim=-1).indices  # (N, k+1)
         a, b = top[:, k - 1], top[:, k]
         win, run = torch.maximum(a, b), torch.minimum(a, b)

@@ -245,8 +245,9 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
 
         raise ReplayError(
             f"router replay: no router of this model ({type(run.model).__name__}) is one the HF backend hooks "
-            "(a `mlp.gate` module with `top_k` and `weight` that returns (logits, weights, experts), as in "
-            "transformers' Qwen-MoE, Mixtral, OLMoE, DeepSeek, GLM-4.5 and ERNIE models), so there are no "
+            "(a `mlp.gate` or `*TopKRouter` module with `top_k` and `weight` that returns (logits, weights, "
+            "experts), as in transformers' Qwen-MoE, Mixtral, OLMoE, DeepSeek, GLM-4.5, ERNIE, GraniteMoE, PhiMoE "
+            "and gpt-oss models), so there are no "
             "experts to replay; run this model without replay (hf_pair(..., replay=False)).")
     case, dev = inp.case, inp.device
     tokens = rollout_outcome.tokens.cpu().to(torch.int64)

@@ -211,9 +211,38 @@ def test_replay_at_identical_numerics_is_clean_for_every_router_family(model_typ
 
 
 def test_replay_on_a_model_whose_routers_are_not_hooked_says_so():
-    ev = run_case(hf_pair("user.granitemoe.replay", small_moe("granitemoe"), FP32, BF16, replay=True), rl_case(seed=1))
+    ev = run_case(hf_pair("user.jetmoe.replay", small_moe("jetmoe"), FP32, BF16, replay=True), rl_case(seed=1))
     assert ev.error is not None and ev.error["type"] == "ReplayError", ev.error
-    assert "GraniteMoeForCausalLM" in ev.error["message"] and "replay=False" in ev.error["message"]
+    assert "JetMoeForCausalLM" in ev.error["message"] and "replay=False" in ev.error["message"]
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "gpt_oss"])
+def test_topk_routers_outside_mlp_gate_are_hooked(model_type):
+    """GraniteMoE's `block_sparse_moe.router` and gpt-oss's `mlp.router` (a router with a bias): found
+    by class, so flips are counted, near ties forced and experts replayed (float32 replay: clean)."""
+    from targets.hf import HFModel
+    from targets.hf.backend import base_model, router_modules
+
+    cfg = {**small_moe(model_type), "num_hidden_layers": 2}
+    if model_type == "gpt_oss":
+        cfg["sliding_window"] = 16
+    assert len(router_modules(base_model(HFModel.from_config(cfg)))) == 2
+    eager = FP32.replace(attention="eager")  # gpt-oss has no sdpa attention in transformers 5.24
+    case = Case(seed=1, seq_lens=(5, 3), prompt_lens=(2, 0), tie_fraction=0.5, tie_gap=1e-4)
+    ev = run_case(hf_pair(f"user.{model_type}.replay", cfg, eager.replace(packing="per_sequence"), eager,
+                          replay=True), case)
+    assert ev.error is None and ev.k3 < 1e-8 and ev.divergence.flips_per_layer, (ev.k3, ev.error)
+
+
+def test_tie_nudge_puts_the_boundary_at_the_gap_with_a_router_bias():
+    from targets.hf.backend import tie_nudge
+
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(16, 32, generator=g, dtype=torch.float64), torch.randn(8, 32, generator=g, dtype=torch.float64),
+               torch.randn(8, generator=g, dtype=torch.float64))
+    y = tie_nudge(x, w, torch.ones(16, dtype=torch.bool), 1e-4, 2, b)
+    top = torch.topk(y @ w.T + b, 3, dim=-1).values
+    torch.testing.assert_close(top[:, 1] - top[:, 2], torch.full((16,), 1e-4, dtype=torch.float64), rtol=1e-6, atol=1e-9)
 
 
 def test_linear_attention_leaks_across_packed_sequences_and_one_sequence_per_row_does_not():
