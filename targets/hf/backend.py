@@ -245,7 +245,7 @@ def _dtype(name: str) -> Any:
 
 @functools.lru_cache(maxsize=8)
 def base_model(spec: HFModel) -> Any:
-    """The float32 model (eval mode), built or loaded once per process."""
+    """The model (eval mode), built (float32) or loaded (in the checkpoint's dtype) once per process."""
     import torch
     import transformers
 
@@ -253,7 +253,10 @@ def base_model(spec: HFModel) -> Any:
     from transformers import AutoModelForCausalLM
 
     if spec.path:
-        model = AutoModelForCausalLM.from_pretrained(spec.path, local_files_only=True, dtype=torch.float32)
+        # in the checkpoint's own dtype: each path's copy is cast to its numerics (a bf16 checkpoint
+        # upcast to float32 is exact, so the values are those of loading it in float32), and a bf16
+        # base holds half the host memory of a float32 one
+        model = AutoModelForCausalLM.from_pretrained(spec.path, local_files_only=True, dtype="auto")
     else:
         from .configs import make_config, realistic_init
 

@@ -262,6 +262,23 @@ def test_linear_attention_leaks_across_packed_sequences_and_one_sequence_per_row
     assert loc is not None and loc.minimal == ["packing"] and loc.explained, loc
 
 
+def test_a_bf16_checkpoint_is_held_in_bf16_and_each_path_casts_its_own_copy(tmp_path):
+    import copy
+
+    from targets.hf import HFModel
+    from targets.hf.backend import base_model
+
+    cfg = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    copy.deepcopy(base_model(HFModel.from_config(cfg))).to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    spec = HFModel.from_pretrained(tmp_path / "ckpt")
+    base = dict(base_model(spec).named_parameters())
+    assert {p.dtype for p in base.values()} == {torch.bfloat16}  # half the host memory of float32
+    fp32 = dict(path_model(spec, FP32.model_key, "cpu").model.named_parameters())
+    assert all(fp32[n].dtype == torch.float32 and torch.equal(fp32[n], p.float()) for n, p in base.items())
+    assert run_case(hf_pair("user.ckpt", str(tmp_path / "ckpt"), FP32, FP32), rl_case(seed=1)).k3 < 1e-8
+
+
 def test_a_model_without_sdpa_attention_says_which_attention_to_use():
     cfg = dict(model_type="gemma2", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
