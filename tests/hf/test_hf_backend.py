@@ -71,7 +71,6 @@ def test_realistic_init_finds_embeddings_head_and_norms_by_identity_in_other_fam
     """Falcon (`word_embeddings`, LayerNorms with biases, a final norm named `ln_f`) and GPT-NeoX
     (`embed_in`, `embed_out`): peaked outputs, biases 0, norm weights as the model initializes them.
     Setting every 1-D parameter without "norm" in its name to 0 had zeroed `ln_f`: uniform output."""
-    from targets.hf import HFModel
     from targets.hf.backend import base_model
 
     cfg = dict(model_type=model_type, vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
