@@ -26,9 +26,12 @@ from .backend import BF16, COMPONENTS, FP32, HFModel, Numerics, model_from
 
 MAX_PROMPT = 12  # prompt tokens per sequence (fuzzed 0..MAX_PROMPT)
 MAX_RESPONSE = 16  # response tokens per sequence (every one decoded from the KV cache)
+# sequences per batch: engines switch kernels (and captured CUDA graphs) at decode batch 8 and 16, and
+# a case on the tiny configs costs about the same at any batch (decode steps, not rows, dominate)
+MAX_SEQS = 16
 
 
-def default_axes(model: HFModel, max_seqs: int = 4, max_prompt: int = MAX_PROMPT,
+def default_axes(model: HFModel, max_seqs: int = MAX_SEQS, max_prompt: int = MAX_PROMPT,
                  max_response: int = MAX_RESPONSE) -> Axes:
     """Batch, prompt and response lengths, packing, sampling and (MoE) near-tie axes for a model."""
     from hypothesis import strategies as st

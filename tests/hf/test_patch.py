@@ -9,6 +9,8 @@ import pytest
 
 pytest.importorskip("transformers", reason="the HF backend needs transformers: pip install -e '.[hf]'")
 
+import torch  # noqa: E402
+
 from harness.errors import UsageError  # noqa: E402
 from targets.hf import FP32, HFModel, Numerics, register_patch  # noqa: E402
 from targets.hf.backend import PATCHES, base_model, path_model  # noqa: E402
@@ -83,3 +85,57 @@ def test_an_engine_kernel_patched_into_the_rollout_is_caught_and_triage_names_th
     result = json.loads(out[out.index("{"):])
     text = json.dumps(result)
     assert "module patch" in text and "mlp.experts" in text, text[:3000]
+
+
+class _DecodeBatchKernel(torch.nn.Module):
+    """An engine's experts whose decode kernel for more than 8 sequences (past its captured batch
+    sizes) weights and sums expert outputs in bf16; `decode_batch` is set by the model patch."""
+
+    def __init__(self, experts: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.decode_batch = experts, 0
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        if self.decode_batch <= 8:
+            return self.inner(hidden, top_k_index, top_k_weights)
+        e, out = self.inner, torch.zeros(hidden.shape, dtype=torch.bfloat16)
+        for x in top_k_index.unique().tolist():
+            tok, rank = torch.where(top_k_index == x)
+            gate, up = torch.nn.functional.linear(hidden[tok], e.gate_up_proj[x]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(e.act_fn(gate) * up, e.down_proj[x])
+            out.index_add_(0, tok, (y * top_k_weights[tok, rank, None]).bfloat16())
+        return out.to(hidden.dtype)
+
+
+def _decode_batch_kernel(model):
+    kernels = []
+    for layer in model.model.layers:
+        layer.mlp.experts = _DecodeBatchKernel(layer.mlp.experts)
+        kernels.append(layer.mlp.experts)
+    forward = model.forward
+
+    def patched(*args, input_ids=None, **kwargs):
+        decoding = input_ids is not None and input_ids.shape[1] == 1
+        for k in kernels:
+            k.decode_batch = input_ids.shape[0] if decoding else 0
+        return forward(*args, input_ids=input_ids, **kwargs)
+
+    model.forward = patched
+
+
+def test_a_decode_batch_bug_in_a_real_models_rollout_is_found_at_nine_sequences(tmp_path):
+    """The HF pairs' axes reach past decode batch 8 (up to 16 sequences), where engines switch
+    kernels; the finding shrinks to the smallest batch that still triggers it."""
+    from harness.fuzz import CampaignConfig, run_campaign
+    from targets.hf import hf_pair
+
+    register_patch("test_decode_batch", _decode_batch_kernel)
+    try:
+        pair = hf_pair("user.decode_batch", TINY["qwen3_moe"], FP32, FP32.replace(patch="test_decode_batch"),
+                       expected="diverges")
+        result = run_campaign(CampaignConfig(pairs=[pair], seed=1, max_examples=100, corpus=tmp_path,
+                                             write_corpus=False))
+        [finding] = result.findings
+        assert finding.evaluation.case.batch_size == 9, finding.evaluation.case.one_line()
+    finally:
+        PATCHES.pop("test_decode_batch", None)
