@@ -334,6 +334,7 @@ class CallContext:
     tie_layer: int = -1  # layer index whose router sees near-tie inputs (-1: none)
     gap: float = 0.0  # boundary gap of forced positions
     replay: dict[str, Any] | None = None  # layer -> (n_keys, k) int64 experts to impose (-1 = none recorded)
+    floor: bool = False  # natural boundary gaps under TIE_FLOOR are raised to it (not for recorded rollouts)
     captured: dict[str, list] = field(default_factory=dict)  # layer -> [(keys, experts, logits), ...]
 
 
@@ -359,12 +360,23 @@ class Runner:
         def pre(module: Any, args: tuple) -> tuple:
             x = args[0].reshape(-1, module.weight.shape[-1])  # (N, H)
             ctx = self.ctx
+            k, bias = int(module.top_k), getattr(module, "bias", None)
+            force = None
             if ctx.tie_layer == i and ctx.forced is not None and ctx.keys is not None:
                 valid = ctx.keys >= 0  # (N,) real positions
                 force = valid.clone()
                 force[valid] = ctx.forced.to(valid.device)[ctx.keys[valid]]
                 if bool(force.any()):
-                    x = tie_nudge(x, module.weight, force, ctx.gap, int(module.top_k), getattr(module, "bias", None))
+                    x = tie_nudge(x, module.weight, force, ctx.gap, k, bias)
+            if ctx.floor and ctx.keys is not None:
+                # a natural near tie closer than the floor is decided by layout noise (a float32
+                # eager/sdpa pair flipped an expert this way): raised to the floor, the higher expert
+                # id leading, as forced ties are, so both paths choose alike; a bf16 router still flips
+                close = (ctx.keys >= 0) & (boundary_gap(x, module.weight, k, bias) < TIE_FLOOR)
+                if force is not None:
+                    close &= ~force
+                if bool(close.any()):
+                    x = tie_nudge(x, module.weight, close, TIE_FLOOR, k, bias)
             return (x.to(module.weight.dtype),)
 
         return pre
@@ -456,6 +468,17 @@ def check_gate_weights(router: Any, logits: Any, idx: Any, weights: Any) -> None
             "targets.hf.backend.gate_weights knows (softmax or sigmoid top-k, with or without renormalisation and "
             "routed_scaling_factor), so a replayed expert cannot be weighted as the model would; run this model "
             "without replay (hf_pair(..., replay=False)) or add its family to gate_weights.")
+
+
+def boundary_gap(x: Any, w: Any, k: int, bias: Any = None) -> Any:
+    """(N,) float64 gap between the k-th and (k+1)-th largest router logits x @ w.T (+ bias)."""
+    import torch
+
+    logits = x.to(torch.float64) @ w.to(torch.float64).T  # (N, E)
+    if bias is not None:
+        logits = logits + bias.to(torch.float64)
+    top = torch.topk(logits, k + 1, dim=-1).values  # (N, k+1)
+    return top[:, k - 1] - top[:, k]
 
 
 def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None, rounds: int = 3) -> Any:

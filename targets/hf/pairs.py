@@ -141,6 +141,7 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
         # a fuzz case: record the fallback model's float32 rollout of it, then score that recording
         # (no near-tie nudges: a recording is scored as it is, by the model alone)
         inp = paths.make_inputs(case.replace(tie_fraction=0.0), fallback, device)
+        inp.tie_floor = False
         recs = paths.records(inp, paths.rollout(inp, FP32))
         recorded = case.replace(params={**case.params, **paths.encode_recorded(recs)})
         inp = paths.make_inputs(recorded, fallback, device)

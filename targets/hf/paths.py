@@ -69,6 +69,9 @@ class HFInputs:
     tie_layer: int  # -1: no near ties
     gap: float
     recorded: list | None = None  # recorded samples (harness score), one per sequence: tokens, logprobs, experts
+    # natural router near ties under TIE_FLOOR raised to it (backend.Runner); off where a rollout is
+    # recorded or a recording is scored: those see the model as it is, as an engine would
+    tie_floor: bool = True
     extra: dict = field(default_factory=dict)
 
     @property
@@ -143,7 +146,8 @@ def make_inputs(case: Any, spec: HFModel, device: str) -> HFInputs:
 
 
 def _ctx(inp: HFInputs, keys: Any, replay: dict | None = None) -> CallContext:
-    return CallContext(keys=keys, forced=inp.forced, tie_layer=inp.tie_layer, gap=inp.gap, replay=replay)
+    return CallContext(keys=keys, forced=inp.forced, tie_layer=inp.tie_layer, gap=inp.gap, replay=replay,
+                       floor=inp.tie_floor and inp.recorded is None)
 
 
 def _routing(captured: dict, keys_wanted: Any, n_keys: int, top_k: int | None = None) -> tuple[dict, dict]:

@@ -288,6 +288,28 @@ def test_a_model_without_sdpa_attention_says_which_attention_to_use():
     assert run_case(hf_pair("user.gemma2.eager", cfg, eager, eager), rl_case(seed=1)).k3 < 1e-8
 
 
+def test_a_natural_router_near_tie_is_not_decided_by_layout_noise(monkeypatch):
+    """A case a campaign found: float32 eager vs sdpa, no forced ties, one position whose natural
+    top-k boundary gap (~1e-7) is under the paths' layout noise; its expert flipped and the case
+    read k3 0.13. Natural gaps under TIE_FLOOR are raised to it as forced ties are: clean."""
+    from targets.hf import paths
+
+    case = Case(seed=1680253565, seq_lens=(5,), prompt_lens=(6,), seq_ids=(26800,), params={"tie_layer": 1})
+    pair = REGISTRY.get("hf.qwen3_moe.eager_vs_sdpa")
+    ev = run_case(pair, case)
+    assert ev.k3 < 1e-8 and not any(v["flips"] for v in ev.divergence.flips_per_layer.values()), ev.divergence
+    make = paths.make_inputs
+
+    def without_floor(*args, **kwargs):
+        inp = make(*args, **kwargs)
+        inp.tie_floor = False
+        return inp
+
+    monkeypatch.setattr(paths, "make_inputs", without_floor)
+    ev = run_case(pair, case)
+    assert ev.k3 > 1e-3 and any(v["flips"] for v in ev.divergence.flips_per_layer.values())
+
+
 def test_replay_refuses_a_router_whose_weights_it_cannot_recompute():
     from targets.hf.backend import ReplayError, check_gate_weights
 
