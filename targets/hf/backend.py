@@ -58,6 +58,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -367,16 +368,16 @@ class Runner:
                 force = valid.clone()
                 force[valid] = ctx.forced.to(valid.device)[ctx.keys[valid]]
                 if bool(force.any()):
-                    x = tie_nudge(x, module.weight, force, ctx.gap, k, bias)
+                    x = tie_nudge(x, module.weight, force, ctx.gap, k, bias, router=module)
             if ctx.floor and ctx.keys is not None:
                 # a natural near tie closer than the floor is decided by layout noise (a float32
                 # eager/sdpa pair flipped an expert this way): raised to the floor, the higher expert
                 # id leading, as forced ties are, so both paths choose alike; a bf16 router still flips
-                close = (ctx.keys >= 0) & (boundary_gap(x, module.weight, k, bias) < TIE_FLOOR)
+                close = (ctx.keys >= 0) & (boundary_gap(x, module.weight, k, bias, module) < TIE_FLOOR)
                 if force is not None:
                     close &= ~force
                 if bool(close.any()):
-                    x = tie_nudge(x, module.weight, close, TIE_FLOOR, k, bias)
+                    x = tie_nudge(x, module.weight, close, TIE_FLOOR, k, bias, router=module)
             return (x.to(module.weight.dtype),)
 
         return pre
@@ -470,21 +471,50 @@ def check_gate_weights(router: Any, logits: Any, idx: Any, weights: Any) -> None
             "without replay (hf_pair(..., replay=False)) or add its family to gate_weights.")
 
 
-def boundary_gap(x: Any, w: Any, k: int, bias: Any = None) -> Any:
-    """(N,) float64 gap between the k-th and (k+1)-th largest router logits x @ w.T (+ bias)."""
+def _sigmoid_router(router: Any) -> bool:
+    """DeepSeek-V3 / GLM-4.5 / dots1 routers: experts ranked by sigmoid(logit) + a selection bias."""
+    return router is not None and getattr(router, "e_score_correction_bias", None) is not None
+
+
+def selection_scores(router: Any, logits: Any) -> Any:
+    """(N, E) float64 scores a router ranks experts by, from its float64 logits: the logits themselves
+    for softmax routers (softmax keeps their order); sigmoid(logit) + `e_score_correction_bias` for
+    sigmoid routers, -inf outside the `topk_group` groups it keeps when it limits groups (`num_group`)."""
+    import torch
+
+    if not _sigmoid_router(router):
+        return logits
+    s = logits.sigmoid() + router.e_score_correction_bias.to(torch.float64)
+    groups, keep = int(getattr(router, "num_group", 1) or 1), int(getattr(router, "topk_group", 1) or 1)
+    if groups > 1 and keep < groups:
+        g = s.view(s.shape[0], groups, -1)  # (N, G, E/G)
+        best = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(-1)  # (N, G): a group's two best
+        chosen = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(keep, dim=-1).indices, True)
+        s = torch.where(chosen[:, :, None].expand_as(g), g, -math.inf).reshape(s.shape)
+    return s
+
+
+def boundary_gap(x: Any, w: Any, k: int, bias: Any = None, router: Any = None) -> Any:
+    """(N,) float64 gap between the k-th and (k+1)-th largest selection scores (`selection_scores`)
+    of the router logits x @ w.T (+ bias); +inf where no (k+1)-th expert competes."""
     import torch
 
     logits = x.to(torch.float64) @ w.to(torch.float64).T  # (N, E)
     if bias is not None:
         logits = logits + bias.to(torch.float64)
-    top = torch.topk(logits, k + 1, dim=-1).values  # (N, k+1)
-    return top[:, k - 1] - top[:, k]
+    top = torch.topk(selection_scores(router, logits), k + 1, dim=-1).values  # (N, k+1)
+    return torch.nan_to_num(top[:, k - 1] - top[:, k], nan=math.inf)
 
 
-def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None, rounds: int = 3) -> Any:
-    """Router input x (N, H) moved, for forced rows, so that the router logits x @ w.T (+ bias) have their
-    top-k boundary (k-th vs (k+1)-th expert) at exactly `gap` in float64 (the higher expert id leads):
-    the move is along w[a] - w[b], the one direction that changes that gap and nothing else of the pair.
+def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None, rounds: int | None = None,
+              router: Any = None) -> Any:
+    """Router input x (N, H) moved, for forced rows, so that the router's selection scores
+    (`selection_scores` of x @ w.T (+ bias): the logits of a softmax router) have their top-k boundary
+    (k-th vs (k+1)-th expert) at exactly `gap` in float64 (the higher expert id leads): the move is
+    along w[a] - w[b], the one direction that changes that gap and nothing else of the pair (a
+    Newton step per round, the sigmoid's slope included for a sigmoid router; 3 rounds, 8 for a
+    sigmoid router; a row whose move changes which expert group a group-limited router keeps may end
+    off the boundary).
     Row-wise, so a position gets the same nudge whichever batch it runs in (`harness.strategies.
     near_tie_hidden` picks its rows from a stream over the whole tensor; here rows are positions keyed
     per sequence, and a forward sees a different set of them on each path)."""
@@ -492,14 +522,23 @@ def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None,
 
     xs, wf = x.to(torch.float64), w.to(torch.float64)  # (N, H), (E, H)
     bf = bias.to(torch.float64) if bias is not None else 0.0  # (E,): gpt-oss's router has one
-    for _ in range(rounds):
+    sigmoid = _sigmoid_router(router)
+    for _ in range(rounds if rounds is not None else 8 if sigmoid else 3):
         logits = xs @ wf.T + bf  # (N, E)
-        top = torch.topk(logits, k + 1, dim=-1).indices  # (N, k+1)
+        scores = selection_scores(router, logits) if sigmoid else logits
+        top = torch.topk(scores, k + 1, dim=-1).indices  # (N, k+1)
         a, b = top[:, k - 1], top[:, k]
         win, run = torch.maximum(a, b), torch.minimum(a, b)
         d = wf[win] - wf[run]  # (N, H)
-        now = logits.gather(1, win[:, None]) - logits.gather(1, run[:, None])  # (N, 1)
-        alpha = (gap - now) / (d * d).sum(-1, keepdim=True).clamp_min(1e-30)
+        now = scores.gather(1, win[:, None]) - scores.gather(1, run[:, None])  # (N, 1)
+        if sigmoid:  # d(score_win - score_run)/d(alpha) along d
+            lw, lr = logits.gather(1, win[:, None]), logits.gather(1, run[:, None])
+            slope = (torch.sigmoid(lw) * torch.sigmoid(-lw) * (d * wf[win]).sum(-1, keepdim=True)
+                     - torch.sigmoid(lr) * torch.sigmoid(-lr) * (d * wf[run]).sum(-1, keepdim=True))
+            ok = torch.isfinite(now) & (slope > 0)  # a competitor in a kept group, and a usable slope
+            alpha = torch.where(ok, (gap - now) / slope.clamp_min(1e-30), torch.zeros_like(now))
+        else:
+            alpha = (gap - now) / (d * d).sum(-1, keepdim=True).clamp_min(1e-30)
         xs = torch.where(forced[:, None], xs + alpha * d, xs)
     return xs.to(x.dtype)
 

@@ -288,6 +288,36 @@ def test_a_model_without_sdpa_attention_says_which_attention_to_use():
     assert run_case(hf_pair("user.gemma2.eager", cfg, eager, eager), rl_case(seed=1)).k3 < 1e-8
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+def test_near_ties_sit_at_a_sigmoid_routers_own_selection_boundary(groups):
+    """DeepSeek-V3 / GLM-4.5 routers rank experts by sigmoid(logit) + a selection bias, within the
+    groups they keep: a nudge to +gap / -gap puts the pair's higher / lower expert into the router's
+    own choice (a nudge on raw logits missed the boundary once the bias is not 0)."""
+    from targets.hf import HFModel
+    from targets.hf.backend import base_model, boundary_gap, router_modules, selection_scores, tie_nudge
+
+    cfg = {**small_moe("deepseek_v3"), "n_group": groups, "topk_group": 1}
+    [(_, router)] = router_modules(base_model(HFModel.from_config(cfg, init_seed=groups)))
+    g = torch.Generator().manual_seed(7)
+    bias = 0.3 * torch.randn(router.e_score_correction_bias.shape, generator=g)
+    router.e_score_correction_bias.copy_(bias)
+    try:
+        x = torch.randn(64, router.weight.shape[-1], generator=g)
+        k, every = int(router.top_k), torch.ones(64, dtype=torch.bool)
+        for gap in (1e-4, -1e-4):
+            y = tie_nudge(x.double(), router.weight, every, gap, k, router=router)
+            at = (boundary_gap(y, router.weight, k, router=router) - abs(gap)).abs() < 1e-9  # on the boundary
+            # every row with one group; with two, a row whose move changes the kept group may not be
+            assert int(at.sum()) == 64 if groups == 1 else int(at.sum()) >= 56, int(at.sum())
+            top = torch.topk(selection_scores(router, y @ router.weight.double().T), k + 1).indices[at]
+            first, second = top[:, k - 1], top[:, k]  # the k-th and (k+1)-th by selection score
+            assert bool((first > second).all() if gap > 0 else (first < second).all())  # who leads: the gap's sign
+            chosen = router(y.float())[2][at]  # the router's own experts, (rows, k)
+            assert bool((chosen == first[:, None]).any(-1).all()) and not bool((chosen == second[:, None]).any(-1).any())
+    finally:
+        router.e_score_correction_bias.zero_()
+
+
 def test_a_natural_router_near_tie_is_not_decided_by_layout_noise(monkeypatch):
     """A case a campaign found: float32 eager vs sdpa, no forced ties, one position whose natural
     top-k boundary gap (~1e-7) is under the paths' layout noise; its expert flipped and the case
