@@ -117,7 +117,7 @@ def register_patch(name: str, fn: Callable[[Any], Any] | None = None) -> Any:
         if not callable(f):
             raise UsageError(f"register_patch({name!r}): the patch must be a function taking the model; got "
                              f"{type(f).__name__}.")
-        if PATCHES.get(name, f) is not f and PATCHES[name].__qualname__ != getattr(f, "__qualname__", None):
+        if PATCHES.get(name, f) is not f and _where(PATCHES[name]) != _where(f):  # the same def again: fine
             raise UsageError(f"register_patch: a different patch is already registered as {name!r} "
                              f"({_where(PATCHES[name])}); pick another name.")
         PATCHES[name] = f
@@ -127,7 +127,10 @@ def register_patch(name: str, fn: Callable[[Any], Any] | None = None) -> Any:
 
 
 def _where(f: Any) -> str:
-    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', '?')}"
+    """Where a function is defined (module, name, line): two lambdas of one file differ."""
+    code = getattr(f, "__code__", None)
+    return (f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', '?')}"
+            + (f" (line {code.co_firstlineno})" if code is not None else ""))
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,20 @@ class Numerics:
     @property
     def model_key(self) -> tuple:
         """The fields that change the model object (use_cache and packing only change the call)."""
-        return (self.body, self.router, self.lm_head, self.attention, self.experts, self.patch)
+        return tuple(getattr(self, f) for f in MODEL_FIELDS)
+
+    @classmethod
+    def from_model_key(cls, key: tuple) -> "Numerics":
+        return cls(**dict(zip(MODEL_FIELDS, key)))
+
+
+MODEL_FIELDS = ("body", "router", "lm_head", "attention", "experts", "patch")  # Numerics.model_key
+
+
+def as_rollout(nx: Numerics) -> Numerics:
+    """A rollout's profile: it runs every sequence in a row of its own (a left-padded batch, KV-cache
+    decode), and its profile says so, so the trainer's packing is a difference triage can swap."""
+    return nx.replace(packing="per_sequence")
 
 
 FP32 = Numerics()
@@ -276,7 +292,7 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
     """The model as one path runs it (a copy of the base converted to its numerics) with hooks."""
     import torch
 
-    nx = Numerics(*model_key[:5], patch=model_key[5])
+    nx = Numerics.from_model_key(model_key)
     model = copy.deepcopy(base_model(spec))
     model.to(device=device, dtype=_dtype(nx.body))
     if hasattr(model, "set_attn_implementation"):
@@ -439,7 +455,7 @@ def gate_weights(router: Any, logits: Any, idx: Any) -> Any:
     import torch
 
     x = logits.float()
-    if hasattr(router, "e_score_correction_bias"):
+    if _sigmoid_router(router):
         w = x.sigmoid().gather(1, idx)
         if getattr(router, "norm_topk_prob", False):
             w = w / (w.sum(-1, keepdim=True) + 1e-20)

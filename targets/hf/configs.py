@@ -77,8 +77,7 @@ def _is_router(name: str, module: Any) -> bool:
 
 
 # output projections (their outputs add into the residual stream), by the names model families use
-_OUT_PROJ = ("o_proj", "down_proj", "w2", "out_proj", "c_proj", "fc2", "dense_4h_to_h", "attention.dense",
-             "self_attention.dense", "wo")
+_OUT_PROJ = ("o_proj", "down_proj", "w2", "out_proj", "c_proj", "fc2", "dense_4h_to_h", "attention.dense", "wo")
 
 
 def realistic_init(model: Any, init_seed: int, logit_std: float = LOGIT_STD, router_std: float = ROUTER_STD) -> Any:

@@ -22,7 +22,7 @@ from harness import Axes, Outcome, RoutingAxes, TargetPair
 from harness.errors import UsageError
 
 from . import paths
-from .backend import BF16, COMPONENTS, FP32, HFModel, Numerics, model_from
+from .backend import BF16, COMPONENTS, FP32, HFModel, Numerics, as_rollout, model_from
 
 MAX_PROMPT = 12  # prompt tokens per sequence (fuzzed 0..MAX_PROMPT)
 MAX_RESPONSE = 16  # response tokens per sequence (every one decoded from the KV cache)
@@ -79,9 +79,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     replay: the trainer reuses the rollout's experts at every position (router replay).
     """
     spec = model_from(model)
-    # the rollout runs every sequence in a row of its own (a left-padded batch, KV-cache decode):
-    # its profile says so, so the trainer's packing is a difference triage can swap
-    rollout = rollout.replace(packing="per_sequence")
+    rollout = as_rollout(rollout)
     if replay and not spec.moe():
         raise UsageError(f"hf_pair {name!r}: replay=True needs a MoE model; this config has no experts.")
 
@@ -160,7 +158,7 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
         axes=dataclasses.replace(default_axes(fallback), routing=None, params={}), devices=("cpu", "cuda"),
         description="recorded rollouts (harness score --model PATH): the checkpoint's float32 trainer scores them"
                     + (" with the recorded experts replayed" if replay else ""),
-        profiles=HFProfiles(trainer=trainer.as_dict(), rollout=FP32.as_dict(), labels=dict(COMPONENTS),
+        profiles=HFProfiles(trainer=trainer.as_dict(), rollout=as_rollout(FP32).as_dict(), labels=dict(COMPONENTS),
                             make=remake, model=None, replay=replay),
     )
 

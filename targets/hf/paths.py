@@ -13,8 +13,8 @@ from typing import Any
 
 from harness import Outcome, Routing
 
-from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, path_model, process_logits, \
-    sample_rows
+from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, ReplayError, path_model, \
+    process_logits, sample_rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,8 +245,6 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
 
     run = path_model(inp.spec, nx.model_key, inp.device)
     if replay and not run.gates:
-        from .backend import ReplayError
-
         raise ReplayError(
             f"router replay: no router of this model ({type(run.model).__name__}) is one the HF backend hooks "
             "(a `mlp.gate` or `*TopKRouter` module with `top_k` and `weight` that returns (logits, weights, "

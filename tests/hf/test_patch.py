@@ -44,9 +44,13 @@ def test_a_patch_must_be_registered_before_numerics_name_it_and_names_are_checke
         register_patch("test_conflict", first)  # the same function again (a plugin imported twice): fine
         with pytest.raises(UsageError, match="already registered"):
             register_patch("test_conflict", second)
+        register_patch("test_lambdas", lambda m: m)
+        with pytest.raises(UsageError, match="already registered"):  # two lambdas: two definitions
+            register_patch("test_lambdas", lambda m: None)
         assert Numerics(patch="test_conflict").model_key[-1] == "test_conflict"
     finally:
         PATCHES.pop("test_conflict", None)
+        PATCHES.pop("test_lambdas", None)
 
 
 def test_the_patch_changes_only_its_own_paths_copy_and_the_routers_stay_hooked():
