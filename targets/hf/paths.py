@@ -142,12 +142,13 @@ def make_inputs(case: Any, spec: HFModel, device: str) -> HFInputs:
         forced = torch.cat([torch.rand(stride, generator=seq_generator(case, j, "ties")) < case.tie_fraction
                             for j in range(len(prompts))])
     return HFInputs(case=case, spec=spec, device=device, prompts=prompts, resp_lens=resp, stride=stride,
-                    forced=forced, tie_layer=tie_layer, gap=max(float(case.tie_gap), TIE_FLOOR), recorded=rec)
+                    forced=forced, tie_layer=tie_layer, gap=max(float(case.tie_gap), TIE_FLOOR), recorded=rec,
+                    tie_floor=rec is None)
 
 
 def _ctx(inp: HFInputs, keys: Any, replay: dict | None = None) -> CallContext:
     return CallContext(keys=keys, forced=inp.forced, tie_layer=inp.tie_layer, gap=inp.gap, replay=replay,
-                       floor=inp.tie_floor and inp.recorded is None)
+                       floor=inp.tie_floor)
 
 
 def _routing(captured: dict, keys_wanted: Any, n_keys: int, top_k: int | None = None) -> tuple[dict, dict]:
