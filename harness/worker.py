@@ -226,10 +226,12 @@ class Worker:
                 os.kill(self.proc.pid, signal.SIGUSR1)  # the worker's faulthandler writes its stacks
             except (OSError, TypeError):
                 pass
-        for _ in range(40):
+        prev = None
+        for _ in range(40):  # until the dump stops growing: faulthandler writes it in many small writes
             stack = self._read_log()
-            if stack or out_of_wall:
+            if out_of_wall or (stack and stack == prev):
                 break
+            prev = stack
             time.sleep(0.025)
         self.kill()
         self.restarts += 1
