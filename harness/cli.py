@@ -317,6 +317,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     A crash or timeout repro runs in a worker process: one that still crashes or hangs exits 1."""
     from .corpus import Skipped, load_many_tolerant, load_plugin_for, replay as do_replay
     from .env import resolve_device
+    from .execute import headline
 
     bisect = in_bisect() if bisect is None else bisect
     cannot = EXIT_SKIP if bisect else EXIT_USAGE
@@ -361,8 +362,8 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         r, ev = res.repro, res.evaluation
         verdict = ev.symptom.value if ev.failed else "clean"
         rec_k3 = r.metrics.get("k3_kl")
-        line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} k3 {_fmt(rec_k3)} -> now "
-                f"{verdict} k3 {_fmt(ev.k3)}; bit-for-bit {'yes' if res.bit_for_bit else 'no'}")
+        line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
+                f"-> now {verdict} {ev.headline}; bit-for-bit {'yes' if res.bit_for_bit else 'no'}")
         if not res.bit_for_bit:
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
                                      ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
@@ -395,8 +396,11 @@ def _fmt(x: Any) -> str:
 @plugin_option
 def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     """Print a repro for a person: case, tensor shapes, metrics, and the command that replays it."""
+    import math
+
     from .corpus import load_plugin_for, load_repro
     from .env import resolve_device
+    from .metrics import judged_k3
     from .pairs import REGISTRY
 
     r = load_repro(file)
@@ -442,7 +446,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         fired = r.metrics.get("fired")
         click.echo("  over the threshold: " + (fired if fired else "neither mean" if fired == "" else
                                               "not recorded (a repro from before the exact-KL verdict)")
-                   + f" (mean k3 {_fmt(r.metrics.get('k3_kl'))}, mean exact KL {_fmt(r.metrics.get('kl'))}, "
+                   + f" (judged k3 {_fmt(judged_k3(r.metrics.get('k3_expected', math.nan), r.metrics.get('k3_kl')))}"
+                   f" = the expected k3 over the vocabulary, else the sampled mean; sampled tokens' mean k3 "
+                   f"{_fmt(r.metrics.get('k3_kl'))}; mean exact KL {_fmt(r.metrics.get('kl'))}; "
                    f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
     if r.error:
         click.echo(f"\nerror: {r.error.get('type')}: {r.error.get('message')}\n{r.error.get('traceback', '')}")

@@ -26,13 +26,19 @@ def _fmt_k3(x: Any) -> str:
     return f"{x:.4g}" if isinstance(x, float) else "-"
 
 
+def _fmt_mean(r: dict[str, Any]) -> str:
+    """The mean the verdict read: `0.0118` for a k3, `kl 0.003` for an exact KL."""
+    name, value = r.get("verdict_mean") or ("k3", r.get("k3"))
+    return _fmt_k3(value) if name == "k3" else f"kl {_fmt_k3(value)}"
+
+
 def _day(iso: str) -> str:
     return iso.replace("T", " ")[:16] if iso else "-"
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("id", "pair", "symptom", "k3", "first seen", "last seen", "count", "status", "severity")
-    body = [(r["id"], r["pair"], r["symptom"], _fmt_k3(r["k3"]), _day(r["first_seen"]), _day(r["last_seen"]),
+    head = ("id", "pair", "symptom", "k3 / kl", "first seen", "last seen", "count", "status", "severity")
+    body = [(r["id"], r["pair"], r["symptom"], _fmt_mean(r), _day(r["first_seen"]), _day(r["last_seen"]),
              str(r["seen_count"]), r["status"] + (" (recurrence)" if r["recurrence"] else ""), r["severity"])
             for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]

@@ -10,9 +10,10 @@ from __future__ import annotations
 import enum
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 from .case import Case
-from .metrics import Divergence, compare, fired, with_routing
+from .metrics import Divergence, compare, fired, verdict_mean, with_routing
 from .pairs import Outcome, TargetPair
 
 DEFAULT_THRESHOLD = 1e-3  # mean k3 (or mean exact KL) above which two paths are not equivalent
@@ -44,6 +45,24 @@ class Evaluation:
     @property
     def failed(self) -> bool:
         return self.symptom is not Symptom.NONE
+
+    @property
+    def headline(self) -> str:
+        """What to print beside the symptom: the mean the verdict read (`kl=0.003` when the exact KL
+        fired on a case whose sampled k3 is small), or the error's type and first line."""
+        return headline(self.divergence, self.error)
+
+
+def headline(metrics: Any, error: dict | None) -> str:
+    """`Evaluation.headline` from a divergence or a metrics dict (a repro's, a worker's report) and
+    an error dict."""
+    if error:
+        lines = str(error.get("message", "")).strip().splitlines()
+        return f"{error.get('type', '?')}: {lines[0][:200] if lines else ''}".rstrip(": ")
+    if not metrics:
+        return "k3=nan"
+    name, value = verdict_mean(metrics)
+    return f"{name}={value:.3g}"
 
 
 def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcome | None = None) -> Outcome:

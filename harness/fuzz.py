@@ -205,7 +205,7 @@ class _Failed(Exception):
     tracks divergence, non-finite output and crashes as distinct bugs."""
 
     def __init__(self, ev: Evaluation) -> None:
-        super().__init__(f"{ev.symptom.value}: k3={ev.k3:.6g}")
+        super().__init__(f"{ev.symptom.value}: {ev.headline}")
         self.evaluation = ev
 
 
@@ -874,7 +874,7 @@ def summary_table(result: CampaignResult) -> str:
     rows = [("pair", "expected", "verdict", "cases", "cases/s", "max k3", "findings")]
     for r in result.results:
         rows.append((r.pair, r.expected, r.verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_k3:.3g}",
-                     ", ".join(f"{f.symptom.value} k3={f.k3:.3g} (found after {f.cases_to_first} cases, "
+                     ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "
                                f"{f.seconds_to_first:.1f}s; shrunk in {f.shrink_seconds:.1f}s) -> {f.path or '-'}"
                                for f in r.findings) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]

@@ -141,11 +141,39 @@ def fired(div: Divergence, threshold: float) -> str:
     (an aligned pair with KL 2e-4 crossed it on a two-token case). Without an expected k3 (NaN),
     the sampled mean is judged.
     """
-    k3 = div.k3_expected if not math.isnan(div.k3_expected) else div.k3_kl
-    if div.k3_kl == math.inf:
-        k3 = math.inf
+    k3 = judged_k3(div.k3_expected, div.k3_kl)
     names = [name for name, v in (("k3", k3), ("kl", div.kl)) if v > threshold]
     return "+".join(names)
+
+
+def judged_k3(k3_expected: Any, k3_kl: Any) -> float:
+    """The k3 a verdict judges: the expected k3, the sampled mean without it, +inf when a sampled
+    token is one the trainer excludes."""
+    k3e = _num(k3_expected)
+    k3 = k3e if not math.isnan(k3e) else _num(k3_kl)
+    return math.inf if _num(k3_kl) == math.inf else k3
+
+
+def verdict_mean(metrics: Any) -> tuple[str, float]:
+    """The mean a verdict read, from a case's metrics (`Divergence.as_dict()` and "fired", as
+    repros, payloads and MLflow hold them): ("kl", the mean exact KL) when only the KL crossed the
+    threshold or it is the larger of the two that did, else ("k3", `judged_k3`). This is the number
+    to show beside a finding: an exact KL of 3e-3 can fire on a case whose few sampled tokens give a
+    mean k3 of 5e-6."""
+    get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
+    k3 = judged_k3(get("k3_expected", math.nan), get("k3_kl", math.nan))
+    kl = _num(get("kl", math.nan))
+    names = str(get("fired", "") or "").split("+")
+    if "kl" in names and ("k3" not in names or kl > k3):
+        return "kl", kl
+    return "k3", k3
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def k3_of(d: np.ndarray) -> np.ndarray:

@@ -629,7 +629,7 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
             verdict = "REGRESSION (new)" if any(f["new"] or f["recurrence"] for f in d["findings"]) \
                 else "REGRESSION (known)"
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
-        found = ", ".join(f"{f['id']} {f['symptom']} k3={_fmt(f['metrics'].get('k3_kl'))}"
+        found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
                           + (" new" if f["new"] else "") for f in d["findings"]) or "-"
         rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), f"{rate:.1f}", _fmt(d["max_k3"]),
                      d.get("worker", "main"), found))
@@ -641,6 +641,13 @@ HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "max k3", "worker",
 
 def _fmt(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, (int, float)) else str(x)
+
+
+def _headline(f: dict) -> str:
+    """`Evaluation.headline` of a finding sent back as plain data."""
+    from .execute import headline
+
+    return headline(f.get("metrics"), f.get("error"))
 
 
 def _write_summary(fs: FuzzSession, results: list[dict]) -> None:

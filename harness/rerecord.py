@@ -41,7 +41,7 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
         keeps = same_symptom and ev.failed
     if not keeps:
         return "verdict changed", (f"recorded {repro.symptom} ({repro.status}), replay gives {ev.symptom.value} "
-                                   f"k3={ev.k3:.4g}")
+                                   f"{ev.headline}")
     new_metrics = corpus.metrics_json(ev) if ev.divergence is not None else repro.metrics
     threads = recorded_threads(repro.environment)
     if new_metrics == repro.metrics and repro.to_json()["case"] == repro.case.to_json() and threads is not None:

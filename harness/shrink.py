@@ -14,7 +14,10 @@ signature:
    becomes one token with every token forced (which tokens are forced is drawn per token);
 4. move a continuous knob halfway to neutral (temperature and top-p toward 1, logit scale toward
    its low bound, the tie gap toward 0): repeated, this bisects to
-   the knob value nearest neutral that still fails (a temperature bug shrinks to T = 1.03, not 0.5).
+   the knob value nearest neutral that still fails (a temperature bug shrinks to T = 1.03, not 0.5);
+5. step a discrete knob down (sampling top-k toward 1, router top-k and expert count toward their
+   low bounds, the expert count kept above top-k), halfway and by one: a bug from top-k >= 4
+   shrinks to top-k = 4.
 
 It repeats until no move is accepted (the result is 1-minimal with respect to
 `Case.simpler_neighbours()`) or its evaluation budget or deadline is spent. Each evaluation is one
@@ -76,6 +79,21 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     if low_scale is not None:
         yield from _halfway(case, "logit_scale", float(low_scale), log=True)
     yield from _halfway(case, "tie_gap", 0.0)
+    # discrete knobs step down, halfway then by one: repeated, this bisects to the smallest value
+    # that still fails (a bug from top_k >= 4 shrinks to top_k = 4, not to the top_k drawn)
+    if case.sample_top_k > 1:  # off was tried above; the strategy shrinks a k toward its low bound too
+        yield from _fewer(case, "sample_top_k", max(1, axes.sample_top_k[0]) if axes is not None else 1)
+    if axes is not None and axes.routing is not None:
+        r = axes.routing
+        yield from _fewer(case, "top_k", r.top_k[0])
+        yield from _fewer(case, "n_experts", max(r.n_experts[0], case.top_k + 1))
+
+
+def _fewer(case: Case, name: str, low: int) -> Iterator[Case]:
+    value = getattr(case, name)
+    for v in dict.fromkeys(((value + low) // 2, value - 1)):
+        if low <= v < value:
+            yield case.replace(**{name: v})
 
 
 def _halfway(case: Case, name: str, neutral: float, log: bool = False) -> Iterator[Case]:

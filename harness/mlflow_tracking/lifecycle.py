@@ -10,8 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..metrics import verdict_mean
 from .payload import _append_note, _finite_metrics, _g, flatten_case, found_metrics, regression_note
 from .plots import write_artifacts
+
+
+def _verdict(m: dict[str, Any]) -> str:
+    name, value = verdict_mean(m)
+    return f"{'mean exact KL' if name == 'kl' else 'mean k3'} {_g(value)}"
 from .store import (CAMPAIGN, REGRESSION, TRIAGE_STATUSES, Store, _q, _short, now_iso, open_store, resolve_uri,
                     sqlite_path)
 
@@ -146,7 +152,7 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
         updates["mlflow.note.content"] = _append_note(
             tags.get("mlflow.note.content", ""),
             f"#### Recurrence {p['seen_at']}\n\nMarked fixed, seen again by campaign seed {p['campaign_seed']}: "
-            f"mean k3 {_g(p['metrics'].get('k3_kl'))}, minimal case `{p['case_line']}`. Reopened.")
+            f"{_verdict(p['metrics'])}, minimal case `{p['case_line']}`. Reopened.")
     c.log_batch(run.info.run_id, tags=_tags(updates))
     ts = int(time.time() * 1000)
     metrics = [Metric(k, v, ts, count - 1) for k, v in {**_finite_metrics(p["metrics"]), **found_metrics(p)}.items()]
@@ -176,6 +182,7 @@ def regression_dict(run: Any) -> dict[str, Any]:
         "status": t.get("harness.status", ""),
         "severity": t.get("harness.severity", ""),
         "k3": m.get("k3_kl"),
+        "verdict_mean": list(verdict_mean({**m, "fired": t.get("harness.fired", "")})),
         "k3_seq_max": m.get("k3_seq_max"),
         "kl": m.get("kl"),
         "kl_excluded": m.get("kl_excluded"),
@@ -291,8 +298,8 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> None:
         raise UsageError(f"regression {repro.id} cannot be replayed here to check it is fixed: {e}") from None
     ev = result.evaluation
     if ev.failed:
-        raise UsageError(f"regression {repro.id} ({repro.pair}) still diverges: {ev.symptom.value}, mean k3 "
-                         f"{ev.k3:.4g} against the threshold {repro.threshold:g} (`{repro.replay_command()}`). Fix "
+        raise UsageError(f"regression {repro.id} ({repro.pair}) still diverges: {ev.symptom.value}, {ev.headline} "
+                         f"against the threshold {repro.threshold:g} (`{repro.replay_command()}`). Fix "
                          "it first and close it from the fixed checkout, or close it as --status wontfix.")
 
 

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..metrics import verdict_mean
 from .store import PENDING_SCHEMA, SEVERITIES, now_iso
 
 # ---------------------------------------------------------------------------------------------
@@ -78,7 +79,12 @@ def _symptom(f: Any) -> str:
 
 
 def severity(symptom: str, k3: float | None, threshold: float) -> str:
-    ratio = (k3 / threshold) if (k3 is not None and math.isfinite(k3) and threshold > 0) else 0.0
+    """By symptom and by how far the mean the verdict read (`metrics.verdict_mean`: the judged k3 or
+    the exact KL) is above the threshold; +inf (a sampled token the trainer excludes) is high."""
+    if k3 == math.inf:
+        ratio = math.inf
+    else:
+        ratio = (k3 / threshold) if (k3 is not None and math.isfinite(k3) and threshold > 0) else 0.0
     for name, symptoms, at_least in SEVERITIES:
         if symptom in symptoms and ratio >= at_least:
             return name
@@ -158,7 +164,7 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
     per_token = {}
     if div is not None and div.per_token:
         per_token = {k: [v.item() if hasattr(v, "item") else v for v in arr] for k, arr in div.per_token.items()}
-    k3 = ev.k3 if div is not None else None
+    k3 = verdict_mean(div)[1] if div is not None else None
     symptom = getattr(ev.symptom, "value", _symptom(f))
     return {
         "schema": PENDING_SCHEMA,
@@ -222,12 +228,14 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
         what = (f"The pair raised `{err.get('type', '?')}` in `{err.get('where', '?')}`: "
                 f"{str(err.get('message', ''))[:400]}")
     else:
-        k3 = m.get("k3_kl")
-        ratio = f" = {float(k3) / p['threshold']:.3g}x the threshold {p['threshold']:g}" if isinstance(k3, float) \
-            and math.isfinite(k3) else ""
-        title += f", mean k3 {_g(k3)}"
+        name, value = verdict_mean(m)
+        label = "mean exact KL" if name == "kl" else "mean k3"
+        ratio = f" = {value / p['threshold']:.3g}x the threshold {p['threshold']:g}" if math.isfinite(value) else ""
+        title += f", {label} {_g(value)}"
         what = (f"Trainer and rollout paths of `{p['pair']}` give the rollout's tokens different log-probabilities: "
-                f"mean k3 **{_g(k3)}**{ratio}; worst sequence k3 {_g(m.get('k3_seq_max'))}; "
+                f"{label} **{_g(value)}**{ratio} (the mean the verdict read); "
+                f"mean k3 of the sampled tokens {_g(m.get('k3_kl'))}, expected k3 {_g(m.get('k3_expected'))}; "
+                f"worst sequence k3 {_g(m.get('k3_seq_max'))}; "
                 f"mean exact KL {_g(m.get('kl'))} (rollout mass the trainer excludes: {_g(m.get('kl_excluded'))}); "
                 + (f"over the threshold: **{m['fired']}**; " if m.get("fired") else "")
                 + f"max |Δ log p| {_g(m.get('max_abs_dlogp'))}; "

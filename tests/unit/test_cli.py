@@ -42,9 +42,13 @@ def test_show_and_replay_a_repro(found, harness_cli):
     assert 1 <= how["cases_to_first"] <= how["cases_total"] and how["seconds_to_first"] >= 0 <= how["shrink_seconds"]
     assert (f"after {how['cases_to_first']} cases in {how['seconds_to_first']:.1f} s; shrunk in "
             f"{how['shrink_seconds']:.1f} s ({how['cases_total']} cases in all)") in out
-    assert f"over the threshold: {fired} (mean k3 " in out and "rollout mass the trainer excludes 0" in out
+    assert f"over the threshold: {fired} (judged k3 " in out and "rollout mass the trainer excludes 0" in out
     code, out, _ = harness_cli("replay", str(found))
     assert code == 1 and "bit-for-bit yes" in out
+    from harness.metrics import verdict_mean
+
+    name, value = verdict_mean(data["metrics"])  # the mean the verdict read, not the sampled k3
+    assert f"recorded divergence {name}={value:.3g} -> now divergence {name}={value:.3g}" in out
     code, out, _ = harness_cli("replay", str(found), "--json")
     [row] = json.loads(out)
     assert row["bit_for_bit"] and row["symptom"] == "divergence"

@@ -243,3 +243,22 @@ def test_gathered_tokens_are_the_same_whatever_the_dtype_and_device_path():
     b = compare(Outcome(logprobs=lp.float()), Outcome(logprobs=lp.float() + 1e-3), (2, 4), tokens=tokens)
     assert np.array_equal(a.per_token["logp_trainer"], b.per_token["logp_trainer"])
     assert np.array_equal(a.per_token["token"], tokens.numpy()) and a.k3_kl == b.k3_kl
+
+
+def test_verdict_mean_is_the_mean_that_fired():
+    # an exact KL over the line on a case whose few sampled tokens give a tiny k3: the KL is shown
+    from harness.execute import headline
+    from harness.metrics import judged_k3, verdict_mean
+    from harness.mlflow_tracking.payload import severity
+
+    m = {"k3_kl": 4.5e-6, "k3_expected": 5.2e-7, "kl": 3.0e-3, "fired": "kl"}
+    assert verdict_mean(m) == ("kl", 3.0e-3) and headline(m, None) == "kl=0.003"
+    assert severity("divergence", verdict_mean(m)[1], 1e-3) == "low"
+    # both fired: the larger; neither: the judged k3 (expected, else sampled; +inf when sampled is)
+    assert verdict_mean({**m, "k3_expected": 0.2, "fired": "k3+kl"}) == ("k3", 0.2)
+    assert verdict_mean({**m, "kl": 0.5, "k3_expected": 0.2, "fired": "k3+kl"}) == ("kl", 0.5)
+    assert verdict_mean({"k3_kl": 1e-9, "k3_expected": 2e-9, "kl": 2e-9, "fired": ""}) == ("k3", 2e-9)
+    assert judged_k3(float("nan"), 0.01) == 0.01 and judged_k3(1e-3, float("inf")) == float("inf")
+    assert severity("divergence", float("inf"), 1e-3) == "high"
+    err = {"type": "ValueError", "message": "trainer logprobs have shape (0, 64), expected (1, vocab)\nmore"}
+    assert headline(None, err) == "ValueError: trainer logprobs have shape (0, 64), expected (1, vocab)"

@@ -30,3 +30,15 @@ def test_polish_bisects_a_continuous_knob_toward_neutral():
                               lambda c: abs(c.temperature - 1.0) > 0.02, axes=Axes(logit_scale=(1.0, 16.0)))
     assert complete and 0.02 < abs(got.temperature - 1.0) < 0.05  # near the trigger's edge, not 0.5
     assert got.logit_scale == 1.0 and got.seq_lens == (1,)
+
+
+def test_polish_steps_discrete_knobs_down_to_the_trigger():
+    # the bug: router top-k >= 4 (any expert count), or a sampling top-k of 5 or more
+    from harness import Axes
+    from harness.pairs import RoutingAxes
+
+    axes = Axes(routing=RoutingAxes(n_experts=(4, 16), top_k=(1, 8)), sample_top_k=(0, 64))
+    start = Case(seed=3, seq_lens=(2,), n_experts=14, top_k=7, tie_fraction=0.0, sample_top_k=40)
+    got, _, complete = polish(start, lambda c: c.top_k >= 4 and c.sample_top_k >= 5, axes=axes)
+    assert complete and got.top_k == 4 and got.n_experts == 5 and got.sample_top_k == 5
+    assert got.seq_lens == (1,)
