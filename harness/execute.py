@@ -8,6 +8,7 @@ an `Evaluation` with symptom `error` and the traceback kept; NaN/inf output beco
 from __future__ import annotations
 
 import enum
+import math
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,8 @@ def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
     """Metrics and verdict for two finished outcomes: a divergence when the mean k3 or the mean
     exact KL(rollout || trainer) is above the threshold (`Divergence.fired` says which)."""
     div = with_routing(compare(trainer, rollout, case.seq_lens, rollout.tokens, case=case), trainer, rollout)
+    if getattr(rollout, "recorded", False):  # the tokens are the data, not a draw: judge their mean k3
+        div.k3_expected = math.nan
     div.fired = fired(div, threshold)
     if div.nonfinite:
         symptom = Symptom.NONFINITE

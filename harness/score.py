@@ -25,15 +25,18 @@ differences, ratios); the rollout's full distribution is not recorded, so `kl` h
 two-outcome coarsening {sampled token, everything else}: a lower bound of the exact KL.
 
 Output: per-sample metrics (`samples.csv`), batch metrics under verl's rollout-correction names
-(`summary.json`, printed), the samples whose mean k3 exceeds the threshold, the worst of them
+(`summary.json`, printed), the flagged samples (see below), the worst of them
 written as repros (`corpora/<pair>/<id>.json`; the recording lives in the case, at most
 MAX_REPRO_TOKENS tokens: a longer response is cut, which leaves the scores of the tokens kept
 unchanged because the trainer is causal), a histogram of per-sample k3 (`k3_hist.png`), and an
 MLflow campaign run. Bad rows (missing fields, ragged lengths, non-finite log-probs, ids out of the
 vocabulary) are reported by line and field; the rest of the file is scored.
 
-Exit codes: 0 every sample under the threshold, 1 some above it, 2 usage or input error (no file,
-no scorer, no valid row).
+A sample is flagged by the case's own verdict: the mean k3 of its recorded tokens, or the KL of the
+two-outcome coarsening (a lower bound of the exact KL), above the threshold.
+
+Exit codes: 0 every sample scored and under the threshold, 1 some above it, 2 usage or input error
+(no file, no scorer, no valid row; or bad rows beside samples that were all under the threshold).
 """
 
 from __future__ import annotations
@@ -337,6 +340,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
           max_repros: int = 3, sampling: dict | None = None, tracker: Any = None, progress: bool = True,
           log: Any = None) -> ScoreResult:
     from .execute import run_case
+    from .metrics import verdict_mean
 
     log = log or (lambda m: click.echo(m, err=True))
     t0 = time.monotonic()
@@ -376,8 +380,14 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         why = "; ".join(str(b) for b in res.bad[:5]) or "the file holds no samples"
         raise UsageError(f"no sample of {str(path)!r} could be scored: {why}.")
     res.batch = batch_metrics(res.scored)
-    res.flagged = sorted((s for s in res.scored if s.metrics["k3_kl"] > threshold),
-                         key=lambda s: -s.metrics["k3_kl"])
+    # flagged: the case's own verdict (mean k3 of the recorded tokens, or the coarsened KL, a lower
+    # bound of the exact KL, above the threshold), so every flagged sample's repro fails as it did
+    res.flagged = sorted((s for s in res.scored if s.evaluation.failed),
+                         key=lambda s: -verdict_mean(s.evaluation.divergence)[1])
+    replays = replay or bool(getattr(getattr(pair, "profiles", None), "replay", False))
+    if replays and not any(s.sample.experts for s in res.scored):
+        res.notes.append("router replay: no scored sample records routed experts (routed_experts / "
+                         "rollout_routed_experts), so nothing was replayed: the trainer routed every token itself")
     for s in res.flagged[:max_repros]:
         p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
         if p is not None:
@@ -398,9 +408,10 @@ def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path,
 
     case, cut = sample_case(s.sample, extra, sampling, MAX_REPRO_TOKENS)
     ev = s.evaluation if not cut else run_case(pair, case, device, threshold)
-    if not ev.failed:
+    if not ev.failed:  # only a cut response can pass: the uncut case is the one that was flagged
         res.notes.append(f"line {s.sample.line}: its divergence lies past the first {MAX_REPRO_TOKENS} tokens a repro "
-                         "may carry; no repro written")
+                         f"may carry ({case.seq_lens[0]} of its {len(s.sample.response)} response tokens kept); no "
+                         "repro written")
         return None
     sig = hashlib.sha256(f"{pair.name}|recorded|{case.key()}".encode()).hexdigest()
     finding = Finding(pair=pair.name, expected="aligned", symptom=ev.symptom, signature=sig, case=case,
@@ -426,7 +437,7 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
         w.writerow(["line", "id", "prompt_tokens", "response_tokens", *PER_SAMPLE, "above_threshold"])
         for s in res.scored:
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
-                        *[s.metrics[k] for k in PER_SAMPLE], s.metrics["k3_kl"] > threshold])
+                        *[s.metrics[k] for k in PER_SAMPLE], s.evaluation.failed])
     summary = {"file": str(source), "threshold": threshold, "batch": res.batch,
                "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": s.metrics["k3_kl"]} for s in res.flagged],
                "bad_rows": [{"line": b.line, "field": b.field, "message": b.message} for b in res.bad],
@@ -500,7 +511,7 @@ def _fmt(x: Any) -> str:
 @click.option("--pair", "pair_name", default=None, metavar="NAME", help="Score with this registered HF pair's trainer.")
 @click.option("--replay", is_flag=True, help="Replay the recorded experts in the trainer (router replay).")
 @click.option("--threshold", type=click.FloatRange(0, min_open=True), default=1e-3, show_default=True,
-              help="Per-sample mean k3 above which a sample is flagged.")
+              help="A sample is flagged when the mean k3 of its tokens (or the two-outcome KL) is above this.")
 @click.option("--temperature", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
               help="Sampling temperature the rollout used (its log-probs are of the processed distribution).")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
@@ -544,7 +555,7 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
     if res.flagged:
         click.echo(f"{len(res.flagged)} sample(s) above the threshold {threshold:g}:")
         for s in res.flagged[:10]:
-            click.echo(f"  line {s.sample.line} (id {s.sample.id}): k3 {s.metrics['k3_kl']:.4g}, "
+            click.echo(f"  line {s.sample.line} (id {s.sample.id}): {s.evaluation.headline}, k3 {s.metrics['k3_kl']:.4g}, "
                        f"flip_rate {s.metrics['flip_rate']:.3g}, {s.metrics['n_tokens']} tokens")
         if len(res.flagged) > 10:
             click.echo(f"  ... and {len(res.flagged) - 10} more (samples.csv)")
@@ -556,4 +567,7 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
     for n in res.notes:
         click.echo(f"note: {n}")
     click.echo(f"outputs: {res.out_dir}/ (samples.csv, summary.json, k3_hist.png)")
-    sys.exit(EXIT_FOUND if res.flagged else EXIT_OK)
+    if res.bad:
+        click.echo(f"{len(res.bad)} bad row(s) were not scored (above, by line and field): fix or drop them; the exit "
+                   "code is 2 unless a sample was flagged", err=True)
+    sys.exit(EXIT_FOUND if res.flagged else EXIT_USAGE if res.bad else EXIT_OK)

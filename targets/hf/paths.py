@@ -330,7 +330,7 @@ def recorded_outcome(inp: HFInputs) -> Outcome:
             if bool((table[wanted] >= 0).all()):
                 routing[layer] = Routing(experts=table[wanted])
     return Outcome(logprobs=two_outcome(lp, tokens, inp.spec.vocab), tokens=tokens, routing=routing,
-                   intermediates={"route_table": tables})
+                   intermediates={"route_table": tables}, recorded=True)
 
 
 def _cache_of(out: Any) -> Any:

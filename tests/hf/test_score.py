@@ -66,10 +66,15 @@ def test_aligned_rollouts_are_all_under_the_line(aligned_file, tmp_path):
 def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_path, harness_cli):
     corpus = tmp_path / "corpus"
     res = score(bf16_file, pair_name="hf.qwen3_moe.aligned", corpus=corpus, out_dir=tmp_path / "out",
-                progress=False, max_repros=2)
+                progress=False, max_repros=100)
     assert res.flagged, res.batch
     assert res.batch["k3_kl"] > 1e-3 and res.batch["flip_rate"] > 0
-    assert len(res.repros) == 2
+    # flagged = the mean k3 of the recorded tokens or the two-outcome KL over the line, and every
+    # flagged sample gets a repro that fails as it did (none is dropped as "past the first 1024 tokens")
+    over = [s for s in res.scored if s.metrics["k3_kl"] > 1e-3 or s.metrics["kl"] > 1e-3]
+    assert {id(s) for s in res.flagged} == {id(s) for s in over}
+    assert any(s.metrics["kl"] <= 1e-3 for s in res.flagged)  # flagged on k3 alone (the case that was dropped)
+    assert len(res.repros) == len(res.flagged) and not res.notes, res.notes
     replayed = score(bf16_file, pair_name="hf.qwen3_moe.bf16_rollout.replay", corpus=corpus, progress=False,
                      max_repros=0)
     assert replayed.batch["flip_rate"] == 0.0
@@ -124,8 +129,8 @@ def test_bad_rows_are_named_by_line_and_field_and_the_rest_is_scored(aligned_fil
     path.write_text("\n".join([good[0], *bad, *good[1:]]) + "\n")
     code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking",
                                  "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"))
-    assert code == 0, err
-    assert "scored 3 sample(s)" in out and "5 bad row(s)" in out
+    assert code == 2, err  # every scored sample is under the line, but bad rows are bad input
+    assert "scored 3 sample(s)" in out and "5 bad row(s)" in out and "5 bad row(s) were not scored" in err
     for line, fld in ((2, "rollout_logprobs"), (3, "rollout_logprobs"), (4, "rollout_logprobs"), (5, "response_ids"),
                       (6, "(line)")):
         assert f"line {line}, field '{fld}'" in err, err
@@ -159,3 +164,12 @@ def test_score_a_checkpoint_directory_jsonl_and_parquet(tmp_path, harness_cli):
     code, _, err = harness_cli("score", str(tmp_path / "ckpt.jsonl"), "--model", str(tmp_path / "nowhere"),
                                "--no-tracking")
     assert code == 2 and "not a checkpoint directory" in err and "Traceback" not in err
+
+
+def test_replay_on_a_file_without_experts_says_nothing_was_replayed(aligned_file, tmp_path):
+    rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:2]]
+    path = tmp_path / "no_experts.jsonl"
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "routed_experts"}) + "\n" for r in rows))
+    res = score(path, pair_name="hf.qwen3_moe.bf16_rollout.replay", replay=True, corpus=tmp_path / "c",
+                progress=False)
+    assert len(res.scored) == 2 and any("nothing was replayed" in n for n in res.notes), res.notes
