@@ -159,9 +159,13 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
 @cli.command()
 @click.argument("pair_names", nargs=-1, metavar="[PAIR|GLOB]...")
 @click.option("--max-examples", type=click.IntRange(1), default=None,
-              help="Cases per pair (before shrinking)  [default: 100, or the profile's]")
+              help="Hypothesis examples per pair (before shrinking); each is followed by uniform random cases "
+              "(--uniform-per-example), so a pair runs about 4x this many cases on op pairs, 2x on model pairs  "
+              "[default: 100, or the profile's]")
 @click.option("--budget", type=POSITIVE, default=None,
-              help="Wall seconds for the whole campaign, split over the pairs (shrinking included).")
+              help="Wall seconds for the whole campaign, split over the pairs (shrinking included). Without "
+              "--max-examples or --profile the budget is filled: a pair that ran its examples with nothing "
+              "found runs further freshly seeded rounds until its share is spent.")
 @click.option("--seed", type=click.IntRange(0), default=None, help="Campaign seed (default: fresh, printed).")
 @click.option("--threshold", type=POSITIVE, default=1e-3, show_default=True,
               help="Mean k3 above which a case diverges.")
@@ -210,16 +214,18 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     s = campaign_settings(profile, max(1, -(-n_units // streams)), max_examples, budget, seed)
     default_timeout, per_pair = parse_timeouts(timeouts, pairs)
     if profile:
-        echo_err(f"profile {profile}: {s.max_examples} cases per pair, budget {s.budget}s, {s.origin}")
+        echo_err(f"profile {profile}: {s.max_examples} examples per pair"
+                 + (" per round, rounds until the budget" if s.fill_budget else "") + f", budget {s.budget}s, {s.origin}")
     cfg = CampaignConfig(pairs=pairs, seed=s.seed, max_examples=s.max_examples, budget=s.budget,
                          threshold=threshold, device=dev, corpus=corpus_dir, shard=parse_shard(shard),
                          profile=profile, isolation=not no_isolation, timeout=default_timeout, timeouts=per_pair,
-                         plugins=tuple(plugins), streams=streams, uniform_per_example=uniform_per_example)
+                         plugins=tuple(plugins), streams=streams, uniform_per_example=uniform_per_example,
+                         fill_budget=s.fill_budget)
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err)
 
     def announce(f: Any) -> None:
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
-        echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, k3 {f.k3:.4g}, minimal case "
+        echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, {f.evaluation.headline}, minimal case "
                  f"{f.case.one_line()}\n    replay: "
                  + (replay_command_for(f.pair, f.path) if f.path else "(not written: saved as JSON on stderr above)"))
 

@@ -466,9 +466,9 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
     finding.path = path
     clean_stale_temps(path.parent)
     if path.exists():
-        finding.new = False
         try:
             old = load_repro(path)
+            finding.new = False  # a file that does not load is replaced: the finding is new to the corpus
         except UsageError as e:
             old = None
             aside = path.with_name(f"{path.name}.broken-{_dt.datetime.now():%Y%m%dT%H%M%S}")

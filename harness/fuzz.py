@@ -28,6 +28,12 @@ that share but against what is left for everyone. Op pairs run before model pair
 slow starters are deferred, so a cold compile can only shorten the model pairs after it, never skip
 the op pairs.
 
+Filling the budget (`fill_budget`, `harness fuzz --budget S` without `--max-examples`): a unit
+that ran its `max_examples` and found nothing while its share has time left runs another round, a
+fresh Hypothesis run of `max_examples` from a seed derived from the stream's (`round_seed`), until
+its share is spent; so a budget is spent fuzzing, not only capped. Round 0 is exactly the unit's
+stream; a round that finds something ends the unit (later rounds would find the same bug again).
+
 Streams: a pair's campaign can be split into `streams` independently seeded Hypothesis streams (each
 with its share of `max_examples`), the units that shards and pytest-xdist workers spread; findings
 are deduplicated across streams by signature. With one stream (the default) a pair's stream is
@@ -138,6 +144,10 @@ class CampaignConfig:
     stream: int | None = None  # run only this stream of each pair (0-based; a pytest item, a CI job)
     # uniform random cases after each Hypothesis example; None: `UNIFORM_PER_EXAMPLE` by the pair's kind
     uniform_per_example: int | None = None
+    # with a budget: a unit that finishes its max_examples with nothing found before its share of the
+    # budget ends runs further rounds (fresh Hypothesis runs, seeds derived from the stream's) until it
+    # ends (the command line sets it when --budget is given without --max-examples or a profile)
+    fill_budget: bool = False
 
     def timeout_for(self, pair: str, own: float | None = None) -> float:
         """The per-case timeout of a pair: the command line's for this pair, else the larger of the
@@ -186,6 +196,16 @@ def stream_seed(campaign_seed: int, pair: str, stream: int = 0, streams: int = 1
     if streams <= 1:
         return pair_seed(campaign_seed, pair)
     return pair_seed(campaign_seed, f"{pair}#{stream}/{streams}")
+
+
+def round_seed(campaign_seed: int, pair: str, stream: int, streams: int, rnd: int) -> int:
+    """The Hypothesis seed of round `rnd` of a stream (`fill_budget`); round 0 is the stream's own."""
+    if rnd == 0:
+        return stream_seed(campaign_seed, pair, stream, streams)
+    return pair_seed(campaign_seed, f"{pair}#{stream}/{streams}@{rnd}")
+
+
+ROUND_MIN_LEFT = 0.5  # seconds of its share a unit must have left to start another round
 
 
 def stream_examples(max_examples: int, stream: int, streams: int) -> int:
@@ -742,13 +762,19 @@ class _Critical:
             raise KeyboardInterrupt
 
 
-def _merge(into: PairResult, r: PairResult) -> list[Finding]:
-    """Add another stream's result to a pair's; returns the findings whose signature is new here."""
+def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Finding]:
+    """Add another stream's (or, `rounds`, another round's) result to a pair's; returns the findings
+    whose signature is new here."""
+    if rounds:  # a round's findings were first seen this far into the unit
+        for f in r.findings:
+            f.cases_to_first += into.examples
+            f.seconds_to_first += into.seconds
     into.examples += r.examples
     into.seconds += r.seconds
     into.max_k3 = max(into.max_k3, r.max_k3)
-    into.streams += r.streams
-    into.warmup += r.warmup
+    if not rounds:
+        into.streams += r.streams
+        into.warmup += r.warmup
     known = {f.signature for f in into.findings}
     fresh = [f for f in r.findings if f.signature not in known]
     into.findings.extend(fresh)
@@ -824,11 +850,20 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     deadline = now + max(0.0, end - now) / (len(queue) + 1)
                 may_defer = any(executor.source(u.pair) not in parked and executor.source(u.pair) != source
                                 for u in queue)
+                evaluate = executor.evaluator(pair, end, cfg, deadline, may_defer)
+                examples = stream_examples(cfg.max_examples, unit.stream, unit.streams)
                 try:
                     r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
-                                  progress, evaluate=executor.evaluator(pair, end, cfg, deadline, may_defer),
-                                  max_examples=stream_examples(cfg.max_examples, unit.stream, unit.streams),
-                                  wall=end)
+                                  progress, evaluate=evaluate, max_examples=examples, wall=end)
+                    rnd = 1
+                    while (cfg.fill_budget and deadline is not None and not r.findings and r.examples
+                           and time.monotonic() < deadline - ROUND_MIN_LEFT):
+                        more = fuzz_pair(pair, cfg, round_seed(seed, pair.name, unit.stream, unit.streams, rnd),
+                                         deadline, progress, evaluate=evaluate, max_examples=examples, wall=end)
+                        if not more.examples:
+                            break
+                        _merge(r, more, rounds=True)
+                        rnd += 1
                 except Deferred:
                     log(f"  {unit.label}: first case still running at the end of its share (a cold start?): "
                         "deferred, it goes on in the background")

@@ -39,6 +39,8 @@ class Profile:
     seed_policy: str  # "fixed", "fresh" or "run-id" (see the module docstring)
     seed: int | None  # the seed of a "fixed" profile
     description: str  # one line for --help and the summary
+    # run further freshly seeded rounds of max_examples while a pair's time is left (`fuzz.fill_budget`)
+    fill_budget: bool = False
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (
@@ -46,8 +48,11 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
             description="quick local check: a few cases per pair, a fresh seed"),
     Profile(name="ci", max_examples=200, budget_per_pair=30.0, seed_policy="fixed", seed=20240601,
             description="pull requests: a few minutes in all, the same seed on every run"),
-    Profile(name="nightly", max_examples=1_000_000, budget_per_pair=300.0, seed_policy="run-id", seed=None,
-            description="nightly: a time budget per pair, a fresh seed per night derived from the run id"),
+    # nightly: rounds of 1000 examples until the budget (one run of a million examples would never
+    # reach Hypothesis's target phase, which starts at half of max_examples)
+    Profile(name="nightly", max_examples=1000, budget_per_pair=300.0, seed_policy="run-id", seed=None,
+            description="nightly: a time budget per pair, filled with rounds, a fresh seed per night derived from "
+            "the run id", fill_budget=True),
 )}
 
 
@@ -104,6 +109,7 @@ class Settings:
     budget: float | None  # wall seconds for the whole campaign (run_campaign splits it over the pairs)
     seed: int | None  # None: fresh
     origin: str  # where the seed came from, for the log
+    fill_budget: bool = False  # spend the budget in rounds (`CampaignConfig.fill_budget`)
 
 
 def campaign_settings(profile_name: str | None, n_pairs: int, max_examples: int | None, budget: float | None,
@@ -114,9 +120,11 @@ def campaign_settings(profile_name: str | None, n_pairs: int, max_examples: int 
     becomes budget_per_pair x the number of pairs this shard runs.
     """
     profile = get_profile(profile_name) if profile_name else None
+    # a budget is filled unless a number of examples is asked for: explicitly, or by a profile that caps
+    fill = max_examples is None and (profile.fill_budget if profile else budget is not None)
     if max_examples is None:
         max_examples = profile.max_examples if profile else default_max_examples
     if budget is None and profile is not None and profile.budget_per_pair is not None:
         budget = profile.budget_per_pair * max(1, n_pairs)
     choice = resolve_seed(profile, seed, run_id)
-    return Settings(max_examples, budget, choice.seed, choice.origin)
+    return Settings(max_examples, budget, choice.seed, choice.origin, fill_budget=fill and budget is not None)

@@ -130,6 +130,9 @@ class FuzzSession:
             self.profile.max_examples if self.profile else DEFAULT_MAX_EXAMPLES)
         budget = opt("harness_budget")
         self.budget = budget if budget is not None else (self.profile.budget_per_pair if self.profile else None)
+        # as `profiles.campaign_settings`: a budget is filled with rounds unless examples are asked for
+        self.fill_budget = self.budget is not None and max_examples is None and (
+            self.profile.fill_budget if self.profile else budget is not None)
         from harness.execute import DEFAULT_THRESHOLD
 
         threshold = opt("harness_threshold")
@@ -219,7 +222,7 @@ class FuzzSession:
                              threshold=self.threshold, device=self.device(), corpus=self.corpus,
                              shard=self.shard, isolation=self.isolation, timeout=self.timeout,
                              plugins=tuple(self.plugins), streams=self.streams,
-                             uniform_per_example=self.uniform_per_example)
+                             uniform_per_example=self.uniform_per_example, fill_budget=self.fill_budget)
         cfg.budget = self.budget * len(pairs) if self.budget is not None else None  # per pair -> campaign
         cfg.profile = self.profile_name  # stored with the campaign run
         return cfg

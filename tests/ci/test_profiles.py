@@ -59,6 +59,13 @@ def test_profile_budget_is_per_pair_and_explicit_values_win():
     assert (s.max_examples, s.budget, s.seed) == (7, 2.0, 11)
     s = campaign_settings(None, n_pairs=3, max_examples=None, budget=None, seed=None)
     assert (s.max_examples, s.budget, s.seed) == (100, None, None)  # no profile: harness fuzz's defaults
+    # a budget is filled with rounds unless examples are asked for (explicitly, or by a capping profile)
+    assert not s.fill_budget and not get_profile("ci").fill_budget
+    assert campaign_settings(None, 3, None, 60.0, None).fill_budget
+    assert not campaign_settings(None, 3, 50, 60.0, None).fill_budget
+    assert not campaign_settings("ci", 3, None, None, None).fill_budget
+    assert campaign_settings("nightly", 3, None, None, None).fill_budget
+    assert not campaign_settings("nightly", 3, 20, None, None).fill_budget
 
 
 def test_cli_fuzz_profile_uses_the_run_id(harness_cli, tmp_path):

@@ -292,6 +292,7 @@ def test_a_hand_broken_corpus_file_is_kept_aside_not_replaced(tmp_path, capsys):
     [aside] = list(path.parent.glob(f"{path.name}.broken-*"))
     assert aside.read_text() == broken  # nothing lost
     assert load_repro(path).status == "expected"  # the new finding is in place
+    assert f.new  # new to the corpus (announced as such), not "already in corpus"
     assert len(messages) == 1 and str(aside) in messages[0] and "status" in messages[0]
 
 

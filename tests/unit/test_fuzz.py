@@ -172,6 +172,37 @@ def test_budget_bounds_the_campaign(tmp_path):
     assert all(r.examples > 0 for r in result.results)
 
 
+def test_a_budget_is_filled_with_freshly_seeded_rounds(tmp_path, monkeypatch):
+    # 5 examples per round would end in well under a second; filling, the pair runs until its share
+    # ends, and round 0 is the unit's own stream (the same cases as the capped campaign's, first)
+    import time
+
+    import harness.fuzz as fz
+
+    seeds = []
+    real = fz.fuzz_pair
+
+    def spy(pair, cfg, seed, *a, **kw):
+        seeds.append(seed)
+        return real(pair, cfg, seed, *a, **kw)
+
+    monkeypatch.setattr(fz, "fuzz_pair", spy)
+    capped = campaign(tmp_path / "a", ["rmsnorm.aligned"], max_examples=5, budget=4.0, seed=3)
+    assert len(seeds) == 1
+    t = time.monotonic()
+    filled = campaign(tmp_path / "b", ["rmsnorm.aligned"], max_examples=5, budget=4.0, seed=3, fill_budget=True)
+    assert time.monotonic() - t > 2.0 and filled.results[0].verdict == "clean"
+    assert filled.results[0].examples > 5 * capped.results[0].examples
+    assert seeds[1] == seeds[0] and len(set(seeds[1:])) == len(seeds) - 1 >= 3  # distinct rounds
+    assert filled.results[0].streams == 1
+    # a round that finds something ends the unit; where it was found counts the rounds before it
+    seeds.clear()
+    found = campaign(tmp_path / "c", ["router_topk.bf16"], max_examples=5, budget=6.0, seed=3, fill_budget=True)
+    [r] = found.results
+    assert r.verdict == "caught" and len(r.findings) == 1
+    assert r.findings[0].cases_to_first <= r.examples
+
+
 def test_the_campaign_seed_is_chosen_printed_and_reproducible_even_under_ci(tmp_path, harness_cli):
     seeds = []
     for i in range(2):
