@@ -439,8 +439,12 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         with torch.inference_mode():
             inputs = pair.build(r.case, resolve_device(device))
         click.echo("inputs:")
+        shown = 0
         for name, value in _tensors(inputs):
             click.echo(f"  {name:13s} {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}")
+            shown += 1
+        if not shown:
+            click.echo(f"  (no tensors found in the {type(inputs).__name__} that build() returned)")
     except HarnessError as e:
         unavailable = e
         click.echo(f"\n(pair not available here: {e})")
@@ -473,17 +477,24 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         sys.exit(EXIT_USAGE)
 
 
-def _tensors(obj: Any, prefix: str = ""):
+def _tensors(obj: Any, prefix: str = "", depth: int = 0):
+    import dataclasses
+
     import torch
 
+    if depth > 6:
+        return
     if isinstance(obj, torch.Tensor):
         yield prefix or "input", obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # e.g. the HF backend's inputs
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name, None), f"{prefix}.{f.name}" if prefix else f.name, depth + 1)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+            yield from _tensors(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
     elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}[{i}]")
+        for i, v in enumerate(obj[:64]):
+            yield from _tensors(v, f"{prefix}[{i}]", depth + 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -510,7 +510,9 @@ def validate_repro_json(data: Any, where: str) -> None:
     if not isinstance(data, dict):
         raise UsageError(f"{where} holds a JSON {type(data).__name__}, not an object; a repro is a JSON object. {fix}")
     if data.get("schema") != REPRO_SCHEMA:
-        raise UsageError(f"{where} has schema {data.get('schema')!r}, but this harness reads {REPRO_SCHEMA!r}; pass a "
+        raise UsageError(f"{where} has top-level \"schema\": {json.dumps(data.get('schema'))}, but this harness "
+                         f"reads repros with \"schema\": \"{REPRO_SCHEMA}\" (the case's own \"schema\" number is another "
+                         "field); pass a "
                          f"repro file written by `harness fuzz` (corpora/<pair>/<id>.json), or re-record it with this "
                          "version of the harness.")
     missing = [k for k in ("pair", "case", "status") if k not in data]
@@ -741,6 +743,13 @@ def load_plugin_for(repro: Repro, registry: Any = None) -> str | None:
     except UsageError:
         pass
     path, why = repro.auto_plugin()
+    if path is None and getattr(registry, "plugins", None):  # --plugin was given: it is the wrong one
+        given = registry.plugins
+        theirs = sorted(p.name for p in registry.all() if p.source in given or
+                        any(p.source == str(Path(g)) for g in given))
+        return (f"its pair {repro.pair!r} is not registered by the plugin(s) loaded ({', '.join(given)}), which "
+                f"register {', '.join(theirs[:8]) + (' ...' if len(theirs) > 8 else '') or 'no pair'}; pass the "
+                "plugin that registers it, or check the pair name in the repro")
     if path is None:
         return why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
                        "loaded; pass --plugin FILE.py|MODULE")

@@ -51,7 +51,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from .errors import HarnessError, UsageError
 
@@ -345,6 +345,7 @@ class Registry:
         self._pairs: dict[str, TargetPair] = {}
         self._loaded_builtins = False
         self._loading: str = ""
+        self.plugins: list[str] = []  # plugin specs loaded (load_plugin), in order
 
     def register(self, pair: TargetPair) -> TargetPair:
         if not isinstance(pair, TargetPair):
@@ -423,6 +424,8 @@ class Registry:
                     raise
             else:
                 self._import(spec, label=spec)
+            if spec not in self.plugins:
+                self.plugins.append(spec)
         except (UsageError, PairError):
             raise
         except Exception as e:
@@ -436,7 +439,12 @@ class Registry:
     def get(self, name: str) -> TargetPair:
         self.load_builtins()
         if name not in self._pairs:
-            close = [n for n in self._pairs if name.split(".")[0] in n][:5]
+            import difflib
+
+            # closest first: difflib's ratio, then the pairs of the same family
+            close = difflib.get_close_matches(name, list(self._pairs), n=5, cutoff=0.6)
+            close += [n for n in sorted(self._pairs) if n.startswith(name.split(".")[0] + ".") and n not in close]
+            close = close[:5]
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise UsageError(
                 f"no target pair named {name!r} is registered.{hint} Run `harness list` to see the registered "
@@ -470,6 +478,18 @@ class Registry:
 
     def all(self) -> list[TargetPair]:
         return self.select()
+
+    def __iter__(self) -> Iterator[TargetPair]:
+        """Every registered pair (built-ins loaded first), by name."""
+        return iter(self.select())
+
+    def __len__(self) -> int:
+        self.load_builtins()
+        return len(self._pairs)
+
+    def __contains__(self, name: object) -> bool:
+        self.load_builtins()
+        return name in self._pairs
 
 
 REGISTRY = Registry()

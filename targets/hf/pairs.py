@@ -22,7 +22,7 @@ from harness import Axes, Outcome, RoutingAxes, TargetPair
 from harness.errors import UsageError
 
 from . import paths
-from .backend import BF16, COMPONENTS, FP32, HFModel, Numerics, as_rollout, model_from
+from .backend import BF16, COMPONENTS, FP32, NO_PATCH, HFModel, Numerics, as_rollout, model_from
 
 MAX_PROMPT = 12  # prompt tokens per sequence (fuzzed 0..MAX_PROMPT)
 MAX_RESPONSE = 16  # response tokens per sequence (every one decoded from the KV cache)
@@ -69,6 +69,17 @@ class HFProfiles:
         return self.make(Numerics(**trainer), Numerics(**rollout))
 
 
+def labels(trainer: Numerics, rollout: Numerics) -> dict[str, str]:
+    """The triage labels of a pair's components; a module patch is named as the paths have it."""
+    out = dict(COMPONENTS)
+    t, r = trainer.as_dict()["patch"], rollout.as_dict()["patch"]
+    if t != r:
+        out["patch"] = f"module patch {r!r} on the rollout vs {t!r} on the trainer (register_patch)"
+    elif t != NO_PATCH:
+        out["patch"] = f"module patch {t!r} on both paths (register_patch)"
+    return out
+
+
 def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics = FP32, *,
             expected: str = "aligned", replay: bool = False, description: str = "", axes: Axes | None = None,
             devices: tuple[str, ...] = ("cpu", "cuda")) -> TargetPair:
@@ -105,7 +116,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     return TargetPair(
         name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
         axes=axes or default_axes(spec), devices=devices, description=desc,
-        profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=dict(COMPONENTS),
+        profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=labels(trainer, rollout),
                             make=remake, model=spec, replay=replay),
     )
 

@@ -88,7 +88,7 @@ def test_an_engine_kernel_patched_into_the_rollout_is_caught_and_triage_names_th
     assert code == 0, out + err
     result = json.loads(out[out.index("{"):])
     text = json.dumps(result)
-    assert "module patch" in text and "mlp.experts" in text, text[:3000]
+    assert "module patch 'bf16_combine' on the rollout" in text and "mlp.experts" in text, text[:3000]
 
 
 class _DecodeBatchKernel(torch.nn.Module):

@@ -67,7 +67,7 @@ def write(path, text):
 @pytest.mark.parametrize("make,words", [
     (lambda d, f: str(d / "missing.json"), "does not exist"),
     (lambda d, f: write(d / "bad.json", "{not json"), "is not valid JSON"),
-    (lambda d, f: write(d / "schema.json", json.dumps({"schema": "other/9", "pair": "x"})), "has schema"),
+    (lambda d, f: write(d / "schema.json", json.dumps({"schema": "other/9", "pair": "x"})), "has top-level \"schema\": \"other/9\""),
     (lambda d, f: write(d / "case.json", f.read_text().replace('"top_k": ', '"top_k": 99, "x": ')),
      "invalid case"),
     (lambda d, f: write(d / "pair.json", f.read_text().replace("router_topk.bf16", "gone.pair")),

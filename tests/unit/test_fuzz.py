@@ -106,6 +106,12 @@ def test_plugin_outside_the_repo_is_fuzzed_caught_and_shrunk(tmp_path, harness_c
     assert_minimal("elsewhere.lm_head_bf16", repro.case)
     code, out, err = harness_cli("replay", str(path), "--plugin", str(plugin))
     assert code == 1 and "bit-for-bit yes" in out
+    # a repro of a pair the given plugin does not register: the plugin is named, with what it registers
+    other = tmp_path / "other.json"
+    other.write_text(path.read_text().replace('"elsewhere.lm_head_bf16"', '"elsewhere.nope"'))
+    code, out, err = harness_cli("replay", str(other), "--plugin", str(plugin))
+    assert code == 2 and "'elsewhere.nope' is not registered by the plugin(s) loaded" in err, err
+    assert "which register elsewhere.lm_head_bf16" in err and "git checkout" not in err
 
 
 def test_crashes_and_nonfinite_are_typed_findings_and_the_campaign_goes_on(tmp_path):

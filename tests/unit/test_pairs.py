@@ -72,6 +72,10 @@ def test_builtins_are_registered_and_selected_by_glob():
         REGISTRY.get("no.such.pair")
     with pytest.raises(UsageError, match="no registered pair matches"):
         REGISTRY.select(["zzz*"])
+    with pytest.raises(UsageError, match=r"Did you mean moe_aggregate\.order,"):  # a typo: its closest first
+        REGISTRY.get("moe_aggregate.ordr")
+    assert [p.name for p in REGISTRY] == [p.name for p in REGISTRY.all()] and len(REGISTRY) == len(REGISTRY.all())
+    assert "router_topk.bf16" in REGISTRY and "no.such.pair" not in REGISTRY
 
 
 def test_plugin_from_file_and_bad_plugins(tmp_path):
