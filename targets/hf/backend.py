@@ -223,6 +223,14 @@ class HFModel:
                              "written by `model.save_pretrained(...)` (nothing is downloaded).")
         return cls(key=f"path:{p.resolve()}", path=str(p.resolve()), init="default")
 
+    def save_pretrained(self, path: str | Path) -> "HFModel":
+        """Write this model (a config-built one with its init, or a loaded checkpoint) as a checkpoint
+        directory (safetensors); returns `HFModel.from_pretrained(path)`, whose pairs compute what this
+        model's do (a float32 model's weights are written exactly)."""
+        p = Path(path).expanduser()
+        base_model(self).save_pretrained(str(p), safe_serialization=True)
+        return HFModel.from_pretrained(p)
+
     def fields(self) -> dict[str, Any]:
         """The config fields, without importing transformers."""
         if self.path:

@@ -10,7 +10,6 @@ import pytest
 pytest.importorskip("transformers", reason="the HF backend needs transformers: pip install -e '.[hf]'")
 
 from targets.hf import HFModel  # noqa: E402
-from targets.hf.backend import base_model  # noqa: E402
 from targets.hf.configs import TINY  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +24,20 @@ def test_readme_shows_the_plugin_complete_and_it_is_short():
 
 def test_plugin_fuzzes_a_saved_checkpoint(tmp_path, harness_cli):
     ckpt = tmp_path / "my-model"
-    base_model(HFModel.from_config(TINY["qwen3_moe"], init_seed=11)).save_pretrained(ckpt)
+    built = HFModel.from_config(TINY["qwen3_moe"], init_seed=11)
+    saved = built.save_pretrained(ckpt)  # the public way to turn a config-built model into a checkpoint
+    assert saved.path == str(ckpt.resolve())
+    # the checkpoint's pair computes exactly what the config-built model's does
+    import torch
+
+    from harness import Case
+    from harness.execute import run_paths
+    from targets.hf import FP32, hf_pair
+
+    case = Case(seed=5, seq_lens=(3, 2), prompt_lens=(2, 4))
+    a = run_paths(hf_pair("t.built", built, FP32, FP32), case, "cpu")
+    b = run_paths(hf_pair("t.saved", saved, FP32, FP32), case, "cpu")
+    assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b))
     env = {"MY_CHECKPOINT": str(ckpt)}
     code, out, err = harness_cli("list", "--plugin", str(PLUGIN), env=env)
     assert code == 0 and "mine.bf16_rollout.replay" in out and "mine.bf16_body" in out, err
