@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .case import Case
-from .metrics import Divergence, compare, fired, verdict_mean, with_routing
+from .metrics import Divergence, compare, fired, judged_k3, verdict_mean, with_routing
 from .pairs import Outcome, TargetPair
 
 DEFAULT_THRESHOLD = 1e-3  # mean k3 (or mean exact KL) above which two paths are not equivalent
@@ -46,6 +46,16 @@ class Evaluation:
     @property
     def failed(self) -> bool:
         return self.symptom is not Symptom.NONE
+
+    @property
+    def score(self) -> float:
+        """What the verdict compares with the threshold: the larger of the judged k3 (the expected k3,
+        `metrics.judged_k3`) and the mean exact KL; NaN without metrics. A campaign climbs it."""
+        d = self.divergence
+        if d is None:
+            return math.nan
+        vals = [v for v in (judged_k3(d.k3_expected, d.k3_kl), d.kl) if not math.isnan(v)]
+        return max(vals) if vals else math.nan
 
     @property
     def headline(self) -> str:

@@ -1,8 +1,8 @@
 """A fuzz campaign: Hypothesis drives every selected pair, shrinks what diverges, records findings.
 
 Per pair, Hypothesis draws Cases from the pair's axes; each case runs both paths (`execute`),
-`hypothesis.target` climbs toward large k3, and a case whose symptom is not `none` fails the
-property, which Hypothesis then shrinks to a minimal case. Each distinct failure (by signature) is
+`hypothesis.target` climbs toward what the verdict reads (`Evaluation.score`), and a case whose
+symptom is not `none` fails the property, which Hypothesis then shrinks to a minimal case. Each distinct failure (by signature) is
 a `Finding`: the minimal case, its metrics and the environment. Findings are written to the corpus
 first, then handed to the tracker, so nothing found depends on a tracking server.
 
@@ -334,7 +334,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 limit["deadline"] += result.warmup
                 if wall is not None:
                     limit["deadline"] = min(limit["deadline"], wall)
-        cache[key] = ev if ev.failed else ev.k3
+        cache[key] = ev if ev.failed else ev.score
         result.examples += 1
         if math.isfinite(ev.k3):
             result.max_k3 = max(result.max_k3, ev.k3)
@@ -369,13 +369,15 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     def prop(case: Case) -> None:
         take_pending()
         ev = run(case)
-        k3 = ev if isinstance(ev, float) else ev.k3
-        if math.isfinite(k3) and k3 > floor:
-            # Climb toward large k3, but only where the score says something: below 1/1000 of the
-            # threshold every case is rounding noise (seen: 18k calls for 146 distinct cases of an
-            # aligned fp32 model), and a flat score makes Hypothesis's target phase draw nothing but
-            # minimal cases (measured: batch 1 in 98% of the second half of a campaign).
-            target(k3, label="k3")
+        score = ev if isinstance(ev, float) else ev.score
+        if math.isfinite(score) and score > floor:
+            # Climb toward what the verdict reads (the expected k3 or the exact KL, the larger: the
+            # sampled tokens' k3 adds the draw's noise on small cases), but only where the score says
+            # something: below 1/1000 of the threshold every case is rounding noise (seen: 18k calls
+            # for 146 distinct cases of an aligned fp32 model), and a flat score makes Hypothesis's
+            # target phase draw nothing but minimal cases (measured: batch 1 in 98% of the second
+            # half of a campaign).
+            target(score, label="score")
         if isinstance(ev, Evaluation) and ev.failed:
             raise _RAISE[ev.symptom](ev)
         if uniform_rng is not None and not smallest:

@@ -340,3 +340,23 @@ def test_each_hypothesis_example_is_followed_by_its_uniform_cases(name, n, per_e
             hypothesis += 1
     assert hypothesis >= examples // 2
     assert taken >= per_example * hypothesis - per_example and taken % max(per_example, 1) == 0
+
+
+def test_the_campaign_climbs_what_the_verdict_reads(monkeypatch):
+    # a passing case whose sampled tokens' k3 is tiny but whose exact KL is near the line: the score
+    # Hypothesis climbs is the KL (the verdict's larger mean), not the sampled k3
+    import hypothesis
+
+    from harness.fuzz import fuzz_pair
+
+    pair = REGISTRY.get("rmsnorm.aligned")
+    targeted = []
+    monkeypatch.setattr(hypothesis, "target", lambda v, label="": targeted.append((label, v)) or v)
+
+    def evaluate(case):
+        ev = run_case(pair, case)
+        ev.divergence.k3_kl, ev.divergence.k3_expected, ev.divergence.kl = 1e-9, 2e-4, 5e-4
+        return ev
+
+    fuzz_pair(pair, CampaignConfig(pairs=[pair]), seed=1, deadline=None, evaluate=evaluate, max_examples=5)
+    assert targeted and all(t == ("score", 5e-4) for t in targeted)
