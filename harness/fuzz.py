@@ -33,6 +33,8 @@ that ran its `max_examples` and found nothing while its share has time left runs
 fresh Hypothesis run of `max_examples` from a seed derived from the stream's (`round_seed`), until
 its share is spent; so a budget is spent fuzzing, not only capped. Round 0 is exactly the unit's
 stream; a round that finds something ends the unit (later rounds would find the same bug again).
+Time that later units leave (a demonstration caught in seconds) goes back, in equal shares, to the
+clean units as further rounds once every unit has run.
 
 Streams: a pair's campaign can be split into `streams` independently seeded Hypothesis streams (each
 with its share of `max_examples`), the units that shards and pytest-xdist workers spread; findings
@@ -829,13 +831,32 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         if on_finding:
             on_finding(f)
 
-    def add(r: PairResult) -> list[Finding]:
+    def add(r: PairResult, rounds: bool = False) -> list[Finding]:
         if r.pair not in by_pair:
             by_pair[r.pair] = r
             result.results.append(r)
             return list(r.findings)
-        return _merge(by_pair[r.pair], r)
+        return _merge(by_pair[r.pair], r, rounds=rounds)
 
+    def examples_of(unit: Any) -> int:
+        return stream_examples(cfg.max_examples, unit.stream, unit.streams)
+
+    def run_rounds(unit: Any, r: PairResult, rnd: int, deadline: float | None, evaluate: Evaluate,
+                   started: bool = True) -> int:
+        """`fill_budget`: further rounds of a unit into `r` until its deadline or a finding; returns
+        the next round's number. `started`: `r` already holds the unit's earlier rounds."""
+        while (cfg.fill_budget and deadline is not None and not r.findings and (r.examples or not started)
+               and time.monotonic() < deadline - ROUND_MIN_LEFT):
+            more = fuzz_pair(unit.pair, cfg, round_seed(seed, unit.pair.name, unit.stream, unit.streams, rnd),
+                             deadline, progress, evaluate=evaluate, max_examples=examples_of(unit), wall=end)
+            rnd += 1
+            if not more.examples:
+                break
+            _merge(r, more, rounds=True)
+            started = True
+        return rnd
+
+    fill: deque = deque()  # (unit, its next round): clean units that may take time others leave
     queue = deque(units)
     try:
         with signals:
@@ -853,19 +874,10 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 may_defer = any(executor.source(u.pair) not in parked and executor.source(u.pair) != source
                                 for u in queue)
                 evaluate = executor.evaluator(pair, end, cfg, deadline, may_defer)
-                examples = stream_examples(cfg.max_examples, unit.stream, unit.streams)
                 try:
                     r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
-                                  progress, evaluate=evaluate, max_examples=examples, wall=end)
-                    rnd = 1
-                    while (cfg.fill_budget and deadline is not None and not r.findings and r.examples
-                           and time.monotonic() < deadline - ROUND_MIN_LEFT):
-                        more = fuzz_pair(pair, cfg, round_seed(seed, pair.name, unit.stream, unit.streams, rnd),
-                                         deadline, progress, evaluate=evaluate, max_examples=examples, wall=end)
-                        if not more.examples:
-                            break
-                        _merge(r, more, rounds=True)
-                        rnd += 1
+                                  progress, evaluate=evaluate, max_examples=examples_of(unit), wall=end)
+                    rnd = run_rounds(unit, r, 1, deadline, evaluate)
                 except Deferred:
                     log(f"  {unit.label}: first case still running at the end of its share (a cold start?): "
                         "deferred, it goes on in the background")
@@ -877,9 +889,32 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     raise KeyboardInterrupt from None
                 for f in add(r):
                     record(f)
+                if cfg.fill_budget and r.examples and not r.findings:
+                    fill.append((unit, rnd))
                 log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max k3 {r.max_k3:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "") + ")")
+            # Filling: time the units after a clean one left unspent (they found their bug fast, or
+            # finished) goes back to the clean units, in equal shares, as further rounds.
+            while fill and end is not None and end - time.monotonic() > ROUND_MIN_LEFT * (len(fill) + 1):
+                unit, rnd = fill.popleft()
+                now = time.monotonic()
+                deadline = now + max(0.0, end - now) / (len(fill) + 1)
+                r = PairResult(unit.pair.name, unit.pair.expected)
+                try:
+                    rnd = run_rounds(unit, r, rnd, deadline, executor.evaluator(unit.pair, end, cfg, deadline, False),
+                                     started=False)
+                except Deferred:
+                    continue
+                except _Interrupted as stop:
+                    for f in add(stop.result, rounds=True):
+                        record(f)
+                    raise KeyboardInterrupt from None
+                for f in add(r, rounds=True):
+                    record(f)
+                if r.examples:
+                    log(f"  {unit.label}: {r.examples} more cases in {r.seconds:.1f}s of the time left"
+                        + (f", {len(r.findings)} finding(s)" if r.findings else ""))
     except KeyboardInterrupt:
         result.interrupted = True
     finally:

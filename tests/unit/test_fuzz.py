@@ -201,12 +201,19 @@ def test_a_budget_is_filled_with_freshly_seeded_rounds(tmp_path, monkeypatch):
     assert filled.results[0].examples > 5 * capped.results[0].examples
     assert seeds[1] == seeds[0] and len(set(seeds[1:])) == len(seeds) - 1 >= 3  # distinct rounds
     assert filled.results[0].streams == 1
-    # a round that finds something ends the unit; where it was found counts the rounds before it
+    # a round that finds something ends the unit; where it was found counts the rounds before it;
+    # the time it leaves goes back to the clean pair that ran first (its share was half the budget)
     seeds.clear()
-    found = campaign(tmp_path / "c", ["router_topk.bf16"], max_examples=5, budget=6.0, seed=3, fill_budget=True)
-    [r] = found.results
-    assert r.verdict == "caught" and len(r.findings) == 1
-    assert r.findings[0].cases_to_first <= r.examples
+    logged = []
+    cfg = CampaignConfig(pairs=REGISTRY.select(["rmsnorm.aligned", "router_topk.bf16"]), corpus=tmp_path / "c",
+                         max_examples=5, budget=6.0, seed=3, fill_budget=True)
+    t = time.monotonic()
+    found = run_campaign(cfg, NullTracker(), log=logged.append)
+    clean, caught = found.results
+    assert caught.verdict == "caught" and len(caught.findings) == 1 and clean.verdict == "clean"
+    assert caught.findings[0].cases_to_first <= caught.examples
+    assert any(m.startswith("  rmsnorm.aligned:") and "more cases in" in m for m in logged), logged
+    assert time.monotonic() - t > 4.0 and clean.streams == 1
 
 
 def test_the_campaign_seed_is_chosen_printed_and_reproducible_even_under_ci(tmp_path, harness_cli):
