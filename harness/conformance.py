@@ -25,7 +25,8 @@ checks, on one case each (three or four extra runs of both paths):
   permutation check, when the inputs do not follow.
 - **Input dependence.** The same case under another seed must change each path's log-probabilities,
   and a path must not give every token the same row: a path that ignores its input (constant
-  log-probabilities, tensors not drawn from the case's seed) is reported.
+  log-probabilities, tensors not drawn from the case's seed) is reported. It runs on the case with
+  the longest response: a one-token response after a fixed start token is the same under every seed.
 
 The permutation and truncation checks run on cases without forced router ties (a near tie flips on
 layout noise in a bf16 router, and every later row of its sequence with it).
@@ -366,7 +367,8 @@ def _pick_multi(cases: list[Case]) -> Case | None:
 
 
 def _metamorphic(pair: TargetPair, checked: list[Case], kept: dict, device: str, seed: int) -> list[str]:
-    """The input-dependence check on the first case, the permutation check on the first case with
+    """The input-dependence check on the case with the longest response (the first case when every
+    response is one token), the permutation check on the first case with
     two or more sequences (drawn anew when none of the checked cases has them), the truncation check
     on the case with the longest response."""
     first = checked[0] if checked else None
@@ -383,9 +385,12 @@ def _metamorphic(pair: TargetPair, checked: list[Case], kept: dict, device: str,
     def _outcomes(case: Case) -> tuple[Any, Any]:
         return kept[case.key()][1] if case.key() in kept else run_paths(pair, case, device)  # tie-free: anew
 
+    # input dependence on the longest response: a model whose sequences start from a fixed token
+    # gives a one-token, prompt-free case the same row under every seed, rightly
+    dep = longest if longest is not None and max(longest.seq_lens) >= 2 else first
     try:
-        if first is not None:
-            problems += check_input_dependence(pair, first, *_outcomes(first), device)
+        if dep is not None:
+            problems += check_input_dependence(pair, dep, *_outcomes(dep), device)
         if multi is not None:
             problems += check_permutation(pair, multi, *_outcomes(multi), device)
         if longest is not None and max(longest.seq_lens) >= 3:

@@ -146,3 +146,10 @@ def test_a_model_pair_with_its_trainer_rows_reversed_fails():
 
     with pytest.raises(ConformanceError, match="sequences rotated .*the trainer's rows did not follow"):
         check_pair(dataclasses.replace(small, trainer=reversed_trainer), n_cases=3)
+
+
+def test_the_readmes_decode_example_passes_the_check_it_recommends():
+    # a fixed-weight model from a fixed start token: a one-token, prompt-free case is the same under
+    # every seed, rightly; input dependence is judged on the longest response instead
+    REGISTRY.load_plugin(str(PLUGINS / "decode_sampling.py"))
+    assert len(check_pair("example.decode", n_cases=4)) == 4
