@@ -454,10 +454,14 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
             click.echo(f"  {k:18s} {_fmt(v)}")
     if r.metrics:
         fired = r.metrics.get("fired")
+        k3e, k3s = r.metrics.get("k3_expected", math.nan), r.metrics.get("k3_kl")
+        judged = judged_k3(k3e, k3s)
+        why = ("a sampled token the trainer excludes" if k3s == math.inf else
+               "the expected k3 over the vocabulary" if isinstance(k3e, (int, float)) and not math.isnan(k3e)
+               else "the sampled tokens' mean: no expected k3 (a recording, or an older repro)")
         click.echo("  over the threshold: " + (fired if fired else "neither mean" if fired == "" else
                                               "not recorded (a repro from before the exact-KL verdict)")
-                   + f" (judged k3 {_fmt(judged_k3(r.metrics.get('k3_expected', math.nan), r.metrics.get('k3_kl')))}"
-                   f" = the expected k3 over the vocabulary, else the sampled mean; sampled tokens' mean k3 "
+                   + f" (judged k3 {_fmt(judged)}: {why}; sampled tokens' mean k3 "
                    f"{_fmt(r.metrics.get('k3_kl'))}; mean exact KL {_fmt(r.metrics.get('kl'))}; "
                    f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
     if r.error:

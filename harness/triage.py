@@ -495,7 +495,10 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
     for role, cap in (("trainer", t_cap), ("rollout", r_cap)):
         if cap.matched < cap.tokens:
             notes.append(f"per-module table: {cap.tokens - cap.matched} of the {role}'s {cap.tokens} token rows "
-                         "could not be tied to a position of its root module's output (see harness/triage.py)")
+                         "could not be tied to a position of its root module's output, so the table covers the "
+                         "other rows: a row is tied by correlating its largest log-probabilities with each position's "
+                         "logits, and a row with fewer than 3 finite values (top-k/top-p truncated it) or none above "
+                         "the correlation bar cannot be (see harness/triage.py `_match_rows`)")
     errs = module_errors(t_cap, r_cap)
     floors: dict[str, float] = {}
     if reference is not None:
@@ -642,7 +645,11 @@ def _at(t: Triage) -> str:
     if not t.first_module:
         return ""
     layer = t.first_layer
-    return (f"from {layer} (first divergent module {t.first_module})" if layer != t.first_module
+    # the first module output that differs; when it is a child (an output projection), the
+    # difference may arise in its parent's own code before it (attention's core is no module)
+    parent = t.first_module.rsplit(".", 1)[0] if "." in t.first_module else ""
+    inside = f", in {parent}" if parent and layer and parent != layer and parent.startswith(layer + ".") else ""
+    return (f"from {layer} (first divergent module {t.first_module}{inside})" if layer != t.first_module
             else f"at {t.first_module} (first divergent module)")
 
 

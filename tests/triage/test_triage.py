@@ -154,7 +154,7 @@ def test_layer_names_and_single_layer_verdicts():
     one_layer = Triage(repro=None, pair=None, k3=0.02, threshold=1e-3, evaluation=ev, localization=loc,
                        modules=[ModuleRow("layers.0.mlp.gate", 0.3, 1e-6, 4)], first_module="layers.0.mlp.gate")
     assert verdict_line(one_layer) == ("router score precision, from layers.0 (first divergent module "
-                                       "layers.0.mlp.gate): k3 0.0200 -> 0.0000 when aligned")
+                                       "layers.0.mlp.gate, in layers.0.mlp): k3 0.0200 -> 0.0000 when aligned")
     no_table = Triage(repro=None, pair=None, k3=0.02, threshold=1e-3, evaluation=ev, localization=loc)
     assert verdict_line(no_table) == "router score precision: k3 0.0200 -> 0.0000 when aligned"
     assert FLOOR_FACTOR > 1
@@ -213,7 +213,7 @@ def test_triage_on_hugging_face_models_needs_no_argument_in_their_call():
     trap = triage(made_repro("hf.qwen3.packed_cache_trap", c))
     assert trap.k3 > 1e-3 and trap.localization.explained
     assert trap.first_module == "model.layers.0.self_attn.o_proj"  # attention mixes across the packed rows
-    assert ", from model.layers.0 (first divergent module model.layers.0.self_attn.o_proj): k3" in trap.verdict
+    assert ", from model.layers.0 (first divergent module model.layers.0.self_attn.o_proj, in model.layers.0.self_attn): k3" in trap.verdict
     assert {m.name: m.tokens for m in trap.modules}["lm_head"] == c.n_tokens
     bf16 = triage(made_repro("hf.qwen3_moe.bf16_rollout", c))
     if bf16.k3 > 1e-3 and bf16.localization.explained:

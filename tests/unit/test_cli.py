@@ -42,7 +42,7 @@ def test_show_and_replay_a_repro(found, harness_cli):
     assert 1 <= how["cases_to_first"] <= how["cases_total"] and how["seconds_to_first"] >= 0 <= how["shrink_seconds"]
     assert (f"after {how['cases_to_first']} cases in {how['seconds_to_first']:.1f} s; shrunk in "
             f"{how['shrink_seconds']:.1f} s ({how['cases_total']} cases in all)") in out
-    assert f"over the threshold: {fired} (judged k3 " in out and "rollout mass the trainer excludes 0" in out
+    assert f"over the threshold: {fired} (judged k3 " in out and "the expected k3 over the vocabulary" in out and "rollout mass the trainer excludes 0" in out
     code, out, _ = harness_cli("replay", str(found))
     assert code == 1 and "bit-for-bit yes" in out
     from harness.metrics import verdict_mean
