@@ -15,6 +15,7 @@ from .pairs import (
     Axes,
     Outcome,
     PairError,
+    Profiles,
     Readout,
     Routing,
     RoutingAxes,
@@ -31,6 +32,6 @@ def check_pair(pair: TargetPair | str, **kwargs):
 
 
 __all__ = [
-    "Axes", "Case", "CaseError", "HarnessError", "Outcome", "PairError", "REGISTRY", "Readout",
+    "Axes", "Case", "CaseError", "HarnessError", "Outcome", "PairError", "Profiles", "REGISTRY", "Readout",
     "Routing", "RoutingAxes", "TargetPair", "UsageError", "__version__", "check_pair", "register",
 ]

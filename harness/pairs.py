@@ -122,6 +122,38 @@ def _readout_weight(width: int, vocab: int, device: str) -> Any:
     return torch.randn(width, vocab, generator=g, dtype=torch.float64).to(device)
 
 
+@dataclass(frozen=True)
+class Profiles:
+    """The triage protocol for your own pair (`TargetPair.profiles`): what each path runs, component
+    by component, and how to rebuild the pair with other settings. `harness triage` swaps one
+    differing component at a time (the rollout takes the trainer's setting, and back) and
+    delta-debugs the set down to what causes the divergence.
+
+        Profiles(trainer={"kv_cache": "float32", "combine": "float32"},
+                 rollout={"kv_cache": "bfloat16", "combine": "float32"},
+                 labels={"kv_cache": "KV-cache precision", "combine": "MoE combine precision"},
+                 make=lambda t, r: my_pair(name, kv_t=t["kv_cache"], kv_r=r["kv_cache"], ...))
+
+    `make(trainer, rollout)` returns the same pair with its paths running those settings (same
+    keys as here); any object with these attributes and a `variant` method works too.
+    """
+
+    trainer: Mapping[str, str]  # component -> setting of the trainer path
+    rollout: Mapping[str, str]  # component -> setting of the rollout path (the same keys)
+    make: Callable[[Mapping[str, str], Mapping[str, str]], "TargetPair"]
+    labels: Mapping[str, str] = field(default_factory=dict)  # component -> what a person calls it
+
+    def __post_init__(self) -> None:
+        if set(self.trainer) != set(self.rollout):
+            raise PairError(f"Profiles: trainer components {sorted(self.trainer)} and rollout components "
+                            f"{sorted(self.rollout)} differ; give both paths a setting for every component.")
+        if not callable(self.make):
+            raise PairError("Profiles: make must be a function (trainer settings, rollout settings) -> TargetPair.")
+
+    def variant(self, trainer: Mapping[str, str], rollout: Mapping[str, str]) -> "TargetPair":
+        return self.make(dict(trainer), dict(rollout))
+
+
 # ---------------------------------------------------------------------------------------------
 # What a pair lets the fuzzer vary
 # ---------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def torch_forward(inp: paths.ModelInputs) -> Callable:
 
 @dataclass(frozen=True)
 class ModelProfiles:
-    """The triage protocol (`harness.triage.Profiles`) for a model pair: both paths' numerics
+    """The triage protocol (`harness.Profiles`, with `Numerics`) for a model pair: both paths' numerics
     profiles, the label of every component, and a way to rebuild the pair with other profiles."""
 
     trainer: Mapping[str, str]  # component -> setting of the trainer path

@@ -221,3 +221,37 @@ def test_triage_on_hugging_face_models_needs_no_argument_in_their_call():
         # not at the embedding that every bf16 component already rounds
         assert bf16.first_module is not None and bf16.first_module.startswith("model.layers.")
         assert "all layers" not in bf16.verdict and ", from model.layers." in bf16.verdict
+
+
+def test_a_plugin_pair_with_harness_profiles_is_localized():
+    """`harness.Profiles` is the whole protocol for a pair of your own: triage swaps its components
+    and names the one that explains the divergence, with its label."""
+    import torch
+
+    from harness import Axes, Outcome, PairError, Profiles, TargetPair
+
+    def cast(x, setting):  # "exact", or a fixed-point engine's rounding to quarters
+        return x if setting == "exact" else torch.round(x * 4) / 4
+
+    def make(name, t_set, r_set):
+        def build(case, device):
+            return {"x": case.randn((case.n_tokens, 64), "x", device=device) * case.logit_scale}
+
+        def path(settings):
+            def run(inp):  # two stages, each at its own precision
+                x = cast(inp["x"] * 3.0, settings["scale"])
+                return Outcome(logprobs=torch.log_softmax(cast(x, settings["head"]), -1))
+            return run
+
+        return TargetPair(name=name, kind="op", expected="diverges", build=build, trainer=path(t_set),
+                          rollout=path(r_set), axes=Axes(n_seqs=(1, 2), seq_len=(1, 4)),
+                          profiles=Profiles(trainer=t_set, rollout=r_set,
+                                            labels={"head": "LM-head precision", "scale": "input scaling precision"},
+                                            make=lambda t, r: make(name, t, r)))
+
+    pair = make("profiles.head_fixed_point", {"scale": "exact", "head": "exact"}, {"scale": "exact", "head": "quarters"})
+    REGISTRY.register(pair)
+    t = triage(made_repro(pair.name, Case(seed=2, seq_lens=(4, 3))))
+    assert t.localization.minimal == ["head"] and t.verdict.startswith("LM-head precision: k3 "), t.verdict
+    with pytest.raises(PairError, match="differ"):
+        Profiles(trainer={"a": "x"}, rollout={"b": "y"}, make=lambda t, r: None)
