@@ -369,7 +369,9 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         verdict = ev.symptom.value if ev.failed else "clean"
         rec_k3 = r.metrics.get("k3_kl")
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
-                f"-> now {verdict} {ev.headline}; bit-for-bit {'yes' if res.bit_for_bit else 'no'}")
+                f"-> now {verdict} {ev.headline}; bit-for-bit "
+                + ("yes" if res.compared and res.bit_for_bit else "no" if res.compared else
+                   "not compared (a fixed repro that replays clean: its recorded metrics are the bug's)"))
         if not res.bit_for_bit:
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
                                      ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
@@ -377,7 +379,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             line += f"\n  {ev.error['type']}: {ev.error['message']}"
         out.append({"file": str(r.path) if r.path else None, "id": r.id, "pair": r.pair, "status": r.status,
                     "recorded_symptom": r.symptom, "symptom": ev.symptom.value, "k3": ev.k3,
-                    "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit,
+                    "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit if res.compared else None,
                     "mismatches": {k: [str(a), str(b)] for k, (a, b) in res.mismatches.items()}})
         if not as_json:
             click.echo(line)

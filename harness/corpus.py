@@ -634,8 +634,15 @@ class ReplayResult:
     mismatches: dict[str, tuple[Any, Any]]  # metric -> (recorded, now), where not bit-for-bit equal
 
     @property
+    def compared(self) -> bool:
+        """Whether the recorded metrics are the ones to reproduce: not for a `fixed` repro that replays
+        clean (they are the bug's; the fix is judged by the verdict alone)."""
+        return not (self.repro.status == "fixed" and not self.evaluation.failed)
+
+    @property
     def bit_for_bit(self) -> bool:
-        return not self.mismatches
+        """The replay reproduced the recorded metrics exactly (True, vacuously, when not `compared`)."""
+        return not self.compared or not self.mismatches
 
     @property
     def diverges(self) -> bool:

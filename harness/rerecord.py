@@ -42,6 +42,8 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     if not keeps:
         return "verdict changed", (f"recorded {repro.symptom} ({repro.status}), replay gives {ev.symptom.value} "
                                    f"{ev.headline}")
+    if not res.compared:  # fixed and clean: the recorded metrics document the bug; nothing to redo
+        return "unchanged", "fixed: its metrics are the bug's, kept as they are"
     new_metrics = corpus.metrics_json(ev) if ev.divergence is not None else repro.metrics
     threads = recorded_threads(repro.environment)
     if new_metrics == repro.metrics and repro.to_json()["case"] == repro.case.to_json() and threads is not None:
@@ -54,7 +56,7 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     repro.history.append({"event": "rerecorded", "at": corpus.now_iso(),
                           "note": "metrics recomputed by this harness version; verdict unchanged"})
     repro.save(path)
-    return "rewritten", f"k3 {ev.k3:.6g}"
+    return "rewritten", ev.headline
 
 
 @click.command("rerecord")

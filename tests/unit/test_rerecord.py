@@ -37,3 +37,21 @@ def test_a_changed_verdict_is_left_alone(tmp_path):
     outcome, detail = rerecord_file(path)
     assert outcome == "verdict changed" and "replay gives divergence" in detail
     assert path.read_text() == before
+
+
+def test_a_fixed_repro_that_replays_clean_keeps_the_bugs_metrics(tmp_path, harness_cli):
+    # the fix is in: the repro's pair now runs the fixed code (here: the aligned twin), so it replays
+    # clean; its recorded metrics are the bug's, so neither the corpus test's bit-for-bit check nor
+    # rerecord applies to it
+    from harness.corpus import load_repro, replay
+
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data.update(status="fixed", pair="moe_aggregate.aligned")
+    path.write_text(json.dumps(data))
+    res = replay(load_repro(path))
+    assert not res.diverges and not res.compared and res.bit_for_bit and res.mismatches
+    before = path.read_text()
+    assert rerecord_file(path)[0] == "unchanged" and path.read_text() == before
+    code, out, err = harness_cli("replay", str(path))
+    assert code == 0 and "-> now clean" in out and "bit-for-bit not compared (a fixed repro" in out, out + err
