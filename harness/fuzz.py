@@ -935,8 +935,9 @@ def _unsaved(f: Finding, err: OSError, cfg: CampaignConfig, seed: int, log: Call
     f.path = None
     reason = err.strerror or str(err)
     log(f"error: could not write finding {f.id} ({f.pair}, {f.symptom.value}) to {target}: {reason} "
-        f"(errno {err.errno}). Free space or make the corpus folder writable (or pass --corpus DIR); the campaign "
-        f"goes on and exits 3 at the end. The finding follows on one line as JSON: save that line as {target} "
+        f"(errno {err.errno}). Free space or make the corpus folder writable (or pass `harness fuzz --corpus DIR`, "
+        f"`pytest --harness-corpus DIR`); the campaign goes on (`harness fuzz` exits 3 at the end, which "
+        f"outranks 1: a finding is not on disk). The finding follows on one line as JSON: save that line as {target} "
         "to replay it.")
     data = finding_to_repro(f, cfg.threshold, seed, cfg.device).to_json()
     print(json.dumps(data, default=str), file=sys.stderr, flush=True)

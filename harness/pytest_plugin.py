@@ -326,11 +326,14 @@ class FuzzSession:
         self.judge(pair, r)
 
     def replay_command(self, path: Any) -> str:
+        if path is None:
+            return "(not written: the corpus could not take it; its repro JSON is on stderr)"
         plugins = "".join(f" --plugin {p}" for p in self.plugins)
         return f"harness replay{plugins} {path}"
 
     def judge(self, pair: Any, r: Any) -> None:
-        rerun = (f"pytest --harness-fuzz --harness-pairs {pair.name} --harness-seed {self.seed} "
+        plugins = "".join(f" --harness-plugin {p}" for p in self.plugins)
+        rerun = (f"pytest --harness-fuzz --harness-pairs {pair.name}{plugins} --harness-seed {self.seed} "
                  f"--harness-max-examples {self.max_examples}")
         if pair.expected == "aligned":
             new = [f for f in r.findings if f.new or f.recurrence]
@@ -341,7 +344,7 @@ class FuzzSession:
                     + [_describe(f, self) for f in new] + [f"  rerun: {rerun}"]))
             if r.findings:
                 pytest.xfail(f"known regression(s) of {pair.name}, already in the corpus: "
-                             + "; ".join(f"{f.id} k3 {f.k3:.4g} ({self.replay_command(f.path)})" for f in r.findings))
+                             + "; ".join(f"{f.id} {f.evaluation.headline} ({self.replay_command(f.path)})" for f in r.findings))
         verdict = r.verdict
         if verdict == "MISSED" and self.streams > 1:
             return  # one stream of a demonstration: the session summary judges the pair's streams together
@@ -399,7 +402,7 @@ def _campaign_run_id(tracker: Any) -> str | None:
 
 def _describe(f: Any, session: FuzzSession) -> str:
     state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "known")
-    return (f"  finding {f.id} [{state}] {f.symptom.value}: k3 {f.k3:.4g}\n"
+    return (f"  finding {f.id} [{state}] {f.symptom.value}: {f.evaluation.headline}\n"
             f"    minimal case: {f.case.one_line()}\n"
             f"    replay: {session.replay_command(f.path)}")
 
@@ -629,7 +632,8 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
     for d in sorted(results, key=lambda d: d["pair"]):
         verdict = d["verdict"]
         if verdict == "REGRESSION":
-            verdict = "REGRESSION (new)" if any(f["new"] or f["recurrence"] for f in d["findings"]) \
+            verdict = "REGRESSION (recurrence)" if any(f["recurrence"] for f in d["findings"]) \
+                else "REGRESSION (new)" if any(f["new"] for f in d["findings"]) \
                 else "REGRESSION (known)"
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
         found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
@@ -709,6 +713,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(f"missed demonstrations: {len(missed)} of {sum(d['expected'] == 'diverges' for d in results)} "
                       f"not caught: {', '.join(sorted(missed))}")
     tr.write_line(f"campaign seed {fs.seed} ({fs.seed_origin}); rerun: pytest --harness-fuzz --harness-seed {fs.seed}"
+                  + "".join(f" --harness-plugin {p}" for p in fs.plugins)
                   + (f" --shard {fs.shard[0]}/{fs.shard[1]}" if fs.shard else ""))
     if fs.campaign_run_id:
         tr.write_line(f"MLflow campaign run {fs.campaign_run_id}")

@@ -27,7 +27,9 @@ def sync_pending(uri: str | None = None, spool_dir: str | Path | None = None,
                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Upload the spool to the store; each uploaded file is deleted. Idempotent (see the module note).
 
-    Returns {"uri", "campaigns", "created", "seen", "reopened", "already", "failed", "remaining"}.
+    `uri`: the store to upload to; None uploads each spooled campaign to the store it was meant for
+    (recorded in its campaign.json), else to the default. Returns {"uri" (the stores, comma-separated),
+    "campaigns", "created", "seen", "reopened", "already", "failed", "remaining"}.
     """
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     folders = pending(spool_dir)
@@ -35,16 +37,27 @@ def sync_pending(uri: str | None = None, spool_dir: str | Path | None = None,
                "failed": 0, "remaining": 0, "runs": []}
     if not folders:
         return summary
-    try:
-        store = Store(uri, create=True)
-    except StoreUnavailable as e:
-        summary["remaining"] = sum(len(list(d.glob("*.json"))) - 1 for d in folders)
-        summary["failed"] = summary["remaining"]
-        log(f"warning: {e}; nothing uploaded, {summary['remaining']} finding(s) stay in the spool.")
-        return summary
+    stores: dict[str, Store | None] = {}
+    targets: list[str] = []
+
+    def store_for(camp: dict[str, Any]) -> Store | None:
+        target = resolve_uri(uri) if uri else str(camp.get("uri") or resolve_uri(None))
+        if target not in stores:
+            targets.append(target)
+            try:
+                stores[target] = Store(target, create=True)
+            except StoreUnavailable as e:
+                stores[target] = None
+                log(f"warning: {e}; the findings spooled for {target} stay in the spool.")
+        return stores[target]
+
     for folder in folders:
         try:
             camp = json.loads((folder / "campaign.json").read_text())
+            store = store_for(camp)
+            if store is None:
+                summary["failed"] += max(0, len(list(folder.glob("*.json"))) - 1)
+                continue
             run_id = None
             if camp.get("run_id"):
                 try:
@@ -82,5 +95,7 @@ def sync_pending(uri: str | None = None, spool_dir: str | Path | None = None,
             summary["failed"] += 1
             log(f"warning: could not upload the spooled campaign {folder}: {type(e).__name__}: {_short(e)}")
     summary["remaining"] = sum(max(0, len(list(d.glob("*.json"))) - 1) for d in pending(spool_dir))
+    if targets:
+        summary["uri"] = ", ".join(targets)
     return summary
 

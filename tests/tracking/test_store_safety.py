@@ -128,9 +128,32 @@ def test_sync_counts_each_spooled_campaign_once_however_often_it_is_uploaded(fre
     assert len(list(spool.iterdir())) == 2
     copy = fresh_cwd / "spool-copy"
     shutil.copytree(spool, copy)
-    s1 = sync_pending(spool_dir=spool, log=lambda m: None)
+    from harness.mlflow_tracking import resolve_uri
+
+    default = resolve_uri(None)  # the spool was meant for the dead store: name the live one
+    s1 = sync_pending(default, spool_dir=spool, log=lambda m: None)
     assert (s1["created"], s1["seen"], s1["remaining"]) == (1, 1, 0)
     assert list_regressions()[0]["seen_count"] == 2
-    s2 = sync_pending(spool_dir=copy, log=lambda m: None)
+    s2 = sync_pending(default, spool_dir=copy, log=lambda m: None)
     assert (s2["created"], s2["seen"], s2["already"]) == (0, 0, 2)
     assert list_regressions()[0]["seen_count"] == 2
+
+
+def test_sync_without_a_uri_uploads_to_the_store_each_campaign_was_meant_for(fresh_cwd):
+    """A campaign run with --tracking-uri B spools while B is away; a plain `harness sync` later
+    uploads to B (recorded in the spool), not to the default store."""
+    import json
+
+    from harness.mlflow_tracking import MlflowTracker, list_regressions, resolve_uri, sync_pending
+
+    from .conftest import free_port
+
+    f = make_finding(fresh_cwd)
+    t = logged(MlflowTracker(f"http://127.0.0.1:{free_port()}", log=lambda m: None), [f])
+    camp = fresh_cwd / "reports" / "pending" / t.uid / "campaign.json"
+    meant = f"sqlite:///{fresh_cwd}/team/mlflow.db"  # as if B were this store, back now
+    camp.write_text(json.dumps({**json.loads(camp.read_text()), "uri": meant}))
+    s = sync_pending(spool_dir=fresh_cwd / "reports" / "pending", log=lambda m: None)
+    assert s["created"] == 1 and s["remaining"] == 0 and s["uri"] == meant
+    assert [r["id"] for r in list_regressions(meant)] == [f.id]
+    assert not (fresh_cwd / "reports" / "mlflow.db").exists() or not list_regressions(resolve_uri(None))
