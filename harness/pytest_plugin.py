@@ -657,6 +657,12 @@ def _headline(f: dict) -> str:
     return headline(f.get("metrics"), f.get("error"))
 
 
+def summary_path(fs: FuzzSession, ext: str) -> Path:
+    """`<out>/summary.<ext>`; a shard's is `summary.shard<i>of<N>.<ext>`, so shards run on one
+    machine (or into one folder) keep each its own."""
+    return fs.out / (f"summary.shard{fs.shard[0]}of{fs.shard[1]}.{ext}" if fs.shard else f"summary.{ext}")
+
+
 def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
     fs.out.mkdir(parents=True, exist_ok=True)
     cases = sum(d["examples"] for d in results)
@@ -672,7 +678,7 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
         "missed_demonstrations": sorted(d["pair"] for d in results if d["verdict"] == "MISSED"),
         "pairs": sorted(results, key=lambda d: d["pair"]),
     }
-    (fs.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    summary_path(fs, "json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     rows = _rows(fs, results)
     md = [f"# harness fuzz: {len(results)} pair(s), {cases} cases, seed {fs.seed}", "",
           f"{fs.seed_origin}; profile {fs.profile_name or '-'}"
@@ -688,7 +694,7 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
     if replays:
         md += ["", "New findings:", ""]
         md += [f"- {p} {f['id']} ({f['symptom']}): `{fs.replay_command(f['path'])}`" for p, f in replays]
-    (fs.out / "summary.md").write_text("\n".join(md) + "\n")
+    summary_path(fs, "md").write_text("\n".join(md) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
@@ -719,4 +725,4 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(f"MLflow campaign run {fs.campaign_run_id}")
     elif fs.tracking:
         tr.write_line("MLflow: no campaign run" + (f" ({fs.tracking_error})" if fs.tracking_error else ""))
-    tr.write_line(f"summary: {fs.out / 'summary.md'}")
+    tr.write_line(f"summary: {summary_path(fs, 'md')}")

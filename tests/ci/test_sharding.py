@@ -79,3 +79,18 @@ def test_plugin_shards_collect_disjoint_items(tmp_path):
     # the subprocesses see the built-in pairs only (this process may hold plugins other tests loaded)
     builtin = [p for p in REGISTRY.all() if p.source.startswith("targets.")]
     assert items[0] | items[1] == set(_names(builtin))
+
+
+def test_shards_sharing_an_output_folder_keep_each_its_own_summary(tmp_path):
+    from tests.ci.test_pytest_plugin import run_pytest
+
+    for i in (1, 2):
+        rc, out = run_pytest(["--harness-fuzz", "-q", "--shard", f"{i}/2", "--harness-no-tracking",
+                              "--harness-pairs", "rmsnorm.aligned", "--harness-pairs", "rotary.aligned",
+                              "--harness-max-examples", "3", "--harness-out", str(tmp_path / "out"),
+                              "--harness-corpus", str(tmp_path / "corpus")])
+        assert rc == 0, out
+        assert f"summary: {tmp_path / 'out' / f'summary.shard{i}of2.md'}" in out, out
+    names = sorted(p.name for p in (tmp_path / "out").glob("summary*"))
+    assert names == ["summary.shard1of2.json", "summary.shard1of2.md", "summary.shard2of2.json",
+                     "summary.shard2of2.md"], names
