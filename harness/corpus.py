@@ -750,16 +750,17 @@ def load_plugin_for(repro: Repro, registry: Any = None) -> str | None:
     except UsageError:
         pass
     path, why = repro.auto_plugin()
-    if path is None and getattr(registry, "plugins", None):  # --plugin was given: it is the wrong one
-        given = registry.plugins
-        theirs = sorted(p.name for p in registry.all() if p.source in given or
-                        any(p.source == str(Path(g)) for g in given))
-        return (f"its pair {repro.pair!r} is not registered by the plugin(s) loaded ({', '.join(given)}), which "
-                f"register {', '.join(theirs[:8]) + (' ...' if len(theirs) > 8 else '') or 'no pair'}; pass the "
-                "plugin that registers it, or check the pair name in the repro")
     if path is None:
-        return why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
-                       "loaded; pass --plugin FILE.py|MODULE")
+        why = why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
+                      "loaded; pass --plugin FILE.py|MODULE")
+        given = list(getattr(registry, "plugins", None) or ())
+        if given:  # plugins were loaded (--plugin): say that they are not the ones
+            theirs = sorted(p.name for p in registry.all() if p.source in given or
+                            any(p.source == str(Path(g)) for g in given))
+            why += (f" (the plugin(s) loaded here, {', '.join(given)}, register "
+                    f"{', '.join(theirs[:8]) + (' ...' if len(theirs) > 8 else '') or 'no pair'}, not "
+                    f"{repro.pair!r}: check the pair name in the repro)")
+        return why
     try:
         registry.load_plugin(path)
     except UsageError as e:
