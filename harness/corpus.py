@@ -85,7 +85,9 @@ LIMITS = {
     "experts": Limit("number of router experts", "HARNESS_MAX_EXPERTS", 4096),
     "vocab": Limit("vocabulary size", "HARNESS_MAX_VOCAB", 1 << 20),
     "params": Limit("number of free case parameters", "HARNESS_MAX_PARAMS", 64),
-    "param_len": Limit("length of a string case parameter", "HARNESS_MAX_PARAM_LEN", 1024),
+    # a recorded rollout's repro carries its token ids, log-probs and routed experts as strings: ~25
+    # characters per token for the log-probs alone, so 1024 tokens need ~26k (the file limit bounds all)
+    "param_len": Limit("length of a string case parameter", "HARNESS_MAX_PARAM_LEN", 4 * 2**20),
     "param_int": Limit("magnitude of an integer case parameter", "HARNESS_MAX_PARAM_INT", 1 << 20),
 }
 

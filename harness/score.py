@@ -388,13 +388,17 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
     if replays and not any(s.sample.experts for s in res.scored):
         res.notes.append("router replay: no scored sample records routed experts (routed_experts / "
                          "rollout_routed_experts), so nothing was replayed: the trainer routed every token itself")
+    if out_dir is not None:  # first: what was scored is never lost to a repro that cannot be written
+        write_outputs(res, path, threshold)
     for s in res.flagged[:max_repros]:
-        p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
+        try:
+            p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
+        except (UsageError, OSError) as e:
+            res.notes.append(f"line {s.sample.line}: its repro could not be written: {e}")
+            continue
         if p is not None:
             res.repros.append(p)
     res.seconds = time.monotonic() - t0
-    if out_dir is not None:
-        write_outputs(res, path, threshold)
     if tracker is not None:
         finish_tracking(tracker, res, threshold)
     return res
@@ -555,8 +559,11 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
     if res.flagged:
         click.echo(f"{len(res.flagged)} sample(s) above the threshold {threshold:g}:")
         for s in res.flagged[:10]:
-            click.echo(f"  line {s.sample.line} (id {s.sample.id}): {s.evaluation.headline}, k3 {s.metrics['k3_kl']:.4g}, "
-                       f"flip_rate {s.metrics['flip_rate']:.3g}, {s.metrics['n_tokens']} tokens")
+            head = s.evaluation.headline
+            click.echo(f"  line {s.sample.line} (id {s.sample.id}): {head}"
+                       + ("" if head.startswith("k3=") else f", k3 {s.metrics['k3_kl']:.4g}")
+                       + (f", flip_rate {s.metrics['flip_rate']:.3g}" if s.sample.experts else
+                          ", flip_rate n/a (no experts recorded)") + f", {s.metrics['n_tokens']} tokens")
         if len(res.flagged) > 10:
             click.echo(f"  ... and {len(res.flagged) - 10} more (samples.csv)")
     else:

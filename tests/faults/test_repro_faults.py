@@ -104,7 +104,7 @@ def assert_clean_error(code, err, expected_code, *needles):
     ({"case.params": {"vocab": 10**9}}, "HARNESS_MAX_VOCAB"),
     ({"case.params": {f"p{i}": i for i in range(100)}}, "HARNESS_MAX_PARAMS"),
     ({"case.params": {"decode": 10**9}}, "HARNESS_MAX_PARAM_INT"),
-    ({"case.params": {"name": "x" * 5000}}, "HARNESS_MAX_PARAM_LEN"),
+    ({"case.params": {"name": "x" * (4 * 2**20 + 1)}}, "HARNESS_MAX_PARAM_LEN"),
 ])
 def test_an_oversized_case_is_refused_before_it_runs(repro, capsys, changes, limit_env):
     edit(repro, **changes)

@@ -173,3 +173,28 @@ def test_replay_on_a_file_without_experts_says_nothing_was_replayed(aligned_file
     res = score(path, pair_name="hf.qwen3_moe.bf16_rollout.replay", replay=True, corpus=tmp_path / "c",
                 progress=False)
     assert len(res.scored) == 2 and any("nothing was replayed" in n for n in res.notes), res.notes
+
+
+def test_a_long_recorded_sample_fits_a_repro_and_outputs_survive_a_repro_that_fails(bf16_file, tmp_path, monkeypatch):
+    # 1000 recorded tokens: ~25 characters of log-prob each, far above the old 1024-character limit
+    import random
+
+    import harness.score as sc
+    from harness.corpus import check_case_size
+    from harness.score import Sample, sample_case
+
+    rng = random.Random(0)
+    s = Sample(line=1, id="long", prompt=[1, 2, 3], response=[rng.randrange(100) for _ in range(1000)],
+               logprobs=[-rng.random() * 5 for _ in range(1000)])
+    case, cut = sample_case(s, {}, {}, sc.MAX_REPRO_TOKENS)
+    assert not cut
+    check_case_size(case, "a 1000-token recorded sample")  # refused before: params.rec_logprobs too long
+
+    def broken(*a, **kw):
+        raise sc.UsageError("the corpus is read-only")
+
+    monkeypatch.setattr(sc, "write_repro", broken)
+    res = score(bf16_file, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", out_dir=tmp_path / "o",
+                progress=False)
+    assert res.flagged and not res.repros and any("could not be written" in n for n in res.notes)
+    assert (tmp_path / "o" / "samples.csv").stat().st_size > 0  # what was scored is kept
