@@ -393,6 +393,15 @@ class Runner:
                 force[valid] = ctx.forced.to(valid.device)[ctx.keys[valid]]
                 if bool(force.any()):
                     x = tie_nudge(x, module.weight, force, ctx.gap, k, bias, router=module)
+            if ctx.floor and ctx.keys is not None and _groups(module) != (1, 1):
+                # a group-limited router's kept groups: a near tie between the last kept and the first
+                # dropped group is decided by layout noise too (an aligned float32 pair of a DeepSeek-V3
+                # checkpoint flipped experts this way). A forced nudge often ends at one: its Newton steps
+                # on the expert boundary converge to the kink where the kept groups change. Raised to
+                # the floor, the higher group leading (a forced row may then sit off its exact gap)
+                close = (ctx.keys >= 0) & (group_gap(x, module.weight, bias, module) < TIE_FLOOR)
+                if bool(close.any()):
+                    x = group_nudge(x, module.weight, close, TIE_FLOOR, bias, router=module)
             if ctx.floor and ctx.keys is not None:
                 # a natural near tie closer than the floor is decided by layout noise (a float32
                 # eager/sdpa pair flipped an expert this way): raised to the floor, the higher expert
@@ -516,6 +525,72 @@ def selection_scores(router: Any, logits: Any) -> Any:
         chosen = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(keep, dim=-1).indices, True)
         s = torch.where(chosen[:, :, None].expand_as(g), g, -math.inf).reshape(s.shape)
     return s
+
+
+def _groups(router: Any) -> tuple[int, int]:
+    """(groups, groups kept) of a group-limited sigmoid router; (1, 1) for any other."""
+    if not _sigmoid_router(router):
+        return 1, 1
+    groups, keep = int(getattr(router, "num_group", 1) or 1), int(getattr(router, "topk_group", 1) or 1)
+    return (groups, keep) if 1 < groups and keep < groups else (1, 1)
+
+
+def _group_boundary(router: Any, logits: Any) -> tuple[Any, Any, Any, Any]:
+    """For a group-limited router's float64 logits (N, E): the group scores (N, G) (a group's two best
+    sigmoid(logit) + bias), and per row the boundary pair of groups, the last kept and the first
+    dropped, as (winner, runner-up), the higher group index the winner; and every group's two best
+    experts (their indices within the group, (N, G, 2)). Returns (scores, win, run, top2)."""
+    import torch
+
+    groups, keep = _groups(router)
+    s = logits.sigmoid() + router.e_score_correction_bias.to(torch.float64)
+    g = s.view(s.shape[0], groups, -1)  # (N, G, E/G)
+    top2 = g.topk(min(2, g.shape[-1]), dim=-1)
+    gs = top2.values.sum(-1)  # (N, G)
+    order = gs.topk(keep + 1, dim=-1).indices  # (N, keep+1)
+    a, b = order[:, keep - 1], order[:, keep]
+    return gs, torch.maximum(a, b), torch.minimum(a, b), top2.indices
+
+
+def group_gap(x: Any, w: Any, bias: Any = None, router: Any = None) -> Any:
+    """(N,) float64 gap between the last group a group-limited router keeps and the first it drops
+    (group score: its two best selection scores); +inf for routers that do not limit groups. A gap
+    under float32 noise decides which groups are kept, and with them which experts, by layout noise."""
+    import torch
+
+    if _groups(router) == (1, 1):
+        return torch.full((x.shape[0],), math.inf, dtype=torch.float64, device=x.device)
+    logits = x.to(torch.float64) @ w.to(torch.float64).T + (bias.to(torch.float64) if bias is not None else 0.0)
+    gs, win, run, _ = _group_boundary(router, logits)
+    return (gs.gather(1, win[:, None]) - gs.gather(1, run[:, None])).abs().squeeze(1)
+
+
+def group_nudge(x: Any, w: Any, rows: Any, gap: float, bias: Any = None, router: Any = None,
+                rounds: int = 4) -> Any:
+    """Router input x (N, H) moved, for `rows`, so that a group-limited router's boundary groups
+    (the last kept, the first dropped) are `gap` apart, the higher group index leading, as
+    `tie_nudge` does for the expert boundary: Newton steps along the difference of the two group
+    scores' gradients (each the sigmoid slopes of its two best experts times their weight rows)."""
+    import torch
+
+    xs, wf = x.to(torch.float64), w.to(torch.float64)
+    bf = bias.to(torch.float64) if bias is not None else 0.0
+    groups, _ = _groups(router)
+    per = wf.shape[0] // groups
+    for _ in range(rounds):
+        logits = xs @ wf.T + bf  # (N, E)
+        gs, win, run, top2 = _group_boundary(router, logits)
+        slope = torch.sigmoid(logits) * torch.sigmoid(-logits)  # (N, E)
+
+        def grad(grp: Any) -> Any:  # (N, H): d(group score)/dx of group grp per row
+            ids = top2.gather(1, grp[:, None, None].expand(-1, 1, top2.shape[-1])).squeeze(1) + grp[:, None] * per
+            return (slope.gather(1, ids)[:, :, None] * wf[ids]).sum(1)
+
+        d = grad(win) - grad(run)  # (N, H)
+        now = gs.gather(1, win[:, None]) - gs.gather(1, run[:, None])  # (N, 1)
+        alpha = (gap - now) / (d * d).sum(-1, keepdim=True).clamp_min(1e-30)
+        xs = torch.where(rows[:, None], xs + alpha * d, xs)
+    return xs.to(x.dtype)
 
 
 def boundary_gap(x: Any, w: Any, k: int, bias: Any = None, router: Any = None) -> Any:
