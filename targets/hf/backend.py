@@ -275,6 +275,7 @@ def base_model(spec: HFModel) -> Any:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars in every worker's output
     from transformers import AutoModelForCausalLM
 
     if spec.path:
