@@ -164,8 +164,8 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
               "[default: 100, or the profile's]")
 @click.option("--budget", type=POSITIVE, default=None,
               help="Wall seconds for the whole campaign, split over the pairs (shrinking included). Without "
-              "--max-examples or --profile the budget is filled: a pair that ran its examples with nothing "
-              "found runs further freshly seeded rounds until its share is spent.")
+              "--max-examples or --profile the budget is filled: once every pair has run its examples, the "
+              "time left goes to the pairs that found nothing, as further freshly seeded rounds.")
 @click.option("--seed", type=click.IntRange(0), default=None, help="Campaign seed (default: fresh, printed).")
 @click.option("--threshold", type=POSITIVE, default=1e-3, show_default=True,
               help="Mean k3 above which a case diverges.")

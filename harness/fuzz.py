@@ -28,13 +28,12 @@ that share but against what is left for everyone. Op pairs run before model pair
 slow starters are deferred, so a cold compile can only shorten the model pairs after it, never skip
 the op pairs.
 
-Filling the budget (`fill_budget`, `harness fuzz --budget S` without `--max-examples`): a unit
-that ran its `max_examples` and found nothing while its share has time left runs another round, a
-fresh Hypothesis run of `max_examples` from a seed derived from the stream's (`round_seed`), until
-its share is spent; so a budget is spent fuzzing, not only capped. Round 0 is exactly the unit's
-stream; a round that finds something ends the unit (later rounds would find the same bug again).
-Time that later units leave (a demonstration caught in seconds) goes back, in equal shares, to the
-clean units as further rounds once every unit has run.
+Filling the budget (`fill_budget`, `harness fuzz --budget S` without `--max-examples`): once every
+unit has run its `max_examples` (each within its share, as without filling), the time left goes, in
+equal shares, to the units that found nothing: each runs further rounds, fresh Hypothesis runs of
+`max_examples` from seeds derived from the stream's (`round_seed`), until its share is spent; so a
+budget is spent fuzzing, not only capped. Round 0 is exactly the unit's stream; a round that finds
+something ends the unit (later rounds would find the same bug again).
 
 Streams: a pair's campaign can be split into `streams` independently seeded Hypothesis streams (each
 with its share of `max_examples`), the units that shards and pytest-xdist workers spread; findings
@@ -877,7 +876,6 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 try:
                     r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
                                   progress, evaluate=evaluate, max_examples=examples_of(unit), wall=end)
-                    rnd = run_rounds(unit, r, 1, deadline, evaluate)
                 except Deferred:
                     log(f"  {unit.label}: first case still running at the end of its share (a cold start?): "
                         "deferred, it goes on in the background")
@@ -890,12 +888,13 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 for f in add(r):
                     record(f)
                 if cfg.fill_budget and r.examples and not r.findings:
-                    fill.append((unit, rnd))
+                    fill.append((unit, 1))
                 log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max k3 {r.max_k3:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "") + ")")
-            # Filling: time the units after a clean one left unspent (they found their bug fast, or
-            # finished) goes back to the clean units, in equal shares, as further rounds.
+            # Filling, once every unit has run its examples: the time left goes to the clean units, in
+            # equal shares, as further rounds (not before: a quick op pair that filled its first share
+            # would take the time a slow model pair after it needs for its first cases)
             while fill and end is not None and end - time.monotonic() > ROUND_MIN_LEFT * (len(fill) + 1):
                 unit, rnd = fill.popleft()
                 now = time.monotonic()
