@@ -518,11 +518,9 @@ def selection_scores(router: Any, logits: Any) -> Any:
 
     if not _sigmoid_router(router):
         return logits
-    s = logits.sigmoid() + router.e_score_correction_bias.to(torch.float64)
-    groups, keep = int(getattr(router, "num_group", 1) or 1), int(getattr(router, "topk_group", 1) or 1)
-    if groups > 1 and keep < groups:
-        g = s.view(s.shape[0], groups, -1)  # (N, G, E/G)
-        best = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(-1)  # (N, G): a group's two best
+    groups, keep = _groups(router)
+    s, g, best, _ = _group_scores(router, logits)
+    if groups > 1:
         chosen = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(keep, dim=-1).indices, True)
         s = torch.where(chosen[:, :, None].expand_as(g), g, -math.inf).reshape(s.shape)
     return s
@@ -536,6 +534,19 @@ def _groups(router: Any) -> tuple[int, int]:
     return (groups, keep) if 1 < groups and keep < groups else (1, 1)
 
 
+def _group_scores(router: Any, logits: Any) -> tuple[Any, Any, Any, Any]:
+    """A sigmoid router's float64 selection scores from its logits: (s (N, E) = sigmoid(logit) + bias,
+    the same by group (N, G, E/G), group scores (N, G) = a group's two best, and those two experts'
+    indices within their group (N, G, 2)); one group when the router does not limit groups."""
+    import torch
+
+    groups, _ = _groups(router)
+    s = logits.sigmoid() + router.e_score_correction_bias.to(torch.float64)
+    g = s.view(s.shape[0], groups, -1)
+    top2 = g.topk(min(2, g.shape[-1]), dim=-1)
+    return s, g, top2.values.sum(-1), top2.indices
+
+
 def _group_boundary(router: Any, logits: Any) -> tuple[Any, Any, Any, Any]:
     """For a group-limited router's float64 logits (N, E): the group scores (N, G) (a group's two best
     sigmoid(logit) + bias), and per row the boundary pair of groups, the last kept and the first
@@ -543,14 +554,11 @@ def _group_boundary(router: Any, logits: Any) -> tuple[Any, Any, Any, Any]:
     experts (their indices within the group, (N, G, 2)). Returns (scores, win, run, top2)."""
     import torch
 
-    groups, keep = _groups(router)
-    s = logits.sigmoid() + router.e_score_correction_bias.to(torch.float64)
-    g = s.view(s.shape[0], groups, -1)  # (N, G, E/G)
-    top2 = g.topk(min(2, g.shape[-1]), dim=-1)
-    gs = top2.values.sum(-1)  # (N, G)
+    _, keep = _groups(router)
+    _, _, gs, top2 = _group_scores(router, logits)
     order = gs.topk(keep + 1, dim=-1).indices  # (N, keep+1)
     a, b = order[:, keep - 1], order[:, keep]
-    return gs, torch.maximum(a, b), torch.minimum(a, b), top2.indices
+    return gs, torch.maximum(a, b), torch.minimum(a, b), top2
 
 
 def group_gap(x: Any, w: Any, bias: Any = None, router: Any = None) -> Any:
