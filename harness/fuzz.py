@@ -2,9 +2,10 @@
 
 Per pair, Hypothesis draws Cases from the pair's axes; each case runs both paths (`execute`),
 `hypothesis.target` climbs toward what the verdict reads (`Evaluation.score`), and a case whose
-symptom is not `none` fails the property, which Hypothesis then shrinks to a minimal case. Each distinct failure (by signature) is
-a `Finding`: the minimal case, its metrics and the environment. Findings are written to the corpus
-first, then handed to the tracker, so nothing found depends on a tracking server.
+symptom is not `none` fails the property, which Hypothesis then shrinks to a minimal case. Each
+distinct failure (by signature) is a `Finding`: the minimal case, its metrics and the environment.
+Findings are written to the corpus first, then handed to the tracker, so nothing found depends on a
+tracking server.
 
 Settings are our own, never a Hypothesis profile: Hypothesis loads a `ci` profile when CI is set,
 which derandomizes and drops the database; a campaign instead always chooses a seed, prints it and
@@ -145,9 +146,8 @@ class CampaignConfig:
     stream: int | None = None  # run only this stream of each pair (0-based; a pytest item, a CI job)
     # uniform random cases after each Hypothesis example; None: `UNIFORM_PER_EXAMPLE` by the pair's kind
     uniform_per_example: int | None = None
-    # with a budget: a unit that finishes its max_examples with nothing found before its share of the
-    # budget ends runs further rounds (fresh Hypothesis runs, seeds derived from the stream's) until it
-    # ends (the command line sets it when --budget is given without --max-examples or a profile)
+    # with a budget: once every unit has run its max_examples, the time left goes to the units that
+    # found nothing as further rounds (see the module note; `profiles.fills_budget` says when it is on)
     fill_budget: bool = False
 
     def timeout_for(self, pair: str, own: float | None = None) -> float:
@@ -840,22 +840,21 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     def examples_of(unit: Any) -> int:
         return stream_examples(cfg.max_examples, unit.stream, unit.streams)
 
-    def run_rounds(unit: Any, r: PairResult, rnd: int, deadline: float | None, evaluate: Evaluate,
-                   started: bool = True) -> int:
-        """`fill_budget`: further rounds of a unit into `r` until its deadline or a finding; returns
-        the next round's number. `started`: `r` already holds the unit's earlier rounds."""
-        while (cfg.fill_budget and deadline is not None and not r.findings and (r.examples or not started)
-               and time.monotonic() < deadline - ROUND_MIN_LEFT):
+    def run_rounds(unit: Any, deadline: float) -> PairResult:
+        """`fill_budget`: rounds 1, 2, ... of a unit until its deadline or a finding, as one result."""
+        r = PairResult(unit.pair.name, unit.pair.expected)
+        evaluate = executor.evaluator(unit.pair, end, cfg, deadline, False)
+        rnd = 1
+        while not r.findings and time.monotonic() < deadline - ROUND_MIN_LEFT:
             more = fuzz_pair(unit.pair, cfg, round_seed(seed, unit.pair.name, unit.stream, unit.streams, rnd),
                              deadline, progress, evaluate=evaluate, max_examples=examples_of(unit), wall=end)
-            rnd += 1
             if not more.examples:
                 break
             _merge(r, more, rounds=True)
-            started = True
-        return rnd
+            rnd += 1
+        return r
 
-    fill: deque = deque()  # (unit, its next round): clean units that may take time others leave
+    fill: deque = deque()  # clean units, which take the time left once every unit has run
     queue = deque(units)
     try:
         with signals:
@@ -888,7 +887,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 for f in add(r):
                     record(f)
                 if cfg.fill_budget and r.examples and not r.findings:
-                    fill.append((unit, 1))
+                    fill.append(unit)
                 log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max k3 {r.max_k3:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "") + ")")
@@ -896,13 +895,10 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             # equal shares, as further rounds (not before: a quick op pair that filled its first share
             # would take the time a slow model pair after it needs for its first cases)
             while fill and end is not None and end - time.monotonic() > ROUND_MIN_LEFT * (len(fill) + 1):
-                unit, rnd = fill.popleft()
+                unit = fill.popleft()
                 now = time.monotonic()
-                deadline = now + max(0.0, end - now) / (len(fill) + 1)
-                r = PairResult(unit.pair.name, unit.pair.expected)
                 try:
-                    rnd = run_rounds(unit, r, rnd, deadline, executor.evaluator(unit.pair, end, cfg, deadline, False),
-                                     started=False)
+                    r = run_rounds(unit, now + max(0.0, end - now) / (len(fill) + 1))
                 except Deferred:
                     continue
                 except _Interrupted as stop:

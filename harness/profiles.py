@@ -112,6 +112,17 @@ class Settings:
     fill_budget: bool = False  # spend the budget in rounds (`CampaignConfig.fill_budget`)
 
 
+def fills_budget(profile: Profile | None, max_examples: int | None, budget: float | None) -> bool:
+    """Whether a campaign fills its budget with rounds (`fuzz.CampaignConfig.fill_budget`): it has a
+    budget (given, or the profile's) and no number of examples was asked for, explicitly or by a
+    profile that caps (a profile says so by its `fill_budget`)."""
+    if max_examples is not None:
+        return False
+    if profile is not None:
+        return profile.fill_budget and (budget is not None or profile.budget_per_pair is not None)
+    return budget is not None
+
+
 def campaign_settings(profile_name: str | None, n_pairs: int, max_examples: int | None, budget: float | None,
                       seed: int | None, run_id: str | None = None, default_max_examples: int = 100) -> Settings:
     """What a `harness fuzz` campaign runs with: explicit values (not None) win over the profile.
@@ -120,11 +131,10 @@ def campaign_settings(profile_name: str | None, n_pairs: int, max_examples: int 
     becomes budget_per_pair x the number of pairs this shard runs.
     """
     profile = get_profile(profile_name) if profile_name else None
-    # a budget is filled unless a number of examples is asked for: explicitly, or by a profile that caps
-    fill = max_examples is None and (profile.fill_budget if profile else budget is not None)
+    fill = fills_budget(profile, max_examples, budget)
     if max_examples is None:
         max_examples = profile.max_examples if profile else default_max_examples
     if budget is None and profile is not None and profile.budget_per_pair is not None:
         budget = profile.budget_per_pair * max(1, n_pairs)
     choice = resolve_seed(profile, seed, run_id)
-    return Settings(max_examples, budget, choice.seed, choice.origin, fill_budget=fill and budget is not None)
+    return Settings(max_examples, budget, choice.seed, choice.origin, fill_budget=fill)

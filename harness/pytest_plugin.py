@@ -130,9 +130,9 @@ class FuzzSession:
             self.profile.max_examples if self.profile else DEFAULT_MAX_EXAMPLES)
         budget = opt("harness_budget")
         self.budget = budget if budget is not None else (self.profile.budget_per_pair if self.profile else None)
-        # as `profiles.campaign_settings`: a budget is filled with rounds unless examples are asked for
-        self.fill_budget = self.budget is not None and max_examples is None and (
-            self.profile.fill_budget if self.profile else budget is not None)
+        from harness.profiles import fills_budget
+
+        self.fill_budget = fills_budget(self.profile, max_examples, budget)
         from harness.execute import DEFAULT_THRESHOLD
 
         threshold = opt("harness_threshold")

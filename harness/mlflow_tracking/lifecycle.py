@@ -13,13 +13,14 @@ from ..errors import UsageError
 from ..metrics import verdict_mean
 from .payload import _append_note, _finite_metrics, _g, flatten_case, found_metrics, regression_note
 from .plots import write_artifacts
+from .store import (CAMPAIGN, REGRESSION, TRIAGE_STATUSES, Store, _q, _short, now_iso, open_store, resolve_uri,
+                    sqlite_path)
 
 
 def _verdict(m: dict[str, Any]) -> str:
+    """The mean the verdict read, for a note: `mean k3 0.012` or `mean exact KL 0.003`."""
     name, value = verdict_mean(m)
     return f"{'mean exact KL' if name == 'kl' else 'mean k3'} {_g(value)}"
-from .store import (CAMPAIGN, REGRESSION, TRIAGE_STATUSES, Store, _q, _short, now_iso, open_store, resolve_uri,
-                    sqlite_path)
 
 # ---------------------------------------------------------------------------------------------
 # Writing runs

@@ -78,13 +78,13 @@ def _symptom(f: Any) -> str:
     return getattr(f.symptom, "value", str(f.symptom))
 
 
-def severity(symptom: str, k3: float | None, threshold: float) -> str:
-    """By symptom and by how far the mean the verdict read (`metrics.verdict_mean`: the judged k3 or
-    the exact KL) is above the threshold; +inf (a sampled token the trainer excludes) is high."""
-    if k3 == math.inf:
+def severity(symptom: str, value: float | None, threshold: float) -> str:
+    """By symptom and by how far `value`, the mean the verdict read (`metrics.verdict_mean`: the
+    judged k3 or the exact KL), is above the threshold; +inf (a sampled token the trainer excludes) is high."""
+    if value == math.inf:
         ratio = math.inf
     else:
-        ratio = (k3 / threshold) if (k3 is not None and math.isfinite(k3) and threshold > 0) else 0.0
+        ratio = (value / threshold) if (value is not None and math.isfinite(value) and threshold > 0) else 0.0
     for name, symptoms, at_least in SEVERITIES:
         if symptom in symptoms and ratio >= at_least:
             return name
@@ -164,7 +164,7 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
     per_token = {}
     if div is not None and div.per_token:
         per_token = {k: [v.item() if hasattr(v, "item") else v for v in arr] for k, arr in div.per_token.items()}
-    k3 = verdict_mean(div)[1] if div is not None else None
+    judged = verdict_mean(div)[1] if div is not None else None
     symptom = getattr(ev.symptom, "value", _symptom(f))
     return {
         "schema": PENDING_SCHEMA,
@@ -175,7 +175,7 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
         "symptom": symptom,
         "signature": f.signature,
         "status": f.status,
-        "severity": severity(symptom, k3, threshold),
+        "severity": severity(symptom, judged, threshold),
         "threshold": threshold,
         "seen_at": now_iso(),
         "case": case.to_json(),
