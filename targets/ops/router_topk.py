@@ -79,9 +79,9 @@ AXES = Axes(
     logit_scale=(1.0, 8.0), dtypes=("bfloat16",),
 )
 # The replay twin's residual (gate weights from the bf16 GEMM's logits, the experts replayed) grows
-# with peakedness: a campaign that climbs the expected k3 found a one-token case at logit scale 4.9
-# reaching 1.01x the line (seed 1 of 8 seeds x 300 examples; the others stayed under 0.6x). Replay
-# removes the flips, not the combine's precision; the twin is judged up to scale 4, where it is aligned.
+# with peakedness: the quality test's campaign (seed 1, 300 examples), climbing the expected k3, found
+# a one-token case at logit scale 4.87 reaching 1.01x the line (tests/quality/test_op_detection.py
+# replays it). Replay removes the flips, not the combine's precision; the twin is judged up to scale 4.
 REPLAY_AXES = dataclasses.replace(AXES, logit_scale=(1.0, 4.0))
 READOUT = Readout(vocab=512)
 
