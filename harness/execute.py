@@ -72,6 +72,11 @@ def headline(metrics: Any, error: dict | None) -> str:
         return f"{error.get('type', '?')}: {lines[0][:200] if lines else ''}".rstrip(": ")
     if not metrics:
         return "k3=nan"
+    get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
+    bad = [f"{role} {int(n)} token(s)" for role in ("trainer", "rollout")
+           if isinstance(n := get(f"nonfinite_{role}", 0), (int, float)) and n > 0]
+    if bad:  # NaN or +inf out of a path: the means say nothing, where it came from does
+        return "NaN/inf from the " + " and the ".join(bad)
     name, value = verdict_mean(metrics)
     return f"{name}={value:.3g}"
 

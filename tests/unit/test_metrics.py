@@ -262,3 +262,4 @@ def test_verdict_mean_is_the_mean_that_fired():
     assert severity("divergence", float("inf"), 1e-3) == "high"
     err = {"type": "ValueError", "message": "trainer logprobs have shape (0, 64), expected (1, vocab)\nmore"}
     assert headline(None, err) == "ValueError: trainer logprobs have shape (0, 64), expected (1, vocab)"
+    assert headline({**m, "nonfinite_trainer": 3, "nonfinite_rollout": 0}, None) == "NaN/inf from the trainer 3 token(s)"
