@@ -83,7 +83,7 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
                 finally:
                     inside[0] += time.perf_counter() - t0
 
-            if hasattr(inner, "prefetch"):  # isolated: the campaign hands uniform cases to the worker ahead
+            if hasattr(inner, "prefetch"):  # isolated: the campaign hands cases to the worker ahead
                 evaluate.prefetch = inner.prefetch  # type: ignore[attr-defined]
 
             seen.clear()

@@ -351,11 +351,13 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             progress(result, False)
         return ev
 
-    # Isolated, with a core to spare (`Executor.hand_ahead`), an example's uniform cases are handed to
-    # the worker before Hypothesis draws the next example, and collected at the start of it: the
-    # worker computes while this process draws. Cases run in the same order either way, so a campaign
-    # finds the same things; a uniform failure stops Hypothesis one example later, before it runs
-    # (the cases queued behind it are computed and never counted, as in-process they never run).
+    # Isolated, with a core to spare (`Executor.hand_ahead`), each example is handed to the worker
+    # as soon as Hypothesis has drawn it, with its uniform cases queued behind it, before the
+    # previous example's uniform cases are collected: the worker's queue never runs dry while this
+    # process collects results, targets and draws (the worker computes while this process draws).
+    # Cases run in the same order either way, so a campaign finds the same things; a failure stops
+    # Hypothesis at the case where it occurs (the cases queued behind it are computed and never
+    # counted, as in-process they never run).
     prefetch = getattr(evaluate, "prefetch", None)
     pending: list[Case] = []
 
@@ -367,7 +369,23 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 hit["ev"] = ev_u
                 raise _UniformHit  # a BaseException: Hypothesis stops; the polish pass shrinks it
 
+    def hand_ahead(queue: list[Case]) -> int:
+        """Hand these cases to the worker in order, up to the first it does not take (a pair's first
+        case: the worker is not warm; a full queue); how many it took (a case already evaluated needs
+        no handing). The others run when asked for."""
+        if prefetch is None or (limit["deadline"] is not None and time.monotonic() >= limit["deadline"]):
+            return 0
+        n = 0
+        while n < len(queue) and (_cache_key(queue[n]) in cache or prefetch(queue[n])):
+            n += 1
+        return n
+
     def prop(case: Case) -> None:
+        # this example's uniform cases are drawn before it runs (from its params), so that they can
+        # be queued behind it; none once something has failed (Hypothesis is shrinking it)
+        after = [uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
+                 for _ in range(n_uniform)] if uniform_rng is not None and not smallest else []
+        handed = hand_ahead([case, *after]) if pending or after else 0
         take_pending()
         ev = run(case)
         score = ev if isinstance(ev, float) else ev.score
@@ -381,12 +399,10 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             target(score, label="score")
         if isinstance(ev, Evaluation) and ev.failed:
             raise _RAISE[ev.symptom](ev)
-        if uniform_rng is not None and not smallest:
-            pending.extend(uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
-                           for _ in range(n_uniform))
-            in_time = limit["deadline"] is None or time.monotonic() < limit["deadline"]
-            if not (prefetch is not None and in_time and all(_cache_key(u) not in cache and prefetch(u) for u in pending)):
-                take_pending()  # run them now; else they run in the worker and the next example collects them
+        pending.extend(after)
+        rest = after[max(0, handed - 1):]  # those not handed yet (all of them when the case was not)
+        if rest and hand_ahead(rest) < len(rest):
+            take_pending()  # run them now; else they run in the worker and the next example collects them
 
     test = settings(
         max_examples=max_examples if max_examples is not None else cfg.max_examples,

@@ -157,14 +157,24 @@ def test_a_slow_first_case_is_deferred_and_starves_no_other_pair(tmp_path, harne
     assert wall < 30 + 30  # startup and imports on a loaded machine aside
 
 
-def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path):
-    """Isolated, each example's uniform cases run in the worker while Hypothesis draws the next
-    example; the cases, their order and what is found are those of an in-process campaign. (A case
-    handed ahead whose result is never asked for, behind a uniform case that failed, is computed
-    but not counted: as in-process, where it never runs.)"""
-    from harness import REGISTRY
+def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path, monkeypatch):
+    """Isolated, each example is handed to the worker as soon as it is drawn, its uniform cases
+    queued behind it, and they run while Hypothesis draws the next example; the cases, their order
+    and what is found are those of an in-process campaign. (A case handed ahead whose result is
+    never asked for, behind a case that failed, is computed but not counted: as in-process, where
+    it never runs.)"""
+    from harness import REGISTRY, strategies
     from harness.fuzz import CampaignConfig, Executor, fuzz_pair, pair_seed
 
+    uniform = set()
+    draw = strategies.uniform_cases
+
+    def uniform_cases(*args, **kwargs):
+        case = draw(*args, **kwargs)
+        uniform.add(case.key())
+        return case
+
+    monkeypatch.setattr(strategies, "uniform_cases", uniform_cases)
     for name in ("moe_aggregate.aligned", "moe_aggregate.no_replay", "router.topk_softmax"):
         pair = REGISTRY.get(name)
         runs, ahead = [], []
@@ -196,6 +206,8 @@ def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path):
         assert runs[0][:3] == runs[1][:3], name
         assert runs[0][3] == runs[1][3], name  # the same distinct cases, in the same order
         assert ahead, name  # ... and the isolated one did run cases ahead
+        if name == "moe_aggregate.aligned":  # (a clean pair: every example after the first)
+            assert sum(c.key() not in uniform for c in ahead) >= 20, name  # Hypothesis's examples too
 
 
 def test_cases_handed_ahead_come_back_in_order_and_a_crash_drops_only_what_was_queued_behind_it():
