@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import hashlib
 import json
 import math
 import os
@@ -341,6 +342,10 @@ class Repro:
     case: Case
     metrics: dict[str, Any]
     error: dict[str, Any] | None = None
+    # what was found (pair, symptom and, for an error or crash, where): the same as `signature` unless
+    # an earlier repro of it no longer failed when this one was found, a different bug with the same
+    # symptom, whose signature then also names its minimal case (see `record_finding`)
+    base_signature: str = ""
     environment: dict[str, Any] = field(default_factory=dict)
     found: dict[str, Any] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -355,6 +360,8 @@ class Repro:
             "pair": self.pair,
             "symptom": self.symptom,
             "signature": self.signature,
+            **({"base_signature": self.base_signature}
+               if self.base_signature and self.base_signature != self.signature else {}),
             "status": self.status,
             "threshold": self.threshold,
             "case": self.case.to_json(),
@@ -427,7 +434,8 @@ def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device:
     root = repo_root(corpus_dir) if corpus_dir is not None else repo_root()
     return Repro(
         path=None, id=finding.id, pair=finding.pair, symptom=finding.symptom.value,
-        signature=finding.signature, status=finding.status, threshold=threshold, case=finding.case,
+        signature=finding.signature, base_signature=getattr(finding, "base_signature", "") or finding.signature,
+        status=finding.status, threshold=threshold, case=finding.case,
         metrics=metrics_json(ev), error=ev.error, environment=env, loader=pair_loader(finding.pair, root),
         found=found_json(finding, campaign_seed),
     )
@@ -455,37 +463,101 @@ def _stderr(msg: str) -> None:
 
 
 def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_seed: int, device: str,
-                   log: Callable[[str], None] | None = None) -> Path:
-    """Write a finding to `corpus_dir/<pair>/<id>.json`, unless the corpus already has its signature.
+                   log: Callable[[str], None] | None = None,
+                   reproduces: Callable[[Case], bool] | None = None) -> Path:
+    """Write a finding to `corpus_dir/<pair>/<id>.json`, unless the corpus already has it.
 
     An existing file is left as it is, except a `fixed` one, which is reopened: its status becomes
     `open` and the recurrence, with the new minimal case, is appended to its history. An existing
     file that does not load (edited by hand, damaged) is never replaced silently: it is moved aside
     to `<id>.json.broken-<time>` with a warning, and the new repro written in its place.
+
+    A divergence (or NaN/inf) signature says only which pair and which symptom: every divergence of
+    a pair shares it. With `reproduces(case)` (whether a case fails now with the finding's symptom;
+    the campaign evaluates it), a repro of the same signature counts as this finding only if its own
+    case still fails. When none does, the bug those repros hold is gone and this is another one: it
+    gets a signature of its own (the base signature and its minimal case) and a file of its own,
+    and is new (a nightly item fails on it; the old repro replays clean and says to close it).
+    An existing repro whose shrinking was cut short (`found.shrink_complete` false) is given the
+    finding's case when that is smaller or fully shrunk; its status and history stay.
     """
     log = log or _stderr
-    path = Path(corpus_dir) / finding.pair / f"{finding.id}.json"
+    base = getattr(finding, "base_signature", "") or finding.signature
+    folder = Path(corpus_dir) / finding.pair
+    path = folder / f"{finding.id}.json"
     finding.path = path
-    clean_stale_temps(path.parent)
+    clean_stale_temps(folder)
+    candidates: list[tuple[Path, Repro]] = []
     if path.exists():
         try:
-            old = load_repro(path)
-            finding.new = False  # a file that does not load is replaced: the finding is new to the corpus
+            candidates.append((path, load_repro(path)))
         except UsageError as e:
-            old = None
             aside = path.with_name(f"{path.name}.broken-{_dt.datetime.now():%Y%m%dT%H%M%S}")
             os.replace(path, aside)
             log(f"warning: corpus file {path} does not load ({e}); it was moved aside to {aside} (its history is "
                 "there) and the new finding written in its place. Merge the two by hand if the old one mattered.")
-        if old is not None and old.status == "fixed":
-            finding.recurrence = True
-            old.status = "open"
-            old.history.append({"at": now_iso(), "event": "recurred", "campaign_seed": campaign_seed,
-                                "case": finding.case.to_json(), "metrics": metrics_json(finding.evaluation)})
-            old.save(path)
-        if old is not None:
-            return path
+    if reproduces is not None and finding.symptom in (Symptom.DIVERGENCE, Symptom.NONFINITE):
+        candidates += [(p, r) for p, r in _repros_of(folder) if p != path and r.base_signature == base]
+        gone = []
+        for p, old in candidates:
+            if old.case == finding.case or reproduces(old.case):
+                return _known(finding, p, old, campaign_seed)
+            gone.append(p)
+        if gone:  # every repro of this signature replays clean now: this finding is another bug
+            finding.signature = hashlib.sha256(f"{base}|{finding.case.key()}".encode()).hexdigest()
+            finding.base_signature = base
+            path = finding.path = folder / f"{finding.id}.json"
+            log(f"  {finding.pair}: this {finding.symptom.value} is not the one in {', '.join(map(str, gone))} "
+                f"(that case no longer fails: if its bug is fixed, `harness regressions close` it); "
+                f"recorded as a new repro, {path}")
+            if path.exists():  # (only if that case failed in the campaign and passed just now: flaky)
+                try:
+                    return _known(finding, path, load_repro(path), campaign_seed)
+                except UsageError:
+                    pass
+    elif candidates:
+        return _known(finding, path, candidates[0][1], campaign_seed)
+    finding.new = True
     finding_to_repro(finding, threshold, campaign_seed, device, corpus_dir).save(path)
+    return path
+
+
+def _repros_of(folder: Path) -> list[tuple[Path, "Repro"]]:
+    """The repros in one pair's corpus folder that load, in name order (others are skipped)."""
+    out = []
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            out.append((p, load_repro(p)))
+        except UsageError:
+            continue
+    return out
+
+
+def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int) -> Path:
+    """The finding is the bug the repro at `path` holds: point the finding at it; reopen a fixed repro
+    (a recurrence); give a repro whose shrinking was cut short the finding's case when that is
+    smaller or fully shrunk."""
+    finding.new = False
+    finding.path = path
+    finding.signature = old.signature or finding.signature
+    changed = False
+    if old.status == "fixed":
+        finding.recurrence = True
+        old.status = "open"
+        old.history.append({"at": now_iso(), "event": "recurred", "campaign_seed": campaign_seed,
+                            "case": finding.case.to_json(), "metrics": metrics_json(finding.evaluation)})
+        changed = True
+    cut_short = old.found.get("shrink_complete") is False
+    size = lambda c: (c.batch_size, c.n_tokens)  # noqa: E731
+    if cut_short and old.case != finding.case and (
+            size(finding.case) < size(old.case) or (finding.shrink_complete and size(finding.case) <= size(old.case))):
+        old.history.append({"at": now_iso(), "event": "shrunk further", "campaign_seed": campaign_seed,
+                            "replaced_case": old.case.to_json(), "replaced_metrics": old.metrics})
+        old.case, old.metrics, old.error = finding.case, metrics_json(finding.evaluation), finding.evaluation.error
+        old.found = {**old.found, "shrink_complete": bool(finding.shrink_complete)}
+        changed = True
+    if changed:
+        old.save(path)
     return path
 
 
@@ -529,8 +601,9 @@ def validate_repro_json(data: Any, where: str) -> None:
         bad("id", data["id"], "must be a string of letters, digits, '_' or '-' (the file's stem)")
     if "symptom" in data and data["symptom"] not in _symptoms():
         bad("symptom", data["symptom"], f"must be one of {_symptoms()}")
-    if "signature" in data and (not isinstance(data["signature"], str) or len(data["signature"]) > 256):
-        bad("signature", data["signature"], "must be a string (the finding's hex signature)")
+    for name in ("signature", "base_signature"):
+        if name in data and (not isinstance(data[name], str) or len(data[name]) > 256):
+            bad(name, data[name], "must be a string (the finding's hex signature)")
     if "threshold" in data:
         t = data["threshold"]
         if not _is_number(t) or not math.isfinite(t) or t <= 0:
@@ -606,11 +679,12 @@ def repro_from_json(data: Any, where: str, path: Path | None = None) -> Repro:
     except CaseError as e:
         raise UsageError(f"{where} holds an invalid case: {e} Fix the field or re-record the repro.") from None
     check_case_size(case, where)
-    known = {"schema", "id", "pair", "symptom", "signature", "status", "threshold", "case", "metrics", "error",
-             "environment", "loader", "found", "history", "tracking"}
+    known = {"schema", "id", "pair", "symptom", "signature", "base_signature", "status", "threshold", "case",
+             "metrics", "error", "environment", "loader", "found", "history", "tracking"}
     return Repro(
         path=path, id=str(data.get("id") or (path.stem if path else "")), pair=data["pair"],
         symptom=data.get("symptom", "divergence"), signature=data.get("signature", ""),
+        base_signature=data.get("base_signature") or data.get("signature", ""),
         status=data["status"], threshold=float(data.get("threshold", DEFAULT_THRESHOLD)), case=case,
         metrics={k: decode_float(v) for k, v in (data.get("metrics") or {}).items()}, error=data.get("error"),
         environment=data.get("environment") or {}, found=data.get("found") or {},

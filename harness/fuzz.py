@@ -83,6 +83,9 @@ class Finding:
     seconds_to_first: float = 0.0  # seconds into the pair's stream when it was first seen
     shrink_seconds: float = 0.0  # from the first sighting to the minimal case (Hypothesis + polish)
     polish_evaluations: int = 0  # cases the polish pass (harness.shrink) ran on it
+    # what was found (pair, symptom, detail): `signature` until the corpus shows an earlier repro of it
+    # that no longer fails, a different bug; `record_finding` then gives this one a signature of its own
+    base_signature: str = ""
 
     @property
     def id(self) -> str:
@@ -496,9 +499,9 @@ def _leaves(group: BaseExceptionGroup):
 
 
 def _finding(pair: TargetPair, ev: Evaluation, result: PairResult, complete: bool) -> Finding:
-    return Finding(pair=pair.name, expected=pair.expected, symptom=ev.symptom,
-                   signature=signature(pair.name, ev), case=ev.case, evaluation=ev,
-                   examples=result.examples, shrink_complete=complete)
+    sig = signature(pair.name, ev)
+    return Finding(pair=pair.name, expected=pair.expected, symptom=ev.symptom, signature=sig, base_signature=sig,
+                   case=ev.case, evaluation=ev, examples=result.examples, shrink_complete=complete)
 
 
 class _OutOfTime(BaseException):
@@ -834,11 +837,30 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         if not done:
             log(f"  {r.pair}: {r.examples} cases, {r.rate:.1f}/s, max k3 {r.max_k3:.3g}")
 
+    def reproduces(f: Finding) -> Callable[[Case], bool]:
+        """Whether a case fails now as the finding does (an existing repro of its signature: the same
+        bug, or one that is gone). Past the budget's wall it cannot tell, and says yes (the same bug)."""
+        from .worker import OutOfTime
+
+        pair = next(p for p in pairs if p.name == f.pair)
+        evaluate = executor.evaluator(pair, end, cfg)
+
+        def check(case: Case) -> bool:
+            if end is not None and time.monotonic() >= end:
+                return True
+            try:
+                ev = evaluate(case)
+            except OutOfTime:
+                return True
+            return ev.failed and signature(pair.name, ev) == (f.base_signature or f.signature)
+        return check
+
     def record(f: Finding) -> None:
         with signals.critical():
             if cfg.write_corpus:
                 try:
-                    corpus_mod.record_finding(f, cfg.corpus, cfg.threshold, seed, cfg.device)
+                    corpus_mod.record_finding(f, cfg.corpus, cfg.threshold, seed, cfg.device, log=log,
+                                              reproduces=reproduces(f))
                 except OSError as e:
                     _unsaved(f, e, cfg, seed, log)
                     result.unsaved.append(f)

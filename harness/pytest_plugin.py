@@ -443,7 +443,8 @@ def _pair_result_json(r: Any) -> dict:
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
         "max_k3": r.max_k3, "seed": r.seed, "verdict": r.verdict,
         "findings": [{
-            "id": f.id, "signature": f.signature, "symptom": f.symptom.value, "status": f.status,
+            "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
+            "symptom": f.symptom.value, "status": f.status,
             "case": f.case.to_json(), "metrics": metrics_json(f.evaluation), "error": f.evaluation.error,
             "examples": f.examples, "shrink_complete": f.shrink_complete,
             "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
@@ -494,7 +495,8 @@ def _pair_result(d: dict) -> Any:
         ev = Evaluation(pair=d["pair"], case=case, symptom=Symptom(fd["symptom"]), divergence=div,
                         error=fd["error"])
         findings.append(Finding(pair=d["pair"], expected=d["expected"], symptom=Symptom(fd["symptom"]),
-                                signature=fd["signature"], case=case, evaluation=ev, examples=fd["examples"],
+                                signature=fd["signature"], base_signature=fd.get("base_signature", ""),
+                                case=case, evaluation=ev, examples=fd["examples"],
                                 shrink_complete=fd["shrink_complete"],
                                 path=Path(fd["path"]) if fd["path"] else None, new=fd["new"],
                                 recurrence=fd["recurrence"], cases_to_first=fd.get("cases_to_first", 0),

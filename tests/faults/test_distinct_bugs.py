@@ -1,0 +1,91 @@
+"""Every divergence of a pair has one signature (pair and symptom: nothing says where a numerical
+difference came from). A repro of that signature stands for a new finding only while its own case
+still fails: a different bug found after the first one is gone gets a repro of its own and is new
+(a nightly item fails on it), and a repro whose shrinking was cut short takes a later, smaller case."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness import Axes, Outcome, TargetPair
+from harness.corpus import load_repro
+from harness.fuzz import CampaignConfig, run_campaign
+
+BUG = {"which": "batch"}  # what the trainer gets wrong; the tests switch it, as a code change would
+VOCAB = 64
+
+
+def _build(case, device):
+    return {"x": case.token_randn(VOCAB, "logits", device=device) * case.logit_scale, "case": case}
+
+
+def _rollout(inp):
+    return Outcome(logprobs=torch.log_softmax(inp["x"], -1))
+
+
+def _trainer(inp):
+    x, case = inp["x"], inp["case"]
+    if BUG["which"] == "batch" and case.batch_size >= 2:  # a batched kernel path that is wrong
+        x = x * 1.5
+    if BUG["which"] == "long" and max(case.seq_lens) >= 3:  # a position-dependent one
+        x = x * 0.5
+    return Outcome(logprobs=torch.log_softmax(x, -1))
+
+
+@pytest.fixture
+def pair():
+    return TargetPair(name="distinct.demo", kind="op", expected="aligned", build=_build, trainer=_trainer,
+                      rollout=_rollout, axes=Axes(n_seqs=(1, 4), seq_len=(1, 8), logit_scale=(1.0, 4.0)),
+                      description="a trainer whose bug changes between runs")
+
+
+def _campaign(pair, corpus, bug, seed=1, log=None):
+    BUG["which"] = bug
+    cfg = CampaignConfig(pairs=[pair], seed=seed, max_examples=40, corpus=corpus, isolation=False)
+    [finding] = run_campaign(cfg, log=log or (lambda m: None)).results[0].findings
+    return finding
+
+
+def test_a_different_bug_after_the_first_is_gone_is_a_new_repro_and_the_old_one_says_to_close(pair, tmp_path):
+    corpus = tmp_path / "corpora"
+    first = _campaign(pair, corpus, "batch")
+    assert first.new and first.case.batch_size == 2
+    logged: list[str] = []
+    second = _campaign(pair, corpus, "long", log=logged.append)  # the batch bug is gone, another came
+    assert second.new, "a different bug was filed as the known one"
+    assert second.path != first.path and second.id != first.id
+    assert second.base_signature == first.signature  # the same pair and symptom ...
+    assert max(second.case.seq_lens) == 3 and second.case.batch_size == 1  # ... its own minimal case
+    repro = load_repro(second.path)
+    assert repro.case == second.case and repro.signature == second.signature
+    assert json.loads(second.path.read_text())["base_signature"] == first.signature
+    assert any(str(first.path) in m and "no longer fails" in m for m in logged)
+    again = _campaign(pair, corpus, "long", seed=2)  # found again: the second repro is the one
+    assert not again.new and again.path == second.path and again.signature == second.signature
+    back = _campaign(pair, corpus, "batch", seed=3)  # the first bug came back: its own repro
+    assert not back.new and back.path == first.path
+    assert sorted(p.name for p in (corpus / pair.name).glob("*.json")) == sorted([first.path.name, second.path.name])
+
+
+def test_a_repro_whose_shrinking_was_cut_short_takes_a_smaller_case(pair, tmp_path):
+    corpus = tmp_path / "corpora"
+    first = _campaign(pair, corpus, "batch")
+    data = json.loads(first.path.read_text())
+    small = data["case"]
+    data["case"] = {**small, "seq_lens": [5, 4, 3], "prompt_lens": [], "seq_ids": [], "order": []}  # what a
+    # campaign cut short by its budget leaves
+    data["found"]["shrink_complete"] = False
+    first.path.write_text(json.dumps(data))
+    again = _campaign(pair, corpus, "batch", seed=2)
+    assert not again.new and again.path == first.path
+    repro = load_repro(first.path)
+    assert repro.case == again.case and repro.case.batch_size == 2
+    assert repro.found["shrink_complete"] is True and repro.status == "open"
+    assert repro.history[-1]["event"] == "shrunk further"
+    assert repro.history[-1]["replaced_case"]["seq_lens"] == [5, 4, 3]
+    data = json.loads(first.path.read_text())  # a fully shrunk repro is left alone by later campaigns
+    _campaign(pair, corpus, "batch", seed=3)
+    assert json.loads(first.path.read_text()) == data
