@@ -29,7 +29,11 @@ to ~1e-3) is judged on the second-order gap, not on its first-order normalisatio
 either sign and would flag or hide a pair at random). The sum runs over the tokens the trainer
 keeps: tokens the trainer gives -inf and the rollout gives mass are reported as `kl_excluded` (their
 rollout mass), not folded in as +inf, because two aligned paths that both truncate (top-k/top-p on
-both sides) put a boundary token in or out on last-bit differences. A *sampled* token the trainer
+both sides) put a boundary token in or out on last-bit differences. The rollout's distribution is
+renormalised over those kept tokens, so the KL is one of two distributions on one support, never
+negative (a partial sum of the rollout's full distribution would be, down to about minus the
+excluded mass, and would offset a real divergence on the other tokens); a rollout with all its mass
+on tokens the trainer excludes has KL +inf. A *sampled* token the trainer
 excludes still has k3 = +inf: a divergence, not a non-finite value. A rollout truncating what the
 trainer scores in full (an engine's default top-k) gives KL = -log(kept mass), what the verdict needs.
 
@@ -99,7 +103,7 @@ _K3_SERIES = tuple(1.0 / math.factorial(n) for n in range(2, 14))  # d^2/2!, ...
 class Divergence:
     k3_kl: float  # mean k3 over tokens
     k3_seq_max: float  # largest per-sequence mean k3
-    kl: float  # mean exact KL(rollout || trainer) per position, both normalised, over the tokens the trainer keeps
+    kl: float  # mean exact KL(rollout || trainer) per position, both normalised over the tokens the trainer keeps
     max_abs_dlogp: float  # max |logp_t - logp_r| over tokens
     probs_diff_max: float  # max |p_t - p_r| over tokens
     log_ppl_diff: float  # mean over sequences of mean(logp_t - logp_r) = log ppl_rollout - log ppl_train
@@ -264,8 +268,9 @@ def _inverse_cdf(p: Any, u: Any, out: Any, positive: bool = False) -> Any:
 def _finish(sums: Any, plain: bool = False) -> tuple[Any, Any, Any, Any]:
     """(n, 6) float64 row sums [sum p*(lr-lt) over kept tokens, sum p*lr, Z_r = sum p, Z_t = sum p_t,
     sum p over tokens the trainer excludes, sum p_t over the rollout's support] -> (KL, entropy,
-    excluded mass, expected k3), each (n,), with both distributions normalised (log p^ = log p - log Z
-    on each side) for the KL; the expected k3 is that of the log-probabilities as reported.
+    excluded mass, expected k3), each (n,), with both distributions normalised for the KL (the
+    trainer's over its support, the rollout's over the tokens the trainer keeps: mass Z_r - e); the
+    expected k3 is that of the log-probabilities as reported.
     `plain`: every row's sums are finite, Z_r and Z_t > 0 and nothing is excluded (e = 0, Z_t over
     the support = Z_t), so the same values come without the error-state guard and the e terms
     ((Z_r - 0) / Z_r is exactly 1)."""
@@ -275,7 +280,11 @@ def _finish(sums: Any, plain: bool = False) -> tuple[Any, Any, Any, Any]:
         return a / zr - (log_zr - np.log(zt)), -(b / zr - log_zr), np.zeros(len(zr)), (zt - zr + a) / zr
     with np.errstate(all="ignore"):
         log_zr, log_zt = np.log(zr), np.log(zt)
-        kl = a / zr - ((zr - e) / zr) * (log_zr - log_zt)
+        # over the tokens the trainer keeps, the rollout's distribution renormalised there (mass zk):
+        # a KL (>= 0) of two distributions on one support; the mass it leaves out is `excluded`.
+        # All of the rollout's mass on excluded tokens: no common support, +inf.
+        zk = zr - e
+        kl = np.where(zk > 0, a / zk - (np.log(zk) - log_zt), np.where(zr > 0, math.inf, math.nan))
         ent = -(b / zr - log_zr)
         excluded = e / zr
         # E_{x ~ p_r / Z_r}[k3] over kept tokens = (1/Z_r) sum p * (exp(-d) - 1 + d), with p * exp(-d) = p_t

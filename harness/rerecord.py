@@ -46,7 +46,8 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
         return "unchanged", "fixed: its metrics are the bug's, kept as they are"
     new_metrics = corpus.metrics_json(ev) if ev.divergence is not None else repro.metrics
     threads = recorded_threads(repro.environment)
-    if new_metrics == repro.metrics and repro.to_json()["case"] == repro.case.to_json() and threads is not None:
+    recorded = {k: corpus.encode_float(v) for k, v in repro.metrics.items()}  # (NaN == NaN as "nan")
+    if new_metrics == recorded and repro.to_json()["case"] == repro.case.to_json() and threads is not None:
         return "unchanged", ""
     repro.metrics = new_metrics
     if threads is None:  # replayed with this process's thread count: the metrics are that count's

@@ -75,13 +75,19 @@ from typing import Any, Callable, Mapping
 import click
 
 from .errors import UsageError
+from .metrics import judged_k3
 
 FLOOR_FACTOR = 10.0  # a module diverges when its error exceeds this multiple of its aligned-run error
 MIN_FLOOR = 1e-6  # ... and this absolute relative error (float32 layout noise is ~1e-7)
 NEAR_TIE = 1e-3  # boundary score gap (k-th vs (k+1)-th) under which a routing flip counts as near-tie
 MATCH_TOP = 16  # largest finite log-probabilities of a row that tie a position to it
 MATCH_MIN_CORR = 0.999  # correlation over those at or above which a position produced the row
-ROOT = "output"  # the name the root module's own output is filed under
+ROOT = "<root>"  # the name the root module's own output is filed under (no submodule can have it)
+
+
+def module_label(name: str) -> str:
+    """A module's name as a person reads it: the root's own output is its code after its last submodule."""
+    return "the root module's own code (after its last exposed submodule)" if name == ROOT else name
 REFERENCE_CANDIDATES = 12  # registered aligned pairs tried as the noise-floor reference, at most
 
 
@@ -569,7 +575,7 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
         if key not in cache:
             ev = run_case(prof.variant(t, r), case, device, threshold)
             d = ev.divergence
-            cache[key] = (ev.k3, d.kl if d is not None else float("nan"), ev.failed)
+            cache[key] = (judged(ev), d.kl if d is not None else float("nan"), ev.failed)
         return cache[key]
 
     def k3(t: dict, r: dict) -> float:
@@ -640,10 +646,19 @@ def _label(loc: Localization, comps: list[str]) -> str:
     return " + ".join(labels.get(c, c) for c in comps)
 
 
+def judged(ev: Any) -> float:
+    """The k3 the verdict judged on an evaluation: the expected k3 (exact over the vocabulary), the
+    sampled tokens' mean without it, +inf when a sampled token is one the trainer excludes."""
+    d = ev.divergence
+    return judged_k3(d.k3_expected, d.k3_kl) if d is not None else ev.k3
+
+
 def _at(t: Triage) -> str:
     """Where the divergence starts, as the verdict says it."""
     if not t.first_module:
         return ""
+    if t.first_module == ROOT:
+        return f"in {module_label(ROOT)}"
     layer = t.first_layer
     # the first module output that differs; when it is a child (an output projection), the
     # difference may arise in its parent's own code before it (attention's core is no module)
@@ -654,15 +669,15 @@ def _at(t: Triage) -> str:
 
 
 def _measure(t: Triage, loc: Localization | None = None) -> str:
-    """The verdict's figures: the mean k3, and the exact KL where it crossed the line (the case
-    fails when either does), with their values once the minimal set is aligned when `loc` is given."""
+    """The verdict's figures: the judged k3 (the expected k3; `judged`), and the exact KL where it
+    crossed the line (the case fails when either does), with their values once the minimal set is
+    aligned when `loc` is given."""
     d = t.evaluation.divergence
     kl = getattr(d, "kl", float("nan")) if d is not None else float("nan")
     fired = getattr(d, "fired", "") if d is not None else ""
-    parts = [f"k3 {t.k3:.4f}" + (f" -> {loc.k3_minimal_aligned:.4f}" if loc else "")]
     expected = getattr(d, "k3_expected", float("nan")) if d is not None else float("nan")
-    if "k3" in fired and math.isfinite(expected) and math.isfinite(t.k3):
-        parts.append(f"expected k3 {expected:.4f}")
+    name = "expected k3" if math.isfinite(expected) else "k3"
+    parts = [f"{name} {t.k3:.4f}" + (f" -> {loc.k3_minimal_aligned:.4f}" if loc else "")]
     if "kl" in fired:
         parts.append(f"KL {kl:.4f}" + (f" -> {loc.kl_minimal_aligned:.4f}" if loc else ""))
     return ", ".join(parts)
@@ -675,7 +690,7 @@ def verdict_line(t: Triage) -> str:
         return f"the pair raised {ev.error['type']} on this case ({ev.error.get('where', '?')}): nothing to compare"
     if symptom == "divergence" and t.k3 == math.inf:  # not a NaN: a sampled token the trainer excludes
         head = ("the rollout sampled a token the trainer's distribution excludes (k3 = inf): the two paths "
-                "truncate (top-k/top-p) at different boundaries")
+                "truncate at different boundaries (their -inf entries differ: top-k, top-p or another cut)")
         at = _at(t)
         if loc is not None and loc.explained:
             return f"{_label(loc, loc.minimal)}{', ' + at if at else ''}: {head}; aligning it gives k3 {loc.k3_minimal_aligned:.4f}"
@@ -741,7 +756,7 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
     pair = registry.get(repro.pair)
     thr = threshold if threshold is not None else repro.threshold
     ev = run_case(pair, repro.case, device, thr, keep_outcomes=True)
-    t = Triage(repro=repro, pair=pair, k3=ev.k3, threshold=thr, evaluation=ev)
+    t = Triage(repro=repro, pair=pair, k3=judged(ev), threshold=thr, evaluation=ev)
     if ev.error:
         t.notes.append(f"the pair raised {ev.error['type']}: {ev.error['message']}")
     prof = _profiles(pair)
@@ -749,7 +764,7 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
         if ev.trainer is not None and ev.rollout is not None:
             t.flips = routing_split(ev.trainer, ev.rollout)
         if ev.failed:  # k3 or exact KL over the line, or non-finite
-            t.localization = localize(pair, repro.case, device, thr, ev.k3)
+            t.localization = localize(pair, repro.case, device, thr, t.k3)
         reference, t.floor_from = noise_reference(pair, repro.case, device, registry, t.localization)
         loc = t.localization
         rest = prof.variant(*loc.minimal_aligned_profiles) if loc is not None and loc.explained \
@@ -785,7 +800,7 @@ def _plots(t: Triage, folder: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.set_xlabel("token (case order; colour = sequence)")
         ax.set_ylabel("k3")
-        ax.set_title(f"{t.repro.pair}: per-token k3 (mean {t.k3:.3g})")
+        ax.set_title(f"{t.repro.pair}: per-token k3 of the sampled tokens (mean {t.evaluation.k3:.3g})")
         ax.legend(loc="best", fontsize=8)
         fig.tight_layout()
         out.append(folder / "k3_per_token.png")
@@ -863,8 +878,9 @@ def write_report(t: Triage, reports: Path) -> Path:
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",
              f"- case: `{r.case.one_line()}`",
              f"- replay: `{_replay_command(r)}`; triage again: `{_triage_command(r)}`",
-             f"- k3 now {t.k3:.6g}, exact KL {getattr(ev.divergence, 'kl', float('nan')):.6g} (threshold "
-             f"{t.threshold:g}, either over it fails); recorded k3 {r.metrics.get('k3_kl', '-')}; "
+             f"- judged k3 (expected over the vocabulary) now {t.k3:.6g}, exact KL "
+             f"{getattr(ev.divergence, 'kl', float('nan')):.6g} (threshold {t.threshold:g}, either over it fails); "
+             f"the sampled tokens' mean k3 {ev.k3:.6g} (recorded {r.metrics.get('k3_kl', '-')}); "
              f"triage took {t.seconds:.1f}s", ""]
     if ev.divergence is not None:
         d = ev.divergence
@@ -1001,7 +1017,8 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         }, indent=2, default=str))
     else:
         if t.first_module:
-            click.echo(f"first divergent module: {t.first_module} (layer {t.first_layer})")
+            click.echo(f"first divergent module: {module_label(t.first_module)}"
+                       + (f" (layer {t.first_layer})" if t.first_module != ROOT else ""))
         if t.nonfinite:
             click.echo(f"first module with NaN/inf: {t.nonfinite.module} ({' and '.join(t.nonfinite.paths)})")
         if t.flips:

@@ -19,8 +19,9 @@ import pytest
 from harness import REGISTRY, Case
 from harness.corpus import Repro, iter_corpus, load_repro
 from harness.execute import Symptom
-from harness.triage import (FLOOR_FACTOR, Localization, ModuleRow, Swap, Triage, ddmin, layer_of, routing_split,
-                            triage, verdict_line, write_report)
+from harness.triage import ROOT as ROOT_MODULE
+from harness.triage import (FLOOR_FACTOR, Localization, ModuleRow, Swap, Triage, ddmin, judged, layer_of,
+                            routing_split, triage, verdict_line, write_report)
 
 from ..conftest import PLUGINS
 
@@ -55,7 +56,7 @@ def test_triage_names_moe_aggregation_and_the_layer_it_starts_in(tmp_path):
     t = triage(corpus_repro("model.moe_aggregate_bf16"))
     assert t.localization.minimal == ["moe_aggregate"] and t.localization.explained
     assert t.verdict.startswith("MoE aggregation precision, from layers.0 (first divergent module layers.0.moe): "
-                                "k3 ")
+                                "expected k3 ")
     assert "all layers" not in t.verdict
     assert t.first_module == "layers.0.moe"  # attention and norms of layer 0 agree bit for bit
     assert t.floor_from == "the pair with every differing component aligned"
@@ -93,7 +94,7 @@ def test_swapping_explains_each_single_component_pair():
     t = triage(made_repro(pair.name, c), registry=reg)
     assert t.localization.minimal == ["lm_head"]
     assert t.first_module == "lm_head" and t.first_layer == "lm_head"
-    assert t.verdict.startswith("LM-head precision, at lm_head (first divergent module): k3 ")
+    assert t.verdict.startswith("LM-head precision, at lm_head (first divergent module): expected k3 ")
     rows = {m.name: m for m in t.modules}
     assert rows["lm_head"].tokens == c.n_tokens  # the prefill's row and every decode step's
     assert all(m.tokens == c.n_tokens for m in t.modules)
@@ -124,10 +125,10 @@ def test_a_plain_torch_model_needs_no_argument_in_its_call():
     model = pair.build(Case(seed=0, seq_lens=(1,)), "cpu")["modules"]["rollout"]
     assert list(inspect.signature(model.forward).parameters) == ["ids"]
     t = triage(made_repro(pair.name, Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
-    assert [m.name for m in t.modules] == ["embed", "blocks.0", "blocks.1", "head", "output"]
+    assert [m.name for m in t.modules] == ["embed", "blocks.0", "blocks.1", "head", ROOT_MODULE]
     assert all(m.tokens == 10 for m in t.modules)
     assert t.first_module == "blocks.1" and t.floor_from == "planted.tiny_lm.aligned"
-    assert t.verdict.startswith("k3 ") and "divergence starts at blocks.1 (first divergent module)" in t.verdict
+    assert t.verdict.startswith("expected k3 ") and "divergence starts at blocks.1 (first divergent module)" in t.verdict
     aligned = triage(made_repro("planted.tiny_lm.aligned", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
     assert aligned.first_module is None and max(m.error for m in aligned.modules) < 1e-6
 
@@ -158,6 +159,23 @@ def test_layer_names_and_single_layer_verdicts():
     no_table = Triage(repro=None, pair=None, k3=0.02, threshold=1e-3, evaluation=ev, localization=loc)
     assert verdict_line(no_table) == "router score precision: k3 0.0200 -> 0.0000 when aligned"
     assert FLOOR_FACTOR > 1
+    # the root module's own code is named as such, not as a module called "output"
+    root = Triage(repro=None, pair=None, k3=0.02, threshold=1e-3, evaluation=ev, localization=loc,
+                  modules=[ModuleRow(ROOT_MODULE, 0.3, 1e-6, 4)], first_module=ROOT_MODULE)
+    assert verdict_line(root) == ("router score precision, in the root module's own code (after its last exposed "
+                                  "submodule): k3 0.0200 -> 0.0000 when aligned")
+
+
+def test_the_verdict_leads_with_the_judged_k3_and_gives_every_figure_before_and_after():
+    """The expected k3 is what the verdict judged: it is the k3 shown, with its value once aligned,
+    beside the exact KL's; the sampled tokens' mean k3 is in the report, not the verdict."""
+    div = SimpleNamespace(k3_expected=0.0031, k3_kl=0.0011, kl=0.0045, fired="k3+kl")
+    ev = SimpleNamespace(symptom=Symptom.DIVERGENCE, error=None, divergence=div, k3=0.0011)
+    assert judged(ev) == 0.0031
+    loc = Localization(differing=["combine"], swaps=[], minimal=["combine"], k3_minimal_only=0.0031,
+                       k3_minimal_aligned=2e-6, k3_all_aligned=2e-6, runs=3, explained=True, kl_minimal_aligned=3e-6)
+    t = Triage(repro=None, pair=None, k3=judged(ev), threshold=1e-3, evaluation=ev, localization=loc)
+    assert verdict_line(t) == "combine: expected k3 0.0031 -> 0.0000, KL 0.0045 -> 0.0000 when aligned"
 
 
 def test_routing_split_counts_near_tie_and_other_flips():
@@ -213,7 +231,7 @@ def test_triage_on_hugging_face_models_needs_no_argument_in_their_call():
     trap = triage(made_repro("hf.qwen3.packed_cache_trap", c))
     assert trap.k3 > 1e-3 and trap.localization.explained
     assert trap.first_module == "model.layers.0.self_attn.o_proj"  # attention mixes across the packed rows
-    assert ", from model.layers.0 (first divergent module model.layers.0.self_attn.o_proj, in model.layers.0.self_attn): k3" in trap.verdict
+    assert ", from model.layers.0 (first divergent module model.layers.0.self_attn.o_proj, in model.layers.0.self_attn): expected k3" in trap.verdict
     assert {m.name: m.tokens for m in trap.modules}["lm_head"] == c.n_tokens
     bf16 = triage(made_repro("hf.qwen3_moe.bf16_rollout", c))
     if bf16.k3 > 1e-3 and bf16.localization.explained:
@@ -252,6 +270,6 @@ def test_a_plugin_pair_with_harness_profiles_is_localized():
     pair = make("profiles.head_fixed_point", {"scale": "exact", "head": "exact"}, {"scale": "exact", "head": "quarters"})
     REGISTRY.register(pair)
     t = triage(made_repro(pair.name, Case(seed=2, seq_lens=(4, 3))))
-    assert t.localization.minimal == ["head"] and t.verdict.startswith("LM-head precision: k3 "), t.verdict
+    assert t.localization.minimal == ["head"] and t.verdict.startswith("LM-head precision: expected k3 "), t.verdict
     with pytest.raises(PairError, match="differ"):
         Profiles(trainer={"a": "x"}, rollout={"b": "y"}, make=lambda t, r: None)

@@ -175,6 +175,36 @@ def test_trainer_excluding_a_token_the_rollout_can_produce_is_reported_and_a_div
     assert compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0])).kl_excluded == 0.0
 
 
+def test_mass_on_a_token_the_trainer_excludes_does_not_offset_a_truncation_elsewhere():
+    """The rollout drops the trainer's tail (a truncation bug: KL -log(kept mass), 14x the line) and
+    also keeps one token the trainer cuts. Over the tokens the trainer keeps, the rollout is
+    renormalised: the KL is that of the truncation, not a partial sum pulled below zero by the
+    excluded token's mass (which read -0.035 and hid the bug)."""
+    v = 40
+    g = torch.Generator().manual_seed(11)
+    trainer = torch.log_softmax(torch.randn(1, v, generator=g, dtype=torch.float64) * 2, -1)
+    trainer[0, v - 1] = -math.inf  # the trainer cuts the last token
+    trainer = trainer - torch.logsumexp(trainer, -1, keepdim=True)
+    order = torch.argsort(trainer[0, : v - 1])  # ascending
+    p_t = trainer[0].exp()
+    tail = order[torch.cumsum(p_t[order], 0) <= 0.014]  # the smallest tokens up to 1.4% of the mass
+    kept_mass = 1.0 - float(p_t[tail].sum())
+    q = p_t.clone()
+    q[tail] = 0.0
+    q = q / q.sum() * 0.95
+    q[v - 1] = 0.05  # the rollout keeps the token the trainer cut
+    rollout = q.log()[None]
+    d = compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (1,), torch.tensor([0]))
+    assert d.kl == pytest.approx(-math.log(kept_mass), rel=1e-9) and d.kl > 0.01
+    assert d.kl_excluded == pytest.approx(0.05, rel=1e-9)
+    assert fired(d, 1e-3) == "kl"
+    # all of the rollout's mass on tokens the trainer cuts: no common support, +inf
+    only = torch.full((1, v), -math.inf, dtype=torch.float64)
+    only[0, v - 1] = 0.0
+    d = compare(Outcome(logprobs=trainer), Outcome(logprobs=only), (1,), torch.tensor([0]))
+    assert d.kl == math.inf and d.kl_excluded == 1.0
+
+
 def test_a_token_the_rollout_gives_no_mass_is_a_nonfinite_rollout():
     lr = torch.tensor([[0.0, -math.inf]])
     d = compare(Outcome(logprobs=lr.clone()), Outcome(logprobs=lr), (1,), torch.tensor([1]))

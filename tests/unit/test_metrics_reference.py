@@ -41,8 +41,9 @@ def k3_exact(d: float) -> float:
 
 
 def reference(lt: torch.Tensor, lr: torch.Tensor, tokens) -> dict[str, np.ndarray | float]:
-    """The definition, plainly: float64, masked, fsum; each side normalised; the KL over the tokens
-    the trainer keeps; NaN rows where either path has NaN or +inf; a probability at or below e^-650 is 0."""
+    """The definition, plainly: float64, masked, fsum; each side normalised, the rollout over the
+    tokens the trainer keeps (the KL runs over those; +inf when the rollout has no mass there); NaN
+    rows where either path has NaN or +inf; a probability at or below e^-650 is 0."""
     lt = lt.detach().to(torch.float64).cpu().numpy()
     lr = lr.detach().to(torch.float64).cpu().numpy()
     tok = np.asarray(tokens, dtype=np.int64)
@@ -56,7 +57,10 @@ def reference(lt: torch.Tensor, lr: torch.Tensor, tokens) -> dict[str, np.ndarra
             log_zr, log_zt = math.log(math.fsum(p)), math.log(math.fsum(pt)) if not bad_t else math.nan
             q = p / math.exp(log_zr)  # the normalised rollout distribution
             m = (q > 0) & (lt[i] > LOG_ZERO)  # 0 * log 0 = 0; tokens the trainer excludes: reported apart
-            kl[i] = math.nan if bad_t or bad_r else math.fsum(q[m] * ((lr[i][m] - log_zr) - (lt[i][m] - log_zt)))
+            zk = math.fsum(p[m])  # the rollout's mass on the tokens the trainer keeps
+            qk = p[m] / zk if zk > 0 else p[m]
+            kl[i] = (math.nan if bad_t or bad_r else math.inf if zk == 0
+                     else math.fsum(qk * ((lr[i][m] - math.log(zk)) - (lt[i][m] - log_zt))))
             ent[i] = math.nan if bad_r else -math.fsum(q[q > 0] * (lr[i][q > 0] - log_zr))
             # the expected k3 of a token drawn from the rollout: of the log-probabilities as reported
             dm = lt[i][m] - lr[i][m]
@@ -144,6 +148,9 @@ def test_truncated_and_low_precision_rows_match_the_reference(t, v):
         assert div.nonfinite_trainer == div.nonfinite_rollout == 0 and not div.nonfinite, name
     div = compare(Outcome(logprobs=topk), Outcome(logprobs=full), (t,), uniforms=u)
     assert div.kl_excluded > 0.01 and math.isfinite(div.kl)  # the excluded mass is reported, not folded in
+    # ... and the rest is the same distribution once the rollout is renormalised over the kept tokens:
+    # KL 0, not the partial sum's (1 - excluded) log(1 - excluded) < 0
+    assert abs(div.kl) < 1e-6 and (div.per_token["kl"] > -1e-6).all()
     bf = compare(Outcome(logprobs=full), Outcome(logprobs=bf16), (t,), uniforms=u)
     assert bf.kl >= 0  # normalised: rounding of the log-softmax is no first-order KL
     div = compare(Outcome(logprobs=full), Outcome(logprobs=topk), (t,), uniforms=u)
