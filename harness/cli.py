@@ -21,6 +21,7 @@ from .errors import CannotEvaluate, HarnessError, UsageError
 
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_SKIP, EXIT_INTERRUPTED = 0, 1, 2, 125, 130
 EXIT_UNSAVED = 3  # fuzz: a finding could not be written to the corpus (it was printed as JSON on stderr)
+MAX_UNIFORM_PER_EXAMPLE = 1000  # (the uniform cases of an example are drawn before any deadline check)
 
 
 class FinitePositive(click.FloatRange):
@@ -186,7 +187,7 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
               "(for debugging: no timeouts, and a crash of a target ends the campaign).")
 @click.option("--streams", type=click.IntRange(1), default=1, show_default=True,
               help="Independently seeded streams per pair (each runs its share of the cases); --shard spreads them.")
-@click.option("--uniform-per-example", type=click.IntRange(0), default=None,
+@click.option("--uniform-per-example", type=click.IntRange(0, MAX_UNIFORM_PER_EXAMPLE), default=None,
               help="Uniform random cases run after each Hypothesis example [default: 3 for op pairs, 1 for model "
               "pairs]; 0 leaves the search to Hypothesis alone.")
 @plugin_option
@@ -202,6 +203,9 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     from .tracking import make_tracker
 
     terminate_like_ctrl_c()
+    from .corpus import check_limits
+
+    check_limits()  # a mistyped HARNESS_MAX_* stops here, not at the first corpus file it refuses
     load_plugins(plugins)
     dev = resolve_device(device)
     pairs = [p for p in REGISTRY.select(pair_names) if dev in p.devices]
@@ -225,8 +229,10 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
 
     def announce(f: Any) -> None:
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
+        notes = ("" if f.shrink_complete else " (shrinking cut short by the budget)") + \
+            ("" if f.deterministic else " (not deterministic: may not replay)")
         echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, {f.evaluation.headline}, minimal case "
-                 f"{f.case.one_line()}\n    replay: "
+                 f"{f.case.one_line()}{notes}\n    replay: "
                  + (replay_command_for(f.pair, f.path) if f.path else "(not written: saved as JSON on stderr above)"))
 
     result = run_campaign(cfg, tracker=tracker, on_finding=announce)
@@ -239,6 +245,10 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
                    f" not caught: {', '.join(missed)} (more examples or budget?)")
         click.echo(f"warning: demonstration pair(s) not caught: {', '.join(missed)} (more examples or budget?)",
                    err=True)
+    unfinished = [r.pair for r in result.results if r.verdict == "UNFINISHED"]
+    if unfinished:
+        click.echo(f"unfinished: {', '.join(unfinished)}: a first case never came back before the budget ended (a hang, "
+                   "or a cold start longer than the budget allows; see the lines above); exit 1 as for a finding")
     if result.unsaved:
         click.echo(f"error: {len(result.unsaved)} finding(s) could not be written to {corpus_dir} (each was printed "
                    f"as JSON on stderr): {', '.join(f.id for f in result.unsaved)}.", err=True)
@@ -248,7 +258,12 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
         sys.exit(EXIT_UNSAVED)
     if result.interrupted:
         sys.exit(EXIT_INTERRUPTED)
-    sys.exit(EXIT_FOUND if n else EXIT_OK)
+    if not n and not unfinished and not result.examples and result.results:
+        click.echo(f"error: no case ran: the campaign ended before any pair's first case came back (budget "
+                   f"{cfg.budget}s for {len(result.results)} pair(s)); give it more time (--budget) or fewer pairs. "
+                   "Nothing was tested, so this is not a pass.", err=True)
+        sys.exit(EXIT_USAGE)
+    sys.exit(EXIT_FOUND if n or unfinished else EXIT_OK)
 
 
 def terminate_like_ctrl_c() -> None:
@@ -261,7 +276,8 @@ def terminate_like_ctrl_c() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def parse_timeouts(values: tuple[str, ...], pairs: list) -> tuple[float, dict[str, float]]:
+def parse_timeouts(values: tuple[str, ...] | list[str], pairs: list, option: str = "--timeout",
+                   require_match: bool = True) -> tuple[float, dict[str, float]]:
     """`--timeout 30` (every pair) and `--timeout 'model.*=300'` (the matching pairs)."""
     import fnmatch
 
@@ -269,20 +285,20 @@ def parse_timeouts(values: tuple[str, ...], pairs: list) -> tuple[float, dict[st
 
     default, per_pair = DEFAULT_TIMEOUT, {}
     for v in values:
-        glob, _, secs = v.rpartition("=")
+        glob, _, secs = str(v).rpartition("=")
         try:
             t = float(secs)
         except ValueError:
             t = float("nan")
         if not (t > 0 and t != float("inf")):
-            raise UsageError(f"--timeout {v!r} must be SECONDS or GLOB=SECONDS with SECONDS > 0, e.g. --timeout 30 "
-                             "or --timeout 'model.*=300'.")
+            raise UsageError(f"{option} {v!r} must be SECONDS or GLOB=SECONDS with SECONDS > 0, e.g. {option} 30 "
+                             f"or {option} 'model.*=300'.")
         if not glob:
             default = t
             continue
         hits = [p.name for p in pairs if fnmatch.fnmatchcase(p.name, glob)]
-        if not hits:
-            raise UsageError(f"--timeout {v!r}: no selected pair matches {glob!r}; run `harness list` to see them.")
+        if not hits and require_match:
+            raise UsageError(f"{option} {v!r}: no selected pair matches {glob!r}; run `harness list` to see them.")
         per_pair.update((h, t) for h in hits)
     return default, per_pair
 
@@ -423,7 +439,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                      f"({found.get('cases_total', found.get('examples', '?'))} cases in all)")
         else:  # recorded before the first sighting was: only the total is known
             head += f"; {found.get('examples', '?')} cases in all, shrinking included"
-        click.echo(head + ("" if found.get("shrink_complete", True) else " (shrinking was cut short)"))
+        click.echo(head + ("" if found.get("shrink_complete", True) else " (shrinking was cut short)")
+                   + (" (NOT DETERMINISTIC: its case gave other values when run again; it may not replay)"
+                      if found.get("deterministic") is False else ""))
     click.echo("\ncase (minimal):")
     for k, v in r.case.to_json().items():
         if k != "schema":
@@ -438,15 +456,22 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         click.echo(f"\npair: {pair.description or pair.name} ({pair.kind}, expected {pair.expected})")
         import torch
 
-        with torch.inference_mode():
-            inputs = pair.build(r.case, resolve_device(device))
-        click.echo("inputs:")
-        shown = 0
-        for name, value in _tensors(inputs):
-            click.echo(f"  {name:13s} {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}")
-            shown += 1
-        if not shown:
-            click.echo(f"  (no tensors found in the {type(inputs).__name__} that build() returned)")
+        if r.symptom in ("crash", "timeout"):  # its case may kill or hang this process: not built here
+            click.echo(f"inputs: not built here (a {r.symptom} repro: `harness replay` runs it in a worker process)")
+        else:
+            try:
+                with torch.inference_mode():
+                    inputs = pair.build(r.case, resolve_device(device))
+            except Exception as e:  # noqa: BLE001 - an error repro's build may be what raises
+                click.echo(f"inputs: build() raised {type(e).__name__}: {str(e)[:300]}")
+            else:
+                click.echo("inputs:")
+                shown = 0
+                for name, value in _tensors(inputs):
+                    click.echo(f"  {name:13s} {tuple(value.shape)} {str(value.dtype).replace('torch.', '')}")
+                    shown += 1
+                if not shown:
+                    click.echo(f"  (no tensors found in the {type(inputs).__name__} that build() returned)")
     except HarnessError as e:
         unavailable = e
         click.echo(f"\n(pair not available here: {e})")

@@ -59,6 +59,17 @@ BACKEND_LIBRARIES = ("transformers", "onnxruntime", "onnx", "accelerate", "safet
 # ---------------------------------------------------------------------------------------------
 # Bounds on what a repro may ask for (the environment variable raises one)
 # ---------------------------------------------------------------------------------------------
+class LimitError(UsageError):
+    """A repro refused by a size limit (`LIMITS`) or by a limit variable that is not a number: about
+    this process's settings, not about the file, which is left as it is."""
+
+
+def check_limits() -> None:
+    """Every limit variable set is a number >= 1 (a campaign checks them before it starts)."""
+    for lim in LIMITS.values():
+        lim.value()
+
+
 @dataclass(frozen=True)
 class Limit:
     name: str  # what is bounded, as a person says it
@@ -72,10 +83,10 @@ class Limit:
         try:
             v = int(raw)
         except ValueError:
-            raise UsageError(f"${self.env}={raw!r} is not an integer; set it to the largest {self.name} a repro "
+            raise LimitError(f"${self.env}={raw!r} is not an integer; set it to the largest {self.name} a repro "
                              f"may ask for (default {self.default}).") from None
         if v < 1:
-            raise UsageError(f"${self.env}={raw!r} must be >= 1 (the largest {self.name} a repro may ask for).")
+            raise LimitError(f"${self.env}={raw!r} must be >= 1 (the largest {self.name} a repro may ask for).")
         return v
 
 
@@ -98,7 +109,7 @@ def check_case_size(case: Case, where: str) -> None:
 
     def over(key: str, got: int, what: str) -> None:
         lim = LIMITS[key]
-        raise UsageError(f"{where} asks for {what} = {got}, above the limit of {lim.value()} ({lim.name}); a repro "
+        raise LimitError(f"{where} asks for {what} = {got}, above the limit of {lim.value()} ({lim.name}); a repro "
                          f"this large is refused before anything runs. If it is genuine, raise the limit: "
                          f"{lim.env}={got} harness ... (environment variable).")
 
@@ -455,6 +466,8 @@ def found_json(finding: Any, campaign_seed: int) -> dict[str, Any]:
                    shrink_seconds=round(float(getattr(finding, "shrink_seconds", 0.0) or 0.0), 3))
     out.update(cases_total=int(finding.examples), examples=int(finding.examples),
                shrink_complete=bool(finding.shrink_complete))
+    if getattr(finding, "deterministic", True) is False:  # its case, run again, gave other values
+        out["deterministic"] = False
     return out
 
 
@@ -488,9 +501,13 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
     finding.path = path
     clean_stale_temps(folder)
     candidates: list[tuple[Path, Repro]] = []
+    blocked = False  # the file is there but refused by this process's limits: left as it is
     if path.exists():
         try:
             candidates.append((path, load_repro(path)))
+        except LimitError as e:
+            blocked = True
+            log(f"warning: corpus file {path} is left as it is: {e}")
         except UsageError as e:
             aside = path.with_name(f"{path.name}.broken-{_dt.datetime.now():%Y%m%dT%H%M%S}")
             os.replace(path, aside)
@@ -503,13 +520,14 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
             if old.case == finding.case or reproduces(old.case):
                 return _known(finding, p, old, campaign_seed)
             gone.append(p)
-        if gone:  # every repro of this signature replays clean now: this finding is another bug
+        if gone or blocked:  # every repro of this signature replays clean now: this finding is another bug
             finding.signature = hashlib.sha256(f"{base}|{finding.case.key()}".encode()).hexdigest()
             finding.base_signature = base
             path = finding.path = folder / f"{finding.id}.json"
-            log(f"  {finding.pair}: this {finding.symptom.value} is not the one in {', '.join(map(str, gone))} "
-                f"(that case no longer fails: if its bug is fixed, `harness regressions close` it); "
-                f"recorded as a new repro, {path}")
+            if gone:
+                log(f"  {finding.pair}: this {finding.symptom.value} is not the one in {', '.join(map(str, gone))} "
+                    f"(that case no longer fails: if its bug is fixed, `harness regressions close` it); "
+                    f"recorded as a new repro, {path}")
             if path.exists():  # (only if that case failed in the campaign and passed just now: flaky)
                 try:
                     return _known(finding, path, load_repro(path), campaign_seed)
@@ -517,6 +535,10 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
                     pass
     elif candidates:
         return _known(finding, path, candidates[0][1], campaign_seed)
+    elif blocked:  # (no way to tell whether it is the same bug: keep both)
+        finding.signature = hashlib.sha256(f"{base}|{finding.case.key()}".encode()).hexdigest()
+        finding.base_signature = base
+        path = finding.path = folder / f"{finding.id}.json"
     finding.new = True
     finding_to_repro(finding, threshold, campaign_seed, device, corpus_dir).save(path)
     return path
@@ -652,6 +674,8 @@ def load_repro(path: str | Path) -> Repro:
         raise UsageError(f"{where} does not exist; {fix}.")
     if path.is_dir():
         raise UsageError(f"{str(path)!r} is a folder, not a repro file; {fix}, or list the folder's *.json files.")
+    if not path.is_file():  # a FIFO would block the read, a device would never end
+        raise UsageError(f"{where} is not a regular file (a pipe, socket or device); {fix}.")
     try:
         size = path.stat().st_size
         if size > LIMITS["bytes"].value():
@@ -663,9 +687,9 @@ def load_repro(path: str | Path) -> Repro:
         raise UsageError(f"{where} cannot be read ({e.strerror or e}); check its permissions.") from None
     except UnicodeDecodeError:
         raise UsageError(f"{where} is not text (JSON expected); {fix}.") from None
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, and int() of a number of > 4300 digits
         detail = f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else \
-            "nested too deeply"
+            "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise UsageError(f"{where} is not valid JSON ({detail}); restore it from git or re-run the campaign that "
                          "found it.") from None
     return repro_from_json(data, where, path)

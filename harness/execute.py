@@ -100,10 +100,29 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
             out.logprobs = twin.logprobs
         else:
             out.logprobs = pair.readout.apply(out.hidden, case)
+    lp = out.logprobs
+    if not isinstance(lp, torch_tensor()):
+        raise TypeError(f"{pair.name}: {role} logprobs must be a torch.Tensor, got {type(lp).__name__} "
+                        "(convert with torch.as_tensor)")
+    if not lp.is_floating_point():
+        raise TypeError(f"{pair.name}: {role} logprobs have dtype {lp.dtype}; log-probabilities are floating point")
+    if lp.device.type == "meta":
+        raise TypeError(f"{pair.name}: {role} logprobs are on the meta device (no values): compute them on a real one")
+    tok = out.tokens
+    if tok is not None and (not isinstance(tok, torch_tensor()) or tok.is_floating_point() or tok.is_complex()
+                            or str(tok.dtype) == "torch.bool"):
+        raise TypeError(f"{pair.name}: {role} tokens must be an integer torch.Tensor of token ids, got "
+                        f"{getattr(tok, 'dtype', type(tok).__name__)}")
     if out.logprobs.dim() != 2 or out.logprobs.shape[0] != case.n_tokens:
         raise ValueError(f"{pair.name}: {role} logprobs have shape {tuple(out.logprobs.shape)}, expected "
                          f"({case.n_tokens}, vocab): one row per token of the case, in case order")
     return out
+
+
+def torch_tensor() -> type:
+    import torch
+
+    return torch.Tensor
 
 
 def run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Outcome, Outcome]:
@@ -137,25 +156,88 @@ def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
 
 def run_case(pair: TargetPair, case: Case, device: str = "cpu",
              threshold: float = DEFAULT_THRESHOLD, keep_outcomes: bool = False) -> Evaluation:
+    state = process_state()
     try:
         trainer, rollout = run_paths(pair, case, device)
         ev = judge(pair, case, trainer, rollout, threshold)
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
         raise
+    except SystemExit as e:  # a target that calls sys.exit: a bug of the target, not the end of the campaign
+        ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
     except Exception as e:  # a crash inside the target is a finding, not a crash of the engine
         ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
+    finally:
+        restore_process_state(pair.name, state)
     if not keep_outcomes:
         ev.trainer = ev.rollout = None
     return ev
+
+
+# Process-wide settings a target might change (a kernel library's import, a `set_default_dtype` in a
+# forward): every pair of a campaign shares the process (in-process, or its worker), so a change would
+# alter how later pairs compute and how every pair is judged. Each is read before a case and put back
+# after it, with one warning per pair and setting. (Monkeypatched functions cannot be put back this
+# way: see the README's known limits.)
+def process_state() -> tuple:
+    import os
+
+    import torch
+
+    return (torch.get_default_dtype(), torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(), torch.get_float32_matmul_precision(),
+            os.getcwd())
+
+
+_STATE_NAMES = ("torch default dtype", "torch threads", "torch deterministic algorithms",
+                "torch deterministic warn-only", "torch float32 matmul precision", "working directory")
+_warned: set[tuple[str, str]] = set()
+
+
+def restore_process_state(pair: str, before: tuple) -> None:
+    after = process_state()
+    if after == before:
+        return
+    import os
+    import sys
+
+    import torch
+
+    dtype, threads, det, warn_only, precision, cwd = before
+    for name, was, now in zip(_STATE_NAMES, before, after):
+        if was != now and (pair, name) not in _warned:
+            _warned.add((pair, name))
+            print(f"warning: pair {pair} changed the process's {name} ({was} -> {now}) during a case; it was put back "
+                  "so the other pairs (and the metrics) compute as before. A target must not change process-wide "
+                  "settings: set them inside its paths and restore them.", file=sys.stderr, flush=True)
+    torch.set_default_dtype(dtype)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(det, warn_only=warn_only)
+    torch.set_float32_matmul_precision(precision)
+    if os.getcwd() != cwd:
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
 
 
 def describe_error(e: BaseException) -> dict[str, str]:
     tb = traceback.extract_tb(e.__traceback__)
     inner = tb[-1] if tb else None
     where = f"{inner.filename.rsplit('/', 1)[-1]}:{inner.name}" if inner else "?"
+    try:  # an exception whose own __str__ raises is still a finding
+        message = str(e)
+    except Exception as inner_error:  # noqa: BLE001
+        message = f"<str() of the {type(e).__name__} raised {type(inner_error).__name__}>"
+    try:
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    except Exception:  # noqa: BLE001
+        text = "".join(traceback.format_list(tb)) + f"{type(e).__name__}: {message}\n"
+    if isinstance(e, SystemExit):
+        message = f"the target called sys.exit({e.code!r})" + (f": {message}" if message and message != str(e.code) else "")
     return {
         "type": type(e).__name__,
-        "message": str(e)[:2000],
+        "message": message[:2000],
         "where": where,
-        "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))[-8000:],
+        "traceback": text[-8000:],
     }

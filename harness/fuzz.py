@@ -86,6 +86,7 @@ class Finding:
     # what was found (pair, symptom, detail): `signature` until the corpus shows an earlier repro of it
     # that no longer fails, a different bug; `record_finding` then gives this one a signature of its own
     base_signature: str = ""
+    deterministic: bool = True  # False when the minimal case, run again, gave other values (see run_campaign)
 
     @property
     def id(self) -> str:
@@ -113,11 +114,17 @@ class PairResult:
     seed: int = 0
     streams: int = 1  # Hypothesis streams merged into this result
     warmup: float = 0.0  # seconds of the first case (cold start), not counted against the pair's budget share
+    # seconds its first case had run when the campaign's budget ended, never having come back (a hang,
+    # or a cold start longer than the budget allows); 0 when it came back or never started
+    unfinished: float = 0.0
+    waited_for: str = ""  # not run: the pair from the same module whose unfinished first case it waited for
 
     @property
     def verdict(self) -> str:
         diverged = any(f.symptom is Symptom.DIVERGENCE for f in self.findings)
         broken = any(f.symptom is not Symptom.DIVERGENCE for f in self.findings)
+        if self.unfinished and not self.findings:
+            return "UNFINISHED"
         if self.expected == "aligned":
             return "REGRESSION" if self.findings else ("clean" if self.examples else "not run")
         if broken:
@@ -213,8 +220,9 @@ ROUND_MIN_LEFT = 0.5  # seconds of its share a unit must have left to start anot
 
 
 def stream_examples(max_examples: int, stream: int, streams: int) -> int:
-    """Stream `stream`'s share of a pair's max_examples (the shares add up to max_examples)."""
-    return max_examples // streams + (1 if stream < max_examples % streams else 0)
+    """Stream `stream`'s share of a pair's max_examples (the shares add up to max_examples; at least
+    one each: a stream with none would not run, and Hypothesis refuses max_examples=0)."""
+    return max(1, max_examples // streams + (1 if stream < max_examples % streams else 0))
 
 
 def fresh_seed() -> int:
@@ -263,6 +271,7 @@ _RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.
 # three uniform cases; a model case costs 50-250 ms (`harness bench models`), so model pairs keep
 # the 1:1 mix that leaves Hypothesis half the cases.
 UNIFORM_PER_EXAMPLE = {"op": 3, "model": 1}
+MAX_SIGNATURES = 16  # distinct failures one pair's campaign reports (each is shrunk and written)
 
 
 def uniform_per_example(pair: TargetPair, cfg: CampaignConfig) -> int:
@@ -444,7 +453,9 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     for sig, ev in smallest.items():  # a failure Hypothesis did not report (a uniform case, or a
         by_sig.setdefault(sig, ev)  # cut-short run) is kept at its smallest
     findings = []
-    for sig, ev in by_sig.items():
+    queue = list(by_sig.items())
+    while queue:
+        sig, ev = queue.pop(0)
         evals = 0
         if not cut["shrink"] and polish_evals > 0:
             try:
@@ -460,6 +471,10 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         f.shrink_seconds = max(0.0, time.monotonic() - start - f.seconds_to_first)
         f.polish_evaluations = evals
         findings.append(f)
+        # another failure first seen while polishing (a NaN on the way to the smallest error, say) is a
+        # finding too, polished in its turn
+        queue += [(s, e) for s, e in smallest.items() if s not in by_sig and len(by_sig) < MAX_SIGNATURES]
+        by_sig.update(queue)
     result.seconds = time.monotonic() - start
     result.findings = findings
     if progress is not None:
@@ -613,6 +628,13 @@ class Executor:
         self.done: dict[tuple[str, Any], Evaluation] = {}
         self._restarts = 0  # of workers already closed
         self.hand_ahead = spare_core_per_worker()
+        self._warm_key: tuple[int, int] = (0, -1)  # (worker, its restarts) the warm set is about
+        self.first_sent: dict[str, float] = {}  # pair -> when its first case (cold) was sent to a worker
+        self.cold_seconds: dict[str, float] = {}  # pair -> how long its first case in a worker process took
+        # pair -> seconds its first case had run when the campaign's wall stopped it (it never finished:
+        # a hang, or a cold start longer than the budget allows)
+        self.unfinished: dict[str, float] = {}
+        self.waited: dict[str, str] = {}  # pair -> the pair whose unfinished first case it waited behind
 
     @staticmethod
     def source(pair: TargetPair) -> str:
@@ -643,6 +665,14 @@ class Executor:
             except OutOfTime:
                 pass
 
+    def _warm(self, worker: Any) -> set[str]:
+        """The pairs that have run a case in this worker's current process: a worker replaced after a
+        crash or timeout is a new process, cold again (imports, compilation)."""
+        key = (id(worker), worker.restarts)
+        if key != self._warm_key:
+            self.warm, self._warm_key = set(), key
+        return self.warm
+
     def _retire(self, worker: Any) -> None:
         self._restarts += worker.restarts
         worker.close()
@@ -664,7 +694,27 @@ class Executor:
             return lambda case: run_case(pair, case, cfg.device, cfg.threshold)
         timeout, source = cfg.timeout_for(pair.name, getattr(pair, "timeout", None)), self.source(pair)
 
+        def collected(worker: Any, name: str, ev: Evaluation) -> Evaluation:
+            sent = self.first_sent.pop(name, None)
+            if sent is not None and ev.symptom is not Symptom.TIMEOUT:
+                self.cold_seconds[name] = time.monotonic() - sent
+            if ev.symptom not in (Symptom.CRASH, Symptom.TIMEOUT):  # (else the process is gone)
+                self._warm(worker).add(name)
+            return ev
+
+        def allowance(cold: bool) -> float:
+            """A case's timeout: a cold case (the pair's first in this worker process) also gets its
+            imports and compilation; in a process replaced after a crash or timeout, twice what its
+            first case took before, else up to COLD_START_TIMEOUT."""
+            if not cold:
+                return timeout
+            if pair.name in self.cold_seconds:
+                return timeout + 2 * self.cold_seconds[pair.name]
+            return max(timeout, self.COLD_START_TIMEOUT)
+
         def evaluate(case: Case) -> Evaluation:
+            from .worker import OutOfTime
+
             done = self.done.pop((pair.name, _cache_key(case)), None)
             if done is not None:
                 return done
@@ -672,31 +722,43 @@ class Executor:
                 self._resume(source)
             worker = self._current()
             key = _cache_key(case)
-            while worker.inflight is not None:  # cases handed ahead (or a parked first case): collect in order
-                other, sent = worker.inflight[0], worker.inflight[1]
-                ev = worker.collect(wall)
-                self.warm.add(other.name)
-                if other.name == pair.name and _cache_key(sent) == key:
-                    return ev
-                self.done[(other.name, _cache_key(sent))] = ev  # (a timeout or crash also empties the queue)
-            cold = pair.name not in self.warm
-            worker.submit(pair, case, cfg.threshold, max(timeout, self.COLD_START_TIMEOUT) if cold else timeout, wall)
-            if may_defer and share is not None and cold and len(self.parked) < self.MAX_PARKED:
-                ev = worker.collect(wall, until=max(share, time.monotonic() + self.DEFER_AFTER))
-                if ev is None:
-                    self.parked[pair.name], self.worker = (source, worker), None
-                    raise Deferred
-            else:
-                ev = worker.collect(wall)
-            self.warm.add(pair.name)
-            return ev
+            waiting = pair.name  # whose case the worker is running
+            try:
+                while worker.inflight is not None:  # cases handed ahead (or a parked first case): collect in order
+                    other, sent = worker.inflight[0], worker.inflight[1]
+                    waiting = other.name
+                    ev = collected(worker, other.name, worker.collect(wall))
+                    if other.name == pair.name and _cache_key(sent) == key:
+                        return ev
+                    self.done[(other.name, _cache_key(sent))] = ev  # (a timeout or crash also empties the queue)
+                waiting = pair.name
+                cold = pair.name not in self._warm(worker)
+                if cold:
+                    self.first_sent.setdefault(pair.name, time.monotonic())
+                worker.submit(pair, case, cfg.threshold, allowance(cold), wall, cold_extra=allowance(cold) - timeout)
+                if may_defer and share is not None and cold and len(self.parked) < self.MAX_PARKED:
+                    ev = worker.collect(wall, until=max(share, time.monotonic() + self.DEFER_AFTER))
+                    if ev is None:
+                        self.parked[pair.name], self.worker = (source, worker), None
+                        raise Deferred
+                else:
+                    ev = worker.collect(wall)
+            except OutOfTime:
+                if waiting in self.first_sent:  # a first case that never came back
+                    self.unfinished[waiting] = time.monotonic() - self.first_sent.pop(waiting)
+                    if waiting != pair.name:
+                        self.waited[pair.name] = waiting
+                raise
+            return collected(worker, pair.name, ev)
 
         def prefetch(case: Case) -> bool:
             """Hand a case to the warm worker without waiting (behind at most `PREFETCH_DEPTH - 1`
             others); `evaluate(case)` collects it."""
-            if not self.hand_ahead or source in self.parked_sources or pair.name not in self.warm:
+            if not self.hand_ahead or source in self.parked_sources:
                 return False
             worker = self._current()
+            if pair.name not in self._warm(worker):
+                return False
             if len(worker.queue) >= self.PREFETCH_DEPTH or not worker.ready or not worker.alive():
                 return False
             if any(q[0].name != pair.name for q in worker.queue):
@@ -855,7 +917,28 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             return ev.failed and signature(pair.name, ev) == (f.base_signature or f.signature)
         return check
 
+    def check_determinism(f: Finding) -> None:
+        """Run the minimal case once more: a pair that gives other values on the same case (the global
+        RNG, uninitialised memory, a race) makes a repro that will not replay; say so now, and in it."""
+        from .corpus import metrics_json
+        from .worker import OutOfTime
+
+        if f.symptom not in (Symptom.DIVERGENCE, Symptom.NONFINITE) or (end is not None and time.monotonic() >= end):
+            return
+        pair = next(p for p in pairs if p.name == f.pair)
+        try:
+            again = executor.evaluator(pair, end, cfg)(f.case)
+        except OutOfTime:
+            return
+        if again.symptom is not f.symptom or metrics_json(again) != metrics_json(f.evaluation):
+            f.deterministic = False
+            was, now = f.evaluation.headline, again.headline if again.divergence or again.error else again.symptom.value
+            log(f"warning: {f.pair} is not deterministic given its case: the minimal case gave {was}, then "
+                f"{again.symptom.value} {now} on the same inputs (a global RNG, uninitialised memory, a race?). Its "
+                "repro will not replay bit for bit; `harness.check_pair` names the cause.")
+
     def record(f: Finding) -> None:
+        check_determinism(f)
         with signals.critical():
             if cfg.write_corpus:
                 try:
@@ -922,6 +1005,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     for f in add(stop.result):
                         record(f)
                     raise KeyboardInterrupt from None
+                if not r.examples:  # a first case the budget's end stopped, or one it waited behind
+                    r.unfinished = executor.unfinished.get(pair.name, 0.0)
+                    r.waited_for = executor.waited.get(pair.name, "")
                 for f in add(r):
                     record(f)
                 if cfg.fill_budget and r.examples and not r.findings:
@@ -929,6 +1015,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max k3 {r.max_k3:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "") + ")")
+                if r.unfinished or r.waited_for:
+                    log(f"  {unit.label}: {unfinished_note(r, cfg.timeout_for(pair.name, getattr(pair, 'timeout', None)))}")
             # Filling, once every unit has run its examples: the time left goes to the clean units, in
             # equal shares, as further rounds (not before: a quick op pair that filled its first share
             # would take the time a slow model pair after it needs for its first cases)
@@ -958,6 +1046,20 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         result.seconds = time.monotonic() - start
         tracker.campaign_finished(result)
     return result
+
+
+def unfinished_note(r: PairResult, timeout: float) -> str:
+    """Why a pair has no result: its first case never came back before the budget ended, or it waited
+    behind another pair's that did not (pairs of one module share a worker: the same imports)."""
+    if r.unfinished:
+        return (f"its first case was still running after {r.unfinished:.0f} s when the budget ended (per-case "
+                f"timeout {timeout:g} s; a first case may take up to {Executor.COLD_START_TIMEOUT:g} s for imports and "
+                "compilation): a hang, or a cold start longer than the budget allows. Without --budget it becomes a "
+                "timeout finding once past that; or give the pair more budget")
+    if r.waited_for:
+        return (f"not run: it waited for the first case of {r.waited_for} (same module, same worker), which never "
+                "finished before the budget ended")
+    return ""
 
 
 def _unsaved(f: Finding, err: OSError, cfg: CampaignConfig, seed: int, log: Callable[[str], None]) -> None:

@@ -492,9 +492,11 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
         tokens = stats["tokens"]
     dev = lr_all.device
     tok = _np(torch.as_tensor(tokens)).astype(np.int64, copy=False).reshape(n)  # (T,)
+    if n and (int(tok.min()) < 0 or int(tok.max()) >= lr_all.shape[1]):
+        raise ValueError(f"the rollout's sampled token ids must lie in [0, {lr_all.shape[1]}) (the vocabulary of its "
+                         f"logprobs); got ids from {int(tok.min())} to {int(tok.max())}")
     floats = (torch.float32, torch.float64)
-    if (dev.type == "cpu" and lt_all.device.type == "cpu" and lt_all.dtype in floats
-            and lr_all.dtype in floats and n and 0 <= int(tok.min()) and int(tok.max()) < lr_all.shape[1]):
+    if dev.type == "cpu" and lt_all.device.type == "cpu" and lt_all.dtype in floats and lr_all.dtype in floats and n:
         rows = np.arange(n)  # numpy indexing on CPU: a dozen tensor calls fewer, the same values
         lt = lt_all.numpy()[rows, tok].astype(np.float64)  # (T,) each
         lr = lr_all.numpy()[rows, tok].astype(np.float64)

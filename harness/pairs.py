@@ -460,6 +460,11 @@ class Registry:
                 self.plugins.append(spec)
         except (UsageError, PairError):
             raise
+        except SystemExit as e:  # a script's `sys.exit()` at import: the harness's exit code must not be it
+            raise UsageError(
+                f"plugin {spec!r} called sys.exit({e.code!r}) while being imported; a plugin module must only "
+                "register pairs (keep script code under `if __name__ == \"__main__\":`)."
+            ) from None
         except Exception as e:
             raise UsageError(
                 f"plugin {spec!r} failed to import: {type(e).__name__}: {e}. Run `python {spec}` "

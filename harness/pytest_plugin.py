@@ -90,8 +90,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--harness-uniform-per-example", type=int, default=None, metavar="N",
                     help="Uniform random cases after each Hypothesis example (default: 3 for op pairs, 1 for model "
                     "pairs; 0: Hypothesis alone).")
-    group.addoption("--harness-timeout", type=float, default=None, metavar="SECONDS",
-                    help="Per-case wall seconds before a case is a `timeout` finding (default: 60).")
+    group.addoption("--harness-timeout", action="append", default=None, metavar="SECONDS|GLOB=SECONDS",
+                    help="Per-case wall seconds before a case is a `timeout` finding (default: 60); GLOB=SECONDS "
+                         "sets it for the matching pairs (repeat the option for several).")
     group.addoption("--harness-no-isolation", action="store_true", default=False,
                     help="Run cases in the test process instead of a supervised worker (debugging only).")
     parser.addini("harness_profile", "campaign profile used by --harness-fuzz when --harness-profile is not given",
@@ -140,18 +141,30 @@ class FuzzSession:
         self.corpus = Path(opt("harness_corpus"))
         self.streams = opt("harness_streams")
         self.uniform_per_example = opt("harness_uniform_per_example")
-        if self.uniform_per_example is not None and self.uniform_per_example < 0:
-            raise pytest.UsageError(f"--harness-uniform-per-example {self.uniform_per_example!r} must be >= 0 "
+        if self.uniform_per_example is not None and not 0 <= self.uniform_per_example <= 1000:
+            raise pytest.UsageError(f"--harness-uniform-per-example {self.uniform_per_example!r} must be 0..1000 "
                                     "(uniform cases per Hypothesis example).")
         if self.streams < 1:
             raise pytest.UsageError(f"--harness-streams {self.streams!r} must be >= 1 (streams per pair; default 1).")
+        if opt("harness_seed") is not None and opt("harness_seed") < 0:
+            raise pytest.UsageError(f"--harness-seed {opt('harness_seed')!r} must be >= 0 (the campaign seed).")
+        from harness.corpus import check_limits
+        from harness.errors import UsageError as _UsageError
+
+        try:
+            check_limits()
+        except _UsageError as e:
+            raise pytest.UsageError(str(e)) from None
         from harness.worker import DEFAULT_TIMEOUT
 
-        timeout = opt("harness_timeout")
-        if timeout is not None and not (0 < timeout < float("inf")):
-            raise pytest.UsageError(f"--harness-timeout {timeout!r} must be a number of seconds > 0 (per case; "
-                                    f"default {DEFAULT_TIMEOUT:g}).")
-        self.timeout = timeout if timeout is not None else DEFAULT_TIMEOUT
+        from harness.cli import parse_timeouts
+        from harness.errors import UsageError
+
+        self.timeouts = tuple(opt("harness_timeout") or ())
+        try:  # (the format; which pairs a GLOB matches is known per item)
+            self.timeout = parse_timeouts(self.timeouts, [], "--harness-timeout", require_match=False)[0]
+        except UsageError as e:
+            raise pytest.UsageError(f"{e} (per case; default {DEFAULT_TIMEOUT:g}).") from None
         self.isolation = not opt("harness_no_isolation")
         self.unit_list: list[dict] | None = None  # workers: the controller's units (no imports to collect)
         self.executor: Any = None  # harness.fuzz.Executor shared by this process's items
@@ -221,11 +234,17 @@ class FuzzSession:
         cfg = CampaignConfig(pairs=pairs, seed=self.seed, max_examples=self.max_examples, budget=None,
                              threshold=self.threshold, device=self.device(), corpus=self.corpus,
                              shard=self.shard, isolation=self.isolation, timeout=self.timeout,
-                             plugins=tuple(self.plugins), streams=self.streams,
+                             timeouts=self.pair_timeouts(pairs), plugins=tuple(self.plugins), streams=self.streams,
                              uniform_per_example=self.uniform_per_example, fill_budget=self.fill_budget)
         cfg.budget = self.budget * len(pairs) if self.budget is not None else None  # per pair -> campaign
         cfg.profile = self.profile_name  # stored with the campaign run
         return cfg
+
+    def pair_timeouts(self, pairs: list) -> dict[str, float]:
+        """`--harness-timeout GLOB=SECONDS`: the per-case timeout of each matching pair."""
+        from harness.cli import parse_timeouts
+
+        return parse_timeouts(self.timeouts, pairs, "--harness-timeout", require_match=False)[1]
 
     # -- tracking ------------------------------------------------------------------------------
     def open_campaign(self) -> None:
@@ -346,13 +365,19 @@ class FuzzSession:
                 pytest.xfail(f"known regression(s) of {pair.name}, already in the corpus: "
                              + "; ".join(f"{f.id} {f.evaluation.headline} ({self.replay_command(f.path)})" for f in r.findings))
         verdict = r.verdict
+        if verdict == "UNFINISHED":  # a first case that never came back: a hang until shown otherwise
+            from harness.fuzz import unfinished_note
+
+            timeout = self.pair_timeouts([pair]).get(pair.name, max(self.timeout, getattr(pair, "timeout", None) or 0.0))
+            raise FuzzFailure(f"{pair.name}: {unfinished_note(r, timeout)}\n  rerun: {rerun}")
         if verdict == "MISSED" and self.streams > 1:
             return  # one stream of a demonstration: the session summary judges the pair's streams together
         if verdict in ("MISSED", "BROKEN", "not run"):
             why = {"MISSED": "demonstration not caught (give it more budget or cases)",
                    "BROKEN": "demonstration pair crashed or gave non-finite output: "
                              + "; ".join(_describe(f, self) for f in r.findings if f.symptom.value != "divergence"),
-                   "not run": "no case ran (the budget ran out first?)"}[verdict]
+                   "not run": (f"it waited for the first case of {r.waited_for} (same module, same worker), which "
+                               "never finished" if r.waited_for else "no case ran (the budget ran out first?)")}[verdict]
             warnings.warn(HarnessFuzzWarning(f"{pair.name}: {verdict}: {why}"), stacklevel=1)
 
 
@@ -441,7 +466,8 @@ def _pair_result_json(r: Any) -> dict:
 
     return {
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
-        "max_k3": r.max_k3, "seed": r.seed, "verdict": r.verdict,
+        "max_k3": r.max_k3, "seed": r.seed, "verdict": r.verdict, "unfinished": r.unfinished,
+        "waited_for": r.waited_for,
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
             "symptom": f.symptom.value, "status": f.status,
@@ -503,7 +529,8 @@ def _pair_result(d: dict) -> Any:
                                 seconds_to_first=fd.get("seconds_to_first", 0.0),
                                 shrink_seconds=fd.get("shrink_seconds", 0.0)))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
-                      max_k3=d["max_k3"], findings=findings, seed=d["seed"])
+                      max_k3=d["max_k3"], findings=findings, seed=d["seed"], unfinished=d.get("unfinished", 0.0),
+                      waited_for=d.get("waited_for", ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -713,7 +740,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     cases = sum(d["examples"] for d in results)
     caught = [d["pair"] for d in results if d["verdict"] == "caught"]
     clean = [d["pair"] for d in results if d["verdict"] == "clean"]
-    reported = [f"{d['pair']} ({d['verdict']})" for d in results if d["verdict"] in ("MISSED", "BROKEN", "not run")]
+    reported = [f"{d['pair']} ({d['verdict']})" for d in results
+                if d["verdict"] in ("MISSED", "BROKEN", "not run", "UNFINISHED")]
     tr.write_line(f"{len(results)} pair(s), {cases} cases; demonstrations caught: {len(caught)}; aligned clean: "
                   f"{len(clean)}" + (f"; reported: {', '.join(reported)}" if reported else ""))
     missed = [d["pair"] for d in results if d["verdict"] == "MISSED"]

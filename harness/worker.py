@@ -80,7 +80,7 @@ class Worker:
         self.proc: Any = None
         self.conn: Any = None
         self.restarts = 0  # workers started after the first (each timeout or crash costs one)
-        # (pair, case, timeout, sent at) of each case sent and not yet collected, in order: the worker
+        # (pair, case, timeout, sent at, cold extra) of each case sent and not collected yet, in order: the worker
         # runs them one after another, so a campaign may hand it the next few while it computes
         self.queue: deque[tuple] = deque()
         self._last_done = 0.0  # when the last result came back (the next queued case started by then)
@@ -110,15 +110,21 @@ class Worker:
 
     @property
     def inflight(self) -> tuple | None:
-        """(pair, case, timeout, sent at) of the oldest case not yet collected, or None."""
+        """(pair, case, timeout, sent at, cold extra) of the oldest case not yet collected, or None."""
         return self.queue[0] if self.queue else None
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
 
     def kill(self) -> None:
+        """Kill the worker and every process it started (its process group: `serve` made it a session)."""
         if self.proc is None:
             return
+        try:  # (also once the worker itself has exited: what it started may still be running)
+            if self.proc.pid is not None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(5)
@@ -157,9 +163,10 @@ class Worker:
         return self.collect(wall)
 
     def submit(self, pair: Any, case: Any, threshold: float, timeout: float | None = None,
-               wall: float | None = None) -> None:
+               wall: float | None = None, cold_extra: float = 0.0) -> None:
         """Send a case to the worker (starting one if needed); `collect` gets its Evaluation. Cases
-        sent before it and not collected yet run first (`collect` returns them in order)."""
+        sent before it and not collected yet run first (`collect` returns them in order).
+        `cold_extra`: the part of `timeout` granted for a first case's imports and compilation."""
         timeout = self.timeout if timeout is None else timeout
         for attempt in range(2):
             if self.proc is None or not self.proc.is_alive():
@@ -179,7 +186,7 @@ class Worker:
             except (OSError, BrokenPipeError):  # died between cases: start another and send again
                 self.kill()
                 self.restarts += 1
-        self.queue.append((pair, case, timeout, time.monotonic()))
+        self.queue.append((pair, case, timeout, time.monotonic(), cold_extra))
 
     def collect(self, wall: float | None = None, until: float | None = None) -> Any:
         """The Evaluation of the oldest case in flight, or None when `until` (time.monotonic()) comes
@@ -193,7 +200,7 @@ class Worker:
         """
         from .execute import Evaluation, Symptom
 
-        pair, case, timeout, sent = self.queue[0]
+        pair, case, timeout, sent, cold_extra = self.queue[0]
         hang_at = max(sent, self._last_done) + timeout
         wall_at = wall if wall is not None else float("inf")
         stop = min(hang_at, wall_at, until if until is not None else float("inf"))
@@ -239,8 +246,11 @@ class Worker:
             raise OutOfTime
         return Evaluation(pair.name, case, Symptom.TIMEOUT, error={
             "type": "Timeout", "where": "worker",
-            "message": f"the case ran longer than the per-case timeout of {timeout:g} s (build, both paths and "
-                       "metrics); raise it with --timeout SECONDS if the pair is just slow",
+            "message": f"the case ran longer than the per-case timeout of {timeout - cold_extra:g} s"
+                       + (f" (+{cold_extra:.3g} s for its first case in a fresh worker process: imports, compilation)"
+                          if cold_extra else "") + " (build, both paths and "
+                       "metrics); if the pair is just slow, raise it: `harness fuzz --timeout SECONDS` (or GLOB=SECONDS "
+                       "for some pairs), `pytest --harness-timeout SECONDS`",
             "traceback": stack, "timeout_s": float(timeout)})
 
     def _wait_ready(self, wall: float | None) -> bool:
@@ -278,6 +288,10 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
     import faulthandler
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:  # a process group of its own: processes a target starts (an engine's helpers) die with the worker
+        os.setsid()
+    except OSError:
+        pass
     fault = open(log, "a")  # appends: the supervisor empties it between cases
     faulthandler.enable(file=fault)
     faulthandler.register(signal.SIGUSR1, file=fault, all_threads=True)  # a hang: the supervisor asks
@@ -303,7 +317,12 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
         except Exception as e:
             conn.send(("error", f"pair {name!r} does not load in the worker process: {type(e).__name__}: {e}"))
             continue
-        ev = run_case(pair, case, device, threshold)
+        try:
+            ev = run_case(pair, case, device, threshold)
+        except KeyboardInterrupt as e:  # SIGINT is ignored here: the target raised it
+            from .execute import Evaluation, Symptom, describe_error
+
+            ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
         if not ev.failed and ev.divergence is not None:
             ev.divergence.per_token = {}  # a passing case's verdict is all the campaign keeps
         conn.send(("ok", ev))

@@ -89,3 +89,64 @@ def test_a_repro_whose_shrinking_was_cut_short_takes_a_smaller_case(pair, tmp_pa
     data = json.loads(first.path.read_text())  # a fully shrunk repro is left alone by later campaigns
     _campaign(pair, corpus, "batch", seed=3)
     assert json.loads(first.path.read_text()) == data
+
+
+def _two_bugs(inp):
+    x, case = inp["x"], inp["case"]
+    if case.batch_size >= 5:
+        raise ValueError("the batched kernel rejects this shape")
+    if case.batch_size >= 2:
+        x = x.clone()
+        x[0, 0] = float("nan")
+    return Outcome(logprobs=torch.log_softmax(x, -1))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_every_distinct_failure_a_campaign_meets_is_reported(tmp_path, seed):
+    """An error on 5+ sequences and NaN on 2-4: every kind of failure the campaign evaluated is a
+    finding, including one first met while another was being polished (shrinking the error from 5+
+    sequences passes through the NaN)."""
+    from harness.execute import run_case
+    from harness.fuzz import fuzz_pair, signature
+
+    pair = TargetPair(name="distinct.two_bugs", kind="op", expected="aligned", build=_build, trainer=_two_bugs,
+                      rollout=_rollout, axes=Axes(n_seqs=(1, 8), seq_len=(1, 4)), description="two bugs")
+    cfg = CampaignConfig(pairs=[pair], seed=seed, max_examples=30, corpus=tmp_path / "corpora", isolation=False)
+    seen = set()
+
+    def evaluate(case):
+        ev = run_case(pair, case)
+        if ev.failed:
+            seen.add(ev.symptom.value)
+        return ev
+
+    findings = fuzz_pair(pair, cfg, seed, deadline=None, evaluate=evaluate).findings
+    by_symptom = {f.symptom.value: f for f in findings}
+    assert set(by_symptom) == seen and len(findings) == len(seen), [(f.symptom, f.case.one_line()) for f in findings]
+    if "nonfinite" in by_symptom:
+        assert by_symptom["nonfinite"].case.batch_size == 2
+    if "error" in by_symptom:
+        assert by_symptom["error"].case.batch_size == 5
+    assert len({signature(pair.name, f.evaluation) for f in findings}) == len(findings)
+
+
+def _noisy(inp):  # the global RNG: other values on every call
+    return Outcome(logprobs=torch.log_softmax(inp["x"] + 0.3 * torch.randn(inp["x"].shape), -1))
+
+
+def test_a_finding_from_a_pair_that_is_not_deterministic_says_so(tmp_path):
+    pair = TargetPair(name="distinct.noisy", kind="op", expected="aligned", build=_build, trainer=_trainer,
+                      rollout=_noisy, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4)), description="global RNG")
+    BUG["which"] = "none"
+    logged: list[str] = []
+    cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=20, corpus=tmp_path / "corpora", isolation=False)
+    [finding] = run_campaign(cfg, log=logged.append).results[0].findings
+    assert finding.deterministic is False
+    assert load_repro(finding.path).found["deterministic"] is False
+    assert any("distinct.noisy is not deterministic given its case" in m for m in logged)
+    clean = TargetPair(name="distinct.clean_bug", kind="op", expected="aligned", build=_build, trainer=_trainer,
+                       rollout=_rollout, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4)), description="deterministic")
+    BUG["which"] = "batch"
+    [f] = run_campaign(CampaignConfig(pairs=[clean], seed=1, max_examples=20, corpus=tmp_path / "c2",
+                                      isolation=False), log=lambda m: None).results[0].findings
+    assert f.deterministic and "deterministic" not in load_repro(f.path).found

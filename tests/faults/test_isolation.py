@@ -253,3 +253,47 @@ def test_cases_are_handed_ahead_only_with_a_core_to_spare(monkeypatch, cores, xd
     cfg = fuzz.CampaignConfig(pairs=[], isolation=True)
     executor = fuzz.Executor(cfg)
     assert executor.hand_ahead is ahead
+
+
+def test_a_worker_replaced_after_a_crash_is_cold_again(tmp_path, harness_cli):
+    """The pair takes 3 s on its first case in every process (a compile), then segfaults on batches:
+    after the crash, the next case runs in a fresh process, cold, and gets the cold-start allowance,
+    not the 1 s per-case timeout (a timeout finding there would be false, and replay would confirm it)."""
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.slow_start_segfault", "--timeout", "1", "--max-examples", "15",
+                          "--uniform-per-example", "0")
+    assert code == 1, err
+    found = by_pair(tmp_path / "corpus")
+    assert [r.symptom for r in found["faults.slow_start_segfault"]] == ["crash"], err
+    [crash] = found["faults.slow_start_segfault"]
+    assert crash.case.batch_size == 2  # shrunk: each step's fresh worker was given its cold start
+
+
+def test_a_first_case_that_never_returns_is_unfinished_not_a_silent_not_run(tmp_path, harness_cli):
+    """An engine that hangs on every case, the first one included, under a budget shorter than the
+    cold-start allowance: the pair is UNFINISHED (exit 1, with why), and a pair of the same module that
+    waited behind it says so; neither is a silent `not run` with exit 0."""
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.hang_always", "faults.diverges", "--timeout", "1",
+                          "--budget", "20", "--max-examples", "10")
+    assert code == 1, (out, err)
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip() and "  " in line}
+    assert rows["faults.hang_always"][2] == "UNFINISHED", out
+    assert "faults.hang_always: its first case was still running after" in err
+    assert "a hang, or a cold start longer than the budget allows" in err
+    assert rows["faults.diverges"][2] in ("not run", "caught"), out
+    if rows["faults.diverges"][2] == "not run":
+        assert "faults.diverges: not run: it waited for the first case of faults.hang_always" in err
+
+
+def test_processes_a_target_started_die_with_its_worker(tmp_path, harness_cli):
+    """A target that starts a helper process (as engines start schedulers) and hangs: the worker is
+    killed at the timeout with its whole process group, so no helper outlives the campaign."""
+    marker = f"faults-helper-{tmp_path.name}"
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.hang_with_helper", "--timeout", "1", "--max-examples", "10",
+                          env={"FAULTS_HELPER_MARKER": marker})
+    assert code == 1, err
+    assert [r.symptom for r in by_pair(tmp_path / "corpus")["faults.hang_with_helper"]] == ["timeout"]
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    for pid in left:  # (clean up before failing)
+        os.kill(int(pid), signal.SIGKILL)
+    assert not left, f"{len(left)} helper process(es) outlived their worker"

@@ -1,5 +1,6 @@
 """Pairs that misbehave on purpose, for the fault-injection tests (tests/faults/): a hang, a segfault,
-an abort, and a cheap demonstration that always diverges (slowly, on request)."""
+an abort, a hang on every case, a slow start in every process then a segfault, and a cheap
+demonstration that always diverges (slowly, on request)."""
 import os
 import signal
 import time
@@ -37,6 +38,32 @@ def aborts_on_batches(inp):  # a failed assert in C++
     return fine(inp)
 
 
+def hangs_always(inp):  # an engine that deadlocks on every input, the first case included
+    time.sleep(1000)
+    return fine(inp)
+
+
+STARTED = [False]
+HELPERS: list = []
+
+
+def hangs_with_a_helper(inp):  # an engine that starts a helper process (a scheduler), then deadlocks on batches
+    if not HELPERS:
+        import subprocess
+        import sys
+
+        marker = os.environ.get("FAULTS_HELPER_MARKER", "faults-helper")
+        HELPERS.append(subprocess.Popen([sys.executable, "-c", f"import time; time.sleep(1000)  # {marker}"]))
+    return hangs_on_batches(inp)
+
+
+def slow_start_then_segfaults(inp):  # a cold start in every new process (a compile), a bad kernel on batches
+    if not STARTED[0]:
+        time.sleep(float(os.environ.get("FAULTS_SLOW_START", "3")))
+        STARTED[0] = True
+    return segfaults_on_batches(inp)
+
+
 def flattened(inp):  # a different temperature: diverges on every case
     time.sleep(float(os.environ.get("FAULTS_SLEEP", "0")))
     return Outcome(logprobs=torch.log_softmax(inp["x"] * 0.5, -1))
@@ -45,6 +72,9 @@ def flattened(inp):  # a different temperature: diverges on every case
 for name, rollout, expected in (("faults.hang", hangs_on_batches, "aligned"),
                                 ("faults.segfault", segfaults_on_batches, "aligned"),
                                 ("faults.abort", aborts_on_batches, "aligned"),
+                                ("faults.hang_always", hangs_always, "aligned"),
+                                ("faults.hang_with_helper", hangs_with_a_helper, "aligned"),
+                                ("faults.slow_start_segfault", slow_start_then_segfaults, "aligned"),
                                 ("faults.diverges", flattened, "diverges")):
     register(TargetPair(name=name, kind="op", expected=expected, build=build, trainer=fine, rollout=rollout,
                         axes=AX, description=f"fault injection: {name.split('.')[1]}"))
