@@ -17,7 +17,10 @@ signature:
    the knob value nearest neutral that still fails (a temperature bug shrinks to T = 1.03, not 0.5);
 5. step a discrete knob down (sampling top-k toward 1, router top-k and expert count toward their
    low bounds, the expert count kept above top-k), halfway and by one: a bug from top-k >= 4
-   shrinks to top-k = 4.
+   shrinks to top-k = 4;
+6. set a free parameter (`Axes.params`) to its strategy's simplest value (what Hypothesis shrinks
+   it to: 0.0 for `st.floats(0.0, 0.2)`, the first of `st.sampled_from`), and a numeric one halfway
+   there: a uniform case copies its example's parameters, which Hypothesis never shrank.
 
 It repeats until no move is accepted (the result is 1-minimal with respect to
 `Case.simpler_neighbours()`) or its evaluation budget or deadline is spent. Each evaluation is one
@@ -87,6 +90,41 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
         r = axes.routing
         yield from _fewer(case, "top_k", r.top_k[0])
         yield from _fewer(case, "n_experts", max(r.n_experts[0], case.top_k + 1))
+    for name, strategy in (getattr(axes, "params", None) or {}).items():
+        if name not in case.params:
+            continue
+        value, simplest = case.params[name], simplest_value(strategy)
+        if simplest is _NONE or value == simplest:
+            continue
+        yield case.replace(params={**case.params, name: simplest})
+        numbers = (int, float)
+        if isinstance(value, numbers) and isinstance(simplest, numbers) and not isinstance(value, bool):
+            mid = (value + simplest) / 2 if isinstance(value, float) or isinstance(simplest, float) \
+                else (value + simplest) // 2
+            if mid not in (value, simplest) and math.isfinite(mid):
+                yield case.replace(params={**case.params, name: type(value)(mid)})
+
+
+_NONE = object()
+_SIMPLEST: dict[int, tuple[Any, Any]] = {}  # id(strategy) -> (strategy, its simplest value)
+
+
+def simplest_value(strategy: Any) -> Any:
+    """What Hypothesis shrinks a free parameter's strategy to (`hypothesis.find` of anything);
+    `_NONE` when it cannot draw one here."""
+    hit = _SIMPLEST.get(id(strategy))
+    if hit is not None and hit[0] is strategy:
+        return hit[1]
+    from hypothesis import HealthCheck, Phase, Verbosity, find, settings
+
+    try:
+        value = find(strategy, lambda x: True, settings=settings(
+            database=None, max_examples=20, phases=(Phase.generate, Phase.shrink), deadline=None,
+            suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet))
+    except Exception:  # noqa: BLE001 - a strategy that cannot be drawn outside a test, say
+        value = _NONE
+    _SIMPLEST[id(strategy)] = (strategy, value)
+    return value
 
 
 def _fewer(case: Case, name: str, low: int) -> Iterator[Case]:

@@ -42,3 +42,18 @@ def test_polish_steps_discrete_knobs_down_to_the_trigger():
     got, _, complete = polish(start, lambda c: c.top_k >= 4 and c.sample_top_k >= 5, axes=axes)
     assert complete and got.top_k == 4 and got.n_experts == 5 and got.sample_top_k == 5
     assert got.seq_lens == (1,)
+
+
+def test_polish_moves_free_parameters_to_their_strategys_simplest_value():
+    """A uniform case copies its example's parameters, which Hypothesis never shrank: a min-p that
+    plays no part goes to the strategy's simplest value; one that does is bisected toward it."""
+    import hypothesis.strategies as st
+
+    from harness import Axes
+
+    axes = Axes(n_seqs=(1, 4), seq_len=(1, 8), params={"min_p": st.floats(0.0, 0.2), "mode": st.sampled_from(["a", "b"])})
+    case = Case(seed=1, seq_lens=(2, 1), pad_side="left", params={"min_p": 0.0832, "mode": "b"})
+    out, _, complete = polish(case, lambda c: c.batch_size == 2 and c.pad_side == "left", axes=axes)
+    assert complete and out.params == {"min_p": 0.0, "mode": "a"}
+    out, _, _ = polish(case, lambda c: c.params["min_p"] > 0.01, axes=axes)  # halfway while it still fails
+    assert 0.01 < out.params["min_p"] < 0.021 and out.params["mode"] == "a"
