@@ -216,6 +216,11 @@ def metrics_bench(vocabs: tuple[int, ...], tokens: tuple[int, ...], device: str,
          f"Every size measured is within {GOAL:g}x the log_softmax (tokens given).") +
         (" Skipped: " + "; ".join(skipped) + "." if skipped else ""),
     ])
+    if not rows:  # nothing measured: the figures already in the report stay
+        from .errors import UsageError
+
+        raise UsageError("harness bench metrics measured no size (" + "; ".join(skipped) + "); "
+                         f"{out} was left as it was. Fix what the lines above say (e.g. --threads, --max-gb).")
     write_section(out, "metrics", body)
     return body
 
@@ -238,7 +243,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--rounds", type=click.IntRange(1), default=3, show_default=True,
               help="Alternating rounds per size (best of each; small sizes run at least 10).")
-@click.option("--threads", type=click.IntRange(0), default=1, show_default=True,
+@click.option("--threads", type=click.IntRange(0, 1024), default=1, show_default=True,
               help="torch threads in the measuring process (0: torch's default).")
 @click.option("--max-gb", type=click.FloatRange(0.1), default=None,
               help="Skip sizes whose inputs need more (default: half the memory available now).")

@@ -133,7 +133,12 @@ def neartie_command(tokens: int, trials: int, shapes: tuple[str, ...], gaps: tup
         if not 1 <= top_k < experts:
             raise UsageError(f"--shape {shape!r}: top-k must be at least 1 and below the number of experts, so a "
                              "top-k boundary exists.")
+        if experts > 4096:
+            raise UsageError(f"--shape {shape!r}: at most 4096 experts (a router of real models has up to a few hundred).")
         parsed.append((experts, top_k))
+    bad = [g for g in gaps if g != g]
+    if bad:
+        raise UsageError("--gap nan is not a gap; give numbers in [0, 1], e.g. --gap 1e-5.")
     click.echo(neartie(tokens, trials, tuple(parsed), gaps, out))
 
 

@@ -133,7 +133,8 @@ def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: s
 def sync(tracking_uri: str | None, pending_dir: str | None, as_json: bool) -> None:
     """Upload findings spooled while the MLflow store was unreachable (safe to run twice).
 
-    Exit 0 when the spool is empty afterwards, 1 when some findings are still pending.
+    Exit 0 when the spool is empty afterwards, 1 when some findings are still pending or a spooled
+    file could not be uploaded (it stays in the spool).
     """
     from .mlflow_tracking import sync_pending
 
@@ -144,7 +145,7 @@ def sync(tracking_uri: str | None, pending_dir: str | None, as_json: bool) -> No
         click.echo(f"sync to {s['uri']}: {s['campaigns']} campaign(s); regressions created {s['created']}, "
                    f"seen again {s['seen']}, reopened {s['reopened']}, already uploaded {s['already']}; "
                    f"failed {s['failed']}, still pending {s['remaining']}.")
-    sys.exit(1 if s["remaining"] else 0)
+    sys.exit(1 if s["remaining"] or s["failed"] else 0)
 
 
 # ---------------------------------------------------------------------------------------------

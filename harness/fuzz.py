@@ -109,7 +109,8 @@ class PairResult:
     expected: str
     examples: int = 0
     seconds: float = 0.0
-    max_k3: float = 0.0
+    max_k3: float = 0.0  # the largest sampled tokens' mean k3 (what an RL dashboard logs)
+    max_score: float = 0.0  # the largest judged mean (`Evaluation.score`: expected k3 or exact KL)
     findings: list[Finding] = field(default_factory=list)
     seed: int = 0
     streams: int = 1  # Hypothesis streams merged into this result
@@ -351,6 +352,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         result.examples += 1
         if math.isfinite(ev.k3):
             result.max_k3 = max(result.max_k3, ev.k3)
+        if not math.isnan(ev.score):
+            result.max_score = max(result.max_score, ev.score)
         if ev.failed:
             sig = signature(pair.name, ev)
             first_seen.setdefault(sig, (result.examples, time.monotonic() - start))
@@ -856,6 +859,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.examples += r.examples
     into.seconds += r.seconds
     into.max_k3 = max(into.max_k3, r.max_k3)
+    into.max_score = max(into.max_score, r.max_score)
     if not rounds:
         into.streams += r.streams
         into.warmup += r.warmup
@@ -1079,9 +1083,12 @@ def _unsaved(f: Finding, err: OSError, cfg: CampaignConfig, seed: int, log: Call
 
 
 def summary_table(result: CampaignResult) -> str:
-    rows = [("pair", "expected", "verdict", "cases", "cases/s", "max k3", "findings")]
+    """One row per pair; *max judged* is the largest mean the verdict read (expected k3 or exact KL),
+    *max k3* the largest sampled tokens' mean k3."""
+    rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max k3", "findings")]
     for r in result.results:
-        rows.append((r.pair, r.expected, r.verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_k3:.3g}",
+        rows.append((r.pair, r.expected, r.verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_score:.3g}",
+                     f"{r.max_k3:.3g}",
                      ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "
                                f"{f.seconds_to_first:.1f}s; shrunk in {f.shrink_seconds:.1f}s) -> {f.path or '-'}"
                                for f in r.findings) or "-"))

@@ -38,7 +38,11 @@ def parse_since(value: str, now: _dt.datetime | None = None) -> _dt.datetime:
     now = now or _dt.datetime.now(_dt.timezone.utc)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([mhdw])\s*", value or "")
     if m:
-        return now - _dt.timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+        try:
+            return now - _dt.timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+        except OverflowError:  # before year 1
+            raise UsageError(f"--since {value!r} reaches back past the year 1; give a shorter duration or an ISO "
+                             "date like 2026-01-31.") from None
     try:
         t = _dt.datetime.fromisoformat(value.strip())
     except (ValueError, AttributeError):
