@@ -327,8 +327,21 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
     tags = run.data.tags
     path = Path(corpus_file) if corpus_file else (Path(tags["harness.corpus_path"]) if tags.get("harness.corpus_path")
                                                   else None)
+    on_disk = None
+    if corpus_file is not None:  # named by the user: it must be this regression's repro, checked before any change
+        on_disk = load_repro(path)  # (a missing, unreadable or invalid file: UsageError, exit 2)
+        fid, pair = tags.get("harness.finding_id", ""), tags.get("harness.pair", "")
+        if (fid and on_disk.id != fid) or (pair and on_disk.pair != pair):
+            raise UsageError(f"--corpus-file {corpus_file}: that repro is {on_disk.id} of pair {on_disk.pair}, but "
+                             f"regression {ident} is {fid or '?'} of pair {pair or '?'}; pass this regression's own "
+                             "corpus file (corpora/<pair>/<id>.json). Nothing was changed.")
+        if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+            raise UsageError(f"--corpus-file {corpus_file} cannot be written here (its folder or the file is "
+                             "read-only); nothing was changed.")
+    elif path is not None and path.exists():
+        on_disk = load_repro(path)
     if status == "fixed" and verify:
-        repro = load_repro(path) if path is not None and path.exists() else fetch_repro(run.info.run_id, store.uri)
+        repro = on_disk if on_disk is not None else fetch_repro(run.info.run_id, store.uri)
         verify_fixed(repro, plugins)
     at = now_iso()
     who = who_closes()
@@ -346,8 +359,8 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
     out = regression_dict(store.client.get_run(run.info.run_id))
     out["corpus_updated"] = None
     out["corpus_missing"] = None
-    if path is not None and path.exists():
-        repro = load_repro(path)
+    if on_disk is not None:
+        repro = on_disk
         old = repro.status
         repro.status = status
         repro.history.append({"at": at, "event": "closed", "from": old, "status": status, "note": note,

@@ -352,3 +352,34 @@ def test_triage_by_finding_id_attaches_its_report_to_the_regression_run(tmp_path
     run = store.find_regression(finding.id)
     names = {a.path for a in store.client.list_artifacts(run.info.run_id, "triage")}
     assert "triage/report.md" in names
+
+
+def test_close_with_a_corpus_file_checks_it_before_changing_anything(fresh_cwd, capsys):
+    """--corpus-file names the file to update: another regression's repro, or a path that is not
+    there, is a usage error (exit 2) and neither MLflow nor any file changes."""
+    import shutil
+
+    from harness.mlflow_tracking import MlflowTracker
+
+    f = make_finding(fresh_cwd)
+    logged(MlflowTracker(log=lambda m: None), [f])
+    other = fresh_cwd / "other" / "some.pair" / "0123456789ab.json"
+    other.parent.mkdir(parents=True)
+    data = json.loads(f.path.read_text())
+    data.update(id="0123456789ab", pair="rmsnorm.eps_placement")
+    other.write_text(json.dumps(data))
+    before = other.read_text()
+    code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "wontfix", "--note", "n",
+                             "--corpus-file", str(other))
+    assert code == 2 and "that repro is 0123456789ab of pair rmsnorm.eps_placement" in err, err
+    assert other.read_text() == before
+    assert store().find_regression(f.id).data.tags["harness.status"] == "open"
+    code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "wontfix", "--note", "n",
+                             "--corpus-file", str(fresh_cwd / "nope.json"))
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
+    assert store().find_regression(f.id).data.tags["harness.status"] == "open"
+    shutil.copy(f.path, fresh_cwd / "mine.json")  # its own repro, wherever it lives: accepted
+    code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "wontfix", "--note", "n",
+                             "--corpus-file", str(fresh_cwd / "mine.json"))
+    assert code == 0, err
+    assert json.loads((fresh_cwd / "mine.json").read_text())["status"] == "wontfix"
