@@ -916,7 +916,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 return True
             try:
                 ev = evaluate(case)
-            except OutOfTime:
+            except (OutOfTime, KeyboardInterrupt):  # (in a critical section: the target raised it)
                 return True
             return ev.failed and signature(pair.name, ev) == (f.base_signature or f.signature)
         return check
@@ -932,7 +932,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         pair = next(p for p in pairs if p.name == f.pair)
         try:
             again = executor.evaluator(pair, end, cfg)(f.case)
-        except OutOfTime:
+        except (OutOfTime, KeyboardInterrupt):  # (in a critical section: the target raised it)
             return
         if again.symptom is not f.symptom or metrics_json(again) != metrics_json(f.evaluation):
             f.deterministic = False
@@ -942,8 +942,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 "repro will not replay bit for bit; `harness.check_pair` names the cause.")
 
     def record(f: Finding) -> None:
-        check_determinism(f)
-        with signals.critical():
+        with signals.critical():  # (Ctrl-C waits until the finding is on disk)
+            if f.shrink_complete:  # (a campaign cut short has no time for it)
+                check_determinism(f)
             if cfg.write_corpus:
                 try:
                     corpus_mod.record_finding(f, cfg.corpus, cfg.threshold, seed, cfg.device, log=log,
