@@ -36,7 +36,7 @@
    the repro came from one (`--run-id`) and tracking is on.
 
 Verdicts name the minimal component set and the first divergent layer ("MoE aggregation precision,
-from layers.0 (first divergent module layers.0.moe): k3 0.0123 -> 0.0000 when aligned"); a
+from layers.0 (first divergent module layers.0.moe): expected k3 0.0123 -> 0.0000 when aligned"); a
 code-level finding (same numerics on both sides, or not explained by them) names the first module
 beyond the noise floor; a non-finite finding names the first module with NaN/inf.
 
