@@ -521,9 +521,7 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
                 return _known(finding, p, old, campaign_seed)
             gone.append(p)
         if gone or blocked:  # every repro of this signature replays clean now: this finding is another bug
-            finding.signature = hashlib.sha256(f"{base}|{finding.case.key()}".encode()).hexdigest()
-            finding.base_signature = base
-            path = finding.path = folder / f"{finding.id}.json"
+            path = _own_signature(finding, base, folder)
             if gone:
                 log(f"  {finding.pair}: this {finding.symptom.value} is not the one in {', '.join(map(str, gone))} "
                     f"(that case no longer fails: if its bug is fixed, `harness regressions close` it); "
@@ -536,12 +534,18 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
     elif candidates:
         return _known(finding, path, candidates[0][1], campaign_seed)
     elif blocked:  # (no way to tell whether it is the same bug: keep both)
-        finding.signature = hashlib.sha256(f"{base}|{finding.case.key()}".encode()).hexdigest()
-        finding.base_signature = base
-        path = finding.path = folder / f"{finding.id}.json"
+        path = _own_signature(finding, base, folder)
     finding.new = True
     finding_to_repro(finding, threshold, campaign_seed, device, corpus_dir).save(path)
     return path
+
+
+def _own_signature(finding: Any, base: str, folder: Path) -> Path:
+    """Give the finding a signature of its own (the base signature and its minimal case); its path."""
+    finding.signature = hashlib.sha256(f"{base}|{finding.case.key()}".encode()).hexdigest()
+    finding.base_signature = base
+    finding.path = folder / f"{finding.id}.json"
+    return finding.path
 
 
 def _repros_of(folder: Path) -> list[tuple[Path, "Repro"]]:

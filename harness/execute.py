@@ -87,13 +87,13 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
     reused: the readout is deterministic, so they are the values it would compute."""
     if out is None or not isinstance(out, Outcome):
         raise TypeError(f"{pair.name}: {role} must return a harness.Outcome, got {type(out).__name__}")
+    import torch
+
     if out.logprobs is None:
         if out.hidden is None:
             raise TypeError(f"{pair.name}: {role} returned an Outcome with neither logprobs nor hidden")
         if pair.readout is None:
             raise TypeError(f"{pair.name}: {role} returned hidden states but the pair declares no readout")
-        import torch
-
         h, th = out.hidden, twin.hidden if twin is not None else None
         if (th is not None and twin.logprobs is not None and isinstance(h, torch.Tensor) and isinstance(th, torch.Tensor)
                 and h.dtype == th.dtype and h.device == th.device and torch.equal(h, th)):
@@ -101,7 +101,7 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
         else:
             out.logprobs = pair.readout.apply(out.hidden, case)
     lp = out.logprobs
-    if not isinstance(lp, torch_tensor()):
+    if not isinstance(lp, torch.Tensor):
         raise TypeError(f"{pair.name}: {role} logprobs must be a torch.Tensor, got {type(lp).__name__} "
                         "(convert with torch.as_tensor)")
     if not lp.is_floating_point():
@@ -109,20 +109,14 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
     if lp.device.type == "meta":
         raise TypeError(f"{pair.name}: {role} logprobs are on the meta device (no values): compute them on a real one")
     tok = out.tokens
-    if tok is not None and (not isinstance(tok, torch_tensor()) or tok.is_floating_point() or tok.is_complex()
-                            or str(tok.dtype) == "torch.bool"):
+    if tok is not None and (not isinstance(tok, torch.Tensor) or tok.is_floating_point() or tok.is_complex()
+                            or tok.dtype == torch.bool):
         raise TypeError(f"{pair.name}: {role} tokens must be an integer torch.Tensor of token ids, got "
                         f"{getattr(tok, 'dtype', type(tok).__name__)}")
     if out.logprobs.dim() != 2 or out.logprobs.shape[0] != case.n_tokens:
         raise ValueError(f"{pair.name}: {role} logprobs have shape {tuple(out.logprobs.shape)}, expected "
                          f"({case.n_tokens}, vocab): one row per token of the case, in case order")
     return out
-
-
-def torch_tensor() -> type:
-    import torch
-
-    return torch.Tensor
 
 
 def run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Outcome, Outcome]:

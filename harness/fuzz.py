@@ -903,43 +903,42 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         if not done:
             log(f"  {r.pair}: {r.examples} cases, {r.rate:.1f}/s, max k3 {r.max_k3:.3g}")
 
-    def reproduces(f: Finding) -> Callable[[Case], bool]:
-        """Whether a case fails now as the finding does (an existing repro of its signature: the same
-        bug, or one that is gone). Past the budget's wall it cannot tell, and says yes (the same bug)."""
+    def run_again(f: Finding, case: Case) -> Evaluation | None:
+        """One more evaluation of a case of the finding's pair, after the search (the corpus check, the
+        determinism check); None past the budget's wall, or when the target raised KeyboardInterrupt
+        (inside a finding's critical section a Ctrl-C waits, so the target raised it)."""
         from .worker import OutOfTime
 
+        if end is not None and time.monotonic() >= end:
+            return None
         pair = next(p for p in pairs if p.name == f.pair)
-        evaluate = executor.evaluator(pair, end, cfg)
+        try:
+            return executor.evaluator(pair, end, cfg)(case)
+        except (OutOfTime, KeyboardInterrupt):
+            return None
 
+    def reproduces(f: Finding) -> Callable[[Case], bool]:
+        """Whether a case fails now as the finding does (an existing repro of its signature: the same
+        bug, or one that is gone). When it cannot tell, yes (the same bug)."""
         def check(case: Case) -> bool:
-            if end is not None and time.monotonic() >= end:
-                return True
-            try:
-                ev = evaluate(case)
-            except (OutOfTime, KeyboardInterrupt):  # (in a critical section: the target raised it)
-                return True
-            return ev.failed and signature(pair.name, ev) == (f.base_signature or f.signature)
+            ev = run_again(f, case)
+            return ev is None or (ev.failed and signature(f.pair, ev) == (f.base_signature or f.signature))
         return check
 
     def check_determinism(f: Finding) -> None:
         """Run the minimal case once more: a pair that gives other values on the same case (the global
         RNG, uninitialised memory, a race) makes a repro that will not replay; say so now, and in it."""
         from .corpus import metrics_json
-        from .worker import OutOfTime
 
-        if f.symptom not in (Symptom.DIVERGENCE, Symptom.NONFINITE) or (end is not None and time.monotonic() >= end):
+        if f.symptom not in (Symptom.DIVERGENCE, Symptom.NONFINITE):
             return
-        pair = next(p for p in pairs if p.name == f.pair)
-        try:
-            again = executor.evaluator(pair, end, cfg)(f.case)
-        except (OutOfTime, KeyboardInterrupt):  # (in a critical section: the target raised it)
-            return
-        if again.symptom is not f.symptom or metrics_json(again) != metrics_json(f.evaluation):
+        again = run_again(f, f.case)
+        if again is not None and (again.symptom is not f.symptom or metrics_json(again) != metrics_json(f.evaluation)):
             f.deterministic = False
-            was, now = f.evaluation.headline, again.headline if again.divergence or again.error else again.symptom.value
-            log(f"warning: {f.pair} is not deterministic given its case: the minimal case gave {was}, then "
-                f"{again.symptom.value} {now} on the same inputs (a global RNG, uninitialised memory, a race?). Its "
-                "repro will not replay bit for bit; `harness.check_pair` names the cause.")
+            log(f"warning: {f.pair} is not deterministic given its case: the minimal case gave "
+                f"{f.evaluation.headline}, then {again.symptom.value} {again.headline} on the same inputs (a global "
+                "RNG, uninitialised memory, a race?). Its repro will not replay bit for bit; `harness.check_pair` "
+                "names the cause.")
 
     def record(f: Finding) -> None:
         with signals.critical():  # (Ctrl-C waits until the finding is on disk)

@@ -368,7 +368,7 @@ class FuzzSession:
         if verdict == "UNFINISHED":  # a first case that never came back: a hang until shown otherwise
             from harness.fuzz import unfinished_note
 
-            timeout = self.pair_timeouts([pair]).get(pair.name, max(self.timeout, getattr(pair, "timeout", None) or 0.0))
+            timeout = self.campaign_config([pair]).timeout_for(pair.name, getattr(pair, "timeout", None))
             raise FuzzFailure(f"{pair.name}: {unfinished_note(r, timeout)}\n  rerun: {rerun}")
         if verdict == "MISSED" and self.streams > 1:
             return  # one stream of a demonstration: the session summary judges the pair's streams together
