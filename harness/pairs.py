@@ -377,6 +377,7 @@ class Registry:
         self._pairs: dict[str, TargetPair] = {}
         self._loaded_builtins = False
         self._loading: str = ""
+        self._names_loading: dict[str, TargetPair] = {}  # pairs registered by the module being loaded
         self.plugins: list[str] = []  # plugin specs loaded (load_plugin), in order
 
     def register(self, pair: TargetPair) -> TargetPair:
@@ -386,6 +387,14 @@ class Registry:
             object.__setattr__(pair, "source", self._loading)
         pair.validate()
         old = self._pairs.get(pair.name)
+        if self._loading:
+            twice = self._names_loading.get(pair.name)
+            if twice is not None and twice is not pair:
+                raise PairError(
+                    f"{self._loading} registers two target pairs named {pair.name!r}; the second would silently "
+                    "replace the first and its campaigns would never run. Give each pair its own name."
+                )
+            self._names_loading[pair.name] = pair
         if old is not None and old.source != pair.source:
             raise PairError(
                 f"target pair {pair.name!r} from {pair.source or 'unknown'} clashes with the one already "
@@ -408,7 +417,7 @@ class Registry:
         from importlib.metadata import entry_points
 
         for ep in entry_points(group=ENTRY_POINT_GROUP):
-            self._loading = f"entry point {ep.name}"
+            self._begin_load(f"entry point {ep.name}")
             try:
                 obj = ep.load()
                 if callable(obj) and not isinstance(obj, type(sys)):
@@ -424,8 +433,12 @@ class Registry:
             finally:
                 self._loading = ""
 
-    def _import(self, module: str, label: str) -> None:
+    def _begin_load(self, label: str) -> None:
         self._loading = label
+        self._names_loading = {}
+
+    def _import(self, module: str, label: str) -> None:
+        self._begin_load(label)
         try:
             importlib.import_module(module)
         finally:
@@ -448,7 +461,7 @@ class Registry:
                 mod_spec = importlib.util.spec_from_file_location(name, path)
                 module = importlib.util.module_from_spec(mod_spec)
                 sys.modules[name] = module
-                self._loading = str(path)
+                self._begin_load(str(path))
                 try:
                     mod_spec.loader.exec_module(module)
                 except BaseException:

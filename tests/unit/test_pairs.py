@@ -96,6 +96,23 @@ def test_plugin_from_file_and_bad_plugins(tmp_path):
         REGISTRY.load_plugin("no_such_package.pairs")
 
 
+def test_one_plugin_registering_a_name_twice_is_an_error(tmp_path):
+    twice = tmp_path / "twice.py"
+    twice.write_text(
+        "from harness import TargetPair, Outcome, register\n"
+        "for scale in (1.0, 2.0):  # a factory loop that forgot to put the setting into the name\n"
+        "    register(TargetPair(name='plug.twice', kind='op', expected='aligned', build=lambda c, d: None,\n"
+        "        trainer=lambda i: Outcome(), rollout=lambda i: Outcome()))\n")
+    out = subprocess.run([sys.executable, "-m", "harness", "list", "--plugin", str(twice)],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "registers two target pairs named 'plug.twice'" in out.stderr + out.stdout
+    reg = Registry()  # one pair object registered again (a module re-run) is not a second pair
+    reg._begin_load("mod")
+    pair = reg.register(_pair())
+    assert reg.register(pair) is pair
+
+
 def test_import_harness_is_light():
     code = ("import sys, harness, harness.cli, harness.fuzz, harness.corpus, harness.execute; "
             "bad = [m for m in ('mlflow', 'onnxruntime', 'onnx') if m in sys.modules]; "
