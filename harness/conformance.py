@@ -18,7 +18,12 @@ checks, on one case each (three or four extra runs of both paths):
   stay put, or come out in another order (rows reversed), breaks "one row per token in case order".
   The check needs per-token inputs that follow the sequences (schema-2 streams: `case.token_randn`,
   `seq_generator`, `prompt_tokens`); when the pair's inputs have per-token tensors and none of
-  them follows, it is skipped with a `ConformanceWarning` saying how to draw them.
+  them follows, it is skipped with a `ConformanceWarning` saying how to draw them. When some follow
+  and the rows do not, the violation names the varying inputs that did not follow (one drawn from a
+  whole-batch stream looks like rows out of order). Where the rollout returns its sampled tokens,
+  the first token of each sequence (same prompt, nothing before it) must come back the same: a
+  sampler on one whole-batch stream gets a `ConformanceWarning` (shrinking would change the other
+  sequences' tokens).
 - **Truncation.** The last token of the longest response (3 tokens or more) removed must leave that
   sequence's other rows as they were: a token's log-probabilities depend on the tokens before it
   only, so a path whose rows are out of order within a sequence shows here. Skipped, like the
@@ -98,25 +103,30 @@ def rotated_case(case: Case) -> tuple[Case, list[int], list[int]] | None:
 
 def _walk(obj: Any, depth: int = 0) -> list[Any]:
     """Tensors and lists of tensors inside a pair's inputs (dicts, lists, dataclasses), in order."""
+    return [t for _, t in _walk_named(obj)]
+
+
+def _walk_named(obj: Any, name: str = "inputs", depth: int = 0) -> list[tuple[str, Any]]:
+    """`_walk` with where each was found (`inputs['h']`, `inputs.ids[0]`), for messages."""
     import dataclasses
 
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return [obj]
+        return [(name, obj)]
     if depth > 3 or isinstance(obj, torch.nn.Module):
         return []
     if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
-        return [list(obj)]
+        return [(name, list(obj))]
     if isinstance(obj, dict):
-        items = list(obj.values())
+        items = [(f"{name}[{k!r}]", v) for k, v in obj.items()]
     elif isinstance(obj, (list, tuple)):
-        items = list(obj)
+        items = [(f"{name}[{i}]", v) for i, v in enumerate(obj)]
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        items = [(f"{name}.{f.name}", getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     else:
         return []
-    return [t for item in items for t in _walk(item, depth + 1)]
+    return [t for key, item in items for t in _walk_named(item, key, depth + 1)]
 
 
 def truncated_case(case: Case) -> tuple[Case, list[int], list[int]] | None:
@@ -139,27 +149,58 @@ def inputs_follow(pair: TargetPair, case: Case, derived: Case, src: list[int], s
     varies over its rows and comes back as its rows `src`, or a per-sequence list of tensors that
     comes back as its items `seqs`. True if one does, False if some vary and none does, None if the
     inputs have neither."""
+    return _input_report(pair, case, derived, src, seqs, device)[0]
+
+
+def _input_report(pair: TargetPair, case: Case, derived: Case, src: list[int], seqs: list[int],
+                  device: str) -> tuple[bool | None, list[str]]:
+    """`inputs_follow`, and the varying per-token or per-sequence inputs that did not follow (by
+    where they sit in the inputs, with their shape): a pair may draw one input per sequence and
+    another from a whole-batch stream, or lay one out in packing order (which stays put, rightly)."""
     import torch
 
     with torch.inference_mode():
-        a, b = _walk(pair.build(case, device)), _walk(pair.build(derived, device))
+        a, b = _walk_named(pair.build(case, device)), _walk_named(pair.build(derived, device))
     if len(a) != len(b):
-        return None
+        return None, []
     n, batch = case.n_tokens, case.batch_size
-    seen = False
-    for x, y in zip(a, b):
+    seen, follows, stray = False, False, []
+    for (name, x), (_, y) in zip(a, b):
         if isinstance(x, list) and isinstance(y, list) and len(x) == batch and len(y) == len(seqs):
             if any(x[i].shape != x[0].shape or not torch.equal(x[i], x[0]) for i in range(batch)):
                 seen = True
                 if all(_same_or_prefix(y[i], x[p]) for i, p in enumerate(seqs)):
-                    return True
+                    follows = True
+                else:
+                    stray.append(f"{name} (a list of {batch} per-sequence tensors)")
         elif isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() >= 1 and n > 1 \
                 and x.shape[0] == n and y.shape[0] == len(src) and x.shape[1:] == y.shape[1:] \
                 and not bool((x == x[:1]).all()):
             seen = True
             if torch.equal(y.cpu(), x.cpu()[torch.tensor(src)]):
-                return True
-    return False if seen else None
+                follows = True
+            else:
+                stray.append(f"{name} {tuple(x.shape)}")
+    return (True if follows else False if seen else None), stray
+
+
+def tokens_follow(derived: Case, src: list[int], tokens: Any, tokens2: Any) -> bool | None:
+    """Whether the rollout's sampled tokens follow a rotation of the sequences: the first response
+    token of each sequence (sampled in the same context in both runs: its own prompt, nothing before
+    it) is the same token, but for at most a quarter of the sequences (a draw that falls on a
+    cumulative-probability boundary may flip on layout noise). None without tokens to compare."""
+    import torch
+
+    if tokens is None or tokens2 is None:
+        return None
+    a, b = torch.as_tensor(tokens).cpu().reshape(-1), torch.as_tensor(tokens2).cpu().reshape(-1)
+    if a.numel() != len(src) or b.numel() != len(src):
+        return None
+    firsts = [off for off, m in zip(derived.offsets, derived.seq_lens) if m]
+    if len(firsts) < 2:
+        return None
+    differ = sum(int(a[src[r]]) != int(b[r]) for r in firsts)
+    return differ <= len(firsts) // 4
 
 
 def _same_or_prefix(y: Any, x: Any) -> bool:
@@ -236,7 +277,14 @@ def _relation(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: 
     follows = {role: _follows(a.logprobs, b.logprobs, src, judged) if judged else None for role, a, b in
                (("trainer", trainer, t2), ("rollout", rollout, r2))}
     judged_roles = {role: f for role, f in follows.items() if f is not None}
-    inp = inputs_follow(pair, case, derived, src, seqs, device)
+    inp, stray = _input_report(pair, case, derived, src, seqs, device)
+    if check == "permutation" and tokens_follow(derived, src, rollout.tokens, r2.tokens) is False:
+        warnings.warn(ConformanceWarning(
+            f"{pair.name}: on {case.one_line()} with {what} the rollout's sampled tokens did not follow their "
+            "sequences (the first token of each sequence, sampled from the same prompt, changed), so the rollout "
+            "samples from a whole-batch stream: removing or reordering a sequence changes the other sequences' "
+            "tokens, and a shrunk repro is no longer the case that failed. Sample sequence j from its own stream "
+            "(case.seq_generator(j, \"sample\"), or case.token_uniforms(\"sample\") by inverse CDF)."), stacklevel=6)
     if inp is False or (inp is None and judged_roles and not any(judged_roles.values())):
         warnings.warn(ConformanceWarning(
             f"{pair.name}: the {check} check was skipped: on {case.one_line()} with {what} the pair's per-token inputs did not "
@@ -244,8 +292,13 @@ def _relation(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: 
             "case.seq_generator(j, ...), case.prompt_tokens(j, ...)) so that reordering, shortening or removing a "
             "sequence leaves the other tokens' tensors unchanged, as shrinking assumes."), stacklevel=6)
         return []
+    hint = ""
+    if stray:
+        hint = (f" (or an input is drawn from a whole-batch stream: {', '.join(stray[:4])} did not follow the "
+                "rearrangement while another input did; draw every per-token input per sequence, with "
+                "case.token_randn or case.seq_generator(j, ...), unless it is laid out in packing order)")
     return [f"case {case.one_line()} with {what}: the {role}'s rows did not follow (fewer than "
-            f"{PERMUTE_MATCH:.0%} of them match the original row of the same token); {rule}"
+            f"{PERMUTE_MATCH:.0%} of them match the original row of the same token); {rule}{hint}"
             for role, f in judged_roles.items() if not f]
 
 

@@ -116,6 +116,67 @@ def test_whole_batch_streams_skip_the_permutation_check_with_a_warning():
         check_pair(_head_pair("meta.legacy", per_sequence=False), n_cases=4)
 
 
+def _sampling_pair(name, whole_batch):
+    """A head whose rollout samples its tokens: per sequence by inverse CDF, or by one multinomial
+    over the whole batch on one generator."""
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+
+    def build(case, device):
+        return {"h": case.token_randn(16, "hidden"), "case": case,
+                "w": torch.randn(16, 64, generator=torch.Generator().manual_seed(1))}
+
+    def trainer(inp):
+        return Outcome(logprobs=torch.log_softmax(inp["h"] @ inp["w"], -1))
+
+    def rollout(inp):
+        lp, case = torch.log_softmax(inp["h"] @ inp["w"], -1), inp["case"]
+        if whole_batch:
+            tokens = torch.multinomial(lp.exp(), 1, generator=case.generator("sample")).squeeze(-1)
+        else:
+            c = lp.double().exp().cumsum(-1)
+            u = case.token_uniforms("sample")[:, None] * c[:, -1:]
+            tokens = torch.searchsorted(c, u, right=True).squeeze(-1).clamp_(max=lp.shape[1] - 1)
+        return Outcome(logprobs=lp, tokens=tokens)
+
+    return TargetPair(name=name, kind="op", expected="aligned", build=build, trainer=trainer, rollout=rollout,
+                      axes=Axes(n_seqs=(4, 6), seq_len=(2, 5)))
+
+
+def test_a_rollout_sampling_from_one_whole_batch_stream_is_warned_about():
+    import warnings
+
+    from harness.conformance import ConformanceWarning
+
+    with pytest.warns(ConformanceWarning, match=r"sampled tokens did not follow .*case.seq_generator\(j, \"sample\"\)"):
+        check_pair(_sampling_pair("meta.batch_sampler", whole_batch=True), n_cases=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_pair(_sampling_pair("meta.seq_sampler", whole_batch=False), n_cases=2)
+    assert not [w for w in caught if issubclass(w.category, ConformanceWarning)], [str(w.message) for w in caught]
+
+
+def test_rows_that_do_not_follow_name_an_input_drawn_from_a_whole_batch_stream():
+    """One input drawn per sequence (so the inputs 'follow'), another from one whole-batch stream:
+    the violation names the second, the likelier cause, beside the row-order rule."""
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+
+    def build(case, device):
+        return {"h": case.token_randn(16, "hidden"), "bias": case.randn((case.n_tokens, 32), "bias"),
+                "w": torch.randn(16, 32, generator=torch.Generator().manual_seed(1))}
+
+    def path(inp):
+        return Outcome(logprobs=torch.log_softmax(inp["h"] @ inp["w"] + inp["bias"], -1))
+
+    pair = TargetPair(name="meta.mixed_streams", kind="op", expected="aligned", build=build, trainer=path,
+                      rollout=path, axes=Axes(n_seqs=(2, 4), seq_len=(1, 6)))
+    with pytest.raises(ConformanceError, match=r"rows did not follow .*inputs\['bias'\] \(\d+, 32\) did not follow"):
+        check_pair(pair, n_cases=4)
+
+
 def test_rotated_case_keeps_each_sequences_stream_and_packing():
     from harness import Case
     from harness.conformance import rotated_case
