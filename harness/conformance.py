@@ -350,6 +350,12 @@ def check_input_dependence(pair: TargetPair, case: Case, trainer: Any, rollout: 
 
 
 def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", seed: int = 0) -> list[Case]:
+    """Check a pair (or a registered pair's name) against the contract of `harness.pairs`: `n_cases`
+    cases drawn from its axes (Hypothesis, seeded by `seed`, so the check is deterministic), each run
+    twice on `device`, then the metamorphic checks of this module's docstring (permutation,
+    truncation, input dependence). Raises `ConformanceError` listing every violation (with the line
+    of the pair's code that raised, if one did); warns `ConformanceWarning` for a check it had to
+    skip. Returns the cases it checked."""
     import torch
 
     if isinstance(pair, str):
@@ -364,7 +370,7 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
             t1, r1 = run_paths(pair, case, device)
             t2, r2 = run_paths(pair, case, device)
         except Exception as e:
-            problems.append(f"{where}: the pair raised {type(e).__name__}: {e}")
+            problems.append(f"{where}: the pair raised {_raised(e)}")
             continue
         keep_outcomes(kept, case, (t1, r1))
         if t1.logprobs.shape != r1.logprobs.shape:
@@ -394,6 +400,28 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
     if problems:
         raise ConformanceError(f"target pair {pair.name!r} breaks the contract:\n  - " + "\n  - ".join(problems))
     return checked
+
+
+def _raised(e: BaseException) -> str:
+    """An exception with where it was raised: the innermost frame of the pair's own code (outside the
+    harness, the standard library and installed packages), else the innermost one, so a bare
+    `IndexError: tuple index out of range` points at a line."""
+    import traceback
+    from pathlib import Path
+
+    import sysconfig
+
+    frames = traceback.extract_tb(e.__traceback__)
+    here = Path(__file__).resolve().parent
+    libs = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib", "platlib")}
+
+    def theirs(f: Any) -> bool:
+        path = Path(f.filename).resolve()
+        return not path.is_relative_to(here) and not any(path.is_relative_to(lib) for lib in libs)
+
+    at = ([f for f in frames if theirs(f)] or frames)[-1:]
+    where = f" (at {at[0].filename}:{at[0].lineno}, in {at[0].name})" if at else ""
+    return f"{type(e).__name__}: {e}{where}"
 
 
 def keep_outcomes(kept: dict, case: Case, outcomes: tuple[Any, Any]) -> None:
@@ -451,6 +479,6 @@ def _metamorphic(pair: TargetPair, checked: list[Case], kept: dict, device: str,
     except Warning:
         raise  # a ConformanceWarning turned into an error by the caller's warning filter
     except Exception as e:  # noqa: BLE001 - a raise on a derived case is a violation like any other
-        problems.append(f"the pair raised {type(e).__name__} on a derived case (another seed, sequences "
-                        f"rotated, or a token removed): {e}")
+        problems.append(f"the pair raised {_raised(e)} on a derived case (another seed, sequences "
+                        f"rotated, or a token removed)")
     return problems

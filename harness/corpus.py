@@ -403,7 +403,7 @@ class Repro:
         """The command that replays this repro as printed, with `--plugin` when its pair needs one."""
         return format_replay(self.plugin_spec(), path or self.path)
 
-    def auto_plugin(self) -> tuple[str | None, str | None]:
+    def auto_plugin(self, flag: str = "--plugin") -> tuple[str | None, str | None]:
         """(a plugin file this harness may load for the repro by itself, or why it may not).
 
         Only a `.py` file inside the git checkout that holds the repro (or the working directory;
@@ -413,7 +413,7 @@ class Repro:
         if kind != "plugin_file":
             if kind == "module":
                 return None, (f"its pair {self.pair!r} comes from the module {self.loader.get('module')!r}; "
-                              f"pass --plugin {self.loader.get('module')} to load it")
+                              f"pass {flag}={self.loader.get('module')} to load it")
             if kind == "entry_point":
                 return None, (f"its pair {self.pair!r} comes from the entry point {self.loader.get('name')!r}; "
                               "install the package that provides it")
@@ -422,16 +422,16 @@ class Repro:
         rel = Path(self.loader.get("path", ""))
         if root is None:
             return None, (f"its pair {self.pair!r} comes from the plugin file {str(rel)!r}, and neither the repro nor "
-                          f"the working directory is in a git checkout to find it in; pass --plugin PATH to load it")
+                          f"the working directory is in a git checkout to find it in; pass {flag}=PATH to load it")
         full = (rel if rel.is_absolute() else root / rel).resolve()
         try:
             full.relative_to(root)
         except ValueError:
             return None, (f"its pair {self.pair!r} comes from the plugin file {str(full)!r}, outside this repository; "
-                          f"pass --plugin {full} to load it")
+                          f"pass {flag}={full} to load it")
         if full.suffix != ".py" or not full.is_file():
             return None, (f"its pair {self.pair!r} comes from the plugin file {str(rel)!r}, which is not in this "
-                          "checkout; restore it, or pass --plugin PATH to where it lives")
+                          f"checkout; restore it, or pass {flag}=PATH to where it lives")
         return str(full), None
 
 
@@ -442,6 +442,7 @@ def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device:
     ev = finding.evaluation
     env = environment(device)
     env.update(backend_versions())
+    env.update(getattr(ev, "backends", None) or {})  # what the worker that ran the case had imported
     root = repo_root(corpus_dir) if corpus_dir is not None else repo_root()
     return Repro(
         path=None, id=finding.id, pair=finding.pair, symptom=finding.symptom.value,
@@ -840,10 +841,11 @@ def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, re
     return ReplayResult(repro, ev, compare_metrics(repro, ev))
 
 
-def load_plugin_for(repro: Repro, registry: Any = None) -> str | None:
+def load_plugin_for(repro: Repro, registry: Any = None, flag: str = "--plugin") -> str | None:
     """Make the repro's pair available: load its plugin file when `auto_plugin` allows it.
 
-    Returns None when the pair is registered afterwards, else why it is not (a skip reason)."""
+    Returns None when the pair is registered afterwards, else why it is not (a skip reason), which
+    names the option that loads a plugin where it is read (`flag`: `--harness-plugin` under pytest)."""
     from .pairs import REGISTRY
 
     registry = registry or REGISTRY
@@ -853,10 +855,10 @@ def load_plugin_for(repro: Repro, registry: Any = None) -> str | None:
         return None
     except UsageError:
         pass
-    path, why = repro.auto_plugin()
+    path, why = repro.auto_plugin(flag)
     if path is None:
         why = why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
-                      "loaded; pass --plugin FILE.py|MODULE")
+                      f"loaded; pass {flag}=FILE.py|MODULE")
         given = list(getattr(registry, "plugins", None) or ())
         if given:  # plugins were loaded (--plugin): say that they are not the ones
             theirs = sorted(p.name for p in registry.all() if p.source in given or

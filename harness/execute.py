@@ -38,6 +38,9 @@ class Evaluation:
     error: dict[str, str] | None = None  # {"type", "message", "traceback", "where"}
     trainer: Outcome | None = None
     rollout: Outcome | None = None
+    # versions of the backend libraries the process that ran the case had imported (a worker's:
+    # the campaign itself may never import transformers); filled for failing cases only
+    backends: dict[str, str] | None = None
 
     @property
     def k3(self) -> float:

@@ -60,7 +60,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--harness-budget", type=float, default=None, metavar="SECONDS",
                     help="Wall seconds per pair, shrinking included (default: the profile's, else none).")
     group.addoption("--harness-max-examples", type=int, default=None, metavar="N",
-                    help=f"Cases per pair (default: the profile's, else {DEFAULT_MAX_EXAMPLES}).")
+                    help="Hypothesis examples per pair (before shrinking; each is followed by uniform random cases, "
+                    f"so a pair runs more cases than this; default: the profile's, else {DEFAULT_MAX_EXAMPLES}).")
     group.addoption("--harness-seed", type=int, default=None, metavar="N",
                     help="Campaign seed (default: from the profile; else fresh, printed).")
     group.addoption("--harness-run-id", default=None, metavar="ID",
@@ -350,10 +351,38 @@ class FuzzSession:
         plugins = "".join(f" --plugin {p}" for p in self.plugins)
         return f"harness replay{plugins} {path}"
 
+    def rerun(self, pair: str | None = None) -> str:
+        """The pytest command that runs this campaign again (one pair of it, with `pair`): the same
+        seed and every option given that changes what runs. Path options take `=`: pytest reads
+        `--opt PATH` with a space as a test path when it picks the rootdir, before plugins load,
+        and a path outside the project then drops the project's pytest configuration."""
+        import shlex
+
+        opt = self.config.getoption
+        parts = ["pytest --harness-fuzz"]
+        parts += [f"--harness-pairs {shlex.quote(g)}" for g in ([pair] if pair else self.globs)]
+        parts += [f"--harness-plugin={shlex.quote(p)}" for p in self.plugins]
+        for name, flag in (("harness_profile", "--harness-profile"), ("harness_max_examples", "--harness-max-examples"),
+                           ("harness_budget", "--harness-budget"), ("harness_threshold", "--harness-threshold"),
+                           ("harness_uniform_per_example", "--harness-uniform-per-example")):
+            if opt(name) is not None:
+                parts.append(f"{flag} {shlex.quote(str(opt(name)))}")
+        if self.device_option != "cpu":
+            parts.append(f"--harness-device {self.device_option}")
+        if self.streams != 1:
+            parts.append(f"--harness-streams {self.streams}")
+        if opt("harness_corpus") != "corpora":
+            parts.append(f"--harness-corpus={shlex.quote(str(opt('harness_corpus')))}")
+        parts += [f"--harness-timeout {shlex.quote(t)}" for t in self.timeouts]
+        if not self.isolation:
+            parts.append("--harness-no-isolation")
+        parts.append(f"--harness-seed {self.seed}")
+        if self.shard and pair is None:
+            parts.append(f"--shard {self.shard[0]}/{self.shard[1]}")
+        return " ".join(parts)
+
     def judge(self, pair: Any, r: Any) -> None:
-        plugins = "".join(f" --harness-plugin {p}" for p in self.plugins)
-        rerun = (f"pytest --harness-fuzz --harness-pairs {pair.name}{plugins} --harness-seed {self.seed} "
-                 f"--harness-max-examples {self.max_examples}")
+        rerun = self.rerun(pair.name)
         if pair.expected == "aligned":
             new = [f for f in r.findings if f.new or f.recurrence]
             if new:
@@ -568,6 +597,7 @@ RESULTS_KEY = pytest.StashKey[list]()
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     if not _enabled(config):
+        _load_plugins(config)
         return
     session = FuzzSession(config)
     config.stash[SESSION_KEY] = session
@@ -593,6 +623,23 @@ def pytest_configure(config: pytest.Config) -> None:
             # round trips cost nothing. A --maxschedchunk given on the command line wins.
             if getattr(config.option, "maxschedchunk", 0) is None:
                 config.option.maxschedchunk = 1
+
+
+def _load_plugins(config: pytest.Config) -> None:
+    """Without --harness-fuzz, `--harness-plugin` loads the pairs for the tests themselves: the
+    corpus replay (`tests/test_corpus.py`) then replays the repros of a plugin kept outside the
+    repository instead of skipping them."""
+    specs = list(config.getoption("harness_plugin", default=None) or [])
+    if not specs:
+        return
+    from harness.errors import HarnessError
+    from harness.pairs import REGISTRY
+
+    try:
+        for spec in specs:
+            REGISTRY.load_plugin(spec)
+    except HarnessError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 class _XdistController:
@@ -748,9 +795,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if missed:
         tr.write_line(f"missed demonstrations: {len(missed)} of {sum(d['expected'] == 'diverges' for d in results)} "
                       f"not caught: {', '.join(sorted(missed))}")
-    tr.write_line(f"campaign seed {fs.seed} ({fs.seed_origin}); rerun: pytest --harness-fuzz --harness-seed {fs.seed}"
-                  + "".join(f" --harness-plugin {p}" for p in fs.plugins)
-                  + (f" --shard {fs.shard[0]}/{fs.shard[1]}" if fs.shard else ""))
+    tr.write_line(f"campaign seed {fs.seed} ({fs.seed_origin}); rerun: {fs.rerun()}")
     if fs.campaign_run_id:
         tr.write_line(f"MLflow campaign run {fs.campaign_run_id}")
     elif fs.tracking:

@@ -325,6 +325,10 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
             ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
         if not ev.failed and ev.divergence is not None:
             ev.divergence.per_token = {}  # a passing case's verdict is all the campaign keeps
+        elif ev.failed:  # what the pair ran on, for its repro's environment (imported here, not in the campaign)
+            from .corpus import backend_versions
+
+            ev.backends = backend_versions()
         conn.send(("ok", ev))
 
 

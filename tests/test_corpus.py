@@ -6,9 +6,10 @@
 - `wontfix`: replayed; reported, never failing.
 Each replay must also reproduce the recorded metrics bit-for-bit when the environment matches
 (except a `fixed` repro that replays clean: its recorded metrics are the bug's).
-A repro of a plugin's pair loads that plugin when it is a file inside this repository; one whose
-pair cannot be loaded here (a module, an uninstalled entry point, a file that is gone) is skipped
-with the reason, and the other files still run.
+A repro of a plugin's pair loads that plugin when it is a file inside this repository; a plugin kept
+elsewhere is loaded with `pytest --harness-plugin=PATH` (repeatable). One whose pair cannot be
+loaded here (a module not given, an uninstalled entry point, a file that is gone) is skipped with
+the reason, and the other files still run.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def same_environment(env: dict) -> bool:
 @pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(CORPUS)) for p in FILES])
 def test_replay(path):
     repro = load_repro(path)
-    why = load_plugin_for(repro)
+    why = load_plugin_for(repro, flag="--harness-plugin")
     if why is not None:
         pytest.skip(f"{path.relative_to(CORPUS)}: {why}")
     result = replay(repro)

@@ -297,3 +297,25 @@ def test_processes_a_target_started_die_with_its_worker(tmp_path, harness_cli):
     for pid in left:  # (clean up before failing)
         os.kill(int(pid), signal.SIGKILL)
     assert not left, f"{len(left)} helper process(es) outlived their worker"
+
+
+def test_a_repro_records_the_backend_versions_its_worker_imported(tmp_path, harness_cli):
+    """The pair imports its backend inside its paths, so only the worker process has it: the repro's
+    environment still names its version (provenance across backend upgrades)."""
+    pytest.importorskip("safetensors")
+    plugin = tmp_path / "lazy_backend.py"
+    plugin.write_text(
+        "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+        "def build(case, device):\n    return case.token_randn(8, 'x')\n"
+        "def engine(x):\n    import safetensors  # the backend, imported where it runs\n"
+        "    return Outcome(logprobs=torch.log_softmax(0.5 * x, -1))\n"
+        "register(TargetPair(name='lazy.backend', kind='op', expected='diverges', build=build,\n"
+        "    trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)), rollout=engine,\n"
+        "    axes=Axes(n_seqs=(1, 2), seq_len=(1, 3))))\n")
+    code, out, err = harness_cli("fuzz", "lazy.backend", "--plugin", str(plugin), "--no-tracking", "--seed", "1",
+                                 "--max-examples", "5", "--corpus", str(tmp_path / "corpus"))
+    assert code == 1, err
+    [repro] = by_pair(tmp_path / "corpus")["lazy.backend"]
+    import safetensors
+
+    assert repro.environment.get("safetensors") == safetensors.__version__, repro.environment

@@ -263,10 +263,38 @@ def test_a_plugin_repro_records_its_loader_and_replays_in_a_fresh_process(tmp_pa
     mod = Path(shutil.copy(path, path.with_name("dddddddddddd.json")))
     edit(mod, loader={"kind": "module", "module": "antigravity"}, pair="example.other")
     code, out, err = harness_cli("replay", "--no-bisect", str(corpus))
-    assert code == 1 and "pass --plugin antigravity" in err and "bit-for-bit yes" in out
+    assert code == 1 and "pass --plugin=antigravity" in err and "bit-for-bit yes" in out
     # a plugin file outside the repository is not loaded either
     edit(mod, loader={"kind": "plugin_file", "path": "/tmp/evil.py"})
     assert "outside this repository" in load_plugin_for(load_repro(mod))
+
+
+def test_the_corpus_tests_replay_a_repro_of_a_plugin_kept_outside_the_repository(tmp_path, harness_cli):
+    """A team's own pairs live in their own file; their repros sit in the project's corpus. The
+    corpus tests skip them (with the option that loads them), and replay them with it."""
+    proj, outside = tmp_path / "proj", tmp_path / "outside"
+    (proj / "tests").mkdir(parents=True)
+    outside.mkdir()
+    shutil.copy(ROOT / "tests" / "test_corpus.py", proj / "tests" / "test_corpus.py")
+    subprocess.run(["git", "init", "-q", str(proj)], check=True)
+    plugin = shutil.copy(ROOT / PLUGIN, outside / "my_pairs.py")
+    code, out, err = harness_cli("fuzz", "example.lm_head_bf16", "--plugin", plugin, "--seed", "1", "--max-examples",
+                                 "200", "--corpus", str(proj / "corpora"), "--no-tracking", cwd=proj)
+    assert code == 1 and list((proj / "corpora").rglob("*.json")), err
+
+    def corpus_tests(*extra):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                               "tests/test_corpus.py", *extra], cwd=proj, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+    skipped = corpus_tests()
+    assert "1 skipped" in skipped.stdout and f"pass --harness-plugin={plugin} to load it" in skipped.stdout, \
+        skipped.stdout + skipped.stderr
+    replayed = corpus_tests(f"--harness-plugin={plugin}")
+    assert replayed.returncode == 0 and "2 passed" in replayed.stdout and "skipped" not in replayed.stdout, \
+        replayed.stdout + replayed.stderr
+    broken = corpus_tests(f"--harness-plugin={outside / 'missing.py'}")
+    assert broken.returncode != 0 and "does not exist" in broken.stderr and "Traceback" not in broken.stderr
 
 
 def test_a_repro_with_a_path_escaping_the_repository_is_not_loaded(repro):
@@ -368,7 +396,7 @@ def test_outside_any_git_checkout_a_plugin_file_is_never_loaded_by_itself(repro,
     (tmp_path / "planted.py").write_text("raise SystemExit('a repro must not run this')\n")
     edit(repro, pair="example.planted", loader={"kind": "plugin_file", "path": "planted.py"})
     why = load_plugin_for(load_repro(repro))
-    assert why is not None and "pass --plugin PATH" in why
+    assert why is not None and "pass --plugin=PATH" in why
 
 
 def test_show_of_a_repro_without_its_first_sighting_counts_shrinking_in(repro, capsys):

@@ -33,6 +33,22 @@ def test_a_nondeterministic_pair_fails_with_the_fix(tmp_path):
         check_pair(mod.pair, n_cases=2)
 
 
+def test_a_raise_in_the_pair_is_reported_with_the_pairs_own_line():
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+
+    def build(case, device):
+        return torch.zeros(case.prompt_lens[0])  # () when no sequence has a prompt: case.prompt_len(j) is safe
+
+    pair = TargetPair(name="raise.where", kind="op", expected="aligned", build=build,
+                      trainer=lambda x: Outcome(logprobs=x), rollout=lambda x: Outcome(logprobs=x),
+                      axes=Axes(n_seqs=(1, 2), seq_len=(1, 3)))
+    with pytest.raises(ConformanceError, match=r"raised IndexError: tuple index out of range \(at .*test_conformance"
+                                               r"\.py:\d+, in build\)"):
+        check_pair(pair, n_cases=1)
+
+
 def test_wrong_row_count_is_reported():
     import torch
 
