@@ -901,7 +901,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
 
     def progress(r: PairResult, done: bool) -> None:
         if not done:
-            log(f"  {r.pair}: {r.examples} cases, {r.rate:.1f}/s, max k3 {r.max_k3:.3g}")
+            log(f"  {r.pair}: {r.examples} cases, {r.rate:.1f}/s, max judged {r.max_score:.3g} "
+                f"(sampled k3 {r.max_k3:.3g})")
 
     def run_again(f: Finding, case: Case) -> Evaluation | None:
         """One more evaluation of a case of the finding's pair, after the search (the corpus check, the
@@ -1016,7 +1017,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     record(f)
                 if cfg.fill_budget and r.examples and not r.findings:
                     fill.append(unit)
-                log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max k3 {r.max_k3:.3g}"
+                log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "") + ")")
                 if r.unfinished or r.waited_for:

@@ -495,7 +495,7 @@ def _pair_result_json(r: Any) -> dict:
 
     return {
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
-        "max_k3": r.max_k3, "seed": r.seed, "verdict": r.verdict, "unfinished": r.unfinished,
+        "max_k3": r.max_k3, "max_score": r.max_score, "seed": r.seed, "verdict": r.verdict, "unfinished": r.unfinished,
         "waited_for": r.waited_for,
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
@@ -558,7 +558,7 @@ def _pair_result(d: dict) -> Any:
                                 seconds_to_first=fd.get("seconds_to_first", 0.0),
                                 shrink_seconds=fd.get("shrink_seconds", 0.0)))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
-                      max_k3=d["max_k3"], findings=findings, seed=d["seed"], unfinished=d.get("unfinished", 0.0),
+                      max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings, seed=d["seed"], unfinished=d.get("unfinished", 0.0),
                       waited_for=d.get("waited_for", ""))
 
 
@@ -603,6 +603,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
     config.stash[RESULTS_KEY] = []
     if not session.is_worker:
+        _sigterm_as_interrupt(config)
         from harness.errors import HarnessError
 
         try:  # a bad device, glob or plugin file is a usage error before anything starts
@@ -623,6 +624,25 @@ def pytest_configure(config: pytest.Config) -> None:
             # round trips cost nothing. A --maxschedchunk given on the command line wins.
             if getattr(config.option, "maxschedchunk", 0) is None:
                 config.option.maxschedchunk = 1
+
+
+def _sigterm_as_interrupt(config: pytest.Config) -> None:
+    """SIGTERM (a CI timeout, Slurm, `kill`) handled like Ctrl-C by the session's controller: pytest
+    stops, writes the summary (the pairs not run are listed as interrupted) and closes the MLflow
+    campaign run, instead of dying with 143 and leaving the run RUNNING. (A campaign running in this
+    process handles it itself, writing any finding first: `harness.fuzz._Signals`.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    config.add_cleanup(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
 def _load_plugins(config: pytest.Config) -> None:
@@ -698,9 +718,30 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         config.workeroutput["harness_results"] = json.dumps(fs.results)
         return
     results = _merge_streams(config.stash[RESULTS_KEY] + fs.results)
+    interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
+    if interrupted:
+        results += _not_run(fs, results)
     config.stash[RESULTS_KEY] = results
-    fs.close_campaign(results, interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+    fs.close_campaign(results, interrupted=interrupted)
     _write_summary(fs, results)
+
+
+def _not_run(fs: FuzzSession, results: list[dict]) -> list[dict]:
+    """The selected pairs with no result when the session was interrupted (running or queued then;
+    what their streams found before is on disk): rows that say so, instead of a summary that leaves
+    them out."""
+    done = {d["pair"] for d in results}
+    out: dict[str, dict] = {}
+    try:
+        units = fs.units()
+    except Exception:  # noqa: BLE001 - the summary of an interrupted session must still be written
+        return []
+    for u in units:
+        if u["pair"] not in done and u["pair"] not in out:
+            out[u["pair"]] = {"pair": u["pair"], "expected": u["expected"], "examples": 0, "seconds": 0.0,
+                              "max_k3": 0.0, "max_score": 0.0, "seed": fs.seed, "verdict": "not run (interrupted)",
+                              "unfinished": 0.0, "waited_for": "", "findings": [], "worker": "-"}
+    return list(out.values())
 
 
 def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
@@ -714,12 +755,14 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
         found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
                           + (" new" if f["new"] else "") for f in d["findings"]) or "-"
-        rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), f"{rate:.1f}", _fmt(d["max_k3"]),
-                     d.get("worker", "main"), found))
+        rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), f"{rate:.1f}", _fmt(d.get("max_score", 0.0)),
+                     _fmt(d["max_k3"]), d.get("worker", "main"), found))
     return rows
 
 
-HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "max k3", "worker", "findings")
+# *max judged*: the largest mean a verdict read (expected k3 or exact KL: what the findings show);
+# *max k3*: the largest sampled tokens' mean k3 (what an RL dashboard logs; noisy on small cases)
+HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max k3", "worker", "findings")
 
 
 def _fmt(x: Any) -> str:
@@ -788,7 +831,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     caught = [d["pair"] for d in results if d["verdict"] == "caught"]
     clean = [d["pair"] for d in results if d["verdict"] == "clean"]
     reported = [f"{d['pair']} ({d['verdict']})" for d in results
-                if d["verdict"] in ("MISSED", "BROKEN", "not run", "UNFINISHED")]
+                if d["verdict"] in ("MISSED", "BROKEN", "not run", "UNFINISHED", "not run (interrupted)")]
     tr.write_line(f"{len(results)} pair(s), {cases} cases; demonstrations caught: {len(caught)}; aligned clean: "
                   f"{len(clean)}" + (f"; reported: {', '.join(reported)}" if reported else ""))
     missed = [d["pair"] for d in results if d["verdict"] == "MISSED"]

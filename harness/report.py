@@ -120,6 +120,7 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
         campaigns.append({
             "run_id": run.info.run_id, "start": _from_ms(run.info.start_time), "status": run.info.status,
             "seed": p.get("seed", "?"), "profile": p.get("profile", "none"), "shard": p.get("shard", "none"),
+            "streams": p.get("streams", "1"),
             "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
             "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": missed_pairs(m),
@@ -210,6 +211,15 @@ def _g(x: Any) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) else "-"
 
 
+def _judged(r: dict) -> str:
+    """The mean the verdict read (`k3 0.0013`: the expected k3; `kl 0.003`: the exact KL), not the
+    sampled tokens' mean k3, which a small case can hold far under the line."""
+    vm = r.get("verdict_mean")
+    if not vm or not isinstance(vm[1], (int, float)) or vm[1] != vm[1]:
+        return f"k3 {_g(r.get('k3'))}"
+    return f"{vm[0]} {_g(vm[1])}"
+
+
 def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, now: _dt.datetime,
            plot_name: str | None, uri: str) -> str:
     window = [c for c in campaigns if c["start"] >= since]
@@ -262,23 +272,24 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
         if not rows:
             lines += ["None.", ""]
             continue
-        lines += ["| pair | id | expected | status | symptom | k3 | first seen | last seen | seen | replay |",
+        lines += ["| pair | id | expected | status | symptom | judged | first seen | last seen | seen | replay |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             status = r["status"] + (" (reopened)" if r["recurrence"] and key == "recurring" else "")
-            lines.append(f"| {r['pair']} | {r['id']} | {r['expected']} | {status} | {r['symptom']} | {_g(r['k3'])} | "
+            lines.append(f"| {r['pair']} | {r['id']} | {r['expected']} | {status} | {r['symptom']} | {_judged(r)} | "
                          f"{r['first_seen']} | {r['last_seen']} | {r['seen_count']} | `{replay_command(r)}` |")
         lines.append("")
     lines += ["## Campaigns", ""]
     if window:
-        lines += ["| started (UTC) | profile | shard | device | seed | pairs | cases | cases/s | findings | run |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| started (UTC) | profile | shard | streams | device | seed | pairs | cases | cases/s | findings | run |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in window:
-            lines.append(f"| {c['start']:%Y-%m-%d %H:%M} | {c['profile']} | {c['shard']} | {c['device']} | {c['seed']} | "
+            lines.append(f"| {c['start']:%Y-%m-%d %H:%M} | {c['profile']} | {c['shard']} | {c['streams']} | {c['device']} | {c['seed']} | "
                          f"{c['n_pairs']} | {int(c['cases'])} | {c['cases_per_second']:.1f} | {int(c['findings'])} | "
                          f"{c['run_id'][:12]} |")
-        lines += ["", "Rerun a night exactly: `harness fuzz --seed SEED` (or `pytest --harness-fuzz --harness-seed "
-                      "SEED --shard i/N`) with the seed above.", ""]
+        lines += ["", "Rerun a night exactly: `harness fuzz --seed SEED --streams S` (or `pytest --harness-fuzz "
+                      "--harness-seed SEED --harness-streams S --shard i/N`) with the seed, streams and shard above, "
+                      "and the same profile and pairs.", ""]
     else:
         lines += ["No campaign run started in this window.", ""]
     if plot_name:

@@ -40,13 +40,13 @@ def test_replay(path):
     result = replay(repro)
     ev = result.evaluation
     if repro.status == "fixed":
-        assert not ev.failed, f"{path}: fixed regression is back: {ev.symptom.value}, k3 {ev.k3:.6g}"
+        assert not ev.failed, f"{path}: fixed regression is back: {ev.symptom.value} {ev.headline}"
     elif repro.status == "expected":
-        assert ev.failed, f"{path}: demonstration no longer diverges (k3 {ev.k3:.6g}): detection power lost"
+        assert ev.failed, f"{path}: demonstration no longer diverges ({ev.headline}): detection power lost"
     elif repro.status == "open":
         if ev.failed:
-            pytest.xfail(f"open regression still diverges: {ev.symptom.value}, k3 {ev.k3:.6g}")
-        pytest.fail(f"{path}: open regression no longer diverges (k3 {ev.k3:.6g}): close it as fixed")
+            pytest.xfail(f"open regression still diverges: {ev.symptom.value} {ev.headline}")
+        pytest.fail(f"{path}: open regression no longer diverges ({ev.headline}): close it as fixed")
     if same_environment(repro.environment) and result.compared:  # a fixed repro's metrics are the bug's
         assert result.bit_for_bit, (f"{path}: replay differs from the recorded metrics, as (recorded, replayed): "
                                     f"{result.mismatches}; if the change is expected (a new torch, a metric "

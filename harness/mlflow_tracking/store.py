@@ -8,11 +8,16 @@ import logging
 import os
 import socket
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from ..errors import UsageError
+
+# MLflow's SQLAlchemy store configures a loader strategy SQLAlchemy 2 deprecates; the warning is
+# MLflow's to fix, and printed on every command it says nothing a user of this harness can act on.
+warnings.filterwarnings("ignore", message=r"The ``noload`` loader strategy is deprecated")
 
 DEFAULT_EXPERIMENT = "harness"
 EXPERIMENT_ENV = "HARNESS_MLFLOW_EXPERIMENT"

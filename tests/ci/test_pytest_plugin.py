@@ -94,6 +94,57 @@ def test_a_missed_demonstration_is_in_the_summary(tmp_path):
 
 
 @pytest.mark.slow
+def test_sigterm_to_the_xdist_controller_is_an_interrupt_with_a_summary(tmp_path):
+    """A CI timeout sends SIGTERM to pytest: the session stops as on Ctrl-C (exit 2, pytest's
+    interrupted), the summary lists the pairs it interrupted, and the MLflow campaign run is closed
+    as KILLED, not left RUNNING."""
+    import signal
+    import time
+
+    from mlflow import MlflowClient
+
+    started = tmp_path / "started"
+    plugin = tmp_path / "slow_pairs.py"
+    plugin.write_text(textwrap.dedent(f"""
+        import pathlib, time, torch
+        from harness import Axes, Outcome, TargetPair, register
+
+        def build(case, device):
+            return case.token_randn(8, "x")
+
+        def slow(x):
+            pathlib.Path({str(started)!r}).touch()
+            time.sleep(0.5)
+            return Outcome(logprobs=torch.log_softmax(x, -1))
+
+        for name in ("slow.a", "slow.b"):
+            register(TargetPair(name=name, kind="op", expected="aligned", build=build, trainer=slow, rollout=slow,
+                                axes=Axes(n_seqs=(1, 2), seq_len=(1, 3))))
+    """))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out_dir = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--harness-fuzz", "-n", "2",
+                             f"--harness-plugin={plugin}", "--harness-pairs", "slow.*", "--harness-max-examples",
+                             "100000", "--harness-tracking-uri", uri, f"--harness-corpus={tmp_path / 'corpus'}",
+                             f"--harness-out={out_dir}"], cwd=ROOT, env=clean_env(OMP_NUM_THREADS="1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert {d["pair"]: d["verdict"] for d in summary["pairs"]} == {"slow.a": "not run (interrupted)",
+                                                                   "slow.b": "not run (interrupted)"}, out
+    assert "slow.a (not run (interrupted))" in out
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("harness")
+    [camp] = client.search_runs([exp.experiment_id], "tags.`harness.kind` = 'campaign'")
+    assert camp.info.status == "KILLED"
+
+
 def test_xdist_one_summary_one_campaign_run(tmp_path):
     """Two workers share the pairs; the controller aggregates one summary and one campaign run."""
     from mlflow import MlflowClient

@@ -62,9 +62,13 @@ def test_report_from_a_real_store(tmp_path):
     text = out.read_text()
     assert "## New (1)" in text and "## Fixed (1)" in text and "## Recurring (0)" in text
     assert f"`harness replay {finding.path}`" in text
+    from harness.metrics import verdict_mean
+
+    name, value = verdict_mean(finding.evaluation.divergence)  # the judged mean, not the sampled tokens' k3
+    assert f"| divergence | {name} {value:.4g} |" in text, text
     # per pair: new, recurring, fixed, then the cases the campaigns in the window ran on it
     assert re.search(r"\| router_topk\.bf16 \| diverges \| 1 \| 0 \| 1 \| \d+ \| [\d.]+ \|", text), text
-    assert f"| nightly | none | cpu | 1 | 1 | {first.examples} |" in text  # the campaign row: cases
+    assert f"| nightly | none | 1 | cpu | 1 | 1 | {first.examples} |" in text  # the campaign row: streams, cases
     png = out.with_name("nightly_findings.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "![findings over nights](nightly_findings.png)" in text
 
