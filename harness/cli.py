@@ -443,9 +443,19 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                    + (" (NOT DETERMINISTIC: its case gave other values when run again; it may not replay)"
                       if found.get("deterministic") is False else ""))
     click.echo("\ncase (minimal):")
+    from .case import Case
+
+    defaults = Case(seed=0).to_json()
+    at_default = []
     for k, v in r.case.to_json().items():
-        if k != "schema":
+        if k == "schema":
+            continue
+        if k in ("seed", "seq_lens") or v != defaults.get(k):
             click.echo(f"  {k:13s} {v}")
+        else:
+            at_default.append(f"{k} {v}")
+    if at_default:  # (a pair reads only the fields its axes draw: most of these are not its axes)
+        click.echo(f"  at defaults: {', '.join(at_default)}")
     click.echo(f"  -> {r.case.batch_size} sequence(s), {r.case.n_tokens} token(s)")
     try:
         load_plugins(plugins)

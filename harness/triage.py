@@ -28,7 +28,8 @@
    (ddmin) down to a minimal set that, left differing while every other component is aligned, still
    puts k3 above the threshold (or keeps the output non-finite).
 3. **Routing.** Expert-selection flips per router layer, split into near-tie flips (the k-th and
-   (k+1)-th scores within `NEAR_TIE` in either path, exact ties included) and the rest.
+   (k+1)-th scores within `NEAR_TIE`, or one bf16 step of the score (`NEAR_TIE_REL`), in either
+   path, exact ties included), the rest, and flips neither path reported scores for.
 4. **Non-finite findings.** The first module, in execution order, whose output holds NaN or inf in
    either path (every position it computed, padding included), and which path.
 5. **A report**: `reports/<finding id>/report.md` with PNG plots (per-token k3 along the sequence,
@@ -79,7 +80,11 @@ from .metrics import judged_k3
 
 FLOOR_FACTOR = 10.0  # a module diverges when its error exceeds this multiple of its aligned-run error
 MIN_FLOOR = 1e-6  # ... and this absolute relative error (float32 layout noise is ~1e-7)
-NEAR_TIE = 1e-3  # boundary score gap (k-th vs (k+1)-th) under which a routing flip counts as near-tie
+# A routing flip counts as near-tie when the boundary score gap (k-th vs (k+1)-th) in either path
+# is at most NEAR_TIE, or at most NEAR_TIE_REL x the k-th score's magnitude (one bfloat16 step there:
+# rounding a score of 4 to bf16 moves it by up to 0.0156, so a gap of 0.005 at 4 is a near tie).
+NEAR_TIE = 1e-3
+NEAR_TIE_REL = 2.0 ** -7
 MATCH_TOP = 16  # largest finite log-probabilities of a row that tie a position to it
 MATCH_MIN_CORR = 0.999  # correlation over those at or above which a position produced the row
 ROOT = "<root>"  # the name the root module's own output is filed under (no submodule can have it)
@@ -629,12 +634,17 @@ def routing_split(trainer: Any, rollout: Any) -> dict[str, dict[str, int]]:
         flipped = (et != er).any(-1)
         k = et.shape[-1]
         near = torch.zeros_like(flipped)
+        scored = False
         for s in (rt.scores, rr.scores):
             if s is not None and torch.as_tensor(s).shape[-1] > k:
+                scored = True
                 top = torch.topk(torch.as_tensor(s).float().cpu(), k + 1, -1).values
-                near |= (top[:, k - 1] - top[:, k]).abs() <= NEAR_TIE
-        out[layer] = {"tokens": int(flipped.numel()), "near_tie": int((flipped & near).sum()),
-                      "other": int((flipped & ~near).sum())}
+                gap, scale = (top[:, k - 1] - top[:, k]).abs(), top[:, k - 1].abs()
+                near |= gap <= torch.clamp(NEAR_TIE_REL * scale, min=NEAR_TIE)
+        n = int(flipped.sum())
+        # without scores from either path a flip cannot be told near-tie or not: counted apart
+        out[layer] = {"tokens": int(flipped.numel()), "near_tie": int((flipped & near).sum()) if scored else 0,
+                      "other": int((flipped & ~near).sum()) if scored else 0, "unscored": 0 if scored else n}
     return out
 
 
@@ -828,8 +838,12 @@ def _plots(t: Triage, folder: Path) -> list[Path]:
         layers = list(t.flips)
         near = [t.flips[l]["near_tie"] for l in layers]
         other = [t.flips[l]["other"] for l in layers]
-        ax.bar(layers, near, label=f"near-tie (gap <= {NEAR_TIE:g})", color="tab:orange")
+        unscored = [t.flips[l].get("unscored", 0) for l in layers]
+        ax.bar(layers, near, label=f"near-tie (gap <= {NEAR_TIE:g} or one bf16 step)", color="tab:orange")
         ax.bar(layers, other, bottom=near, label="other", color="tab:blue")
+        if any(unscored):
+            ax.bar(layers, unscored, bottom=[a + b for a, b in zip(near, other)], label="no scores reported",
+                   color="tab:gray")
         ax.set_ylabel("tokens whose experts flipped")
         ax.set_title("routing flips per layer")
         ax.legend(fontsize=8)
@@ -925,9 +939,13 @@ def write_report(t: Triage, reports: Path) -> Path:
                   + f"{m.tokens} | {'yes' if m.exceeds else ''} |" for m in t.modules]
         lines.append("")
     if t.flips:
-        lines += ["## Routing flips per layer", "", "| layer | tokens | near-tie flips | other flips |",
-                  "|---|---:|---:|---:|"]
-        lines += [f"| {l} | {v['tokens']} | {v['near_tie']} | {v['other']} |" for l, v in t.flips.items()]
+        lines += ["## Routing flips per layer", "",
+                  f"Near-tie: the boundary score gap (k-th vs (k+1)-th) within {NEAR_TIE:g} or one bf16 step of the "
+                  "score in either path; *no scores*: neither path reported `Routing.scores`, so the flip cannot "
+                  "be told apart.", "",
+                  "| layer | tokens | near-tie flips | other flips | no scores |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {l} | {v['tokens']} | {v['near_tie']} | {v['other']} | {v.get('unscored', 0)} |"
+                  for l, v in t.flips.items()]
         lines.append("")
     for note in t.notes:
         lines.append(f"> {note}")
@@ -1022,8 +1040,10 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         if t.nonfinite:
             click.echo(f"first module with NaN/inf: {t.nonfinite.module} ({' and '.join(t.nonfinite.paths)})")
         if t.flips:
-            click.echo("routing flips per layer (near-tie/other): " + ", ".join(
-                f"{l} {v['near_tie']}/{v['other']}" for l, v in t.flips.items()))
+            unscored = any(v.get("unscored") for v in t.flips.values())
+            click.echo(f"routing flips per layer (near-tie/other{'/no scores' if unscored else ''}): " + ", ".join(
+                f"{l} {v['near_tie']}/{v['other']}" + (f"/{v.get('unscored', 0)}" if unscored else "")
+                for l, v in t.flips.items()))
         click.echo(f"verdict: {t.verdict}")
         click.echo(f"report: {t.report} ({len(t.plots)} plot(s)); {t.seconds:.1f}s")
         if attached:

@@ -52,6 +52,23 @@ def test_ddmin_finds_a_one_minimal_failing_subset():
     assert ddmin(["x"], lambda s: True) == ["x"]
 
 
+def test_routing_flips_are_near_tie_within_one_bf16_step_of_the_score_and_unscored_apart():
+    import torch
+
+    from harness import Outcome, Routing
+    from harness.triage import routing_split
+
+    # token 0: logits near 4 with a 0.005 gap (under bf16's 0.0156 step there); token 1: a gap of 1.0;
+    # token 2: not flipped
+    scores = torch.tensor([[4.000, 3.995, 0.0], [4.0, 3.0, 0.0], [4.0, 3.0, 0.0]])
+    t = Outcome(routing={"l0": Routing(experts=torch.tensor([[0], [0], [0]]), scores=scores)})
+    r = Outcome(routing={"l0": Routing(experts=torch.tensor([[1], [1], [0]]), scores=scores)})
+    assert routing_split(t, r) == {"l0": {"tokens": 3, "near_tie": 1, "other": 1, "unscored": 0}}
+    t0 = Outcome(routing={"l0": Routing(experts=torch.tensor([[0], [0], [0]]))})
+    r0 = Outcome(routing={"l0": Routing(experts=torch.tensor([[1], [1], [0]]))})
+    assert routing_split(t0, r0) == {"l0": {"tokens": 3, "near_tie": 0, "other": 0, "unscored": 2}}
+
+
 def test_triage_names_moe_aggregation_and_the_layer_it_starts_in(tmp_path):
     t = triage(corpus_repro("model.moe_aggregate_bf16"))
     assert t.localization.minimal == ["moe_aggregate"] and t.localization.explained
@@ -186,11 +203,11 @@ def test_routing_split_counts_near_tie_and_other_flips():
     scores_t = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.6, 0.3, 0.05, 0.05]])
     t = Outcome(routing={"l": Routing(experts=torch.tensor([[0], [0]]), scores=scores_t)})
     r = Outcome(routing={"l": Routing(experts=torch.tensor([[0], [1]]), scores=scores_t)})
-    assert routing_split(t, r) == {"l": {"tokens": 2, "near_tie": 0, "other": 1}}
+    assert routing_split(t, r) == {"l": {"tokens": 2, "near_tie": 0, "other": 1, "unscored": 0}}
     near = torch.tensor([[0.4, 0.3999, 0.1, 0.1001], [0.6, 0.3, 0.05, 0.05]])
     t2 = Outcome(routing={"l": Routing(experts=torch.tensor([[0], [0]]), scores=near)})
     r2 = Outcome(routing={"l": Routing(experts=torch.tensor([[1], [0]]), scores=near)})
-    assert routing_split(t2, r2) == {"l": {"tokens": 2, "near_tie": 1, "other": 0}}
+    assert routing_split(t2, r2) == {"l": {"tokens": 2, "near_tie": 1, "other": 0, "unscored": 0}}
 
 
 def test_triage_without_profiles_or_modules_still_reports(tmp_path):
