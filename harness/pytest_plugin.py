@@ -613,7 +613,8 @@ def pytest_configure(config: pytest.Config) -> None:
         _log(f"harness fuzz: campaign {session.seed_origin}; profile {session.profile_name or '-'}, "
              f"{session.max_examples} cases and {session.budget or '-'} s per pair"
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
-        session.open_campaign()
+        if not config.option.collectonly:  # --co lists the items: no campaign run, no summary
+            session.open_campaign()
         session.start = time.time()  # campaign seconds (and cases/s) count fuzzing, not tracking setup
         if config.pluginmanager.hasplugin("xdist"):
             config.pluginmanager.register(_XdistController(session), "harness-xdist-controller")
@@ -717,6 +718,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if fs.is_worker:
         config.workeroutput["harness_results"] = json.dumps(fs.results)
         return
+    if config.option.collectonly:  # nothing ran: last run's summary stays
+        return
     results = _merge_streams(config.stash[RESULTS_KEY] + fs.results)
     interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
     if interrupted:
@@ -817,7 +820,8 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    if not _enabled(config) or SESSION_KEY not in config.stash or config.stash[SESSION_KEY].is_worker:
+    if not _enabled(config) or SESSION_KEY not in config.stash or config.stash[SESSION_KEY].is_worker \
+            or config.option.collectonly:
         return
     fs = config.stash[SESSION_KEY]
     results = config.stash[RESULTS_KEY]

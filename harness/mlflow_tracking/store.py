@@ -111,6 +111,18 @@ def probe(uri: str) -> str | None:
     return None
 
 
+def _make_parent(db: Path) -> None:
+    """Create the folder of a sqlite store, or say in one line why it cannot be (a file in the way,
+    no permission) instead of an errno."""
+    try:
+        db.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in [db.parent, *db.parent.parents] if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is not a folder" if blocker is not None else f"{type(e).__name__}: {e.strerror or e}"
+        raise UsageError(f"the folder of the MLflow store {db} cannot be created ({why}); pass a tracking URI "
+                         "whose sqlite file sits in a folder you can write, e.g. sqlite:///reports/mlflow.db") from None
+
+
 @contextlib.contextmanager
 def store_lock(uri: str) -> Iterator[None]:
     """Exclusive across processes for a sqlite store (an flock on `<db>.lock`); no-op otherwise."""
@@ -120,7 +132,7 @@ def store_lock(uri: str) -> Iterator[None]:
         return
     import fcntl
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path)
     with open(str(path) + ".lock", "a") as fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
@@ -244,7 +256,7 @@ def ensure_sqlite_store(db: Path, log: Callable[[str], None]) -> None:
     `<db>.broken-<time>` (never deleted) and a fresh store created, with a warning naming both."""
     import sqlite3
 
-    db.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(db)
     if not db.exists():
         _create_fresh(db)
         _mark_initialised(db)

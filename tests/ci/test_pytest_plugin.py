@@ -145,6 +145,14 @@ def test_sigterm_to_the_xdist_controller_is_an_interrupt_with_a_summary(tmp_path
     assert camp.info.status == "KILLED"
 
 
+def test_collect_only_lists_the_items_and_writes_nothing(tmp_path):
+    out_dir = tmp_path / "out"
+    rc, out = run_pytest(["--harness-fuzz", "--co", "-q", "--harness-pairs", "router_topk.*",
+                          f"--harness-tracking-uri=sqlite:///{tmp_path / 'mlflow.db'}", f"--harness-out={out_dir}"])
+    assert "harness-fuzz::router_topk.bf16" in out and "harness-fuzz::router_topk.replay" in out, out
+    assert not out_dir.exists() and not (tmp_path / "mlflow.db").exists()  # no summary, no empty campaign run
+
+
 def test_xdist_one_summary_one_campaign_run(tmp_path):
     """Two workers share the pairs; the controller aggregates one summary and one campaign run."""
     from mlflow import MlflowClient

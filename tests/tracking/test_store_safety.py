@@ -157,3 +157,16 @@ def test_sync_without_a_uri_uploads_to_the_store_each_campaign_was_meant_for(fre
     assert s["created"] == 1 and s["remaining"] == 0 and s["uri"] == meant
     assert [r["id"] for r in list_regressions(meant)] == [f.id]
     assert not (fresh_cwd / "reports" / "mlflow.db").exists() or not list_regressions(resolve_uri(None))
+
+
+def test_a_store_whose_folder_cannot_exist_is_a_one_line_reason(tmp_path):
+    import pytest
+
+    from harness.errors import UsageError
+    from harness.mlflow_tracking.store import store_lock
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(UsageError, match=f"{blocker} is not a folder.*a folder you can write"):
+        with store_lock(f"sqlite:///{blocker / 'sub' / 'mlflow.db'}"):
+            pass
