@@ -177,8 +177,10 @@ class FuzzSession:
         self.tracker: Any = None
         self.tracking_error: str | None = None
         self.start = time.time()
+        self.started = self.start  # when the session began (the controller's): repros recorded since are this run's
         if self.is_worker:
             shared = config.workerinput["harness"]
+            self.started = shared.get("started", self.start)
             self.seed = shared["seed"]
             self.seed_origin = shared["seed_origin"]
             self.campaign_run_id = shared["campaign_run_id"]
@@ -391,8 +393,11 @@ class FuzzSession:
                      f"{r.examples} cases, campaign seed {self.seed})"]
                     + [_describe(f, self) for f in new] + [f"  rerun: {rerun}"]))
             if r.findings:
-                pytest.xfail(f"known regression(s) of {pair.name}, already in the corpus: "
-                             + "; ".join(f"{f.id} {f.evaluation.headline} ({self.replay_command(f.path)})" for f in r.findings))
+                listed = "; ".join(f"{f.id} {f.evaluation.headline} ({self.replay_command(f.path)})" for f in r.findings)
+                if all(self._recorded_this_run(f) for f in r.findings):
+                    pytest.xfail(f"regression(s) of {pair.name} found by another stream of this run, whose item "
+                                 f"fails with it: {listed}")
+                pytest.xfail(f"known regression(s) of {pair.name}, already in the corpus: {listed}")
         verdict = r.verdict
         if verdict == "UNFINISHED":  # a first case that never came back: a hang until shown otherwise
             from harness.fuzz import unfinished_note
@@ -408,6 +413,18 @@ class FuzzSession:
                    "not run": (f"it waited for the first case of {r.waited_for} (same module, same worker), which "
                                "never finished" if r.waited_for else "no case ran (the budget ran out first?)")}[verdict]
             warnings.warn(HarnessFuzzWarning(f"{pair.name}: {verdict}: {why}"), stacklevel=1)
+
+
+    def _recorded_this_run(self, f: Any) -> bool:
+        """The finding's corpus file was first written by this session (another stream of the pair)."""
+        import datetime as dt
+
+        try:
+            found = json.loads(Path(f.path).read_text()).get("found", {})
+            at = dt.datetime.fromisoformat(str(found.get("at", ""))).timestamp()
+        except (OSError, ValueError, TypeError, AttributeError):
+            return False
+        return found.get("campaign_seed") == self.seed and at >= self.started - 1.0  # (whole seconds)
 
 
 class _FindingsOnly:
@@ -671,7 +688,7 @@ class _XdistController:
 
     def pytest_configure_node(self, node: Any) -> None:
         s = self.session
-        node.workerinput["harness"] = {"seed": s.seed, "seed_origin": s.seed_origin,
+        node.workerinput["harness"] = {"seed": s.seed, "seed_origin": s.seed_origin, "started": s.started,
                                        "campaign_run_id": s.campaign_run_id,
                                        "tracking_uri": getattr(s.tracker, "uri", s.tracking_uri),
                                        "units": s.units()}

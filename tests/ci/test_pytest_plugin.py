@@ -223,6 +223,14 @@ def test_planted_aligned_regression_fails_then_is_known(tmp_path):
     assert rc == 0, out
     assert "1 xfailed" in out and f"known regression(s) of planted.aligned_bias" in out
 
+    # two streams of one pair, one fresh corpus: the first to find the bug fails its item, the other
+    # says the finding is this run's (not "already in the corpus"); the rerun line keeps the streams
+    fresh = [a if a != str(tmp_path / "corpus") else str(tmp_path / "corpus2") for a in args]
+    rc, out = run_pytest(fresh + ["-rx", "--harness-streams", "2"])
+    assert rc == 1 and "1 failed" in out and "1 xfailed" in out, out
+    assert "found by another stream of this run" in out and "already in the corpus" not in out, out
+    assert "--harness-streams 2" in out.split("rerun: ")[1].splitlines()[0]
+
 
 def test_hypothesis_ci_profile_does_not_take_over(tmp_path):
     """Under CI=true Hypothesis loads its derandomizing `ci` profile; the engine's explicit settings
