@@ -339,6 +339,16 @@ class Case:
         g = self.seq_generator(j, "prompt", *salt)
         return torch.randint(low, vocab, (self.prompt_len(j),), generator=g)  # drawn serially: prefix-stable
 
+    def tie_forced(self, j: int, n: int, salt: str = "ties"):
+        """(n,) bool: which of the first n positions of sequence j (prompt included: positions as the
+        path counts them) the case forces to a router's top-k boundary (a `tie_fraction` of them),
+        from the sequence's own stream, so a position's flag is the same in every layout (packed
+        trainer rows, a decode step's batch) and whatever the other sequences are. For the `forced=`
+        argument of `strategies.near_tie_hidden` / `near_tie_logits` in a router's forward hook."""
+        import torch
+
+        return torch.rand(n, generator=self.seq_generator(j, salt)) < self.tie_fraction  # serial: prefix-stable
+
     def token_uniforms(self, *salt: Any):
         """(T,) float64 uniforms in [0, 1), sequence j's from its own stream (for sampling tokens or
         choosing forced tokens). For a schema-1 case: one stream."""

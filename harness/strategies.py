@@ -281,6 +281,15 @@ def forced_tokens(case: Case, n_tokens: int, salt: str = "ties") -> Any:
     return u < case.tie_fraction
 
 
+def _forced_rows(forced: Any, n: int) -> Any:
+    import torch
+
+    t = torch.as_tensor(forced).cpu()
+    if t.dtype != torch.bool or t.shape != (n,):
+        raise ValueError(f"forced must be a ({n},) bool tensor, one flag per row; got {t.dtype} {tuple(t.shape)}")
+    return t
+
+
 def _boundary_pair(scores: Any, k: int) -> tuple[Any, Any]:
     """Per row, the expert ids at rank k-1 and k (0-based): the last chosen and the first not."""
     import torch
@@ -290,8 +299,11 @@ def _boundary_pair(scores: Any, k: int) -> tuple[Any, Any]:
     return torch.maximum(a, b), torch.minimum(a, b)  # (winner, runner-up): the winner has the higher id
 
 
-def near_tie_logits(logits: Any, case: Case, salt: str = "ties") -> Any:
+def near_tie_logits(logits: Any, case: Case, salt: str = "ties", forced: Any = None) -> Any:
     """Router logits (T, E) with the boundary of forced tokens set to an exact `case.tie_gap`.
+
+    `forced` ((T,) bool) says which rows to force when the rows are not the case's tokens in case
+    order (a router inside a model: see `Case.tie_forced`); by default `forced_tokens(case, T)`.
 
     For each forced token the experts at ranks k and k+1 are re-scored so that the one with the
     higher id leads by exactly `tie_gap` (computed in float64, stored in the input dtype). An engine
@@ -301,7 +313,7 @@ def near_tie_logits(logits: Any, case: Case, salt: str = "ties") -> Any:
     import torch
 
     out = logits.clone()
-    t = forced_tokens(case, logits.shape[0], salt)
+    t = forced_tokens(case, logits.shape[0], salt) if forced is None else _forced_rows(forced, logits.shape[0])
     if not bool(t.any()) or case.top_k >= logits.shape[-1]:
         return out
     rows = t.nonzero().squeeze(-1)
@@ -315,10 +327,22 @@ def near_tie_logits(logits: Any, case: Case, salt: str = "ties") -> Any:
 
 
 def near_tie_hidden(x: Any, w_router: Any, case: Case, salt: str = "ties", rounds: int = 3,
-                    aim_rounds: int = 4) -> Any:
+                    aim_rounds: int | None = None, forced: Any = None) -> Any:
     """Hidden states (T, H) nudged so that the router logits x @ w_router (E columns) of forced
     tokens have their top-k boundary at exactly `case.tie_gap` (to float64 precision before x is
     stored in its own dtype).
+
+    `forced` ((T,) bool) picks the rows when they are not the case's tokens in case order: in a
+    forward pre-hook on a router inside a model, the rows are whatever the path's layout puts there
+    (packed sequences, a decode step's batch), so the hook marks each row from `case.tie_forced(j,
+    n)[p]` for the sequence j and position p it holds. Each row's nudge depends on that row alone, so
+    a position gets the same boundary gap in the trainer's packed forward and in the rollout's
+    decode step. By default `forced_tokens(case, T)`.
+
+    `aim_rounds` (below) defaults to 4, and to 0 with `forced`: inside a model each path nudges its
+    own hidden states, which differ in their last bits, so aiming could make each path lead with
+    the other expert: a flip no rounding of the router caused. Without aiming the higher expert
+    id leads in both, and only a router that rounds the gap away flips.
 
     The nudge moves x along w[:, a] - w[:, b], the one direction that changes the gap between the
     boundary pair (a, b) and nothing else about them; a few rounds settle which pair sits at the
@@ -335,7 +359,7 @@ def near_tie_hidden(x: Any, w_router: Any, case: Case, salt: str = "ties", round
     import torch
 
     out = x.clone()
-    t = forced_tokens(case, x.shape[0], salt)
+    t = forced_tokens(case, x.shape[0], salt) if forced is None else _forced_rows(forced, x.shape[0])
     if not bool(t.any()) or case.top_k >= w_router.shape[-1]:
         return out
     rows = t.nonzero().squeeze(-1)
@@ -352,7 +376,9 @@ def near_tie_hidden(x: Any, w_router: Any, case: Case, salt: str = "ties", round
         lead, trail = _boundary_pair(xs @ w, case.top_k)
         xs = set_gap(xs, lead, trail)
     low = getattr(torch, case.dtype)
-    if case.tie_gap > 0 and low in (torch.bfloat16, torch.float16):
+    if aim_rounds is None:
+        aim_rounds = 4 if forced is None else 0
+    if case.tie_gap > 0 and low in (torch.bfloat16, torch.float16) and aim_rounds > 0:
         hi, lo = _boundary_pair(xs @ w, case.top_k)  # the boundary pair by id; `hi` leads now
         lead, trail = hi, lo
         w_low, w_full = w_router.to(low), w_router.to(out.dtype)

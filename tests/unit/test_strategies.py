@@ -111,3 +111,54 @@ def test_sampling_knobs_shrink_to_neutral_not_to_their_lower_bound():
                 lambda c: c.temperature > 1.02)
     assert 1.02 < case.temperature < 1.1  # the near-neutral branch, not 0.5 or 2.0
     assert case.top_p == 1.0 and case.sample_top_k == 0 and case.batch_size == 1
+
+
+def test_near_ties_forced_inside_a_model_by_a_router_hook_match_across_layouts():
+    """A router inside a model: its forward pre-hook marks each row from `case.tie_forced(j, n)` for
+    the (sequence, position) the path's layout puts there. The trainer's packed forward and the
+    rollout's one-position-per-step decode force the same positions to the same gap; fp32 routers on
+    both sides then agree, and a bf16 rollout router flips forced positions."""
+    case = Case(seed=4, seq_lens=(7, 5, 9), n_experts=8, top_k=2, tie_fraction=0.5, tie_gap=1e-4,
+                streams="sequence")
+    hidden, experts = 32, 8
+    gate = torch.nn.Linear(hidden, experts, bias=False)
+    with torch.no_grad():
+        gate.weight.copy_(case.randn((experts, hidden), "router") / hidden**0.5)
+    h = [case.seq_generator(j, "h") for j in range(case.batch_size)]
+    states = [torch.randn(n, hidden, generator=g) for n, g in zip(case.seq_lens, h)]  # (n_j, H) per sequence
+    where: list[tuple[int, int]] = []  # (sequence, position) of each row the gate is about to see
+
+    def hook(module, args):
+        forced = torch.tensor([bool(case.tie_forced(j, p + 1)[p]) for j, p in where])
+        x = near_tie_hidden(args[0].double(), module.weight.T.double(), case, forced=forced)
+        return (x.to(module.weight.dtype),)
+
+    gate.register_forward_pre_hook(hook)
+
+    def route(router_dtype):
+        g = gate if router_dtype is torch.float32 else gate.to(router_dtype)
+        return lambda x: g(x.to(router_dtype)).float()
+
+    # trainer: every position of every sequence packed into one call
+    where[:] = [(j, p) for j, n in enumerate(case.seq_lens) for p in range(n)]
+    packed = route(torch.float32)(torch.cat(states))
+    # rollout: one decode step per position, the sequences still running batched
+    steps = {}
+    for p in range(max(case.seq_lens)):
+        live = [j for j, n in enumerate(case.seq_lens) if p < n]
+        where[:] = [(j, p) for j in live]
+        for j, row in zip(live, route(torch.float32)(torch.stack([states[j][p] for j in live]))):
+            steps[(j, p)] = row
+    decoded = torch.stack([steps[(j, p)] for j, n in enumerate(case.seq_lens) for p in range(n)])
+    forced = torch.cat([case.tie_forced(j, n) for j, n in enumerate(case.seq_lens)])
+    assert forced.any() and not forced.all()
+    top_p, top_d = packed.double().topk(3, -1), decoded.double().topk(3, -1)
+    gap_p = top_p.values[:, 1] - top_p.values[:, 2]
+    assert torch.allclose(gap_p[forced], torch.full_like(gap_p[forced], 1e-4), atol=1e-6)  # (fp32 stored)
+    assert torch.equal(top_p.indices[:, :2].sort(-1).values, top_d.indices[:, :2].sort(-1).values)  # fp32: agree
+    gate.to(torch.float32)
+    where[:] = [(j, p) for j, n in enumerate(case.seq_lens) for p in range(n)]
+    low = route(torch.bfloat16)(torch.cat(states))
+    gate.to(torch.float32)
+    flipped = (low.topk(2, -1).indices.sort(-1).values != top_p.indices[:, :2].sort(-1).values).any(-1)
+    assert flipped[forced].float().mean() > 0.3 and not flipped[~forced].any()
