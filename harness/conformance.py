@@ -187,8 +187,9 @@ def _input_report(pair: TargetPair, case: Case, derived: Case, src: list[int], s
 def tokens_follow(derived: Case, src: list[int], tokens: Any, tokens2: Any) -> bool | None:
     """Whether the rollout's sampled tokens follow a rotation of the sequences: the first response
     token of each sequence (sampled in the same context in both runs: its own prompt, nothing before
-    it) is the same token, but for at most a quarter of the sequences (a draw that falls on a
-    cumulative-probability boundary may flip on layout noise). None without tokens to compare."""
+    it) is the same token. False when two or more and more than half of them changed (one draw
+    that falls on a cumulative-probability boundary may flip on layout noise; a whole-batch stream
+    changes almost all). None without tokens to compare."""
     import torch
 
     if tokens is None or tokens2 is None:
@@ -200,7 +201,7 @@ def tokens_follow(derived: Case, src: list[int], tokens: Any, tokens2: Any) -> b
     if len(firsts) < 2:
         return None
     differ = sum(int(a[src[r]]) != int(b[r]) for r in firsts)
-    return differ <= len(firsts) // 4
+    return not (differ >= 2 and 2 * differ > len(firsts))
 
 
 def _same_or_prefix(y: Any, x: Any) -> bool:
@@ -409,15 +410,20 @@ def _raised(e: BaseException) -> str:
     import traceback
     from pathlib import Path
 
+    import site
     import sysconfig
 
     frames = traceback.extract_tb(e.__traceback__)
     here = Path(__file__).resolve().parent
     libs = {Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "purelib", "platlib")}
+    libs |= {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
 
     def theirs(f: Any) -> bool:
+        if f.filename.startswith("<"):  # <frozen ...>, <string>: no file of theirs
+            return False
         path = Path(f.filename).resolve()
-        return not path.is_relative_to(here) and not any(path.is_relative_to(lib) for lib in libs)
+        return not path.is_relative_to(here) and not any(path.is_relative_to(lib) for lib in libs) \
+            and "site-packages" not in path.parts and "dist-packages" not in path.parts
 
     at = ([f for f in frames if theirs(f)] or frames)[-1:]
     where = f" (at {at[0].filename}:{at[0].lineno}, in {at[0].name})" if at else ""

@@ -292,17 +292,24 @@ def pair_loader(pair_name: str, root: Path, registry: Any = None) -> dict[str, s
 
 
 def backend_versions() -> dict[str, str]:
-    """Versions of the backend libraries this process has imported (what the pairs ran on)."""
+    """Versions of the backend libraries this process has imported (what the pairs ran on; a worker
+    shared by several pairs lists what any of them imported)."""
+    return dict(_versions(tuple(name for name in BACKEND_LIBRARIES if name in sys.modules)))
+
+
+@functools.lru_cache(maxsize=32)
+def _versions(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(name, version) of imported libraries: read once per set (a worker asks on every failing
+    case, shrinking included; package metadata lookups cost milliseconds)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {}
-    for name in BACKEND_LIBRARIES:
-        if name in sys.modules:
-            try:
-                out[name] = version(name.replace("_", "-"))
-            except PackageNotFoundError:
-                out[name] = str(getattr(sys.modules[name], "__version__", "unknown"))
-    return out
+    out = []
+    for name in names:
+        try:
+            out.append((name, version(name.replace("_", "-"))))
+        except PackageNotFoundError:
+            out.append((name, str(getattr(sys.modules[name], "__version__", "unknown"))))
+    return tuple(out)
 
 
 def _display(path: Path) -> str:

@@ -41,6 +41,7 @@ Nothing in `harness/` changes. Registration validates eagerly and says how to fi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -377,7 +378,8 @@ class Registry:
         self._pairs: dict[str, TargetPair] = {}
         self._loaded_builtins = False
         self._loading: str = ""
-        self._names_loading: dict[str, TargetPair] = {}  # pairs registered by the module being loaded
+        # (registering module, name) -> pair, for the module being loaded: one module giving two pairs one name
+        self._names_loading: dict[tuple[int, str], TargetPair] = {}
         self.plugins: list[str] = []  # plugin specs loaded (load_plugin), in order
 
     def register(self, pair: TargetPair) -> TargetPair:
@@ -388,13 +390,14 @@ class Registry:
         pair.validate()
         old = self._pairs.get(pair.name)
         if self._loading:
-            twice = self._names_loading.get(pair.name)
+            key = (_registering_module(), pair.name)  # a module run twice (imported by two names) is two modules
+            twice = self._names_loading.get(key)
             if twice is not None and twice is not pair:
                 raise PairError(
                     f"{self._loading} registers two target pairs named {pair.name!r}; the second would silently "
                     "replace the first and its campaigns would never run. Give each pair its own name."
                 )
-            self._names_loading[pair.name] = pair
+            self._names_loading[key] = pair
         if old is not None and old.source != pair.source:
             raise PairError(
                 f"target pair {pair.name!r} from {pair.source or 'unknown'} clashes with the one already "
@@ -417,12 +420,12 @@ class Registry:
         from importlib.metadata import entry_points
 
         for ep in entry_points(group=ENTRY_POINT_GROUP):
-            self._begin_load(f"entry point {ep.name}")
             try:
-                obj = ep.load()
-                if callable(obj) and not isinstance(obj, type(sys)):
-                    for pair in obj() or ():
-                        self.register(pair)
+                with self._load(f"entry point {ep.name}"):
+                    obj = ep.load()
+                    if callable(obj) and not isinstance(obj, type(sys)):
+                        for pair in obj() or ():
+                            self.register(pair)
             except PairError:
                 raise
             except Exception as e:
@@ -430,19 +433,21 @@ class Registry:
                     f"the plugin entry point {ep.name!r} ({ep.value}) in group {ENTRY_POINT_GROUP!r} failed to "
                     f"load: {type(e).__name__}: {e}. Fix or uninstall the package that provides it."
                 ) from None
-            finally:
-                self._loading = ""
 
-    def _begin_load(self, label: str) -> None:
-        self._loading = label
-        self._names_loading = {}
+    @contextlib.contextmanager
+    def _load(self, label: str) -> Iterator[None]:
+        """What is registered meanwhile comes from `label`; a load nested in another (a plugin that
+        loads a plugin) gives the outer one its state back."""
+        saved = self._loading, self._names_loading
+        self._loading, self._names_loading = label, {}
+        try:
+            yield
+        finally:
+            self._loading, self._names_loading = saved
 
     def _import(self, module: str, label: str) -> None:
-        self._begin_load(label)
-        try:
+        with self._load(label):
             importlib.import_module(module)
-        finally:
-            self._loading = ""
 
     def load_plugin(self, spec: str) -> None:
         """Import a plugin: a path to a .py file, or a dotted module name."""
@@ -461,9 +466,9 @@ class Registry:
                 mod_spec = importlib.util.spec_from_file_location(name, path)
                 module = importlib.util.module_from_spec(mod_spec)
                 sys.modules[name] = module
-                self._begin_load(str(path))
                 try:
-                    mod_spec.loader.exec_module(module)
+                    with self._load(str(path)):
+                        mod_spec.loader.exec_module(module)
                 except BaseException:
                     sys.modules.pop(name, None)
                     raise
@@ -483,8 +488,6 @@ class Registry:
                 f"plugin {spec!r} failed to import: {type(e).__name__}: {e}. Run `python {spec}` "
                 "(or `python -c 'import MODULE'`) to see the full error, fix it, and try again."
             ) from None
-        finally:
-            self._loading = ""
 
     def get(self, name: str) -> TargetPair:
         self.load_builtins()
@@ -540,6 +543,16 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         self.load_builtins()
         return name in self._pairs
+
+
+def _registering_module() -> int:
+    """The module calling `register` (the first frame outside the harness), by identity: a plugin
+    imported under two names runs as two modules, each registering its pairs once."""
+    f = sys._getframe(1)
+    while f is not None and (f.f_globals.get("__name__") == "harness"
+                             or str(f.f_globals.get("__name__", "")).startswith("harness.")):
+        f = f.f_back
+    return id(f.f_globals) if f is not None else 0
 
 
 REGISTRY = Registry()

@@ -364,7 +364,9 @@ class FuzzSession:
         parts = ["pytest --harness-fuzz"]
         parts += [f"--harness-pairs {shlex.quote(g)}" for g in ([pair] if pair else self.globs)]
         parts += [f"--harness-plugin={shlex.quote(p)}" for p in self.plugins]
-        for name, flag in (("harness_profile", "--harness-profile"), ("harness_max_examples", "--harness-max-examples"),
+        if self.profile_name:  # (from the ini too: the command may run from another directory)
+            parts.append(f"--harness-profile {shlex.quote(self.profile_name)}")
+        for name, flag in (("harness_max_examples", "--harness-max-examples"),
                            ("harness_budget", "--harness-budget"), ("harness_threshold", "--harness-threshold"),
                            ("harness_uniform_per_example", "--harness-uniform-per-example")):
             if opt(name) is not None:
@@ -620,7 +622,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
     config.stash[RESULTS_KEY] = []
     if not session.is_worker:
-        _sigterm_as_interrupt(config)
         from harness.errors import HarnessError
 
         try:  # a bad device, glob or plugin file is a usage error before anything starts
@@ -632,6 +633,7 @@ def pytest_configure(config: pytest.Config) -> None:
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
         if not config.option.collectonly:  # --co lists the items: no campaign run, no summary
             session.open_campaign()
+            _sigterm_as_interrupt(config)  # (from here on, sessionfinish closes the campaign run)
         session.start = time.time()  # campaign seconds (and cases/s) count fuzzing, not tracking setup
         if config.pluginmanager.hasplugin("xdist"):
             config.pluginmanager.register(_XdistController(session), "harness-xdist-controller")
@@ -657,6 +659,7 @@ def _sigterm_as_interrupt(config: pytest.Config) -> None:
         return
 
     def interrupt(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the summary short
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
@@ -698,6 +701,29 @@ class _XdistController:
         self.session.config.stash[RESULTS_KEY].extend(json.loads(out.get("harness_results", "[]")))
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Controller: each item's result as its report arrives (an xdist worker's report carries it in
+    `user_properties`), so a session interrupted before the workers hand over their output still
+    has every pair that finished."""
+    if report.when != "call" or not report.user_properties:
+        return
+    for key, data in report.user_properties:
+        if key == "harness" and isinstance(data, dict) and "pair" in data:
+            _REPORTED.append(data)
+
+
+_REPORTED: list[dict] = []  # results seen in reports (controller); deduplicated with the workers' output
+
+
+def _dedupe(results: list[dict]) -> list[dict]:
+    """One result per (pair, stream): the same item reaches the controller from its report and from
+    its worker's output."""
+    seen: dict[tuple, dict] = {}
+    for d in results:
+        seen.setdefault((d["pair"], d.get("stream", 0)), d)
+    return list(seen.values())
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """With --harness-fuzz the session is the fuzz items: the test files are not even imported."""
     if _enabled(config):
@@ -737,25 +763,37 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     if config.option.collectonly:  # nothing ran: last run's summary stays
         return
-    results = _merge_streams(config.stash[RESULTS_KEY] + fs.results)
+    per_item = _dedupe(config.stash[RESULTS_KEY] + fs.results + _REPORTED)
+    _REPORTED.clear()
+    results = _merge_streams(per_item)
     interrupted = exitstatus == pytest.ExitCode.INTERRUPTED
     if interrupted:
-        results += _not_run(fs, results)
+        results += _not_run(fs, results, per_item)
     config.stash[RESULTS_KEY] = results
     fs.close_campaign(results, interrupted=interrupted)
     _write_summary(fs, results)
 
 
-def _not_run(fs: FuzzSession, results: list[dict]) -> list[dict]:
+def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list[dict]:
     """The selected pairs with no result when the session was interrupted (running or queued then;
     what their streams found before is on disk): rows that say so, instead of a summary that leaves
-    them out."""
+    them out. A pair some of whose streams finished keeps its row, its verdict marked with how many
+    (a demonstration one stream of four missed is not a MISSED pair)."""
     done = {d["pair"] for d in results}
     out: dict[str, dict] = {}
     try:
         units = fs.units()
     except Exception:  # noqa: BLE001 - the summary of an interrupted session must still be written
         return []
+    total: dict[str, int] = {}
+    for u in units:
+        total[u["pair"]] = total.get(u["pair"], 0) + 1
+    finished: dict[str, int] = {}
+    for d in per_item:
+        finished[d["pair"]] = finished.get(d["pair"], 0) + 1
+    for d in results:
+        if finished.get(d["pair"], total.get(d["pair"], 0)) < total.get(d["pair"], 0):
+            d["verdict"] = f"{d['verdict']} (interrupted: {finished[d['pair']]}/{total[d['pair']]} streams)"
     for u in units:
         if u["pair"] not in done and u["pair"] not in out:
             out[u["pair"]] = {"pair": u["pair"], "expected": u["expected"], "examples": 0, "seconds": 0.0,
@@ -852,7 +890,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     caught = [d["pair"] for d in results if d["verdict"] == "caught"]
     clean = [d["pair"] for d in results if d["verdict"] == "clean"]
     reported = [f"{d['pair']} ({d['verdict']})" for d in results
-                if d["verdict"] in ("MISSED", "BROKEN", "not run", "UNFINISHED", "not run (interrupted)")]
+                if d["verdict"] in ("MISSED", "BROKEN", "not run", "UNFINISHED") or "interrupted" in d["verdict"]]
     tr.write_line(f"{len(results)} pair(s), {cases} cases; demonstrations caught: {len(caught)}; aligned clean: "
                   f"{len(clean)}" + (f"; reported: {', '.join(reported)}" if reported else ""))
     missed = [d["pair"] for d in results if d["verdict"] == "MISSED"]

@@ -28,8 +28,8 @@
    (ddmin) down to a minimal set that, left differing while every other component is aligned, still
    puts k3 above the threshold (or keeps the output non-finite).
 3. **Routing.** Expert-selection flips per router layer, split into near-tie flips (the k-th and
-   (k+1)-th scores within `NEAR_TIE`, or one bf16 step of the score (`NEAR_TIE_REL`), in either
-   path, exact ties included), the rest, and flips neither path reported scores for.
+   (k+1)-th scores within `NEAR_TIE`, or one step of the scores' own precision, in either path,
+   exact ties included), the rest, and flips neither path reported scores for.
 4. **Non-finite findings.** The first module, in execution order, whose output holds NaN or inf in
    either path (every position it computed, padding included), and which path.
 5. **A report**: `reports/<finding id>/report.md` with PNG plots (per-token k3 along the sequence,
@@ -81,10 +81,10 @@ from .metrics import judged_k3
 FLOOR_FACTOR = 10.0  # a module diverges when its error exceeds this multiple of its aligned-run error
 MIN_FLOOR = 1e-6  # ... and this absolute relative error (float32 layout noise is ~1e-7)
 # A routing flip counts as near-tie when the boundary score gap (k-th vs (k+1)-th) in either path
-# is at most NEAR_TIE, or at most NEAR_TIE_REL x the k-th score's magnitude (one bfloat16 step there:
-# rounding a score of 4 to bf16 moves it by up to 0.0156, so a gap of 0.005 at 4 is a near tie).
+# is at most NEAR_TIE, or at most one step of that path's score precision at the k-th score
+# (`torch.finfo(dtype).eps` x its magnitude: bf16 scores near 4 come in steps of 0.03, so two
+# experts one step apart there were a near tie the rounding decided; float32 steps are ~5e-7).
 NEAR_TIE = 1e-3
-NEAR_TIE_REL = 2.0 ** -7
 MATCH_TOP = 16  # largest finite log-probabilities of a row that tie a position to it
 MATCH_MIN_CORR = 0.999  # correlation over those at or above which a position produced the row
 ROOT = "<root>"  # the name the root module's own output is filed under (no submodule can have it)
@@ -638,9 +638,11 @@ def routing_split(trainer: Any, rollout: Any) -> dict[str, dict[str, int]]:
         for s in (rt.scores, rr.scores):
             if s is not None and torch.as_tensor(s).shape[-1] > k:
                 scored = True
-                top = torch.topk(torch.as_tensor(s).float().cpu(), k + 1, -1).values
+                s = torch.as_tensor(s)
+                step = torch.finfo(s.dtype).eps if s.is_floating_point() else 0.0  # the scores' own precision
+                top = torch.topk(s.float().cpu(), k + 1, -1).values
                 gap, scale = (top[:, k - 1] - top[:, k]).abs(), top[:, k - 1].abs()
-                near |= gap <= torch.clamp(NEAR_TIE_REL * scale, min=NEAR_TIE)
+                near |= gap <= torch.clamp(step * scale, min=NEAR_TIE)
         n = int(flipped.sum())
         # without scores from either path a flip cannot be told near-tie or not: counted apart
         out[layer] = {"tokens": int(flipped.numel()), "near_tie": int((flipped & near).sum()) if scored else 0,
@@ -839,7 +841,7 @@ def _plots(t: Triage, folder: Path) -> list[Path]:
         near = [t.flips[l]["near_tie"] for l in layers]
         other = [t.flips[l]["other"] for l in layers]
         unscored = [t.flips[l].get("unscored", 0) for l in layers]
-        ax.bar(layers, near, label=f"near-tie (gap <= {NEAR_TIE:g} or one bf16 step)", color="tab:orange")
+        ax.bar(layers, near, label=f"near-tie (gap <= {NEAR_TIE:g} or one step of the scores)", color="tab:orange")
         ax.bar(layers, other, bottom=near, label="other", color="tab:blue")
         if any(unscored):
             ax.bar(layers, unscored, bottom=[a + b for a, b in zip(near, other)], label="no scores reported",
@@ -940,8 +942,8 @@ def write_report(t: Triage, reports: Path) -> Path:
         lines.append("")
     if t.flips:
         lines += ["## Routing flips per layer", "",
-                  f"Near-tie: the boundary score gap (k-th vs (k+1)-th) within {NEAR_TIE:g} or one bf16 step of the "
-                  "score in either path; *no scores*: neither path reported `Routing.scores`, so the flip cannot "
+                  f"Near-tie: the boundary score gap (k-th vs (k+1)-th) within {NEAR_TIE:g} or one step of the "
+                  "scores' own precision in either path; *no scores*: neither path reported `Routing.scores`, so the flip cannot "
                   "be told apart.", "",
                   "| layer | tokens | near-tie flips | other flips | no scores |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {l} | {v['tokens']} | {v['near_tie']} | {v['other']} | {v.get('unscored', 0)} |"

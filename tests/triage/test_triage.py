@@ -52,18 +52,22 @@ def test_ddmin_finds_a_one_minimal_failing_subset():
     assert ddmin(["x"], lambda s: True) == ["x"]
 
 
-def test_routing_flips_are_near_tie_within_one_bf16_step_of_the_score_and_unscored_apart():
+def test_routing_flips_are_near_tie_within_one_step_of_the_scores_precision_and_unscored_apart():
     import torch
 
     from harness import Outcome, Routing
     from harness.triage import routing_split
 
-    # token 0: logits near 4 with a 0.005 gap (under bf16's 0.0156 step there); token 1: a gap of 1.0;
-    # token 2: not flipped
-    scores = torch.tensor([[4.000, 3.995, 0.0], [4.0, 3.0, 0.0], [4.0, 3.0, 0.0]])
-    t = Outcome(routing={"l0": Routing(experts=torch.tensor([[0], [0], [0]]), scores=scores)})
-    r = Outcome(routing={"l0": Routing(experts=torch.tensor([[1], [1], [0]]), scores=scores)})
+    # token 0: a bf16 router's logits near 4 one bf16 step (0.03) apart; token 1: a gap of 1.0; token 2:
+    # not flipped. The trainer's float32 scores have a gap of 0.02 at token 0: over 1e-3, and float32's
+    # step there is 5e-7, so only the rollout's bf16 scores make it a near tie
+    fp32 = torch.tensor([[4.00, 3.98, 0.0], [4.0, 3.0, 0.0], [4.0, 3.0, 0.0]])
+    bf16 = torch.tensor([[4.0, 3.96875, 0.0], [4.0, 3.0, 0.0], [4.0, 3.0, 0.0]], dtype=torch.bfloat16)
+    t = Outcome(routing={"l0": Routing(experts=torch.tensor([[0], [0], [0]]), scores=fp32)})
+    r = Outcome(routing={"l0": Routing(experts=torch.tensor([[1], [1], [0]]), scores=bf16)})
     assert routing_split(t, r) == {"l0": {"tokens": 3, "near_tie": 1, "other": 1, "unscored": 0}}
+    r32 = Outcome(routing={"l0": Routing(experts=torch.tensor([[1], [1], [0]]), scores=fp32)})
+    assert routing_split(t, r32) == {"l0": {"tokens": 3, "near_tie": 0, "other": 2, "unscored": 0}}
     t0 = Outcome(routing={"l0": Routing(experts=torch.tensor([[0], [0], [0]]))})
     r0 = Outcome(routing={"l0": Routing(experts=torch.tensor([[1], [1], [0]]))})
     assert routing_split(t0, r0) == {"l0": {"tokens": 3, "near_tie": 0, "other": 0, "unscored": 2}}

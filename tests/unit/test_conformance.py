@@ -143,11 +143,14 @@ def _sampling_pair(name, whole_batch):
         return {"h": case.token_randn(16, "hidden"), "case": case,
                 "w": torch.randn(16, 64, generator=torch.Generator().manual_seed(1))}
 
+    def logprobs(inp):  # a flat distribution: two draws of one token rarely agree by chance
+        return torch.log_softmax(0.1 * inp["h"] @ inp["w"], -1)
+
     def trainer(inp):
-        return Outcome(logprobs=torch.log_softmax(inp["h"] @ inp["w"], -1))
+        return Outcome(logprobs=logprobs(inp))
 
     def rollout(inp):
-        lp, case = torch.log_softmax(inp["h"] @ inp["w"], -1), inp["case"]
+        lp, case = logprobs(inp), inp["case"]
         if whole_batch:
             tokens = torch.multinomial(lp.exp(), 1, generator=case.generator("sample")).squeeze(-1)
         else:

@@ -107,10 +107,21 @@ def test_one_plugin_registering_a_name_twice_is_an_error(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "registers two target pairs named 'plug.twice'" in out.stderr + out.stdout
-    reg = Registry()  # one pair object registered again (a module re-run) is not a second pair
-    reg._begin_load("mod")
-    pair = reg.register(_pair())
-    assert reg.register(pair) is pair
+    reg = Registry()  # one pair object registered again is not a second pair
+    with reg._load("mod"):
+        pair = reg.register(_pair())
+        assert reg.register(pair) is pair
+    # a plugin that imports itself by its own module name runs twice, as two modules: not a clash
+    selfimp = tmp_path / "selfimp.py"
+    selfimp.write_text(
+        "import sys\nsys.path.insert(0, %r)\n"
+        "from harness import TargetPair, Outcome, register\n"
+        "register(TargetPair(name='plug.selfimp', kind='op', expected='aligned', build=lambda c, d: None,\n"
+        "    trainer=lambda i: Outcome(), rollout=lambda i: Outcome()))\n"
+        "import selfimp  # e.g. so that pickle finds its functions by that name\n" % str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "harness", "list", "--plugin", str(selfimp)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "plug.selfimp" in out.stdout, out.stderr
 
 
 def test_import_harness_is_light():
