@@ -292,6 +292,10 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
         os.setsid()
     except OSError:
         pass
+    try:  # what a target prints goes to stderr, beside the progress lines: the campaign's stdout (its
+        os.dup2(2, 1)  # summary table, perhaps piped into a file) stays the campaign's own
+    except OSError:
+        pass
     fault = open(log, "a")  # appends: the supervisor empties it between cases
     faulthandler.enable(file=fault)
     faulthandler.register(signal.SIGUSR1, file=fault, all_threads=True)  # a hang: the supervisor asks

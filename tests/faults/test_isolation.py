@@ -319,3 +319,17 @@ def test_a_repro_records_the_backend_versions_its_worker_imported(tmp_path, harn
     import safetensors
 
     assert repro.environment.get("safetensors") == safetensors.__version__, repro.environment
+
+
+def test_what_a_target_prints_stays_off_the_campaigns_stdout(tmp_path, harness_cli):
+    plugin = tmp_path / "chatty.py"
+    plugin.write_text(
+        "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+        "def path(x):\n    print('CHATTY-ENGINE step', flush=True)\n"
+        "    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
+        "register(TargetPair(name='chatty.pair', kind='op', expected='aligned', build=lambda c, d: c.token_randn(8, 'x'),\n"
+        "    trainer=path, rollout=path, axes=Axes(n_seqs=(1, 2), seq_len=(1, 3))))\n")
+    code, out, err = harness_cli("fuzz", "chatty.pair", "--plugin", str(plugin), "--no-tracking", "--seed", "1",
+                                 "--max-examples", "3", "--corpus", str(tmp_path / "corpus"))
+    assert code == 0, err
+    assert "CHATTY-ENGINE" not in out and "CHATTY-ENGINE" in err and "chatty.pair" in out
