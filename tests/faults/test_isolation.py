@@ -299,21 +299,26 @@ def test_processes_a_target_started_die_with_its_worker(tmp_path, harness_cli):
     assert not left, f"{len(left)} helper process(es) outlived their worker"
 
 
+def fuzz_op_plugin(harness_cli, tmp_path, name, expected, paths, examples):
+    """Write a one-pair op plugin (`paths`: source defining `trainer` and `rollout` over a (T, 8)
+    float tensor) and fuzz it isolated: (exit code, stdout, stderr)."""
+    plugin = tmp_path / f"{name.split('.')[0]}.py"
+    plugin.write_text("import torch\nfrom harness import Axes, Outcome, TargetPair, register\n" + paths +
+                      f"\nregister(TargetPair(name={name!r}, kind='op', expected={expected!r}, "
+                      "build=lambda c, d: c.token_randn(8, 'x'), trainer=trainer, rollout=rollout, "
+                      "axes=Axes(n_seqs=(1, 2), seq_len=(1, 3))))\n")
+    return harness_cli("fuzz", name, "--plugin", str(plugin), "--no-tracking", "--seed", "1", "--max-examples",
+                       str(examples), "--corpus", str(tmp_path / "corpus"))
+
+
 def test_a_repro_records_the_backend_versions_its_worker_imported(tmp_path, harness_cli):
     """The pair imports its backend inside its paths, so only the worker process has it: the repro's
     environment still names its version (provenance across backend upgrades)."""
     pytest.importorskip("safetensors")
-    plugin = tmp_path / "lazy_backend.py"
-    plugin.write_text(
-        "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
-        "def build(case, device):\n    return case.token_randn(8, 'x')\n"
-        "def engine(x):\n    import safetensors  # the backend, imported where it runs\n"
-        "    return Outcome(logprobs=torch.log_softmax(0.5 * x, -1))\n"
-        "register(TargetPair(name='lazy.backend', kind='op', expected='diverges', build=build,\n"
-        "    trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)), rollout=engine,\n"
-        "    axes=Axes(n_seqs=(1, 2), seq_len=(1, 3))))\n")
-    code, out, err = harness_cli("fuzz", "lazy.backend", "--plugin", str(plugin), "--no-tracking", "--seed", "1",
-                                 "--max-examples", "5", "--corpus", str(tmp_path / "corpus"))
+    code, out, err = fuzz_op_plugin(harness_cli, tmp_path, "lazy.backend", "diverges", (
+        "def trainer(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
+        "def rollout(x):\n    import safetensors  # the backend, imported where it runs\n"
+        "    return Outcome(logprobs=torch.log_softmax(0.5 * x, -1))\n"), examples=5)
     assert code == 1, err
     [repro] = by_pair(tmp_path / "corpus")["lazy.backend"]
     import safetensors
@@ -322,14 +327,9 @@ def test_a_repro_records_the_backend_versions_its_worker_imported(tmp_path, harn
 
 
 def test_what_a_target_prints_stays_off_the_campaigns_stdout(tmp_path, harness_cli):
-    plugin = tmp_path / "chatty.py"
-    plugin.write_text(
-        "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
-        "def path(x):\n    print('CHATTY-ENGINE step', flush=True)\n"
+    code, out, err = fuzz_op_plugin(harness_cli, tmp_path, "chatty.pair", "aligned", (
+        "def trainer(x):\n    print('CHATTY-ENGINE step', flush=True)\n"
         "    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
-        "register(TargetPair(name='chatty.pair', kind='op', expected='aligned', build=lambda c, d: c.token_randn(8, 'x'),\n"
-        "    trainer=path, rollout=path, axes=Axes(n_seqs=(1, 2), seq_len=(1, 3))))\n")
-    code, out, err = harness_cli("fuzz", "chatty.pair", "--plugin", str(plugin), "--no-tracking", "--seed", "1",
-                                 "--max-examples", "3", "--corpus", str(tmp_path / "corpus"))
+        "rollout = trainer\n"), examples=3)
     assert code == 0, err
     assert "CHATTY-ENGINE" not in out and "CHATTY-ENGINE" in err and "chatty.pair" in out
