@@ -845,6 +845,9 @@ def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, re
     else:
         with threads_as(threads):
             ev = run_case(pair, repro.case, device, thr, keep_outcomes=keep_outcomes)
+    if ev.setup:  # e.g. a recorded rollout's checkpoint folder that is gone: not "still failing"
+        raise CannotEvaluate(f"repro {repro.path or repro.id} cannot be evaluated here: its pair {repro.pair!r} could "
+                             f"not run: {ev.error['type']}: {ev.error['message']}")
     return ReplayResult(repro, ev, compare_metrics(repro, ev))
 
 

@@ -41,6 +41,9 @@ class Evaluation:
     # versions of the backend libraries the process that ran the case had imported (a worker's:
     # the campaign itself may never import transformers); filled for failing cases only
     backends: dict[str, str] | None = None
+    # the pair raised a harness error (`harness.errors.HarnessError`: a checkpoint folder that is gone,
+    # a setting it refuses): it could not run here, which says nothing of the paths (not recorded)
+    setup: bool = False
 
     @property
     def k3(self) -> float:
@@ -162,7 +165,9 @@ def run_case(pair: TargetPair, case: Case, device: str = "cpu",
     except SystemExit as e:  # a target that calls sys.exit: a bug of the target, not the end of the campaign
         ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
     except Exception as e:  # a crash inside the target is a finding, not a crash of the engine
-        ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
+        from .errors import HarnessError
+
+        ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e), setup=isinstance(e, HarnessError))
     finally:
         restore_process_state(pair.name, state)
     if not keep_outcomes:

@@ -266,7 +266,7 @@ def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tu
 
         spec = HFModel.from_pretrained(model)
         pair = REGISTRY.get("hf.recorded.replay" if replay else "hf.recorded")
-        return pair, spec, {"rec_model": spec.path}
+        return pair, spec, {"rec_model": spec.path, "rec_model_id": spec.fingerprint()}
     pair = REGISTRY.get(pair_name)
     prof = getattr(pair, "profiles", None)
     if not isinstance(prof, hfp.HFProfiles) or prof.model is None:

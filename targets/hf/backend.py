@@ -189,6 +189,21 @@ BF16 = Numerics(body="bfloat16", router="bfloat16", lm_head="bfloat16")  # a bf1
 # ---------------------------------------------------------------------------------------------
 # Where a model comes from
 # ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _fingerprint(files: tuple[tuple[str, int, int], ...]) -> str:
+    """`HFModel.fingerprint` of (path, size, mtime) per file: config.json whole, weights by name,
+    size and first and last MiB."""
+    h = hashlib.sha256()
+    for name, size, _ in files:
+        h.update(f"{Path(name).name}:{size}".encode())
+        with open(name, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(-(1 << 20), 2)
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class HFModel:
     """A causal LM: built from a config (with `realistic_init`) or loaded from a local checkpoint
@@ -222,6 +237,19 @@ class HFModel:
             raise UsageError(f"{str(path)!r} is not a checkpoint directory (no config.json there); pass a folder "
                              "written by `model.save_pretrained(...)` (nothing is downloaded).")
         return cls(key=f"path:{p.resolve()}", path=str(p.resolve()), init="default")
+
+    def fingerprint(self) -> str:
+        """16 hex digits naming a checkpoint directory's weights, for telling later whether the folder
+        at this path still holds the same model: config.json, and each weight file's name, size and
+        first and last MiB (reading every byte of a multi-GB checkpoint would cost more than scoring).
+        "" for a config-built model (its init seed names it)."""
+        if not self.path:
+            return ""
+        root = Path(self.path)
+        files = sorted(q for q in root.iterdir() if q.name == "config.json"
+                       or q.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+        # read again only when a file changed (a score run asks once per sample)
+        return _fingerprint(tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
 
     def save_pretrained(self, path: str | Path) -> "HFModel":
         """Write this model (a config-built one with its init, or a loaded checkpoint) as a checkpoint

@@ -15,6 +15,7 @@ cheap to create: transformers is imported and the model loaded when a case first
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -132,6 +133,23 @@ def expose_modules(inp: paths.HFInputs, trainer: Numerics, rollout: Numerics) ->
     }
 
 
+_warned_fingerprints: set[tuple[str, str]] = set()
+
+
+def _check_fingerprint(spec: HFModel, recorded: Any) -> None:
+    """A recording scored against one checkpoint and replayed against the folder's later contents
+    (RL runs overwrite checkpoints) compares other weights: say so, once per folder."""
+    if not recorded or not spec.path:
+        return
+    now = spec.fingerprint()
+    if now != recorded and (spec.path, now) not in _warned_fingerprints:
+        _warned_fingerprints.add((spec.path, now))
+        print(f"warning: the checkpoint at {spec.path} is not the one these recordings were scored with (weights "
+              f"fingerprint {recorded} then, {now} now): the trainer now runs other weights, so its values differ "
+              "from the recorded ones for that reason alone. Restore that checkpoint to replay the finding.",
+              file=sys.stderr, flush=True)
+
+
 def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay: bool = False) -> TargetPair:
     """The pair `harness score --model PATH` scores with: the checkpoint is named by each case
     (`params.rec_model`), the rollout side is the recording the case carries, the trainer runs
@@ -144,6 +162,7 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
         if paths.recorded_sample(case) is not None:
             where = case.params.get("rec_model")
             spec = HFModel.from_pretrained(str(where)) if where else fallback
+            _check_fingerprint(spec, case.params.get("rec_model_id"))
             inp = paths.make_inputs(case, spec, device)
             expose_modules(inp, trainer, FP32)
             return inp

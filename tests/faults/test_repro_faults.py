@@ -297,6 +297,22 @@ def test_the_corpus_tests_replay_a_repro_of_a_plugin_kept_outside_the_repository
     assert broken.returncode != 0 and "does not exist" in broken.stderr and "Traceback" not in broken.stderr
 
 
+def test_a_pair_that_cannot_run_here_is_not_a_repro_that_still_fails(repro, tmp_path, capsys):
+    """A pair raising a harness error (its checkpoint folder is gone) could not run: replay says so
+    and exits 2 (125 under --bisect: git bisect skips the commit), not 1 ("still diverges")."""
+    plugin = tmp_path / "gone.py"
+    plugin.write_text(
+        "from harness import Outcome, TargetPair, register\nfrom harness.errors import UsageError\n"
+        "def build(case, device):\n    raise UsageError('/ckpt/step-100 is not a checkpoint directory')\n"
+        "register(TargetPair(name='gone.ckpt', kind='op', expected='aligned', build=build,\n"
+        "    trainer=lambda i: Outcome(), rollout=lambda i: Outcome()))\n")
+    edit(repro, pair="gone.ckpt", loader={"kind": "plugin_file", "path": str(plugin)})
+    code, _, err = run_cli(capsys, "replay", "--no-bisect", "--plugin", str(plugin), str(repro))
+    assert_clean_error(code, err, 2, "could not run: UsageError: /ckpt/step-100 is not a checkpoint directory")
+    code, _, err = run_cli(capsys, "replay", "--bisect", "--plugin", str(plugin), str(repro))
+    assert code == 125, err
+
+
 def test_a_repro_with_a_path_escaping_the_repository_is_not_loaded(repro):
     edit(repro, pair="example.escape", loader={"kind": "plugin_file", "path": "../../../tmp/x.py"})
     why = load_plugin_for(load_repro(repro))

@@ -166,6 +166,32 @@ def test_score_a_checkpoint_directory_jsonl_and_parquet(tmp_path, harness_cli):
     assert code == 2 and "not a checkpoint directory" in err and "Traceback" not in err
 
 
+def test_a_repro_names_its_checkpoint_by_weights_and_replay_says_when_they_changed_or_went(tmp_path, harness_cli):
+    """RL runs overwrite checkpoints: a repro replayed against other weights says so; against a
+    folder that is gone it cannot be evaluated (exit 2), it does not 'still diverge'."""
+    import shutil
+
+    from targets.hf import BF16
+
+    ckpt = tmp_path / "ckpt"
+    base_model(HFModel.from_config(TINY["qwen3_moe"], init_seed=5)).save_pretrained(ckpt)
+    engine = hf_pair("test.ckpt.bf16", HFModel.from_pretrained(ckpt), FP32, BF16)
+    record(engine, range(8), tmp_path / "bf16.jsonl")
+    res = score(tmp_path / "bf16.jsonl", model=str(ckpt), corpus=tmp_path / "c", progress=False)
+    assert res.repros, "a bf16 engine's log-probs are flagged"
+    repro = res.repros[0]
+    assert load_repro(repro).case.params["rec_model_id"] == HFModel.from_pretrained(ckpt).fingerprint()
+    code, _, err = harness_cli("replay", str(repro))
+    assert code == 1 and "not the one these recordings were scored with" not in err, err
+    shutil.rmtree(ckpt)
+    base_model(HFModel.from_config(TINY["qwen3_moe"], init_seed=6)).save_pretrained(ckpt)  # overwritten in place
+    code, out, err = harness_cli("replay", str(repro))
+    assert f"the checkpoint at {ckpt.resolve()} is not the one these recordings were scored with" in err, err
+    shutil.rmtree(ckpt)
+    code, _, err = harness_cli("replay", "--no-bisect", str(repro))
+    assert code == 2 and "could not run: UsageError" in err and "not a checkpoint directory" in err, err
+
+
 def test_replay_on_a_file_without_experts_says_nothing_was_replayed(aligned_file, tmp_path):
     rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:2]]
     path = tmp_path / "no_experts.jsonl"
