@@ -119,6 +119,18 @@ class PairResult:
     # or a cold start longer than the budget allows); 0 when it came back or never started
     unfinished: float = 0.0
     waited_for: str = ""  # not run: the pair from the same module whose unfinished first case it waited for
+    # Hypothesis examples asked for, and how many of them its time share ran out before (0: all ran,
+    # or something was found): a pair cut short by the budget is not clean over what was asked
+    examples_asked: int = 0
+    examples_short: int = 0
+
+    @property
+    def time_note(self) -> str:
+        """"its time share ran out after N of M examples", or "" when it ran them all."""
+        if not self.examples_short:
+            return ""
+        return (f"its time share ran out after {self.examples_asked - self.examples_short} of "
+                f"{self.examples_asked} examples")
 
     @property
     def verdict(self) -> str:
@@ -398,6 +410,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     def prop(case: Case) -> None:
         # this example's uniform cases are drawn before it runs (from its params), so that they can
         # be queued behind it; none once something has failed (Hypothesis is shrinking it)
+        calls[0] += 1
         after = [uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
                  for _ in range(n_uniform)] if uniform_rng is not None and not smallest else []
         handed = hand_ahead([case, *after]) if pending or after else 0
@@ -419,8 +432,10 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if rest and hand_ahead(rest) < len(rest):
             take_pending()  # run them now; else they run in the worker and the next example collects them
 
+    asked = max_examples if max_examples is not None else cfg.max_examples
+    calls = [0]  # Hypothesis examples run
     test = settings(
-        max_examples=max_examples if max_examples is not None else cfg.max_examples,
+        max_examples=asked,
         deadline=None,
         database=None,
         derandomize=False,
@@ -446,6 +461,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         pass  # kept in `smallest`; polished below
     except _OutOfTime:
         cut["shrink"] = bool(smallest)  # what was found is kept at its smallest so far
+        if not smallest:
+            result.examples_asked, result.examples_short = asked, max(0, asked - calls[0])
     except KeyboardInterrupt:
         result.seconds = time.monotonic() - start
         result.findings = [_finding(pair, ev, result, complete=False) for ev in smallest.values()]
@@ -860,9 +877,11 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.seconds += r.seconds
     into.max_k3 = max(into.max_k3, r.max_k3)
     into.max_score = max(into.max_score, r.max_score)
-    if not rounds:
+    if not rounds:  # (a further round ends when its share does, by design: not a pair cut short)
         into.streams += r.streams
         into.warmup += r.warmup
+        into.examples_asked += r.examples_asked
+        into.examples_short += r.examples_short
     known = {f.signature for f in into.findings}
     fresh = [f for f in r.findings if f.signature not in known]
     into.findings.extend(fresh)
@@ -1019,7 +1038,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     fill.append(unit)
                 log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
-                    + (f", {len(r.findings)} finding(s)" if r.findings else "") + ")")
+                    + (f", {len(r.findings)} finding(s)" if r.findings else "")
+                    + (f"; {r.time_note}" if r.time_note else "") + ")")
                 if r.unfinished or r.waited_for:
                     log(f"  {unit.label}: {unfinished_note(r, cfg.timeout_for(pair.name, getattr(pair, 'timeout', None)))}")
             # Filling, once every unit has run its examples: the time left goes to the clean units, in
@@ -1088,7 +1108,8 @@ def summary_table(result: CampaignResult) -> str:
     *max k3* the largest sampled tokens' mean k3."""
     rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max k3", "findings")]
     for r in result.results:
-        rows.append((r.pair, r.expected, r.verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_score:.3g}",
+        verdict = r.verdict + (f" ({r.time_note})" if r.time_note and not r.findings else "")
+        rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_score:.3g}",
                      f"{r.max_k3:.3g}",
                      ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "
                                f"{f.seconds_to_first:.1f}s; shrunk in {f.shrink_seconds:.1f}s) -> {f.path or '-'}"

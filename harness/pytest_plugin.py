@@ -514,8 +514,9 @@ def _pair_result_json(r: Any) -> dict:
 
     return {
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
-        "max_k3": r.max_k3, "max_score": r.max_score, "seed": r.seed, "verdict": r.verdict, "unfinished": r.unfinished,
-        "waited_for": r.waited_for,
+        "max_k3": r.max_k3, "max_score": r.max_score, "seed": r.seed,
+        "examples_asked": r.examples_asked, "examples_short": r.examples_short,
+        "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for,
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
             "symptom": f.symptom.value, "status": f.status,
@@ -577,8 +578,9 @@ def _pair_result(d: dict) -> Any:
                                 seconds_to_first=fd.get("seconds_to_first", 0.0),
                                 shrink_seconds=fd.get("shrink_seconds", 0.0)))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
-                      max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings, seed=d["seed"], unfinished=d.get("unfinished", 0.0),
-                      waited_for=d.get("waited_for", ""))
+                      max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
+                      examples_asked=d.get("examples_asked", 0), examples_short=d.get("examples_short", 0),
+                      seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -810,6 +812,9 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
             verdict = "REGRESSION (recurrence)" if any(f["recurrence"] for f in d["findings"]) \
                 else "REGRESSION (new)" if any(f["new"] for f in d["findings"]) \
                 else "REGRESSION (known)"
+        if d.get("examples_short") and not d["findings"]:
+            verdict += (f" (its time share ran out after {d['examples_asked'] - d['examples_short']} of "
+                        f"{d['examples_asked']} examples)")
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
         found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
                           + (" new" if f["new"] else "") for f in d["findings"]) or "-"

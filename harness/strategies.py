@@ -175,6 +175,7 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
         fields: dict[str, Any] = {"seq_lens": tuple(seq_lens)}
         if has_prompts and any(prompt_lens):
             fields["prompt_lens"] = tuple(prompt_lens)
+        seq_ids = distinct_ids(seq_ids)
         fields["seq_ids"] = () if seq_ids == list(range(n)) else tuple(seq_ids)
         fields["probe"] = draw(st.integers(0, n - 1)) if n > 1 else 0
 
@@ -212,6 +213,21 @@ def structured_cases(axes: Axes) -> st.SearchStrategy[Case]:
     return cases(axes)
 
 
+def distinct_ids(ids: list[int]) -> list[int]:
+    """Stream ids made distinct in order (a repeat moves up to the next free id, mod 2^16). Two
+    sequences with one id draw the same tokens, and identical sequences hide what leaks between
+    them (a packed attention mask that lets one attend to the other scores them alike); Hypothesis
+    shrinks raw ids toward all-zero, which this turns into 0, 1, 2, ... (the default)."""
+    used: set[int] = set()
+    out = []
+    for i in ids:
+        while i in used:
+            i = (i + 1) % 2**16
+        used.add(i)
+        out.append(i)
+    return out
+
+
 def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: bool = False) -> Case:
     """One case drawn uniformly at random over the same axes (the baseline a fuzzer must beat, and
     half of a campaign's draws): every size uniform over its range, every float uniform, no
@@ -223,7 +239,7 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
     n = rng.randint(*axes.n_seqs)
     seq_lens = tuple(rng.randint(*axes.seq_len) for _ in range(n))
     fields: dict[str, Any] = {"seed": rng.randrange(2**32), "seq_lens": seq_lens,
-                              "seq_ids": tuple(rng.randrange(2**16) for _ in range(n))}
+                              "seq_ids": tuple(distinct_ids([rng.randrange(2**16) for _ in range(n)]))}
     if axes.prompt_len != (0, 0):
         prompts = tuple(rng.randint(*axes.prompt_len) for _ in range(n))
         fields["prompt_lens"] = prompts if any(prompts) else ()

@@ -75,6 +75,24 @@ def test_aligned_twins_are_clean(tmp_path):
     assert not (tmp_path / "corpus").exists()
 
 
+def test_a_clean_pair_whose_time_share_ran_out_says_how_far_it_got():
+    import time
+
+    from harness.fuzz import fuzz_pair, summary_table
+
+    pair = REGISTRY.get("moe_aggregate.aligned")
+    cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=100000, write_corpus=False, isolation=False)
+    r = fuzz_pair(pair, cfg, seed=1, deadline=time.monotonic() + 1.0)
+    assert r.verdict == "clean" and r.examples_asked == 100000 and 0 < r.examples_short < 100000
+    note = f"its time share ran out after {100000 - r.examples_short} of 100000 examples"
+    assert r.time_note == note
+    from harness.fuzz import CampaignResult
+
+    assert f"clean ({note})" in summary_table(CampaignResult(seed=1, config=cfg, results=[r], seconds=1.0))
+    done = fuzz_pair(pair, cfg, seed=1, deadline=None, max_examples=5)
+    assert done.examples_short == 0 and done.time_note == ""
+
+
 def test_router_topk_bf16_shrinks_to_one_token_at_a_bf16_tie(tmp_path):
     result = campaign(tmp_path, ["router_topk.bf16"], max_examples=300, seed=1)
     [f] = result.findings

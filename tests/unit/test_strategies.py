@@ -18,6 +18,7 @@ def test_cases_stay_within_the_declared_axes(case):
     assert 0.0 <= case.tie_gap <= 1e-3 and 0.0 <= case.tie_fraction <= 1.0
     assert 0.5 <= case.logit_scale <= 2.0 and case.dtype in ("bfloat16", "float16")
     assert 1 <= case.params["shards"] <= 4
+    assert len(set(case.ids)) == case.batch_size  # distinct streams: identical sequences hide leaks between them
     assert Case.from_json(case.to_json()) == case
 
 
