@@ -234,10 +234,13 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
             if not isinstance(per_pos, list) or len(per_pos) != layers or any(
                     not isinstance(e, list) or len(e) != top_k for e in per_pos):
                 return BadRow(line, ename, f"position {p} must hold {layers} layer(s) of {top_k} expert ids")
-            for e in per_pos:
+            for layer, e in enumerate(per_pos):
                 for x in e:
                     if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n_experts:
                         return BadRow(line, ename, f"position {p}: expert id {x!r} is not in [0, {n_experts})")
+                if len(set(e)) != len(e):
+                    return BadRow(line, ename, f"position {p}, layer {layer}: expert ids {e} repeat; a router picks "
+                                               f"{top_k} distinct experts")
     _, sid = _pick(row, "id")
     return Sample(line, str(sid) if sid is not None else str(line), prompt, response, logprobs, experts)
 
@@ -245,6 +248,9 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
 # ---------------------------------------------------------------------------------------------
 # Scoring
 # ---------------------------------------------------------------------------------------------
+EXPERT_FLIP_NOTE = 0.1  # recorded vs trainer expert sets differing (not at a tie) on more tokens than this
+
+
 def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tuple[Any, Any, dict]:
     """(pair, HFModel, extra case params) for --model PATH or --pair NAME."""
     if (model is None) == (pair_name is None):
@@ -388,6 +394,16 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
     if replays and not any(s.sample.experts for s in res.scored):
         res.notes.append("router replay: no scored sample records routed experts (routed_experts / "
                          "rollout_routed_experts), so nothing was replayed: the trainer routed every token itself")
+    if not replays:  # recorded experts the trainer's own router disagrees with, beyond near ties
+        off = [s for s in res.scored if s.sample.experts and s.metrics.get("flip_rate", 0.0) > EXPERT_FLIP_NOTE]
+        if off:
+            worst = sorted(off, key=lambda s: -s.metrics["flip_rate"])[:5]
+            res.notes.append(
+                f"recorded experts: {len(off)} sample(s) record experts that differ from the trainer's own routing on "
+                f"more than {EXPERT_FLIP_NOTE:.0%} of routed tokens away from ties ("
+                + ", ".join(f"line {s.sample.line} {s.metrics['flip_rate']:.2f}" for s in worst)
+                + "). Their log-probs are judged as scored, but router replay (--replay) would force those experts "
+                  "into the trainer: check how the engine records them, or score with --replay to see the effect.")
     if out_dir is not None:  # first: what was scored is never lost to a repro that cannot be written
         write_outputs(res, path, threshold)
     for s in res.flagged[:max_repros]:
@@ -525,7 +541,7 @@ def _fmt(x: Any) -> str:
               show_default=True, help="Where the worst samples are written as repros.")
 @click.option("--max-repros", type=click.IntRange(0), default=3, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for samples.csv, summary.json and k3_hist.png (default reports/score/<file stem>).")
+              help="Folder for samples.csv, summary.json and k3_hist.png (default reports/score/<file name>).")
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or the "
                                                    "embedded store).")
 @click.option("--no-tracking", is_flag=True, help="Do not log a campaign run to MLflow.")
@@ -541,7 +557,7 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
 
     try:
         load_plugins(plugins)
-        out = out_dir or Path("reports") / "score" / file.stem
+        out = out_dir or Path("reports") / "score" / file.name  # (rollouts.jsonl and rollouts.parquet apart)
         tracker = make_tracker(tracking_uri, enabled=not no_tracking)
         res = score(file, model=model, pair_name=pair_name, replay=replay, threshold=threshold, device=device,
                     corpus=corpus_dir, out_dir=out, max_repros=max_repros,

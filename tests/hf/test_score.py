@@ -146,6 +146,24 @@ def test_parse_sample_slime_layout_and_expert_shapes():
            "routed_experts": [[[0, 1]], [[1, 9]]]}
     got = parse_sample(7, row, 16, (8, 2, 1))
     assert isinstance(got, BadRow) and got.line == 7 and got.field == "routed_experts" and "9" in got.message
+    got = parse_sample(8, {**row, "routed_experts": [[[0, 1]], [[3, 3]]]}, 16, (8, 2, 1))
+    assert isinstance(got, BadRow) and "position 1, layer 0: expert ids [3, 3] repeat" in got.message
+
+
+def test_recorded_experts_the_trainer_disagrees_with_are_noted(aligned_file, tmp_path):
+    """Log-probs that agree with experts recorded wrong (an engine's recording bug): scored clean, but
+    named, since router replay would force those experts into the trainer."""
+    rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:3]]
+    assert rows[1].get("routed_experts"), "the backend's records carry the routed experts"
+    n_experts = REGISTRY.get("hf.qwen3_moe.aligned").profiles.model.moe()[0]
+    rows[1]["routed_experts"] = [[[(e + 1) % n_experts for e in layer] for layer in pos]
+                                 for pos in rows[1]["routed_experts"]]  # every expert shifted by one
+    path = tmp_path / "experts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", progress=False)
+    assert not res.flagged
+    [note] = [n for n in res.notes if n.startswith("recorded experts")]
+    assert "1 sample(s)" in note and "line 2 " in note and "--replay" in note
 
 
 def test_score_a_checkpoint_directory_jsonl_and_parquet(tmp_path, harness_cli):
