@@ -395,11 +395,14 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         res.notes.append("router replay: no scored sample records routed experts (routed_experts / "
                          "rollout_routed_experts), so nothing was replayed: the trainer routed every token itself")
     if not replays:  # recorded experts the trainer's own router disagrees with, beyond near ties
-        off = [s for s in res.scored if s.sample.experts and s.metrics.get("flip_rate", 0.0) > EXPERT_FLIP_NOTE]
+        # (a flagged sample's flips are part of what it is flagged for: an engine's own routing numerics)
+        off = [s for s in res.scored if s.sample.experts and not s.evaluation.failed
+               and s.metrics.get("flip_rate", 0.0) > EXPERT_FLIP_NOTE]
         if off:
             worst = sorted(off, key=lambda s: -s.metrics["flip_rate"])[:5]
             res.notes.append(
-                f"recorded experts: {len(off)} sample(s) record experts that differ from the trainer's own routing on "
+                f"recorded experts: {len(off)} sample(s) under the line record experts that differ from the trainer's "
+                f"own routing on "
                 f"more than {EXPERT_FLIP_NOTE:.0%} of routed tokens away from ties ("
                 + ", ".join(f"line {s.sample.line} {s.metrics['flip_rate']:.2f}" for s in worst)
                 + "). Their log-probs are judged as scored, but router replay (--replay) would force those experts "

@@ -889,12 +889,15 @@ def write_report(t: Triage, reports: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     t.plots = _plots(t, folder)
     r, ev = t.repro, t.evaluation
+    expected_k3 = getattr(ev.divergence, "k3_expected", float("nan"))
+    judged_what = "expected over the vocabulary" if not math.isnan(expected_k3) else \
+        "the recorded tokens' mean: a recorded rollout holds no distribution to take an expectation over"
     lines = [f"# Triage of {r.id}: {r.pair}", "",
              f"**Verdict:** {t.verdict}", "",
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",
              f"- case: `{r.case.one_line()}`",
              f"- replay: `{_replay_command(r)}`; triage again: `{_triage_command(r)}`",
-             f"- judged k3 (expected over the vocabulary) now {t.k3:.6g}, exact KL "
+             f"- judged k3 ({judged_what}) now {t.k3:.6g}, exact KL "
              f"{getattr(ev.divergence, 'kl', float('nan')):.6g} (threshold {t.threshold:g}, either over it fails); "
              f"the sampled tokens' mean k3 {ev.k3:.6g} (recorded {r.metrics.get('k3_kl', '-')}); "
              f"triage took {t.seconds:.1f}s", ""]
@@ -905,11 +908,16 @@ def write_report(t: Triage, reports: Path) -> Path:
         lines.append("")
     loc = t.localization
     if loc is not None:
+        if loc.explained:
+            found = (f"Minimal set that keeps k3 above the threshold: **{', '.join(loc.minimal) or 'none'}** (k3 with "
+                     f"only it differing: {loc.k3_minimal_only:.6g}; with it aligned: {loc.k3_minimal_aligned:.6g}; "
+                     f"everything aligned: {loc.k3_all_aligned:.6g}; {loc.runs} cases run).")
+        else:  # aligning every differing component leaves it failing: none of them is the cause
+            found = (f"**Not explained by these components**: with every one of them aligned the case still fails "
+                     f"(k3 {loc.k3_all_aligned:.6g}; {loc.runs} cases run), so the divergence comes from something the "
+                     "profiles do not describe (a code-level difference, or a recorded rollout's own values).")
         lines += ["## Localization by swapping", "",
-                  f"Differing components: {', '.join(loc.differing) or 'none'}. Minimal set that keeps k3 above the "
-                  f"threshold: **{', '.join(loc.minimal) or 'none'}** (k3 with only it differing: "
-                  f"{loc.k3_minimal_only:.6g}; with it aligned: {loc.k3_minimal_aligned:.6g}; everything aligned: "
-                  f"{loc.k3_all_aligned:.6g}; {loc.runs} cases run).", "",
+                  f"Differing components: {', '.join(loc.differing) or 'none'}. {found}", "",
                   "| component | trainer | rollout | k3, rollout takes trainer's | k3, trainer takes rollout's "
                   "| KL, rollout takes trainer's | KL, trainer takes rollout's |",
                   "|---|---|---|---:|---:|---:|---:|"]
