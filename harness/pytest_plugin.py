@@ -416,7 +416,6 @@ class FuzzSession:
                                "never finished" if r.waited_for else "no case ran (the budget ran out first?)")}[verdict]
             warnings.warn(HarnessFuzzWarning(f"{pair.name}: {verdict}: {why}"), stacklevel=1)
 
-
     def _recorded_this_run(self, f: Any) -> bool:
         """The finding's corpus file was first written by this session (another stream of the pair)."""
         import datetime as dt

@@ -281,10 +281,11 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
         lines.append("")
     lines += ["## Campaigns", ""]
     if window:
-        lines += ["| started (UTC) | profile | shard | streams | device | seed | pairs | cases | cases/s | findings | run |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| started (UTC) | profile | shard | streams | device | seed | pairs | cases | cases/s | findings "
+                  "| run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in window:
-            lines.append(f"| {c['start']:%Y-%m-%d %H:%M} | {c['profile']} | {c['shard']} | {c['streams']} | {c['device']} | {c['seed']} | "
+            lines.append(f"| {c['start']:%Y-%m-%d %H:%M} | {c['profile']} | {c['shard']} | {c['streams']} | "
+                         f"{c['device']} | {c['seed']} | "
                          f"{c['n_pairs']} | {int(c['cases'])} | {c['cases_per_second']:.1f} | {int(c['findings'])} | "
                          f"{c['run_id'][:12]} |")
         lines += ["", "Rerun a night exactly: `harness fuzz --seed SEED --streams S` (or `pytest --harness-fuzz "

@@ -951,8 +951,8 @@ def write_report(t: Triage, reports: Path) -> Path:
     if t.flips:
         lines += ["## Routing flips per layer", "",
                   f"Near-tie: the boundary score gap (k-th vs (k+1)-th) within {NEAR_TIE:g} or one step of the "
-                  "scores' own precision in either path; *no scores*: neither path reported `Routing.scores`, so the flip cannot "
-                  "be told apart.", "",
+                  "scores' own precision in either path; *no scores*: neither path reported `Routing.scores`, so "
+                  "the flip cannot be told apart.", "",
                   "| layer | tokens | near-tie flips | other flips | no scores |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {l} | {v['tokens']} | {v['near_tie']} | {v['other']} | {v.get('unscored', 0)} |"
                   for l, v in t.flips.items()]
