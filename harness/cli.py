@@ -431,7 +431,14 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     unavailable = None
     click.echo(f"repro {r.id}  pair {r.pair}  status {r.status}  symptom {r.symptom}  threshold {r.threshold:g}")
     found = r.found
-    if found:
+    rec = found.get("recorded") if isinstance(found.get("recorded"), dict) else None
+    if rec:  # a recorded rollout `harness score` flagged: no campaign, no shrinking
+        cut = rec.get("response_cut_to")
+        click.echo(f"scored {found.get('at', '?')} by `harness score`: sample {rec.get('sample_id', '?')} at line "
+                   f"{rec.get('line', '?')} of {rec.get('file', '?')}"
+                   + (f"; its response cut to its first {cut} tokens (the kept tokens score as in the file)"
+                      if cut else ""))
+    elif found:
         head = f"found {found.get('at', '?')} by campaign seed {found.get('campaign_seed', '?')}"
         if "cases_to_first" in found:  # the first sighting, then shrinking (not counted as cases to find it)
             head += (f" after {found['cases_to_first']} cases in {float(found.get('seconds_to_first', 0)):.1f} s; "
@@ -442,7 +449,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         click.echo(head + ("" if found.get("shrink_complete", True) else " (shrinking was cut short)")
                    + (" (NOT DETERMINISTIC: its case gave other values when run again; it may not replay)"
                       if found.get("deterministic") is False else ""))
-    click.echo("\ncase (minimal):")
+    click.echo("\ncase (the recorded sample):" if rec else "\ncase (minimal):")
     from .case import Case
 
     defaults = Case(seed=0).to_json()

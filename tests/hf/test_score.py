@@ -102,6 +102,8 @@ def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_p
         assert "Not explained by these components" in report and "Minimal set" not in report
     code, out, err = harness_cli("show", str(path))
     assert code == 0 and "hf.qwen3_moe.aligned" in out, err
+    assert f"by `harness score`: sample {worst.sample.id} at line {worst.sample.line} of {bf16_file}" in out, out
+    assert "case (the recorded sample):" in out and "campaign seed" not in out
 
 
 def test_score_logs_a_campaign_run_with_the_batch_metrics(aligned_file, tmp_path):
