@@ -117,7 +117,7 @@ def test_sigterm_to_the_xdist_controller_is_an_interrupt_with_a_summary(tmp_path
 
         def slow(x):
             pathlib.Path({str(started)!r}).touch()
-            time.sleep(2.0)
+            time.sleep(0.7)
             return quick(x)
 
         for name, path in (("slow.a_quick", quick), ("slow.b_slow", slow), ("slow.c_slow", slow)):
