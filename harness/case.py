@@ -344,7 +344,8 @@ class Case:
         path counts them) the case forces to a router's top-k boundary (a `tie_fraction` of them),
         from the sequence's own stream, so a position's flag is the same in every layout (packed
         trainer rows, a decode step's batch) and whatever the other sequences are. For the `forced=`
-        argument of `strategies.near_tie_hidden` / `near_tie_logits` in a router's forward hook."""
+        argument of `strategies.near_tie_hidden` / `near_tie_logits` in a router's forward hook; the
+        Hugging Face backend's router hooks force these positions too."""
         import torch
 
         return torch.rand(n, generator=self.seq_generator(j, salt)) < self.tie_fraction  # serial: prefix-stable

@@ -139,8 +139,7 @@ def make_inputs(case: Any, spec: HFModel, device: str) -> HFInputs:
     tie_layer, forced = -1, None
     if moe and case.tie_fraction > 0 and rec is None:
         tie_layer = int(case.params.get("tie_layer", 0)) % moe[2]
-        forced = torch.cat([torch.rand(stride, generator=seq_generator(case, j, "ties")) < case.tie_fraction
-                            for j in range(len(prompts))])
+        forced = torch.cat([case.tie_forced(j, stride) for j in range(len(prompts))])  # positions keyed by j
     return HFInputs(case=case, spec=spec, device=device, prompts=prompts, resp_lens=resp, stride=stride,
                     forced=forced, tie_layer=tie_layer, gap=max(float(case.tie_gap), TIE_FLOOR), recorded=rec,
                     tie_floor=rec is None)
