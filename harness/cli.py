@@ -249,6 +249,9 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     if unfinished:
         click.echo(f"unfinished: {', '.join(unfinished)}: a first case never came back before the budget ended (a hang, "
                    "or a cold start longer than the budget allows; see the lines above); exit 1 as for a finding")
+    cannot = [r for r in result.results if r.verdict == "CANNOT RUN"]
+    for r in cannot:
+        click.echo(f"error: {r.setup_error}", err=True)
     if result.unsaved:
         click.echo(f"error: {len(result.unsaved)} finding(s) could not be written to {corpus_dir} (each was printed "
                    f"as JSON on stderr): {', '.join(f.id for f in result.unsaved)}.", err=True)
@@ -258,10 +261,12 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
         sys.exit(EXIT_UNSAVED)
     if result.interrupted:
         sys.exit(EXIT_INTERRUPTED)
-    if not n and not unfinished and not result.examples and result.results:
+    if not n and not unfinished and not cannot and not result.examples and result.results:
         click.echo(f"error: no case ran: the campaign ended before any pair's first case came back (budget "
                    f"{cfg.budget}s for {len(result.results)} pair(s)); give it more time (--budget) or fewer pairs. "
                    "Nothing was tested, so this is not a pass.", err=True)
+        sys.exit(EXIT_USAGE)
+    if cannot and not n and not unfinished:  # (a finding outranks it: it is on disk, to triage)
         sys.exit(EXIT_USAGE)
     sys.exit(EXIT_FOUND if n or unfinished else EXIT_OK)
 

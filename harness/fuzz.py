@@ -123,6 +123,10 @@ class PairResult:
     # or something was found): a pair cut short by the budget is not clean over what was asked
     examples_asked: int = 0
     examples_short: int = 0
+    # the pair could not run here: it raised a harness error (`harness.errors.HarnessError`: a
+    # checkpoint folder that is gone, a setting it refuses), which says nothing of its paths; the
+    # one-paragraph message (`setup_message`). Not a finding: nothing is written or tracked for it.
+    setup_error: str = ""
 
     @property
     def time_note(self) -> str:
@@ -136,6 +140,8 @@ class PairResult:
     def verdict(self) -> str:
         diverged = any(f.symptom is Symptom.DIVERGENCE for f in self.findings)
         broken = any(f.symptom is not Symptom.DIVERGENCE for f in self.findings)
+        if self.setup_error and not self.findings:
+            return "CANNOT RUN"
         if self.unfinished and not self.findings:
             return "UNFINISHED"
         if self.expected == "aligned":
@@ -354,6 +360,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             ev = evaluate(case)
         except OutOfTime:
             raise _OutOfTime from None
+        if ev.setup:
+            raise _Setup(ev)
         if result.examples == 0:  # the cold start: charged to everyone's remaining time, not this share
             result.warmup = time.monotonic() - began
             if limit["deadline"] is not None:
@@ -459,6 +467,9 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         failures.extend(e.evaluation for e in _leaves(matched) if isinstance(e, _Failed))
     except _UniformHit:
         pass  # kept in `smallest`; polished below
+    except _Setup as e:
+        result.setup_error = setup_message(e.evaluation)
+        cut["shrink"] = True  # what was found before it is kept at its smallest so far
     except _OutOfTime:
         cut["shrink"] = bool(smallest)  # what was found is kept at its smallest so far
         if not smallest:
@@ -480,6 +491,9 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if not cut["shrink"] and polish_evals > 0:
             try:
                 ev, evals, complete = _polish(pair, ev, sig, run, limit["deadline"], polish_evals)
+            except _Setup as e:  # it stopped running while a finding was shrunk: kept at its smallest so far
+                result.setup_error = setup_message(e.evaluation)
+                cut["shrink"], evals, ev = True, 0, smallest.get(sig, ev)
             except KeyboardInterrupt:
                 result.seconds = time.monotonic() - start
                 result.findings = [_finding(pair, e, result, complete=False) for e in by_sig.values()]
@@ -507,7 +521,7 @@ def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], An
     """The polish pass (`harness.shrink`) on one finding: its simplest trigger, same signature."""
     from .shrink import polish
 
-    out_of_time = {"hit": False}
+    out_of_time: dict[str, Any] = {"hit": False, "setup": None}
 
     def fails(case: Case) -> bool:
         if out_of_time["hit"]:
@@ -517,9 +531,14 @@ def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], An
         except _OutOfTime:
             out_of_time["hit"] = True
             return False
+        except _Setup as e:  # the pair stopped running: stop here, and say so (below)
+            out_of_time["hit"], out_of_time["setup"] = True, e
+            return False
         return isinstance(got, Evaluation) and got.failed and signature(pair.name, got) == sig
 
     case, evals, complete = polish(ev.case, fails, max_evals=max_evals, deadline=deadline, axes=pair.axes)
+    if out_of_time["setup"] is not None:
+        raise out_of_time["setup"]
     got = run(case) if not out_of_time["hit"] else ev
     best = got if isinstance(got, Evaluation) and got.failed else ev
     return best, evals, complete and not out_of_time["hit"]
@@ -537,6 +556,34 @@ def _finding(pair: TargetPair, ev: Evaluation, result: PairResult, complete: boo
     sig = signature(pair.name, ev)
     return Finding(pair=pair.name, expected=pair.expected, symptom=ev.symptom, signature=sig, base_signature=sig,
                    case=ev.case, evaluation=ev, examples=result.examples, shrink_complete=complete)
+
+
+class _Setup(BaseException):
+    """The pair raised a harness error on a case (it cannot run here). A BaseException, so
+    Hypothesis lets it through instead of shrinking it."""
+
+    def __init__(self, ev: Evaluation) -> None:
+        super().__init__(ev.pair)
+        self.evaluation = ev
+
+
+_SETUP_TAIL = " That is the pair's own setup"
+
+
+def setup_headline(message: str) -> str:
+    """The first sentence of a `setup_message` (what the pair raised), for a table's findings column."""
+    return message.split(_SETUP_TAIL)[0]
+
+
+def setup_message(ev: Evaluation) -> str:
+    """What to say of a pair that raised a harness error on a case (`Evaluation.setup`)."""
+    err = ev.error or {}
+    lines = str(err.get("message", "")).strip().splitlines()
+    return (f"{ev.pair} cannot run here: its case raised {err.get('type', 'HarnessError')}: "
+            f"{lines[0] if lines else ''} (at {err.get('where', '?')})." + _SETUP_TAIL + " (a harness "
+            "error: a checkpoint that is gone, a setting it refuses), not a divergence of its paths, so nothing was "
+            "recorded for it; fix what the message names and run it again (if it refuses only some cases, narrow its "
+            "axes so that they are never drawn).")
 
 
 class _OutOfTime(BaseException):
@@ -877,6 +924,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.seconds += r.seconds
     into.max_k3 = max(into.max_k3, r.max_k3)
     into.max_score = max(into.max_score, r.max_score)
+    into.setup_error = into.setup_error or r.setup_error
     if not rounds:  # (a further round ends when its share does, by design: not a pair cut short)
         into.streams += r.streams
         into.warmup += r.warmup
@@ -933,9 +981,10 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             return None
         pair = next(p for p in pairs if p.name == f.pair)
         try:
-            return executor.evaluator(pair, end, cfg)(case)
+            ev = executor.evaluator(pair, end, cfg)(case)
         except (OutOfTime, KeyboardInterrupt):
             return None
+        return None if ev.setup else ev  # (it cannot run now: that tells nothing of the finding)
 
     def reproduces(f: Finding) -> Callable[[Case], bool]:
         """Whether a case fails now as the finding does (an existing repro of its signature: the same
@@ -1034,12 +1083,13 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     r.waited_for = executor.waited.get(pair.name, "")
                 for f in add(r):
                     record(f)
-                if cfg.fill_budget and r.examples and not r.findings:
+                if cfg.fill_budget and r.examples and not r.findings and not r.setup_error:
                     fill.append(unit)
                 log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "")
-                    + (f"; {r.time_note}" if r.time_note else "") + ")")
+                    + (f"; {r.time_note}" if r.time_note else "") + ")"
+                    + (f": {setup_headline(r.setup_error)}" if r.setup_error else ""))
                 if r.unfinished or r.waited_for:
                     log(f"  {unit.label}: {unfinished_note(r, cfg.timeout_for(pair.name, getattr(pair, 'timeout', None)))}")
             # Filling, once every unit has run its examples: the time left goes to the clean units, in
@@ -1109,6 +1159,10 @@ def summary_table(result: CampaignResult) -> str:
     rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max k3", "findings")]
     for r in result.results:
         verdict = r.verdict + (f" ({r.time_note})" if r.time_note and not r.findings else "")
+        if r.setup_error and not r.findings:
+            rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", "-", "-",
+                         setup_headline(r.setup_error)))
+            continue
         rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_score:.3g}",
                      f"{r.max_k3:.3g}",
                      ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "

@@ -401,6 +401,8 @@ class FuzzSession:
                                  f"fails with it: {listed}")
                 pytest.xfail(f"known regression(s) of {pair.name}, already in the corpus: {listed}")
         verdict = r.verdict
+        if verdict == "CANNOT RUN":  # its own setup (a harness error), not its paths: fix it, nothing recorded
+            raise FuzzFailure(f"{r.setup_error}\n  rerun: {rerun}")
         if verdict == "UNFINISHED":  # a first case that never came back: a hang until shown otherwise
             from harness.fuzz import unfinished_note
 
@@ -515,7 +517,7 @@ def _pair_result_json(r: Any) -> dict:
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
         "max_k3": r.max_k3, "max_score": r.max_score, "seed": r.seed,
         "examples_asked": r.examples_asked, "examples_short": r.examples_short,
-        "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for,
+        "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for, "setup_error": r.setup_error,
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
             "symptom": f.symptom.value, "status": f.status,
@@ -579,7 +581,8 @@ def _pair_result(d: dict) -> Any:
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
                       examples_asked=d.get("examples_asked", 0), examples_short=d.get("examples_short", 0),
-                      seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""))
+                      seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""),
+                      setup_error=d.get("setup_error", ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,7 +819,8 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
                         f"{d['examples_asked']} examples)")
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
         found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
-                          + (" new" if f["new"] else "") for f in d["findings"]) or "-"
+                          + (" new" if f["new"] else "") for f in d["findings"]) or \
+            (_setup_headline(d.get("setup_error", "")) or "-")
         rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), f"{rate:.1f}", _fmt(d.get("max_score", 0.0)),
                      _fmt(d["max_k3"]), d.get("worker", "main"), found))
     return rows
@@ -825,6 +829,12 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
 # *max judged*: the largest mean a verdict read (expected k3 or exact KL: what the findings show);
 # *max k3*: the largest sampled tokens' mean k3 (what an RL dashboard logs; noisy on small cases)
 HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max k3", "worker", "findings")
+
+
+def _setup_headline(message: str) -> str:
+    from harness.fuzz import setup_headline
+
+    return setup_headline(message)
 
 
 def _fmt(x: Any) -> str:
@@ -857,6 +867,7 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
         "new_aligned_regressions": [f["id"] for d in results if d["expected"] == "aligned"
                                     for f in d["findings"] if f["new"] or f["recurrence"]],
         "missed_demonstrations": sorted(d["pair"] for d in results if d["verdict"] == "MISSED"),
+        "cannot_run": sorted(d["pair"] for d in results if d["verdict"] == "CANNOT RUN"),
         "pairs": sorted(results, key=lambda d: d["pair"]),
     }
     summary_path(fs, "json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -871,6 +882,9 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
         md += ["", f"**Missed demonstrations ({len(summary['missed_demonstrations'])})**: "
                + ", ".join(summary["missed_demonstrations"])
                + " (not caught: give them more cases or budget, or the harness lost detection power)."]
+    for d in results:
+        if d["verdict"] == "CANNOT RUN":
+            md += ["", f"**Cannot run here**: {d.get('setup_error', '')}"]
     replays = [(d["pair"], f) for d in results for f in d["findings"] if f["new"] or f["recurrence"]]
     if replays:
         md += ["", "New findings:", ""]
@@ -894,7 +908,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     caught = [d["pair"] for d in results if d["verdict"] == "caught"]
     clean = [d["pair"] for d in results if d["verdict"] == "clean"]
     reported = [f"{d['pair']} ({d['verdict']})" for d in results
-                if d["verdict"] in ("MISSED", "BROKEN", "not run", "UNFINISHED") or "interrupted" in d["verdict"]]
+                if d["verdict"] in ("MISSED", "BROKEN", "not run", "UNFINISHED", "CANNOT RUN") or "interrupted" in d["verdict"]]
     tr.write_line(f"{len(results)} pair(s), {cases} cases; demonstrations caught: {len(caught)}; aligned clean: "
                   f"{len(clean)}" + (f"; reported: {', '.join(reported)}" if reported else ""))
     missed = [d["pair"] for d in results if d["verdict"] == "MISSED"]

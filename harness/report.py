@@ -89,13 +89,14 @@ def pair_cases(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def missed_pairs(metrics: dict[str, float]) -> list[str]:
-    """Demonstration pairs a campaign did not catch (`pair.<name>.missed` = 1, per shard or not)."""
+def missed_pairs(metrics: dict[str, float], suffix: str = ".missed") -> list[str]:
+    """Demonstration pairs a campaign did not catch (`pair.<name>.missed` = 1, per shard or not);
+    with `suffix=".cannot_run"`, the pairs that could not run (they raised a harness error)."""
     out = set()
     for k, v in metrics.items():
         i = k.find("pair.")
-        if i >= 0 and k.endswith(".missed") and v:
-            out.add(k[i + len("pair."):-len(".missed")])
+        if i >= 0 and k.endswith(suffix) and v:
+            out.add(k[i + len("pair."):-len(suffix)])
     return sorted(out)
 
 
@@ -124,6 +125,7 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
             "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
             "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": missed_pairs(m),
+            "cannot_run": missed_pairs(m, ".cannot_run"),
         })
     regressions = []
     from .mlflow_tracking import REGRESSION
@@ -265,6 +267,14 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
     else:
         lines.append("None: every demonstration the campaigns in this window ran was caught.")
     lines.append("")
+    cannot = [(c, name) for c in window for name in c.get("cannot_run", ())]
+    if cannot:  # a pair's own setup failed (a checkpoint that is gone): nothing of it was tested
+        lines += [f"## Pairs that could not run ({len(cannot)})", "",
+                  "These raised a harness error (their own setup: a checkpoint that is gone, a setting they refuse), "
+                  "so nothing of them was tested; the campaign's log says what to fix.", "",
+                  "| pair | campaign started (UTC) | seed | run |", "|---|---|---|---|"]
+        lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {c['run_id'][:12]} |" for c, name in cannot]
+        lines.append("")
     titles = {"new": "New", "recurring": "Recurring", "fixed": "Fixed"}
     for key in ("new", "recurring", "fixed"):
         rows = groups[key]

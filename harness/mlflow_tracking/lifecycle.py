@@ -55,7 +55,10 @@ def finish_campaign(store: Store, run_id: str, metrics: dict[str, float], label:
     prefix = f"{label}." if label else ""
     missed = sorted(k[len("pair."):-len(".missed")] for k, v in metrics.items()
                     if k.startswith("pair.") and k.endswith(".missed") and v)
-    tags = _tags({f"harness.{prefix}missed_demonstrations": ",".join(missed)[:5000]}) if missed else []
+    cannot = sorted(k[len("pair."):-len(".cannot_run")] for k, v in metrics.items()
+                    if k.startswith("pair.") and k.endswith(".cannot_run") and v)
+    tags = _tags({**({f"harness.{prefix}missed_demonstrations": ",".join(missed)[:5000]} if missed else {}),
+                  **({f"harness.{prefix}cannot_run": ",".join(cannot)[:5000]} if cannot else {})})
     with store.lock():
         store.client.log_batch(run_id, metrics=[Metric(prefix + k, v, ts, 0) for k, v in metrics.items()], tags=tags)
         if not label:

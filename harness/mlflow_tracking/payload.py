@@ -66,9 +66,13 @@ def campaign_metrics(result: Any) -> dict[str, float]:
     demos = [r for r in results if getattr(r, "expected", "") == "diverges"]
     out["demonstrations"] = float(len(demos))
     out["missed_demonstrations"] = float(sum(1 for r in demos if r.verdict == "MISSED"))
+    # pairs that raised a harness error (their own setup, not their paths: no finding is recorded)
+    out["pairs_cannot_run"] = float(sum(1 for r in results if r.verdict == "CANNOT RUN"))
     for r in results:  # per pair, as the morning report reads them
         out[f"pair.{r.pair}.cases"] = float(r.examples)
         out[f"pair.{r.pair}.cases_per_second"] = float(r.rate)
+        if r.verdict == "CANNOT RUN":
+            out[f"pair.{r.pair}.cannot_run"] = 1.0
         if r in demos:
             out[f"pair.{r.pair}.missed"] = float(r.verdict == "MISSED")
     return out

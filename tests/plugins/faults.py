@@ -1,6 +1,7 @@
 """Pairs that misbehave on purpose, for the fault-injection tests (tests/faults/): a hang, a segfault,
-an abort, a hang on every case, a slow start in every process then a segfault, and a cheap
-demonstration that always diverges (slowly, on request)."""
+an abort, a hang on every case, a slow start in every process then a segfault, a cheap
+demonstration that always diverges (slowly, on request), and two that cannot run here (a harness
+error from their own setup: on every case, or on batches of 2+ sequences)."""
 import os
 import signal
 import time
@@ -8,6 +9,7 @@ import time
 import torch
 
 from harness import Axes, Outcome, TargetPair, register
+from harness.errors import UsageError
 
 AX = Axes(n_seqs=(1, 4), seq_len=(1, 8))
 
@@ -78,3 +80,19 @@ for name, rollout, expected in (("faults.hang", hangs_on_batches, "aligned"),
                                 ("faults.diverges", flattened, "diverges")):
     register(TargetPair(name=name, kind="op", expected=expected, build=build, trainer=fine, rollout=rollout,
                         axes=AX, description=f"fault injection: {name.split('.')[1]}"))
+
+
+def build_from_a_gone_checkpoint(case, device):  # a checkpoint folder that is not there
+    raise UsageError("the checkpoint folder /nonexistent/faults-ckpt is gone; point the pair at an existing one")
+
+
+def build_refusing_batches(case, device):  # an engine setting that refuses batched cases
+    if case.batch_size >= 2:
+        raise UsageError(f"batch {case.batch_size} is not supported with max_num_seqs=1; raise max_num_seqs")
+    return build(case, device)
+
+
+register(TargetPair(name="faults.setup_gone", kind="op", expected="aligned", build=build_from_a_gone_checkpoint,
+                    trainer=fine, rollout=fine, axes=AX, description="fault injection: its checkpoint is gone"))
+register(TargetPair(name="faults.setup_batches", kind="op", expected="aligned", build=build_refusing_batches,
+                    trainer=fine, rollout=fine, axes=AX, description="fault injection: refuses batches"))

@@ -41,6 +41,30 @@ def test_a_missed_demonstration_is_on_the_campaign_run_and_in_the_report(fresh_c
     text = render(campaigns, regressions, now - dt.timedelta(hours=1), now, None, "uri")
     assert "## Missed demonstrations (1)" in text
     assert f"| rotary.bf16_angles | {campaigns[0]['start']:%Y-%m-%d %H:%M} | 3 |" in text
+    assert "could not run" not in text
+
+
+def test_a_pair_that_cannot_run_is_on_the_campaign_run_and_in_the_report_not_a_regression(fresh_cwd):
+    from harness.mlflow_tracking import MlflowTracker, Store
+    from harness.report import read_store, render
+
+    pairs = [REGISTRY.get("linear.aligned")]
+    cfg = CampaignConfig(pairs=pairs, seed=4)
+    tracker = MlflowTracker(log=lambda m: None)
+    tracker.campaign_started(cfg, 4, pairs)
+    result = CampaignResult(seed=4, config=cfg, seconds=1.0, results=[
+        PairResult("linear.aligned", "aligned", setup_error="linear.aligned cannot run here: ...")])
+    assert result.results[0].verdict == "CANNOT RUN"
+    tracker.campaign_finished(result)
+    [run] = Store().search("tags.`harness.kind` = 'campaign'")
+    assert run.data.metrics["pairs_cannot_run"] == 1 and run.data.metrics["pair.linear.aligned.cannot_run"] == 1
+    assert run.data.tags["harness.cannot_run"] == "linear.aligned"
+    campaigns, regressions = read_store(None)
+    assert regressions == []
+    now = dt.datetime.now(dt.timezone.utc)
+    text = render(campaigns, regressions, now - dt.timedelta(hours=1), now, None, "uri")
+    assert "## Pairs that could not run (1)" in text
+    assert f"| linear.aligned | {campaigns[0]['start']:%Y-%m-%d %H:%M} | 4 |" in text
 
 
 def test_a_finding_the_corpus_had_is_logged_with_the_corpus_minimal_case(fresh_cwd):
