@@ -5,9 +5,9 @@ A campaign hands each case to a `Worker`: a child process, started with the `for
 server is a fresh single-threaded process that has imported torch and the engine once, so a worker
 that replaces a dead one starts in milliseconds, not the seconds of an import), that owns one device
 and is reused for every case of every pair until it dies. Only the case goes in; the pair's build,
-both paths and the metrics run in the worker, and only the `Evaluation` comes back (symptom,
-metrics, error; never the outcomes), so tensors stay on their device and the pipe carries a few
-hundred bytes. The pipe connects the campaign to its own child: nothing read from a file or a
+both paths and the metrics run in the worker, and only the verdict comes back (a passing case's
+metrics as plain values; a failing case's whole `Evaluation`: symptom, metrics, error; never the
+outcomes), so tensors stay on their device and the pipe carries a few hundred bytes. The pipe connects the campaign to its own child: nothing read from a file or a
 network is ever unpickled.
 
 What the supervisor turns into findings:
@@ -213,6 +213,12 @@ class Worker:
                 msg = None
             if msg is not None:
                 kind, payload = msg
+                if kind == "pass":  # a passing case: its metrics (see `serve`)
+                    from .metrics import METRIC_KEYS, Divergence
+
+                    values, fired, flips = payload
+                    return Evaluation(pair.name, case, Symptom.NONE, divergence=Divergence(
+                        **dict(zip(METRIC_KEYS, values)), fired=fired, flips_per_layer=flips))
                 if kind == "ok":
                     return payload
                 raise WorkerError(payload)
@@ -303,6 +309,7 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
 
     torch.set_num_threads(threads)
     from .execute import run_case
+    from .metrics import METRIC_KEYS
 
     pairs: dict[tuple[str, str], Any] = {}
     conn.send(("ready",))
@@ -328,8 +335,12 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
 
             ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
         if not ev.failed and ev.divergence is not None:
-            ev.divergence.per_token = {}  # a passing case's verdict is all the campaign keeps
-        elif ev.failed:  # what the pair ran on, for its repro's environment (imported here, not in the campaign)
+            # a passing case's verdict is all the campaign keeps: its metrics as plain values (the campaign
+            # has the case; pickling the whole Evaluation cost 20x more, on every case)
+            d = ev.divergence
+            conn.send(("pass", (tuple(getattr(d, k) for k in METRIC_KEYS), d.fired, d.flips_per_layer)))
+            continue
+        if ev.failed:  # what the pair ran on, for its repro's environment (imported here, not in the campaign)
             from .corpus import backend_versions
 
             ev.backends = backend_versions()

@@ -333,3 +333,26 @@ def test_what_a_target_prints_stays_off_the_campaigns_stdout(tmp_path, harness_c
         "rollout = trainer\n"), examples=3)
     assert code == 0, err
     assert "CHATTY-ENGINE" not in out and "CHATTY-ENGINE" in err and "chatty.pair" in out
+
+
+def test_a_passing_case_comes_back_from_the_worker_with_every_metric_bit_for_bit():
+    """A passing case's verdict travels as plain values (not the pickled Evaluation): the metrics,
+    the verdict's `fired` and the routing flips per layer are those of the same case in-process."""
+    import dataclasses
+
+    from harness import REGISTRY, Case
+    from harness.execute import Symptom, run_case
+    from harness.worker import Worker
+
+    with Worker("cpu") as worker:
+        for name in ("attention.aligned", "router.topk_softmax", "moe_aggregate.aligned"):
+            pair = REGISTRY.get(name)
+            case = Case(seed=11, seq_lens=(5, 3, 7), n_experts=8, top_k=2, tie_fraction=0.5)
+            here, there = run_case(pair, case), worker.evaluate(pair, case, 1e-3)
+            assert here.symptom is there.symptom is Symptom.NONE, name
+            assert there.case is case and there.pair == name and there.error is None
+            a, b = dataclasses.asdict(here.divergence), dataclasses.asdict(there.divergence)
+            a.pop("per_token"), b.pop("per_token")
+            assert a == b, name
+            if name == "router.topk_softmax":
+                assert there.divergence.flips_per_layer, name  # (a routed pair: the flips came back too)
