@@ -392,6 +392,8 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
                 f"-> now {verdict} {ev.headline}; bit-for-bit "
                 + ("yes" if res.compared and res.bit_for_bit else "no" if res.compared else
+                   "not compared (its case was edited since it was recorded: the recorded metrics are another "
+                   "case's; `harness rerecord FILE` records this case's)" if r.case_edited else
                    "not compared (a fixed repro that replays clean: its recorded metrics are the bug's)"))
         if not res.bit_for_bit:
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
@@ -401,6 +403,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         out.append({"file": str(r.path) if r.path else None, "id": r.id, "pair": r.pair, "status": r.status,
                     "recorded_symptom": r.symptom, "symptom": ev.symptom.value, "k3": ev.k3,
                     "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit if res.compared else None,
+                    "case_edited": r.case_edited,
                     "mismatches": {k: [str(a), str(b)] for k, (a, b) in res.mismatches.items()}})
         if not as_json:
             click.echo(line)

@@ -370,6 +370,11 @@ class Repro:
     tracking: dict[str, Any] = field(default_factory=dict)
     loader: dict[str, str] = field(default_factory=dict)  # how the pair was loaded (see loader_of)
     extra: dict[str, Any] = field(default_factory=dict)  # fields this version does not read, kept as they are
+    # `case_fingerprint` of the case the metrics were recorded with ("" in files written before it
+    # existed), and whether the file's case no longer matches it (edited by hand since): its
+    # recorded metrics are another case's, so a replay does not compare them
+    case_fingerprint: str = ""
+    case_edited: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -382,7 +387,9 @@ class Repro:
                if self.base_signature and self.base_signature != self.signature else {}),
             "status": self.status,
             "threshold": self.threshold,
-            "case": self.case.to_json(),
+            "case": (case := self.case.to_json()),
+            # (an edited case keeps the fingerprint of the one its metrics are of, until rerecorded)
+            "case_fingerprint": self.case_fingerprint if self.case_edited else case_fingerprint(case),
             "metrics": {k: encode_float(v) for k, v in self.metrics.items()},
             "error": self.error,
             "environment": self.environment,
@@ -638,6 +645,9 @@ def validate_repro_json(data: Any, where: str) -> None:
     for name in ("signature", "base_signature"):
         if name in data and (not isinstance(data[name], str) or len(data[name]) > 256):
             bad(name, data[name], "must be a string (the finding's hex signature)")
+    fp = data.get("case_fingerprint")
+    if fp is not None and (not isinstance(fp, str) or not re.fullmatch(r"[0-9a-f]{0,64}", fp)):
+        bad("case_fingerprint", fp, "must be the hex fingerprint the harness wrote (or leave it out)")
     if "threshold" in data:
         t = data["threshold"]
         if not _is_number(t) or not math.isfinite(t) or t <= 0:
@@ -716,7 +726,8 @@ def repro_from_json(data: Any, where: str, path: Path | None = None) -> Repro:
         raise UsageError(f"{where} holds an invalid case: {e} Fix the field or re-record the repro.") from None
     check_case_size(case, where)
     known = {"schema", "id", "pair", "symptom", "signature", "base_signature", "status", "threshold", "case",
-             "metrics", "error", "environment", "loader", "found", "history", "tracking"}
+             "case_fingerprint", "metrics", "error", "environment", "loader", "found", "history", "tracking"}
+    recorded_fp = str(data.get("case_fingerprint") or "")
     return Repro(
         path=path, id=str(data.get("id") or (path.stem if path else "")), pair=data["pair"],
         symptom=data.get("symptom", "divergence"), signature=data.get("signature", ""),
@@ -726,7 +737,14 @@ def repro_from_json(data: Any, where: str, path: Path | None = None) -> Repro:
         environment=data.get("environment") or {}, found=data.get("found") or {},
         history=list(data.get("history") or []), tracking=dict(data.get("tracking") or {}),
         loader=dict(data.get("loader") or {}), extra={k: v for k, v in data.items() if k not in known},
+        case_fingerprint=recorded_fp, case_edited=bool(recorded_fp) and recorded_fp != case_fingerprint(data["case"]),
     )
+
+
+def case_fingerprint(case_json: Any) -> str:
+    """A short hash of a case as a repro stores it (its JSON object): a hand edit of any field changes it."""
+    text = json.dumps(case_json, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def iter_corpus(corpus_dir: str | Path) -> list[Path]:
@@ -748,8 +766,9 @@ class ReplayResult:
     @property
     def compared(self) -> bool:
         """Whether the recorded metrics are the ones to reproduce: not for a `fixed` repro that replays
-        clean (they are the bug's; the fix is judged by the verdict alone)."""
-        return not (self.repro.status == "fixed" and not self.evaluation.failed)
+        clean (they are the bug's; the fix is judged by the verdict alone), nor for a case edited by
+        hand since it was recorded (they are another case's; `Repro.case_edited`)."""
+        return not self.repro.case_edited and not (self.repro.status == "fixed" and not self.evaluation.failed)
 
     @property
     def bit_for_bit(self) -> bool:

@@ -9,6 +9,10 @@ repro still clean), writes the new metrics into the file, rewrites the case in t
 `rerecorded` entry to its history. A file that did not record the torch thread count it was found
 with gets this process's (the count its new metrics were computed with; replay uses it). A repro whose verdict changed is left untouched and reported:
 that is a behaviour change for a person to look at, not a rounding change.
+
+A repro whose case was edited by hand since it was recorded (its `case_fingerprint` no longer
+matches; replay then does not compare its metrics, which are another case's) gets the edited
+case's metrics and fingerprint, under the same rule.
 """
 
 from __future__ import annotations
@@ -42,20 +46,22 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     if not keeps:
         return "verdict changed", (f"recorded {repro.symptom} ({repro.status}), replay gives {ev.symptom.value} "
                                    f"{ev.headline}")
-    if not res.compared:  # fixed and clean: the recorded metrics document the bug; nothing to redo
+    if not res.compared and not repro.case_edited:  # fixed and clean: the metrics document the bug
         return "unchanged", "fixed: its metrics are the bug's, kept as they are"
     new_metrics = corpus.metrics_json(ev) if ev.divergence is not None else repro.metrics
     threads = recorded_threads(repro.environment)
     recorded = {k: corpus.encode_float(v) for k, v in repro.metrics.items()}  # (NaN == NaN as "nan")
-    if new_metrics == recorded and repro.to_json()["case"] == repro.case.to_json() and threads is not None:
+    if new_metrics == recorded and not repro.case_edited and threads is not None:
         return "unchanged", ""
+    edited, repro.case_edited = repro.case_edited, False  # (the metrics are now this case's: a new fingerprint)
     repro.metrics = new_metrics
     if threads is None:  # replayed with this process's thread count: the metrics are that count's
         import torch
 
         repro.environment = {**repro.environment, "torch_threads": torch.get_num_threads()}
     repro.history.append({"event": "rerecorded", "at": corpus.now_iso(),
-                          "note": "metrics recomputed by this harness version; verdict unchanged"})
+                          "note": "metrics recomputed for the case as edited by hand; verdict unchanged" if edited
+                          else "metrics recomputed by this harness version; verdict unchanged"})
     repro.save(path)
     return "rewritten", ev.headline
 

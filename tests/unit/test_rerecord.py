@@ -65,3 +65,39 @@ def test_a_fixed_repro_that_replays_clean_keeps_the_bugs_metrics(tmp_path, harne
     assert rerecord_file(path)[0] == "unchanged" and path.read_text() == before
     code, out, err = harness_cli("replay", str(path))
     assert code == 0 and "-> now clean" in out and "bit-for-bit not compared (a fixed repro" in out, out + err
+
+
+def test_a_case_edited_by_hand_is_not_compared_until_rerecorded(tmp_path, harness_cli):
+    """A person trying a variant of a repro edits its case: the recorded metrics are then another
+    case's, so replay says so instead of listing metric "mismatches"; a save for another reason keeps
+    the old fingerprint; rerecord records the edited case's metrics and fingerprint."""
+    from harness.corpus import load_repro, replay
+
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    assert data["case_fingerprint"] and not load_repro(path).case_edited  # (the corpus files carry one)
+    data["case"]["seed"] = data["case"]["seed"] + 1
+    path.write_text(json.dumps(data))
+    repro = load_repro(path)
+    assert repro.case_edited
+    res = replay(repro)
+    assert res.evaluation.failed and not res.compared and res.bit_for_bit
+    rc, out, err = harness_cli("replay", str(path))
+    assert rc == 1 and "bit-for-bit not compared (its case was edited since it was recorded" in out, (out, err)
+    repro.save()  # e.g. `harness regressions close` changing its status: still the old case's metrics
+    assert load_repro(path).case_edited
+    assert rerecord_file(path)[0] == "rewritten"
+    after = load_repro(path)
+    assert not after.case_edited and after.case.seed == data["case"]["seed"]
+    assert "edited by hand" in after.history[-1]["note"]
+    again = replay(after)
+    assert again.compared and again.bit_for_bit, again.mismatches
+
+
+def test_a_bad_fingerprint_is_a_usage_error(tmp_path, harness_cli):
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data["case_fingerprint"] = "not hex!"
+    path.write_text(json.dumps(data))
+    rc, out, err = harness_cli("replay", str(path))
+    assert rc == 2 and "field 'case_fingerprint'" in err and "Traceback" not in err
