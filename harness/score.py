@@ -357,7 +357,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
     res = ScoreResult(out_dir=out_dir)
     if tracker is not None:
         cfg = SimpleNamespace(threshold=threshold, device=device, max_examples=None, budget=None, profile="score",
-                              shard=None)
+                              shard=None, run_name=f"score {Path(path).name} with {pair.name}")
         tracker.campaign_started(cfg, 0, [pair])
 
     def one(item: tuple[int, Any]) -> None:

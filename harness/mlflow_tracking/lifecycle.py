@@ -41,7 +41,8 @@ def start_campaign(store: Store, camp: dict[str, Any]) -> str:
             return run.info.run_id
         run = store.client.create_run(
             store.experiment_id, start_time=camp.get("started_ms"),
-            run_name=f"campaign seed {camp['seed']}" + ("" if camp["shard"] == "none" else f" shard {camp['shard']}"),
+            run_name=camp.get("run_name") or (f"campaign seed {camp['seed']}"
+                                              + ("" if camp["shard"] == "none" else f" shard {camp['shard']}")),
             tags={"harness.kind": CAMPAIGN, "harness.campaign_uid": camp["uid"], "harness.started": camp["started"]})
         store.client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in camp["params"].items()])
     return run.info.run_id

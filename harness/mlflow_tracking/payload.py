@@ -48,7 +48,8 @@ def campaign_payload(cfg: Any, seed: int, pairs: list, uid: str) -> dict[str, An
         "git_commit": git_commit() or "unknown",
     }
     return {"uid": uid, "params": {k: str(v) for k, v in params.items()}, "started": now_iso(),
-            "started_ms": int(time.time() * 1000), "seed": seed, "shard": params["shard"]}
+            "started_ms": int(time.time() * 1000), "seed": seed, "shard": params["shard"],
+            "run_name": getattr(cfg, "run_name", None)}  # (None: "campaign seed N")
 
 
 def campaign_metrics(result: Any) -> dict[str, float]:

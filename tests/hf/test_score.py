@@ -120,6 +120,7 @@ def test_score_logs_a_campaign_run_with_the_batch_metrics(aligned_file, tmp_path
     [run] = client.search_runs([exp.experiment_id])
     assert run.data.metrics["score.k3_kl"] == pytest.approx(res.batch["k3_kl"], abs=1e-15)
     assert run.data.metrics["cases"] == 12
+    assert run.info.run_name == f"score {aligned_file.name} with hf.qwen3_moe.aligned"  # not "campaign seed 0"
     assert {a.path for a in client.list_artifacts(run.info.run_id, "score")} >= {"score/k3_hist.png"}
 
 
