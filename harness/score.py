@@ -303,8 +303,13 @@ def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None
 
 
 def batch_metrics(scored: list[Scored]) -> dict[str, float]:
-    """Batch metrics over every scored token, under verl's rollout-correction names."""
+    """Batch metrics under verl's rollout-correction names, with its weighting: token means over every
+    scored token of the batch (`k3_kl`, `kl`, `chi2_token`, `pearson`, `flip_rate`: a long sample
+    weighs more), sequence means (`log_ppl_diff`, `ppl_ratio`: each sample's own mean first),
+    maxima over tokens (`max_abs_dlogp`, `probs_diff_max`) and over samples (`k3_seq_max`)."""
     import numpy as np
+
+    from .metrics import k3_of
 
     if not scored:
         return {}
@@ -313,7 +318,8 @@ def batch_metrics(scored: list[Scored]) -> dict[str, float]:
     lr = np.concatenate([np.asarray(s.evaluation.divergence.per_token["logp_rollout"], dtype=np.float64)
                          for s in scored])
     d = lt - lr
-    k3 = np.expm1(d) - d
+    k3 = k3_of(d)  # (its Taylor series for a small log-ratio: expm1(d) - d loses digits there)
+    kl = np.concatenate([np.asarray(s.evaluation.divergence.per_token["kl"], dtype=np.float64) for s in scored])
     per_seq = [float(np.mean(np.asarray(s.evaluation.divergence.per_token["logp_trainer"]) -
                              np.asarray(s.evaluation.divergence.per_token["logp_rollout"]))) for s in scored]
     pt, pr = np.exp(lt), np.exp(lr)
@@ -324,7 +330,7 @@ def batch_metrics(scored: list[Scored]) -> dict[str, float]:
     return {
         "k3_kl": float(k3.mean()),
         "k3_seq_max": float(max(s.metrics["k3_kl"] for s in scored)),
-        "kl": float(np.mean([s.metrics["kl"] for s in scored])),
+        "kl": float(kl.mean()),  # the exact KL per position, averaged over every position
         "log_ppl_diff": float(np.mean(per_seq)),
         "ppl_ratio": float(np.mean(np.exp(per_seq))),
         "chi2_token": float(np.exp(2 * d).mean() - 1),

@@ -59,6 +59,14 @@ def test_aligned_rollouts_are_all_under_the_line(aligned_file, tmp_path):
     assert all(s.metrics["k3_kl"] < 1e-8 for s in res.scored)
     assert res.batch["k3_kl"] < 1e-8 and abs(res.batch["ppl_ratio"] - 1) < 1e-5
     assert res.batch["flip_rate"] == 0.0
+    # token means (verl's weighting): a long sample weighs more; log_ppl_diff is a mean of sample means
+    n = [s.metrics["n_tokens"] for s in res.scored]
+    for key in ("k3_kl", "kl"):
+        want = sum(s.metrics[key] * m for s, m in zip(res.scored, n)) / sum(n)
+        assert res.batch[key] == pytest.approx(want, rel=1e-9, abs=1e-300), key
+    assert len(set(n)) > 1  # (the weighting is tested only if the samples differ in length)
+    assert res.batch["log_ppl_diff"] == pytest.approx(sum(s.metrics["log_ppl_diff"] for s in res.scored) / len(n),
+                                                      rel=1e-9, abs=1e-300)
     for name in ("samples.csv", "summary.json", "k3_hist.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
 
