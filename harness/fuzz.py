@@ -1039,7 +1039,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         r = PairResult(unit.pair.name, unit.pair.expected)
         evaluate = executor.evaluator(unit.pair, end, cfg, deadline, False)
         rnd = 1
-        while not r.findings and time.monotonic() < deadline - ROUND_MIN_LEFT:
+        while not r.findings and not r.setup_error and time.monotonic() < deadline - ROUND_MIN_LEFT:
             more = fuzz_pair(unit.pair, cfg, round_seed(seed, unit.pair.name, unit.stream, unit.streams, rnd),
                              deadline, progress, evaluate=evaluate, max_examples=examples_of(unit), wall=end)
             if not more.examples:
