@@ -69,9 +69,15 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
 @click.command("rerecord")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--device", default="cpu", show_default=True, help="Device to replay on.")
-def rerecord_command(paths: tuple[Path, ...], device: str) -> None:
+@click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
+              help="Load target pairs from a Python file or an importable module (repeatable): a repro of a "
+                   "plugin kept outside this repository needs it.")
+def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, ...]) -> None:
     """Replay repros and rewrite their recorded metrics where the verdict is unchanged."""
     from . import corpus
+    from .cli import load_plugins
+
+    load_plugins(plugins)
 
     files: list[Path] = []
     for p in paths:
@@ -82,4 +88,6 @@ def rerecord_command(paths: tuple[Path, ...], device: str) -> None:
         counts[outcome] = counts.get(outcome, 0) + 1
         click.echo(f"{outcome:15s} {f}" + (f"  ({detail})" if detail else ""))
     click.echo(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    sys.exit(1 if counts.get("verdict changed") or counts.get("skipped") else 0)
+    # as `replay`: 1 when a verdict changed (a behaviour change to look at), else 2 when a repro could not
+    # be replayed here (its reason is printed beside it), else 0
+    sys.exit(1 if counts.get("verdict changed") else 2 if counts.get("skipped") else 0)

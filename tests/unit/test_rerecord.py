@@ -101,3 +101,30 @@ def test_a_bad_fingerprint_is_a_usage_error(tmp_path, harness_cli):
     path.write_text(json.dumps(data))
     rc, out, err = harness_cli("replay", str(path))
     assert rc == 2 and "field 'case_fingerprint'" in err and "Traceback" not in err
+
+
+OUTSIDE_PLUGIN = '''
+import torch
+from harness import Axes, Outcome, TargetPair, register
+
+def build(case, device):
+    return {"x": case.randn((case.n_tokens, 16), "x", device=device)}
+
+register(TargetPair(name="outside.diverges", kind="op", expected="diverges", build=build,
+                    trainer=lambda i: Outcome(logprobs=torch.log_softmax(i["x"], -1)),
+                    rollout=lambda i: Outcome(logprobs=torch.log_softmax(i["x"] * 0.5, -1)),
+                    axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))
+'''
+
+
+def test_a_repro_of_a_plugin_outside_the_repository_is_rerecorded_with_plugin(tmp_path, harness_cli):
+    plugin = tmp_path / "outside_pairs.py"
+    plugin.write_text(OUTSIDE_PLUGIN)
+    rc, out, err = harness_cli("fuzz", "--plugin", str(plugin), "outside.diverges", "--max-examples", "5", "--seed",
+                               "1", "--corpus", str(tmp_path / "corpus"), "--no-tracking", cwd=tmp_path)
+    assert rc == 1, (out, err)
+    [path] = (tmp_path / "corpus").rglob("*.json")
+    rc, out, err = harness_cli("rerecord", str(path), cwd=tmp_path)
+    assert rc == 2 and "skipped" in out and "--plugin" in out, (out, err)  # (as replay: cannot be replayed here)
+    rc, out, err = harness_cli("rerecord", "--plugin", str(plugin), str(path), cwd=tmp_path)
+    assert rc == 0 and "unchanged" in out, (out, err)
