@@ -174,6 +174,7 @@ class FuzzSession:
         self.tracking_uri = opt("harness_tracking_uri")
         self.results: list[dict] = []  # this process's pair results (serialised)
         self.campaign_run_id: str | None = None
+        self.campaign_uid: str | None = None  # the controller's campaign: what a regression counts as seen by
         self.tracker: Any = None
         self.tracking_error: str | None = None
         self.start = time.time()
@@ -184,6 +185,7 @@ class FuzzSession:
             self.seed = shared["seed"]
             self.seed_origin = shared["seed_origin"]
             self.campaign_run_id = shared["campaign_run_id"]
+            self.campaign_uid = shared.get("campaign_uid")
             self.tracking_uri = shared["tracking_uri"]
             self.unit_list = shared.get("units")
         else:
@@ -280,7 +282,10 @@ class FuzzSession:
             try:
                 from harness.mlflow_tracking import MlflowTracker
 
-                self.tracker = MlflowTracker(self.tracking_uri, log=_log, campaign_run_id=self.campaign_run_id)
+                # (the controller's campaign uid: two workers running streams of one pair are one campaign,
+                # so a regression both find is seen once, not once per worker)
+                self.tracker = MlflowTracker(self.tracking_uri, log=_log, campaign_run_id=self.campaign_run_id,
+                                             campaign_uid=self.campaign_uid)
                 pairs = pairs if pairs is not None else self.select()
                 self.tracker.campaign_started(self.campaign_config(pairs), self.seed, pairs)  # attaches: creates nothing
             except Exception as e:
@@ -697,6 +702,7 @@ class _XdistController:
         s = self.session
         node.workerinput["harness"] = {"seed": s.seed, "seed_origin": s.seed_origin, "started": s.started,
                                        "campaign_run_id": s.campaign_run_id,
+                                       "campaign_uid": getattr(s.tracker, "uid", None),
                                        "tracking_uri": getattr(s.tracker, "uri", s.tracking_uri),
                                        "units": s.units()}
 

@@ -26,13 +26,18 @@ class MlflowTracker:
     """
 
     def __init__(self, uri: str | None = None, log: Callable[[str], None] | None = None,
-                 campaign_run_id: str | None = None, spool_dir: str | Path | None = None) -> None:
+                 campaign_run_id: str | None = None, spool_dir: str | Path | None = None,
+                 campaign_uid: str | None = None) -> None:
         self.uri = resolve_uri(uri)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.spool_dir = Path(spool_dir).resolve() if spool_dir else default_spool()
         self.shared_run_id = campaign_run_id
         self.run_id: str | None = campaign_run_id
-        self.uid = uuid.uuid4().hex
+        self.uid = uuid.uuid4().hex  # this tracker's (its spool folder)
+        # the campaign a regression counts as seen by: this one's, or (`campaign_uid`, a pytest-xdist
+        # worker attached to the controller's run) the controller's, so that workers running streams of
+        # one pair count once per campaign, as the README says
+        self.seen_uid = campaign_uid or self.uid
         self.store: Store | None = None
         self.offline_reason: str | None = None
         self.campaign: dict[str, Any] | None = None
@@ -71,7 +76,7 @@ class MlflowTracker:
             payload = finding_payload(finding, getattr(cfg, "threshold", 1e-3), self.seed,
                                       getattr(cfg, "device", "cpu"))
             if self.store is not None:
-                run_id, what = log_regression(self.store, payload, self.run_id, self.uid)
+                run_id, what = log_regression(self.store, payload, self.run_id, self.seen_uid)
                 self.logged[finding.id] = (run_id, what)
                 if what == "reopened":
                     self.log(f"  mlflow: regression {finding.id} was marked fixed and is seen again: reopened "
@@ -151,7 +156,7 @@ class MlflowTracker:
 
     def _spool_campaign(self) -> None:
         camp = dict(self.campaign or {})
-        camp.update({"schema": PENDING_SCHEMA, "kind": "campaign", "uri": self.uri,
+        camp.update({"schema": PENDING_SCHEMA, "kind": "campaign", "uri": self.uri, "seen_uid": self.seen_uid,
                      "shared": bool(self.shared_run_id), "label": self._label(),
                      "offline_reason": self.offline_reason})
         self._spool("campaign.json", camp, count=False)

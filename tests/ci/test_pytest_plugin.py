@@ -210,6 +210,9 @@ def test_xdist_one_summary_one_campaign_run(tmp_path):
     regressions = client.search_runs([exp.experiment_id], "tags.`harness.kind` = 'regression'")
     assert [r.data.tags["harness.pair"] for r in regressions] == ["router_topk.bf16"]
     assert regressions[0].data.tags["mlflow.parentRunId"] == camp.info.run_id  # logged by a worker, under it
+    # ... and seen by the controller's campaign (workers running streams of one pair count once)
+    seen_by = [k for k in regressions[0].data.tags if k.startswith("harness.seen_by.")]
+    assert seen_by == [f"harness.seen_by.{camp.data.tags['harness.campaign_uid']}"]
 
     # the morning report reads the per-pair cases the controller logged on the campaign run
     from click.testing import CliRunner

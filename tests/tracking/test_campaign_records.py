@@ -116,3 +116,37 @@ def test_the_note_of_a_plugin_pair_replays_as_printed(fresh_cwd, monkeypatch):
 
     assert replay_command({"corpus_path": str(f.path), "run_id": run_id}) == \
         f"harness replay --plugin {plugin} corpora/{pair.name}/{f.id}.json"
+
+
+def test_workers_attached_to_one_campaign_count_a_regression_once(fresh_cwd):
+    """pytest-xdist workers running streams of one pair attach to the controller's campaign run with
+    its uid: a regression both find is seen once by that campaign, live or uploaded from a spool."""
+    from harness.fuzz import CampaignConfig
+    from harness.mlflow_tracking import MlflowTracker, Store, resolve_uri, sync_pending
+
+    f = make_finding(fresh_cwd)
+    controller = MlflowTracker(log=lambda m: None, spool_dir=fresh_cwd / "spool")
+    cfg = CampaignConfig(pairs=[REGISTRY.get(f.pair)], seed=7)
+    controller.campaign_started(cfg, 7, cfg.pairs)
+    workers = [MlflowTracker(log=lambda m: None, campaign_run_id=controller.run_id, campaign_uid=controller.uid,
+                             spool_dir=fresh_cwd / "spool") for _ in range(2)]
+    for w in workers:
+        w.campaign_started(cfg, 7, cfg.pairs)
+        w.finding(f)
+    assert [w.logged[f.id][1] for w in workers] == ["created", "already"]
+    [reg] = Store().search("tags.`harness.kind` = 'regression'")
+    assert reg.data.tags["harness.seen_count"] == "1"
+    # a later campaign: its two workers count it once more, one of them through the spool (offline)
+    controller2 = MlflowTracker(log=lambda m: None, spool_dir=fresh_cwd / "spool")
+    controller2.campaign_started(cfg, 8, cfg.pairs)
+    live = MlflowTracker(log=lambda m: None, campaign_run_id=controller2.run_id, campaign_uid=controller2.uid,
+                         spool_dir=fresh_cwd / "spool")
+    offline = MlflowTracker("http://127.0.0.1:9", log=lambda m: None, campaign_run_id=controller2.run_id,
+                            campaign_uid=controller2.uid, spool_dir=fresh_cwd / "spool")
+    for w in (live, offline):
+        w.campaign_started(cfg, 8, cfg.pairs)
+        w.finding(f)
+    assert offline.spooled
+    assert sync_pending(resolve_uri(None), fresh_cwd / "spool", log=lambda m: None)["seen"] == 0  # already seen live
+    [reg] = Store().search("tags.`harness.kind` = 'regression'")
+    assert reg.data.tags["harness.seen_count"] == "2"
