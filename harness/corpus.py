@@ -532,6 +532,13 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
         candidates += [(p, r) for p, r in _repros_of(folder) if p != path and r.base_signature == base]
         gone = []
         for p, old in candidates:
+            if old.case_edited and old.case != finding.case:
+                # its case is not the one it was recorded with, so running it says nothing of which
+                # bug the file holds: the same one, as when it cannot tell
+                log(f"  {finding.pair}: the case of {p} was edited by hand since it was recorded; this "
+                    f"{finding.symptom.value} is counted as its bug, not checked against it (restore the case "
+                    "from git, or `harness rerecord` it)")
+                return _known(finding, p, old, campaign_seed)
             if old.case == finding.case or reproduces(old.case):
                 return _known(finding, p, old, campaign_seed)
             gone.append(p)
@@ -595,6 +602,7 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int) -> Path:
         old.history.append({"at": now_iso(), "event": "shrunk further", "campaign_seed": campaign_seed,
                             "replaced_case": old.case.to_json(), "replaced_metrics": old.metrics})
         old.case, old.metrics, old.error = finding.case, metrics_json(finding.evaluation), finding.evaluation.error
+        old.case_edited = False  # (metrics and case agree again: a fresh fingerprint)
         old.found = {**old.found, "shrink_complete": bool(finding.shrink_complete)}
         changed = True
     if changed:

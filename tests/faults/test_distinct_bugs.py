@@ -91,6 +91,24 @@ def test_a_repro_whose_shrinking_was_cut_short_takes_a_smaller_case(pair, tmp_pa
     assert json.loads(first.path.read_text()) == data
 
 
+def test_a_repro_whose_case_was_edited_by_hand_is_not_taken_for_a_fixed_bug(pair, tmp_path):
+    """Someone tried a variant by editing the repro's case (to one that passes): the next campaign
+    cannot tell from that case which bug the file holds, so it counts the finding as its bug and says
+    why, instead of filing a duplicate "new" repro and saying to close a bug that is not fixed."""
+    corpus = tmp_path / "corpora"
+    first = _campaign(pair, corpus, "batch")
+    data = json.loads(first.path.read_text())
+    data["case"] = {**data["case"], "seq_lens": [1], "seq_ids": [], "order": [], "probe": 0}  # one sequence: passes
+    first.path.write_text(json.dumps(data))
+    assert load_repro(first.path).case_edited
+    logged: list[str] = []
+    again = _campaign(pair, corpus, "batch", seed=2, log=logged.append)
+    assert not again.new and again.path == first.path
+    assert [p.name for p in (corpus / pair.name).glob("*.json")] == [first.path.name]
+    assert any("was edited by hand since it was recorded" in m for m in logged), logged
+    assert not any("no longer fails" in m for m in logged)
+
+
 def _two_bugs(inp):
     x, case = inp["x"], inp["case"]
     if case.batch_size >= 5:
