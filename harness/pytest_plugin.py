@@ -23,7 +23,8 @@ The controller (the only process without xdist) chooses the campaign seed, opens
 campaign run and passes both to the workers (`workerinput`); workers log regression runs under that
 campaign run and send their pair results back (`workeroutput`); the controller aggregates them into
 one summary (terminal, `<out>/summary.json`, `<out>/summary.md`) and closes the campaign run. New
-repros are also copied to `<out>/new-repros/<pair>/<id>.json` for CI to upload.
+repros are also copied to `<out>/new-repros/<pair>/<id>.json` for CI to upload (emptied when a session
+starts; a shard's `new-repros.shard<i>of<N>/`).
 """
 
 from __future__ import annotations
@@ -330,7 +331,7 @@ class FuzzSession:
 
         def on_finding(f: Any) -> None:
             if (f.new or f.recurrence) and f.path is not None and Path(f.path).exists():
-                dest = self.out / "new-repros" / f.pair / Path(f.path).name
+                dest = new_repros_dir(self) / f.pair / Path(f.path).name
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(f.path, dest)
                 fresh.append(dest)
@@ -641,6 +642,9 @@ def pytest_configure(config: pytest.Config) -> None:
              f"{session.max_examples} cases and {session.budget or '-'} s per pair"
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
         if not config.option.collectonly:  # --co lists the items: no campaign run, no summary
+            import shutil
+
+            shutil.rmtree(new_repros_dir(session), ignore_errors=True)  # (last session's: uploaded by then)
             session.open_campaign()
             _sigterm_as_interrupt(config)  # (from here on, sessionfinish closes the campaign run)
         session.start = time.time()  # campaign seconds (and cases/s) count fuzzing, not tracking setup
@@ -852,6 +856,13 @@ def _headline(f: dict) -> str:
     from .execute import headline
 
     return headline(f.get("metrics"), f.get("error"))
+
+
+def new_repros_dir(fs: FuzzSession) -> Path:
+    """`<out>/new-repros` (a shard's `new-repros.shard<i>of<N>`): copies of this session's new and
+    recurring repros, for CI to upload. Emptied when a session starts, so a runner that keeps its
+    workspace uploads tonight's, not every night's."""
+    return fs.out / (f"new-repros.shard{fs.shard[0]}of{fs.shard[1]}" if fs.shard else "new-repros")
 
 
 def summary_path(fs: FuzzSession, ext: str) -> Path:
