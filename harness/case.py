@@ -161,6 +161,8 @@ class Case:
         return rows
 
     def validate(self) -> None:
+        per_seq = (f"; seq_lens sets how many sequences there are ({self.batch_size}): edit seq_ids, prompt_lens and "
+                   "order with it, one entry per sequence (or empty them), and keep probe below the count")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
             _fail("seed", self.seed, "must be an integer in [0, 2**63)")
         if not self.seq_lens:
@@ -169,17 +171,17 @@ class Case:
             if not _int(n) or n < 1:
                 _fail("seq_lens", self.seq_lens, "every length must be an integer >= 1")
         if not _int(self.probe) or not 0 <= self.probe < self.batch_size:
-            _fail("probe", self.probe, f"must index a sequence, 0 <= probe < {self.batch_size}")
+            _fail("probe", self.probe, f"must index a sequence, 0 <= probe < {self.batch_size}" + per_seq)
         if self.prompt_lens:
             if len(self.prompt_lens) != self.batch_size:
                 _fail("prompt_lens", self.prompt_lens,
-                      f"must be empty or hold one length per sequence ({self.batch_size})")
+                      f"must be empty or hold one length per sequence ({self.batch_size})" + per_seq)
             for n in self.prompt_lens:
                 if not _int(n) or n < 0:
                     _fail("prompt_lens", self.prompt_lens, "every prompt length must be an integer >= 0")
         if self.seq_ids:
             if len(self.seq_ids) != self.batch_size:
-                _fail("seq_ids", self.seq_ids, f"must be empty or hold one id per sequence ({self.batch_size})")
+                _fail("seq_ids", self.seq_ids, f"must be empty or hold one id per sequence ({self.batch_size})" + per_seq)
             for n in self.seq_ids:
                 if not _int(n) or not 0 <= n < 2**32:
                     _fail("seq_ids", self.seq_ids, "every id must be an integer in [0, 2**32)")
@@ -199,7 +201,7 @@ class Case:
             _fail("streams", self.streams, f"must be one of {STREAMS}")
         if self.order and (not all(_int(i) for i in self.order)
                            or sorted(self.order) != list(range(self.batch_size))):
-            _fail("order", self.order, f"must be empty or a permutation of 0..{self.batch_size - 1}")
+            _fail("order", self.order, f"must be empty or a permutation of 0..{self.batch_size - 1}" + per_seq)
         if not isinstance(self.pad_side, str) or self.pad_side not in PAD_SIDES:
             _fail("pad_side", self.pad_side, f"must be one of {PAD_SIDES}")
         if not _int(self.n_experts) or self.n_experts < 1:

@@ -731,7 +731,8 @@ def repro_from_json(data: Any, where: str, path: Path | None = None) -> Repro:
     try:
         case = Case.from_json(data["case"])
     except CaseError as e:
-        raise UsageError(f"{where} holds an invalid case: {e} Fix the field or re-record the repro.") from None
+        raise UsageError(f"{where} holds an invalid case: {e} Fix the field (or restore the case from git: "
+                         "`harness rerecord` needs a case that loads).") from None
     check_case_size(case, where)
     known = {"schema", "id", "pair", "symptom", "signature", "base_signature", "status", "threshold", "case",
              "case_fingerprint", "metrics", "error", "environment", "loader", "found", "history", "tracking"}

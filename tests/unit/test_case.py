@@ -118,6 +118,8 @@ def test_rl_batch_fields_validate_and_pack_prompt_plus_response():
         with pytest.raises(CaseError) as err:
             Case(**{**dict(seed=1, seq_lens=(2, 3), prompt_lens=(4, 1)), field: value})
         assert f"'{field}'" in str(err.value) and words in str(err.value)
+        if field in ("prompt_lens", "seq_ids"):  # a hand edit of seq_lens alone: say what goes with it
+            assert "edit seq_ids, prompt_lens and order with it" in str(err.value)
 
 
 def test_simpler_neighbours_move_one_knob_to_neutral():
