@@ -303,7 +303,7 @@ def parse_timeouts(values: tuple[str, ...] | list[str], pairs: list, option: str
             continue
         hits = [p.name for p in pairs if fnmatch.fnmatchcase(p.name, glob)]
         if not hits and require_match:
-            raise UsageError(f"{option} {v!r}: no selected pair matches {glob!r}; run `harness list` to see them.")
+            raise UsageError(f"{option} {v!r}: no selected pair matches {glob!r}; run `harness list` to see them (with `--plugin FILE` for a plugin's pairs).")
         per_pair.update((h, t) for h in hits)
     return default, per_pair
 

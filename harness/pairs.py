@@ -522,7 +522,7 @@ class Registry:
             if any(c in pat for c in "*?["):
                 hits = [n for n in self._pairs if fnmatch.fnmatchcase(n, pat)]
                 if not hits:
-                    raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them.")
+                    raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them (with `--plugin FILE` for a plugin's pairs).")
                 for n in hits:
                     chosen[n] = self._pairs[n]
             else:

@@ -249,6 +249,8 @@ def fetch_repro(run_id: str, uri: str | None = None) -> Any:
     run = store.find_regression(run_id)
     fid = run.data.tags.get("harness.finding_id", "")
     with tempfile.TemporaryDirectory(prefix="harness-fetch-") as tmp:
+        # (one small file: no progress bar on stderr, where a message is one paragraph)
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         try:
             local = store.client.download_artifacts(run.info.run_id, f"repro/{fid}.json", tmp)
         except Exception as e:  # noqa: BLE001
@@ -295,8 +297,9 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> None:
         REGISTRY.load_plugin(spec)
     why = load_plugin_for(repro)
     if why is not None:
-        raise UsageError(f"regression {repro.id} cannot be replayed here to check it is fixed: {why}. Pass --plugin "
-                         "to load its pair, or close it where it can be replayed.")
+        raise UsageError(f"regression {repro.id} cannot be replayed here to check it is fixed: {why}"
+                         + ("" if "--plugin" in why else ". Pass --plugin to load its pair")
+                         + ", or close it where it can be replayed.")
     try:
         result = replay(repro)
     except HarnessError as e:
