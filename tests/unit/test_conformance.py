@@ -233,3 +233,23 @@ def test_the_readmes_decode_example_passes_the_check_it_recommends():
     # every seed, rightly; input dependence is judged on the longest response instead
     REGISTRY.load_plugin(str(PLUGINS / "decode_sampling.py"))
     assert len(check_pair("example.decode", n_cases=4)) == 4
+
+
+def test_row_distances_are_taken_in_chunks_with_the_same_values(monkeypatch):
+    """The permutation checks compare rows by total variation; at a real vocabulary (151936) the
+    2016 row pairs of 64 rows held at once were 12 GB, so they go in chunks of bounded size: the
+    values are those of the one-shot definition."""
+    import torch
+
+    from harness import conformance
+
+    torch.manual_seed(0)
+    lp = torch.log_softmax(torch.randn(40, 300) * 3, -1)
+    lp[3, :7] = float("-inf")
+    i, j = torch.triu_indices(40, 40, 1)
+    p = torch.nan_to_num(lp.double().exp(), nan=0.0)
+    tv = 0.5 * (p[i] - p[j]).abs().sum(-1)  # the definition, all pairs at once
+    for chunk in (1 << 22, 1000, 300, 1):  # one chunk, several, one row (or pair) per chunk
+        monkeypatch.setattr(conformance, "_TV_CHUNK", chunk)
+        assert conformance._distinct_scale(lp) == float(tv.median())
+        assert torch.equal(conformance._tv_rows(lp[i[:50]], lp[j[:50]]), tv[:50])
