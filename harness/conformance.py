@@ -7,7 +7,8 @@ It draws a few cases from the pair's own axes (seeded, so the check itself is de
 checks the contract of `harness.pairs`: both paths return an Outcome with one row of
 log-probabilities per token in case order over the same vocabulary; running the same case twice
 gives bit-for-bit identical outputs (every tensor comes from the case's seed); outputs are finite;
-sampled tokens and routing decisions, where present, have the right shapes. Then three metamorphic
+sampled tokens and routing decisions, where present, have the right shapes; rows are normalised
+(log-sum-exp within `NORMALISED_TOL` of 0; else a `ConformanceWarning`: raw logits?). Then three metamorphic
 checks, on one case each (three or four extra runs of both paths):
 
 - **Permutation.** The case's sequences rotated by one (the last first; each keeps its stream id,
@@ -380,6 +381,7 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
     problems: list[str] = []
     checked = sample_cases(pair, n_cases, seed)
     kept: dict[str, tuple[Case, tuple[Any, Any]]] = {}  # the metamorphic checks' cases -> their outcomes
+    unnormalised: set[str] = set()
     for case in checked:
         where = f"case {case.one_line()}"
         try:
@@ -405,17 +407,46 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
                                     f"expected ({case.n_tokens}, top_k)")
         for role, out in (("rollout", r1), ("trainer", t1)):
             if out.tokens is not None:
-                tok = torch.as_tensor(out.tokens)
-                if tok.shape != (case.n_tokens,) or int(tok.min()) < 0 or int(tok.max()) >= out.logprobs.shape[-1]:
-                    problems.append(f"{where}: {role} tokens must be ({case.n_tokens},) ids below the vocabulary size")
-                elif role == "rollout" and r2.tokens is not None and not torch.equal(tok, torch.as_tensor(r2.tokens)):
+                tok = torch.as_tensor(out.tokens).reshape(-1)  # ((T,) or (T, 1): run_paths checked the shape)
+                if len(tok) and (int(tok.min()) < 0 or int(tok.max()) >= out.logprobs.shape[-1]):
+                    problems.append(f"{where}: {role} tokens must be ids in [0, {out.logprobs.shape[-1]}) (the vocabulary "
+                                    f"of its logprobs); got ids from {int(tok.min())} to {int(tok.max())}")
+                elif role == "rollout" and r2.tokens is not None and not torch.equal(
+                        tok, torch.as_tensor(r2.tokens).reshape(-1)):
                     problems.append(f"{where}: rollout sampled different tokens on two runs; sample with a "
                                     "generator seeded from the case")
+            if role not in unnormalised and not _check_normalised(pair, case, role, out):
+                unnormalised.add(role)  # (warned once per path)
     if not problems:
         problems += _metamorphic(pair, checked, kept, device, seed)
     if problems:
         raise ConformanceError(f"target pair {pair.name!r} breaks the contract:\n  - " + "\n  - ".join(problems))
     return checked
+
+
+NORMALISED_TOL = 0.05  # |log-sum-exp| of a row above this: not log-probabilities (bf16 rounding is ~1e-3)
+
+
+def _check_normalised(pair: TargetPair, case: Case, role: str, out: Any) -> bool:
+    """Warn when a path's rows are not log-probabilities of distributions (a path returning raw logits,
+    or a log-softmax over part of the vocabulary): the exact KL normalises each side, but the sampled
+    tokens' k3 reads the values as they are, so the verdict would judge the offset. A warning, not a
+    violation: a demonstration pair may get the normaliser wrong on purpose."""
+    import torch
+
+    lp = out.logprobs.detach()
+    step = max(1, _TV_CHUNK // max(lp.shape[-1], 1))
+    lse = torch.cat([torch.logsumexp(lp[k:k + step].to(torch.float64).cpu(), -1) for k in range(0, len(lp), step)]) \
+        if len(lp) else torch.zeros(0)
+    lse = lse[torch.isfinite(lse)]  # (a row with every entry masked has none to sum)
+    ok = not len(lse) or float(lse.abs().max()) <= NORMALISED_TOL
+    if not ok:
+        warnings.warn(ConformanceWarning(
+            f"{pair.name}: on {case.one_line()} the {role}'s rows are not normalised: their log-sum-exp lies in "
+            f"[{float(lse.min()):.3g}, {float(lse.max()):.3g}], not 0. A path returns log-probabilities (each row sums "
+            "to 1 over the vocabulary): raw logits? apply log_softmax. The exact KL normalises each side, but the "
+            "sampled tokens' k3 reads the values as they are."), stacklevel=3)
+    return ok
 
 
 def _raised(e: BaseException) -> str:

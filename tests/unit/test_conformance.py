@@ -1,5 +1,7 @@
 """The conformance check a backend author calls in one line, run over every registered pair."""
 
+import warnings
+
 import pytest
 
 from harness import REGISTRY, check_pair
@@ -60,6 +62,63 @@ def test_wrong_row_count_is_reported():
                       axes=Axes(n_seqs=(1, 1), seq_len=(2, 2)))
     with pytest.raises(ConformanceError, match="one row per token of the case"):
         check_pair(pair, n_cases=1)
+
+
+@pytest.mark.parametrize("tokens, vocab_r, words", [
+    (lambda n: torch_zeros_int(n - 1), 4, "rollout tokens have shape (2,), expected (3,)"),  # one token short
+    (lambda n: torch_zeros_int(n, 2), 4, "rollout tokens have shape (3, 2), expected (3,)"),
+    (None, 6, "the trainer's logprobs have 4 vocabulary entries per row and the rollout's 6"),  # a padded vocab
+])
+def test_tokens_of_the_wrong_shape_and_a_padded_vocabulary_are_named_in_the_pairs_terms(tokens, vocab_r, words):
+    """Not a numpy reshape error from inside the metrics (recorded as a finding in a harness frame)."""
+    import torch
+
+    from harness import Axes, Case, Outcome, TargetPair
+    from harness.execute import run_case
+
+    def rollout(n):
+        return Outcome(logprobs=torch.log_softmax(torch.zeros(n, vocab_r), -1),
+                       tokens=tokens(n) if tokens else None)
+
+    pair = TargetPair(name="shapes.wrong", kind="op", expected="aligned", build=lambda c, d: c.n_tokens,
+                      trainer=lambda n: Outcome(logprobs=torch.log_softmax(torch.zeros(n, 4), -1)), rollout=rollout,
+                      axes=Axes(n_seqs=(1, 1), seq_len=(3, 3)))
+    ev = run_case(pair, Case(seed=1, seq_lens=(3,)))
+    assert ev.symptom.value == "error" and words in ev.error["message"], ev.error
+    assert ev.error["message"].startswith("shapes.wrong: ")
+    with pytest.raises(ConformanceError, match=words.split(" have")[0].replace("(", r"\(")):
+        check_pair(pair, n_cases=1)
+
+
+def test_rows_that_are_not_log_probabilities_are_warned_about_once_per_path():
+    """A path returning raw logits (log-softmax forgotten) passed every check and fuzzed as a plain
+    divergence; now it is named. Bf16-rounded log-probabilities are not flagged."""
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+    from harness.conformance import ConformanceWarning
+
+    def build(case, device):
+        return case.token_randn(32, "x") * 3
+
+    for rollout, warned in ((lambda x: Outcome(logprobs=x), True),  # raw logits
+                            (lambda x: Outcome(logprobs=torch.log_softmax(x, -1).bfloat16().float()), False)):
+        pair = TargetPair(name="rows.logits", kind="op", expected="aligned", build=build,
+                          trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)), rollout=rollout,
+                          axes=Axes(n_seqs=(1, 3), seq_len=(1, 4)))
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            check_pair(pair, n_cases=4)
+        said = [str(w.message) for w in got if issubclass(w.category, ConformanceWarning) and "normalised" in str(w.message)]
+        assert len(said) == int(warned), said
+        if warned:
+            assert "the rollout's rows are not normalised" in said[0] and "raw logits?" in said[0]
+
+
+def torch_zeros_int(*shape):
+    import torch
+
+    return torch.zeros(*shape, dtype=torch.int64)
 
 
 # --- metamorphic checks ---------------------------------------------------------------------------
