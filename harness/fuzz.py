@@ -1166,7 +1166,9 @@ def summary_table(result: CampaignResult) -> str:
         rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_score:.3g}",
                      f"{r.max_k3:.3g}",
                      ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "
-                               f"{f.seconds_to_first:.1f}s; shrunk in {f.shrink_seconds:.1f}s) -> {f.path or '-'}"
+                               f"{f.seconds_to_first:.1f}s; "
+                               + (f"shrunk in {f.shrink_seconds:.1f}s" if f.shrink_complete else
+                                  f"shrinking cut short by the budget after {f.shrink_seconds:.1f}s") + f") -> {f.path or '-'}"
                                for f in r.findings) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []

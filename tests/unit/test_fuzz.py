@@ -385,3 +385,23 @@ def test_the_campaign_climbs_what_the_verdict_reads(monkeypatch):
 
     fuzz_pair(pair, CampaignConfig(pairs=[pair]), seed=1, deadline=None, evaluate=evaluate, max_examples=5)
     assert targeted and all(t == ("score", 5e-4) for t in targeted)
+
+
+def test_the_summary_table_says_when_shrinking_was_cut_short():
+    from harness.case import Case
+    from harness.execute import run_case
+    from harness.fuzz import CampaignResult, Finding, PairResult, signature, summary_table
+
+    pair = REGISTRY.get("moe_aggregate.bf16")
+    case = Case(seed=3, seq_lens=(9, 7, 5))
+    ev = run_case(pair, case)
+    assert ev.failed
+    rows = []
+    for complete in (True, False):
+        f = Finding(pair=pair.name, expected=pair.expected, symptom=ev.symptom, signature=signature(pair.name, ev),
+                    case=case, evaluation=ev, examples=9, shrink_complete=complete, shrink_seconds=4.0)
+        cfg = CampaignConfig(pairs=[pair], seed=1)
+        r = PairResult(pair.name, pair.expected, examples=9, seconds=1.0, findings=[f])
+        rows.append(summary_table(CampaignResult(seed=1, config=cfg, results=[r], seconds=1.0)))
+    assert "shrunk in 4.0s" in rows[0] and "cut short" not in rows[0]
+    assert "shrinking cut short by the budget after 4.0s" in rows[1]
