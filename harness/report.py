@@ -6,7 +6,8 @@ What it reads (the names `harness.mlflow_tracking` writes): campaign runs (tag
 recurrence, closed_at, corpus_path). Relative to the window (the last `--since`):
 
 - new: first seen inside the window;
-- recurring: seen inside the window, first seen before it (`reopened` when it had been marked fixed);
+- recurring: seen inside the window, first seen before it;
+  a regression that had been marked fixed and was seen again says `reopened` in either table;
 - fixed: marked fixed (`harness regressions close ID --status fixed`) inside the window.
 
 Demonstration pairs a campaign in the window did not catch (`pair.<name>.missed`) are listed too:
@@ -285,7 +286,8 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
         lines += ["| pair | id | expected | status | symptom | judged | first seen | last seen | seen | replay |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            status = r["status"] + (" (reopened)" if r["recurrence"] and key == "recurring" else "")
+            # (a regression first seen in the window, closed as fixed and seen again, is new and reopened)
+            status = r["status"] + (" (reopened)" if r["recurrence"] and r["status"] != "fixed" else "")
             lines.append(f"| {r['pair']} | {r['id']} | {r['expected']} | {status} | {r['symptom']} | {_judged(r)} | "
                          f"{r['first_seen']} | {r['last_seen']} | {r['seen_count']} | `{replay_command(r)}` |")
         lines.append("")

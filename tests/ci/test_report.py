@@ -83,6 +83,10 @@ def test_report_from_a_real_store(tmp_path):
     assert "## New (0)" in text and "## Recurring (1)" in text and "## Fixed (0)" in text
     assert "| open (reopened) |" in text and "| 2 |" in text  # seen twice
     assert text.count("| nightly |") == 1  # only the second campaign started in the window
+    # a 24 h window holds both nights: first seen inside it (New), and reopened inside it too
+    res = runner.invoke(report_command, ["--since", "24h", "--tracking-uri", uri, "--out", str(out)])
+    text = out.read_text()
+    assert "## New (1)" in text and "| open (reopened) |" in text
 
 
 def test_missing_store_is_a_usage_error(tmp_path, harness_cli):
