@@ -58,6 +58,7 @@ def bare_calls(pair: Any, cases: list, device: str = "cpu") -> None:
 
 
 def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int = 3) -> str:
+    from .errors import HarnessError
     from .execute import judge, run_case, run_paths
     from .fuzz import CampaignConfig, Executor, fuzz_pair, pair_seed, uniform_per_example
     from .pairs import REGISTRY
@@ -106,7 +107,9 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
 
         try:
             campaign(True)  # warm up the worker (imports, compilation, exports, caches)
-            campaign(False)  # ... and this process, recording the cases
+            if not campaign(False):  # ... and this process, recording the cases
+                raise HarnessError(f"{pair.name}: its campaign evaluated no case (a pair that cannot run here?); "
+                                   "leave it out of the benchmark")
             cases = list(seen)
             bare()
             t_bare, t_in, t_iso, t_paths, t_metrics, t_eval = [], [], [], [], [], []

@@ -530,24 +530,26 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
                 "there) and the new finding written in its place. Merge the two by hand if the old one mattered.")
     if reproduces is not None and finding.symptom in (Symptom.DIVERGENCE, Symptom.NONFINITE):
         candidates += [(p, r) for p, r in _repros_of(folder) if p != path and r.base_signature == base]
-        gone = []
-        for p, old in candidates:
-            if old.case_edited and old.case != finding.case:
-                # its case is not the one it was recorded with, so running it says nothing of which
-                # bug the file holds: the same one, as when it cannot tell
-                log(f"  {finding.pair}: the case of {p} was edited by hand since it was recorded; this "
-                    f"{finding.symptom.value} is counted as its bug, not checked against it (restore the case "
-                    "from git, or `harness rerecord` it)")
+        gone, edited = [], []
+        same = next(((p, old) for p, old in candidates if old.case == finding.case), None)
+        if same is not None:
+            return _known(finding, *same, campaign_seed)
+        # (a repro whose case was edited by hand is tried last: its case may not be its bug's any more)
+        for p, old in sorted(candidates, key=lambda c: c[1].case_edited):
+            if reproduces(old.case):
                 return _known(finding, p, old, campaign_seed)
-            if old.case == finding.case or reproduces(old.case):
-                return _known(finding, p, old, campaign_seed)
-            gone.append(p)
-        if gone or blocked:  # every repro of this signature replays clean now: this finding is another bug
+            (edited if old.case_edited else gone).append(p)
+        if gone or edited or blocked:  # every repro of this signature replays clean now: another bug
             path = _own_signature(finding, base, folder)
             if gone:
                 log(f"  {finding.pair}: this {finding.symptom.value} is not the one in {', '.join(map(str, gone))} "
                     f"(that case no longer fails: if its bug is fixed, `harness regressions close` it); "
                     f"recorded as a new repro, {path}")
+            if edited:  # not "fixed": its case is no longer the one it was recorded with
+                log(f"  {finding.pair}: the case of {', '.join(map(str, edited))} was edited by hand since it was "
+                    f"recorded and passes now, so it cannot tell whether this {finding.symptom.value} is its bug; "
+                    f"recorded as a new repro, {path}. Restore that case from git (or `harness rerecord` it) so "
+                    "campaigns can compare again")
             if path.exists():  # (only if that case failed in the campaign and passed just now: flaky)
                 try:
                     return _known(finding, path, load_repro(path), campaign_seed)

@@ -122,8 +122,9 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
     if out.logprobs.dim() != 2 or out.logprobs.shape[0] != case.n_tokens:
         raise ValueError(f"{pair.name}: {role} logprobs have shape {tuple(out.logprobs.shape)}, expected "
                          f"({case.n_tokens}, vocab): one row per token of the case, in case order")
-    if tok is not None and (tok.numel() != case.n_tokens or not (tok.dim() == 1 or (tok.dim() == 2 and tok.shape[1] == 1))):
-        raise ValueError(f"{pair.name}: {role} tokens have shape {tuple(tok.shape)}, expected ({case.n_tokens},): one "
+    if tok is not None and (tok.numel() != case.n_tokens or not (tok.dim() == 1 or (tok.dim() == 2 and 1 in tok.shape))):
+        raise ValueError(f"{pair.name}: {role} tokens have shape {tuple(tok.shape)}, expected ({case.n_tokens},) (or "
+                         f"({case.n_tokens}, 1), (1, {case.n_tokens})): one "
                          "sampled token id per row of its logprobs, in case order (or tokens=None: the harness draws them)")
     if twin is not None and twin.logprobs.shape[1] != out.logprobs.shape[1]:
         raise ValueError(f"{pair.name}: the trainer's logprobs have {out.logprobs.shape[1]} vocabulary entries per row "

@@ -493,7 +493,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 ev, evals, complete = _polish(pair, ev, sig, run, limit["deadline"], polish_evals)
             except _Setup as e:  # it stopped running while a finding was shrunk: kept at its smallest so far
                 result.setup_error = setup_message(e.evaluation)
-                cut["shrink"], evals, ev = True, 0, smallest.get(sig, ev)
+                cut["shrink"], evals, ev, complete = True, 0, smallest.get(sig, ev), False
             except KeyboardInterrupt:
                 result.seconds = time.monotonic() - start
                 result.findings = [_finding(pair, e, result, complete=False) for e in by_sig.values()]
@@ -1043,6 +1043,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             more = fuzz_pair(unit.pair, cfg, round_seed(seed, unit.pair.name, unit.stream, unit.streams, rnd),
                              deadline, progress, evaluate=evaluate, max_examples=examples_of(unit), wall=end)
             if not more.examples:
+                r.setup_error = r.setup_error or more.setup_error  # (its first case could not run: say so)
                 break
             _merge(r, more, rounds=True)
             rnd += 1
@@ -1083,7 +1084,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     r.waited_for = executor.waited.get(pair.name, "")
                 for f in add(r):
                     record(f)
-                if cfg.fill_budget and r.examples and not r.findings and not r.setup_error:
+                if cfg.fill_budget and r.examples and not by_pair[pair.name].findings \
+                        and not by_pair[pair.name].setup_error:  # (another stream's finding or setup error counts)
                     fill.append(unit)
                 log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
@@ -1097,6 +1099,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             # would take the time a slow model pair after it needs for its first cases)
             while fill and end is not None and end - time.monotonic() > ROUND_MIN_LEFT * (len(fill) + 1):
                 unit = fill.popleft()
+                if by_pair[unit.pair.name].setup_error:  # (a round of another stream found it cannot run)
+                    continue
                 now = time.monotonic()
                 try:
                     r = run_rounds(unit, now + max(0.0, end - now) / (len(fill) + 1))
@@ -1168,7 +1172,7 @@ def summary_table(result: CampaignResult) -> str:
                      ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "
                                f"{f.seconds_to_first:.1f}s; "
                                + (f"shrunk in {f.shrink_seconds:.1f}s" if f.shrink_complete else
-                                  f"shrinking cut short by the budget after {f.shrink_seconds:.1f}s") + f") -> {f.path or '-'}"
+                                  f"shrinking cut short after {f.shrink_seconds:.1f}s") + f") -> {f.path or '-'}"
                                for f in r.findings) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []

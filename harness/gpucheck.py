@@ -19,9 +19,10 @@ way on every push). With CUDA it
 4. prints one table: pair, cases, cases/s, harness/bare (campaign wall time per case over bare
    calls per case), metrics ms, verdict (`clean`, `caught`, `MISSED` for a demonstration a short
    campaign did not catch, `REGRESSION` for an aligned pair that diverged, `BROKEN` for a pair that
-   raised or returned NaN/inf).
+   raised or returned NaN/inf, `CANNOT RUN` for one that raised a harness error: a checkpoint that is
+   gone, a setting it refuses).
 
-Exit: 0 when the tests pass and no pair is a REGRESSION or BROKEN (a MISSED demonstration is
+Exit: 0 when the tests pass and no pair is a REGRESSION, BROKEN or CANNOT RUN (a MISSED demonstration is
 reported, not failed: the campaigns are short), 1 otherwise, 2 for a usage error. Nothing is written
 to the corpus or MLflow. `--device cpu` runs steps 2-4 on the CPU (to try the check anywhere).
 """
@@ -69,7 +70,7 @@ class PairCheck:
 
     @property
     def failed(self) -> bool:
-        return self.verdict in ("REGRESSION", "BROKEN")
+        return self.verdict in ("REGRESSION", "BROKEN", "CANNOT RUN")
 
 
 @dataclass
@@ -175,6 +176,10 @@ def check_pair_campaign(pair: Any, device: str, seed: int, max_examples: int, se
         out.verdict, out.note = "BROKEN", f"the campaign raised {type(e).__name__}: {e}"
         return out
     out.verdict, out.cases, out.warmup_s = result.verdict, result.examples, result.warmup
+    if result.setup_error:
+        from .fuzz import setup_headline
+
+        out.note = setup_headline(result.setup_error)
     broken = [f for f in result.findings if f.symptom.value != "divergence"]
     if broken:
         ev = broken[0].evaluation

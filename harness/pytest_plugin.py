@@ -933,7 +933,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(f"missed demonstrations: {len(missed)} of {sum(d['expected'] == 'diverges' for d in results)} "
                       f"not caught: {', '.join(sorted(missed))}")
     origin = fs.seed_origin  # ("seed 11 (given)", "seed 7 derived from run id ...", "fresh seed 3")
-    said = f"campaign {origin}" if origin.startswith(f"seed {fs.seed} ") else f"campaign seed {fs.seed} ({origin})"
+    said = f"campaign {origin}" if f"seed {fs.seed}" in origin else f"campaign seed {fs.seed} ({origin})"
     tr.write_line(f"{said}; rerun: {fs.rerun()}")
     if fs.campaign_run_id:
         tr.write_line(f"MLflow campaign run {fs.campaign_run_id}")

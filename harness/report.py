@@ -287,7 +287,7 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             # (a regression first seen in the window, closed as fixed and seen again, is new and reopened)
-            status = r["status"] + (" (reopened)" if r["recurrence"] and r["status"] != "fixed" else "")
+            status = r["status"] + (" (reopened)" if r["recurrence"] and r["status"] == "open" else "")
             lines.append(f"| {r['pair']} | {r['id']} | {r['expected']} | {status} | {r['symptom']} | {_judged(r)} | "
                          f"{r['first_seen']} | {r['last_seen']} | {r['seen_count']} | `{replay_command(r)}` |")
         lines.append("")

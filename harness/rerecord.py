@@ -46,14 +46,26 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     if not keeps:
         return "verdict changed", (f"recorded {repro.symptom} ({repro.status}), replay gives {ev.symptom.value} "
                                    f"{ev.headline}")
-    if not res.compared and not repro.case_edited:  # fixed and clean: the metrics document the bug
+    fixed_clean = repro.status == "fixed" and not ev.failed
+    if fixed_clean and not repro.case_edited:  # the metrics document the bug
         return "unchanged", "fixed: its metrics are the bug's, kept as they are"
+    if fixed_clean:  # edited: the bug's metrics stay; the fingerprint becomes the edited case's
+        repro.case_edited = False
+        repro.history.append({"event": "rerecorded", "at": corpus.now_iso(), "note": "case edited by hand, "
+                              "fingerprint renewed; fixed: its metrics stay those of the bug"})
+        repro.save(path)
+        return "rewritten", "fixed: case fingerprint renewed, the bug's metrics kept"
     new_metrics = corpus.metrics_json(ev) if ev.divergence is not None else repro.metrics
     threads = recorded_threads(repro.environment)
     recorded = {k: corpus.encode_float(v) for k, v in repro.metrics.items()}  # (NaN == NaN as "nan")
     if new_metrics == recorded and not repro.case_edited and threads is not None:
         return "unchanged", ""
     edited, repro.case_edited = repro.case_edited, False  # (the metrics are now this case's: a new fingerprint)
+    if edited:
+        repro.history.append({"event": "case edited", "at": corpus.now_iso(), "replaced_metrics": repro.metrics,
+                              **({"replaced_error": repro.error} if repro.error else {})})
+        if ev.error is not None:  # an error/crash/timeout repro: the edited case's own error
+            repro.error = ev.error
     repro.metrics = new_metrics
     if threads is None:  # replayed with this process's thread count: the metrics are that count's
         import torch

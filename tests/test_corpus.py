@@ -5,7 +5,8 @@
 - `open`: a known, unfixed regression: an expected failure (xfail) that shows its k3 now;
 - `wontfix`: replayed; reported, never failing.
 Each replay must also reproduce the recorded metrics bit-for-bit when the environment matches
-(except a `fixed` repro that replays clean: its recorded metrics are the bug's).
+(except a `fixed` repro that replays clean: its recorded metrics are the bug's); a repro whose case
+was edited by hand since it was recorded fails until it is rerecorded or restored.
 A repro of a plugin's pair loads that plugin when it is a file inside this repository; a plugin kept
 elsewhere is loaded with `pytest --harness-plugin=PATH` (repeatable). One whose pair cannot be
 loaded here (a module not given, an uninstalled entry point, a file that is gone) is skipped with
@@ -35,6 +36,9 @@ def same_environment(env: dict) -> bool:
 @pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(CORPUS)) for p in FILES])
 def test_replay(path):
     repro = load_repro(path)
+    if repro.case_edited:  # a committed repro whose metrics are another case's: not a regression test
+        pytest.fail(f"{path}: its case was edited by hand since it was recorded (case_fingerprint); rerecord it "
+                    f"(`harness rerecord {path}`) or restore its case from git")
     why = load_plugin_for(repro, flag="--harness-plugin")
     if why is not None:
         pytest.skip(f"{path.relative_to(CORPUS)}: {why}")

@@ -92,9 +92,10 @@ def test_a_repro_whose_shrinking_was_cut_short_takes_a_smaller_case(pair, tmp_pa
 
 
 def test_a_repro_whose_case_was_edited_by_hand_is_not_taken_for_a_fixed_bug(pair, tmp_path):
-    """Someone tried a variant by editing the repro's case (to one that passes): the next campaign
-    cannot tell from that case which bug the file holds, so it counts the finding as its bug and says
-    why, instead of filing a duplicate "new" repro and saying to close a bug that is not fixed."""
+    """Someone tried a variant by editing the repro's case (to one that passes). The next campaign
+    still runs that case to tell (an edited repro must not swallow a different bug); it passes, so
+    the finding gets its own repro, and the log says the old one's case was edited (not that its bug
+    is fixed and should be closed). A repro whose case still fails takes the finding, edited or not."""
     corpus = tmp_path / "corpora"
     first = _campaign(pair, corpus, "batch")
     data = json.loads(first.path.read_text())
@@ -103,10 +104,12 @@ def test_a_repro_whose_case_was_edited_by_hand_is_not_taken_for_a_fixed_bug(pair
     assert load_repro(first.path).case_edited
     logged: list[str] = []
     again = _campaign(pair, corpus, "batch", seed=2, log=logged.append)
-    assert not again.new and again.path == first.path
-    assert [p.name for p in (corpus / pair.name).glob("*.json")] == [first.path.name]
-    assert any("was edited by hand since it was recorded" in m for m in logged), logged
+    assert again.new and again.path != first.path
+    assert any(f"the case of {first.path} was edited by hand since it was recorded and passes now" in m
+               for m in logged), logged
     assert not any("no longer fails" in m for m in logged)
+    third = _campaign(pair, corpus, "batch", seed=3)  # the unedited repro is tried first, and is the bug
+    assert not third.new and third.path == again.path
 
 
 def _two_bugs(inp):

@@ -68,3 +68,78 @@ def test_pytest_item_fails_with_the_message(tmp_path):
     assert summary["cannot_run"] == ["faults.setup_gone"]
     assert "cannot run here" in summary["pairs"][0]["setup_error"]
     assert not list((tmp_path / "corpus").rglob("*.json")) if (tmp_path / "corpus").exists() else True
+
+
+def _error(setup: bool, message: str) -> dict:
+    return {"type": "UsageError" if setup else "RuntimeError", "message": message, "where": "x.py:f", "traceback": ""}
+
+
+def test_a_setup_error_while_a_finding_is_polished_keeps_the_finding():
+    """The pair stops running while a finding (hit by a uniform case) is being polished: the finding
+    is kept at its smallest so far, the pair says it cannot run now, and the campaign goes on."""
+    from harness.execute import Evaluation, Symptom
+    from harness.fuzz import fuzz_pair
+
+    REGISTRY.load_builtins()
+    pair = REGISTRY.get("moe_aggregate.bf16")
+    n = [0]
+
+    def evaluate(case):
+        n[0] += 1
+        if n[0] == 1:  # the Hypothesis example passes
+            return Evaluation(pair.name, case, Symptom.NONE)
+        if n[0] == 2:  # its first uniform case is an error finding
+            return Evaluation(pair.name, case, Symptom.ERROR, error=_error(False, "boom"))
+        return Evaluation(pair.name, case, Symptom.ERROR, error=_error(True, "refused"), setup=True)  # polish: refused
+
+    cfg = CampaignConfig(pairs=[pair], seed=1, uniform_per_example=3, write_corpus=False)
+    r = fuzz_pair(pair, cfg, seed=1, deadline=None, evaluate=evaluate, max_examples=5)
+    assert [f.symptom.value for f in r.findings] == ["error"] and not r.findings[0].shrink_complete
+    assert "cannot run here" in r.setup_error and r.verdict == "BROKEN"  # (a demonstration pair: an error breaks it)
+
+
+def test_a_fill_round_whose_first_case_cannot_run_says_so(monkeypatch, tmp_path):
+    """The checkpoint goes away after the pair's first share: the next round's first case raises the
+    harness error, and the pair is CANNOT RUN (not clean, exit 0)."""
+    import harness.fuzz as fuzz
+
+    plugin = tmp_path / "gone_later.py"
+    plugin.write_text(
+        "import torch\n"
+        "from harness import Axes, Outcome, TargetPair, register\n"
+        "from harness.errors import UsageError\n"
+        "GONE = [False]\n"
+        "def build(case, device):\n"
+        "    if GONE[0]:\n"
+        "        raise UsageError('the checkpoint folder /x is gone')\n"
+        "    return {'x': case.randn((case.n_tokens, 16), 'x', device=device)}\n"
+        "def fine(inp):\n"
+        "    return Outcome(logprobs=torch.log_softmax(inp['x'], -1))\n"
+        "register(TargetPair(name='later.gone', kind='op', expected='aligned', build=build, trainer=fine, rollout=fine,\n"
+        "                    axes=Axes(n_seqs=(1, 4), seq_len=(1, 8))))\n")
+    REGISTRY.load_plugin(str(plugin))
+    pair = REGISTRY.get("later.gone")
+    import sys
+
+    gone = sys.modules[pair.build.__module__].GONE
+    real, calls = fuzz.fuzz_pair, [0]
+
+    def fuzz_pair(*args, **kwargs):
+        calls[0] += 1
+        gone[0] = calls[0] > 1  # gone from the first fill round on
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fuzz, "fuzz_pair", fuzz_pair)
+    cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=5, budget=4.0, fill_budget=True, isolation=False,
+                         write_corpus=False)
+    [r] = run_campaign(cfg, log=lambda m: None).results
+    assert calls[0] >= 2 and r.verdict == "CANNOT RUN" and "/x is gone" in r.setup_error
+
+
+def test_gpucheck_fails_a_pair_that_cannot_run(tmp_path):
+    from harness.gpucheck import check_pair_campaign
+
+    REGISTRY.load_plugin(FAULTS)
+    row = check_pair_campaign(REGISTRY.get("faults.setup_gone"), "cpu", 1, 5, 10.0, tmp_path / "corpus")
+    assert row.verdict == "CANNOT RUN" and row.failed
+    assert row.note.startswith("faults.setup_gone cannot run here: its case raised UsageError")

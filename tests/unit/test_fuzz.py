@@ -405,4 +405,4 @@ def test_the_summary_table_says_when_shrinking_was_cut_short():
         r = PairResult(pair.name, pair.expected, examples=9, seconds=1.0, findings=[f])
         rows.append(summary_table(CampaignResult(seed=1, config=cfg, results=[r], seconds=1.0)))
     assert "shrunk in 4.0s" in rows[0] and "cut short" not in rows[0]
-    assert "shrinking cut short by the budget after 4.0s" in rows[1]
+    assert "shrinking cut short after 4.0s" in rows[1]

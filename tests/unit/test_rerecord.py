@@ -128,3 +128,21 @@ def test_a_repro_of_a_plugin_outside_the_repository_is_rerecorded_with_plugin(tm
     assert rc == 2 and "skipped" in out and "--plugin" in out, (out, err)  # (as replay: cannot be replayed here)
     rc, out, err = harness_cli("rerecord", "--plugin", str(plugin), str(path), cwd=tmp_path)
     assert rc == 0 and "unchanged" in out, (out, err)
+
+
+def test_a_fixed_repro_whose_case_was_edited_keeps_its_bugs_metrics(tmp_path):
+    """Rerecord of a `fixed` repro that replays clean after a hand edit renews only its fingerprint:
+    its metrics stay the bug's, as for any fixed repro."""
+    from harness.corpus import load_repro
+
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data.update(status="fixed", pair="moe_aggregate.aligned")  # the fix is in: replays clean
+    data["case"]["seed"] += 1
+    path.write_text(json.dumps(data))
+    assert load_repro(path).case_edited
+    outcome, detail = rerecord_file(path)
+    assert outcome == "rewritten" and "the bug's metrics kept" in detail
+    after = load_repro(path)
+    assert not after.case_edited and after.metrics == load_repro(path).metrics
+    assert json.loads(path.read_text())["metrics"] == data["metrics"]
