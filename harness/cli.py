@@ -398,12 +398,14 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         if not res.bit_for_bit:
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
                                      ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
+        if res.weights:
+            line += f"\n  warning: {res.weights}"
         if ev.error:
             line += f"\n  {ev.error['type']}: {ev.error['message']}"
         out.append({"file": str(r.path) if r.path else None, "id": r.id, "pair": r.pair, "status": r.status,
                     "recorded_symptom": r.symptom, "symptom": ev.symptom.value, "k3": ev.k3,
                     "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit if res.compared else None,
-                    "case_edited": r.case_edited,
+                    "case_edited": r.case_edited, "weights_changed": bool(res.weights),
                     "mismatches": {k: [str(a), str(b)] for k, (a, b) in res.mismatches.items()}})
         if not as_json:
             click.echo(line)

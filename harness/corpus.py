@@ -457,6 +457,9 @@ def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device:
     env = environment(device)
     env.update(backend_versions())
     env.update(getattr(ev, "backends", None) or {})  # what the worker that ran the case had imported
+    weights = pair_weights(finding.pair)
+    if weights:
+        env["pair_weights"] = weights
     root = repo_root(corpus_dir) if corpus_dir is not None else repo_root()
     return Repro(
         path=None, id=finding.id, pair=finding.pair, symptom=finding.symptom.value,
@@ -465,6 +468,34 @@ def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device:
         metrics=metrics_json(ev), error=ev.error, environment=env, loader=pair_loader(finding.pair, root),
         found=found_json(finding, campaign_seed),
     )
+
+
+def pair_weights(name: str, registry: Any = None) -> str:
+    """The fingerprint of the weights a registered pair runs (`TargetPair.weights`), "" when it does
+    not say or cannot read them now."""
+    from .pairs import REGISTRY
+
+    pair = (registry or REGISTRY).get_loaded(name)
+    fn = getattr(pair, "weights", None)
+    if fn is None:
+        return ""
+    try:
+        return str(fn() or "")
+    except Exception:  # noqa: BLE001 - a fingerprint that cannot be taken is not a finding's problem
+        return ""
+
+
+def weights_note(repro: "Repro", registry: Any = None) -> str:
+    """A warning when the pair now runs other weights than the repro was recorded with ("" if not)."""
+    then = str(repro.environment.get("pair_weights") or "")
+    if not then:
+        return ""
+    now = pair_weights(repro.pair, registry)
+    if not now or now == then:
+        return ""
+    return (f"pair {repro.pair} now runs other weights than this repro was recorded with (fingerprint {then} then, "
+            f"{now} now: its checkpoint was overwritten?), so its values differ for that reason alone; restore "
+            "those weights to judge the repro")
 
 
 def found_json(finding: Any, campaign_seed: int) -> dict[str, Any]:
@@ -773,6 +804,7 @@ class ReplayResult:
     repro: Repro
     evaluation: Evaluation
     mismatches: dict[str, tuple[Any, Any]]  # metric -> (recorded, now), where not bit-for-bit equal
+    weights: str = ""  # the pair now runs other weights than the repro was recorded with (`weights_note`)
 
     @property
     def compared(self) -> bool:
@@ -878,7 +910,10 @@ def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, re
     if ev.setup:  # e.g. a recorded rollout's checkpoint folder that is gone: not "still failing"
         raise CannotEvaluate(f"repro {repro.path or repro.id} cannot be evaluated here: its pair {repro.pair!r} could "
                              f"not run: {ev.error['type']}: {ev.error['message']}")
-    return ReplayResult(repro, ev, compare_metrics(repro, ev))
+    note = weights_note(repro, registry)
+    if note:
+        _stderr(f"warning: {note}")
+    return ReplayResult(repro, ev, compare_metrics(repro, ev), weights=note)
 
 
 def load_plugin_for(repro: Repro, registry: Any = None, flag: str = "--plugin") -> str | None:

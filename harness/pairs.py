@@ -308,6 +308,9 @@ class TargetPair:
     source: str = ""  # where it was registered from (filled in by the registry)
     timeout: float | None = None  # per-case seconds before a case is a hang; None: the campaign's (a compiling
     #                               backend that recompiles for new shapes may need minutes cold)
+    # optional: () -> a fingerprint of the weights the pair runs (a checkpoint folder's contents), kept
+    # in its repros; a replay against other weights says so (RL runs overwrite checkpoints)
+    weights: Callable[[], str] | None = None
 
     @property
     def trainer_reads_rollout(self) -> bool:

@@ -1,0 +1,63 @@
+"""A pair that names the weights it runs (`TargetPair.weights`: an HF pair on a checkpoint folder)
+keeps their fingerprint in its repros; replayed after the folder was overwritten (RL runs overwrite
+checkpoints), replay says the pair now runs other weights instead of a bare "now clean"."""
+
+from __future__ import annotations
+
+import json
+
+PLUGIN = '''
+import os
+from pathlib import Path
+
+import torch
+
+from harness import Axes, Outcome, TargetPair, register
+
+CKPT = Path(os.environ["WEIGHTS_FILE"])  # stands for a checkpoint folder
+
+
+def build(case, device):
+    scale = float(CKPT.read_text())  # the "weights"
+    return {"x": case.randn((case.n_tokens, 16), "x", device=device), "s": scale}
+
+
+register(TargetPair(name="weighted.engine", kind="op", expected="aligned", build=build,
+                    trainer=lambda i: Outcome(logprobs=torch.log_softmax(i["x"], -1)),
+                    rollout=lambda i: Outcome(logprobs=torch.log_softmax(i["x"] * i["s"], -1)),
+                    axes=Axes(n_seqs=(1, 2), seq_len=(1, 4)), weights=lambda: CKPT.read_text().strip()))
+'''
+
+
+def test_a_repro_replayed_against_other_weights_says_so(tmp_path, harness_cli):
+    plugin, weights = tmp_path / "weighted.py", tmp_path / "weights.txt"
+    plugin.write_text(PLUGIN)
+    weights.write_text("0.5")  # an engine bug that these weights show
+    env = {"WEIGHTS_FILE": str(weights)}
+    rc, out, err = harness_cli("fuzz", "--plugin", str(plugin), "weighted.engine", "--max-examples", "5", "--seed", "1",
+                               "--corpus", str(tmp_path / "corpus"), "--no-tracking", cwd=tmp_path, env=env)
+    assert rc == 1, (out, err)
+    [repro] = (tmp_path / "corpus").rglob("*.json")
+    assert json.loads(repro.read_text())["environment"]["pair_weights"] == "0.5"
+    rc, out, err = harness_cli("replay", "--plugin", str(plugin), str(repro), cwd=tmp_path, env=env)
+    assert rc == 1 and "other weights" not in out + err, (out, err)  # the same weights: nothing to say
+    weights.write_text("1.0")  # the folder overwritten: the divergence is gone with those weights
+    rc, out, err = harness_cli("replay", "--plugin", str(plugin), str(repro), "--json", cwd=tmp_path, env=env)
+    assert rc == 0, (out, err)
+    assert "pair weighted.engine now runs other weights than this repro was recorded with (fingerprint 0.5 then, " \
+           "1.0 now" in err
+    assert json.loads(out)[0]["weights_changed"] is True
+
+
+def test_an_hf_pair_on_a_checkpoint_names_its_weights(tmp_path):
+    import pytest
+
+    pytest.importorskip("transformers", reason="the Hugging Face backend needs transformers (the hf extra)")
+    from targets.hf import FP32, HFModel, hf_pair
+    from targets.hf.backend import base_model
+    from targets.hf.configs import TINY
+
+    ckpt = tmp_path / "ckpt"
+    base_model(HFModel.from_config(TINY["qwen3_moe"], init_seed=5)).save_pretrained(ckpt)
+    assert hf_pair("test.weights.ckpt", str(ckpt), FP32, FP32).weights() == HFModel.from_pretrained(ckpt).fingerprint()
+    assert hf_pair("test.weights.config", TINY["qwen3_moe"], FP32, FP32).weights is None  # its init seed names it
