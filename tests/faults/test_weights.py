@@ -61,3 +61,20 @@ def test_an_hf_pair_on_a_checkpoint_names_its_weights(tmp_path):
     base_model(HFModel.from_config(TINY["qwen3_moe"], init_seed=5)).save_pretrained(ckpt)
     assert hf_pair("test.weights.ckpt", str(ckpt), FP32, FP32).weights() == HFModel.from_pretrained(ckpt).fingerprint()
     assert hf_pair("test.weights.config", TINY["qwen3_moe"], FP32, FP32).weights is None  # its init seed names it
+
+
+def test_an_hf_pair_on_a_dense_model_that_differs_only_in_moe_components_is_refused():
+    """A router or experts setting on a model without experts changes nothing: a pair whose paths
+    differ only there would report "clean" while testing nothing."""
+    import pytest
+
+    pytest.importorskip("transformers", reason="the Hugging Face backend needs transformers (the hf extra)")
+    from harness.errors import UsageError
+    from targets.hf import BF16, FP32, hf_pair
+    from targets.hf.configs import TINY
+
+    for rollout in (FP32.replace(router="bfloat16"), FP32.replace(experts="grouped_mm")):
+        with pytest.raises(UsageError, match="differ only in (router|experts), which MoE models have"):
+            hf_pair("dense.moe_only", TINY["qwen3"], FP32, rollout)
+    hf_pair("dense.bf16", TINY["qwen3"], FP32, BF16)  # (router too, but the body differs: a real pair)
+    hf_pair("moe.router_bf16", TINY["qwen3_moe"], FP32, FP32.replace(router="bfloat16"))  # a MoE model has one
