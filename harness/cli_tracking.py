@@ -70,7 +70,8 @@ def regressions(ctx: click.Context, status: str | None, pair: str | None, as_jso
         return
     click.echo(_table(rows))
     click.echo(f"\n{len(rows)} regression(s) in {resolve_uri(tracking_uri)}. "
-               "`harness regressions show ID` for one; `harness replay --run-id ID` replays it.")
+               "`harness regressions show ID` for one, with the command that replays it (`harness replay "
+               "--run-id ID`, and `--plugin FILE` for a plugin's pair).")
 
 
 @regressions.command("show")
