@@ -271,6 +271,9 @@ def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tu
         from targets.hf.backend import HFModel
 
         spec = HFModel.from_pretrained(model)
+        if replay and not spec.moe():
+            raise UsageError(f"--replay: the model at {model} has no experts (a dense model), so there is no routing "
+                             "to replay; leave --replay out.")
         pair = REGISTRY.get("hf.recorded.replay" if replay else "hf.recorded")
         return pair, spec, {"rec_model": spec.path, "rec_model_id": spec.fingerprint()}
     pair = REGISTRY.get(pair_name)

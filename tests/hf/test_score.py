@@ -190,6 +190,8 @@ def test_score_a_checkpoint_directory_jsonl_and_parquet(tmp_path, harness_cli):
     rows = record(pair, range(2), tmp_path / "ckpt.jsonl")
     res = score(tmp_path / "ckpt.jsonl", model=str(ckpt), corpus=tmp_path / "c", progress=False)
     assert len(res.scored) == 6 and not res.flagged and res.batch["k3_kl"] < 1e-8
+    code, _, err = harness_cli("score", str(tmp_path / "ckpt.jsonl"), "--model", str(ckpt), "--replay", "--no-tracking")
+    assert code == 2 and err.count("has no experts (a dense model)") == 1 and "leave --replay out" in err, err
     pa = pytest.importorskip("pyarrow", reason="Parquet input needs pyarrow")
     import pyarrow.parquet as pq
 
