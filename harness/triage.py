@@ -740,6 +740,15 @@ def verdict_line(t: Triage) -> str:
     if t.modules:
         return (f"{base}: no exposed module exceeds its noise floor ({t.floor_from or 'the absolute minimum'}); "
                 "the paths differ after the last compared module or outside the exposed modules")
+    d = ev.divergence
+    if symptom == "divergence" and d is not None and math.isnan(getattr(d, "k3_expected", 0.0)):
+        # a recorded rollout (`harness score`): its side is the engine's numbers, no model runs there
+        aligned = f" (k3 {loc.k3_all_aligned:.4f} with the trainer's differing settings aligned)" if loc is not None \
+            and loc.differing else ""
+        return (f"{_measure(t)}{aligned}: the rollout is a recording (the engine's token log-probabilities; no rollout model runs "
+                "here), so there are no rollout modules to compare the trainer's with, and the trainer's own "
+                "settings do not explain it: the values come from how the engine that recorded them computed them "
+                "(fuzz a pair of that engine's numerics, e.g. hf_pair(..., rollout=BF16), to find which component)")
     if loc is not None:
         return f"{base}; the pair exposes no torch modules to find where"
     return f"{base}; the pair exposes neither numerics profiles nor torch modules to localize further"

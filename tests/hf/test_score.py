@@ -104,6 +104,9 @@ def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_p
 
     t = triage(repro)
     assert t.verdict and "did not evaluate" not in t.verdict
+    if not (t.localization is not None and t.localization.explained):  # not "no torch modules": it is a recording
+        assert "the rollout is a recording" in t.verdict and "exposes no torch modules" not in t.verdict, t.verdict
+        assert "code-level difference" not in t.verdict, t.verdict
     report = write_report(t, tmp_path / "triage").read_text()
     assert "the recorded tokens' mean" in report  # no expectation over a recording's vocabulary
     if t.localization is not None and not t.localization.explained:  # swapping the trainer's numerics
