@@ -340,7 +340,9 @@ def batch_metrics(scored: list[Scored]) -> dict[str, float]:
         "max_abs_dlogp": float(np.abs(d).max()),
         "probs_diff_max": float(np.abs(pt - pr).max()),
         "pearson": pearson,
-        "flip_rate": float(sum(f * n for f, n in routed) / n_tok) if n_tok else 0.0,
+        # (no sample recorded its experts: nothing to compare the trainer's routing with)
+        "flip_rate": (float(sum(f * n for f, n in routed) / n_tok) if n_tok else 0.0)
+        if any(s.sample.experts for s in scored) else math.nan,
         "samples": float(len(scored)),
         "tokens": float(len(d)),
     }
@@ -470,7 +472,8 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
         for s in res.scored:
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
                         *[s.metrics[k] for k in PER_SAMPLE], s.evaluation.failed])
-    summary = {"file": str(source), "threshold": threshold, "batch": res.batch,
+    batch = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v) for k, v in res.batch.items()}
+    summary = {"file": str(source), "threshold": threshold, "batch": batch,  # (NaN as "nan": strict JSON)
                "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": s.metrics["k3_kl"]} for s in res.flagged],
                "bad_rows": [{"line": b.line, "field": b.field, "message": b.message} for b in res.bad],
                "repros": [str(p) for p in res.repros], "notes": res.notes}
@@ -553,7 +556,8 @@ def _fmt(x: Any) -> str:
               show_default=True, help="Where the worst samples are written as repros.")
 @click.option("--max-repros", type=click.IntRange(0), default=3, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for samples.csv, summary.json and k3_hist.png (default reports/score/<file name>).")
+              help="Folder for samples.csv, summary.json and k3_hist.png (default reports/score/<file name>, "
+                   "reports/score/<file name>.replay with --replay).")
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or the "
                                                    "embedded store).")
 @click.option("--no-tracking", is_flag=True, help="Do not log a campaign run to MLflow.")
@@ -569,7 +573,8 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
 
     try:
         load_plugins(plugins)
-        out = out_dir or Path("reports") / "score" / file.name  # (rollouts.jsonl and rollouts.parquet apart)
+        # (rollouts.jsonl and rollouts.parquet apart; a --replay run beside the plain one, not over it)
+        out = out_dir or Path("reports") / "score" / (file.name + (".replay" if replay else ""))
         tracker = make_tracker(tracking_uri, enabled=not no_tracking)
         res = score(file, model=model, pair_name=pair_name, replay=replay, threshold=threshold, device=device,
                     corpus=corpus_dir, out_dir=out, max_repros=max_repros,
@@ -583,7 +588,9 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
     click.echo(f"scored {len(res.scored)} sample(s), {int(b['tokens'])} token(s) from {file}"
                + (f"; {len(res.bad)} bad row(s) skipped" if res.bad else "") + f" ({res.seconds:.1f}s)")
     click.echo("batch: " + "  ".join(f"{k} {_fmt(b[k])}" for k in ("k3_kl", "kl", "log_ppl_diff", "ppl_ratio",
-                                                                   "chi2_token", "max_abs_dlogp", "flip_rate")))
+                                                                   "chi2_token", "max_abs_dlogp"))
+               + ("  flip_rate n/a (no experts recorded)" if math.isnan(b["flip_rate"]) else
+                  f"  flip_rate {_fmt(b['flip_rate'])}"))
     if res.flagged:
         click.echo(f"{len(res.flagged)} sample(s) above the threshold {threshold:g}:")
         for s in res.flagged[:10]:

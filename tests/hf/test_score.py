@@ -239,6 +239,19 @@ def test_replay_on_a_file_without_experts_says_nothing_was_replayed(aligned_file
     res = score(path, pair_name="hf.qwen3_moe.bf16_rollout.replay", replay=True, corpus=tmp_path / "c",
                 progress=False)
     assert len(res.scored) == 2 and any("nothing was replayed" in n for n in res.notes), res.notes
+    assert math.isnan(res.batch["flip_rate"])  # no recorded experts: no flip rate (not 0)
+
+
+def test_without_recorded_experts_the_cli_says_flip_rate_n_a(aligned_file, tmp_path,
+                                                              harness_cli):
+    rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:2]]
+    path = tmp_path / "no_experts.jsonl"
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "routed_experts"}) + "\n" for r in rows))
+    code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking", "--corpus",
+                                 str(tmp_path / "c"), cwd=tmp_path)
+    assert code == 0 and "flip_rate n/a (no experts recorded)" in out, (out, err)
+    summary = json.loads((tmp_path / "reports" / "score" / "no_experts.jsonl" / "summary.json").read_text())
+    assert summary["batch"]["flip_rate"] == "nan"  # (strict JSON)
 
 
 def test_a_long_recorded_sample_fits_a_repro_and_outputs_survive_a_repro_that_fails(bf16_file, tmp_path, monkeypatch):
