@@ -14,6 +14,12 @@ REGISTRY.load_plugin(str(PLUGINS / "lm_head_bf16.py"))
 
 @pytest.mark.parametrize("name", [p.name for p in REGISTRY.all() if "cpu" in p.devices and p.kind == "op"])
 def test_every_op_pair_obeys_the_contract(name):
+    if name == "lm_head.temperature_order":  # its bug is a temperature applied after the softmax: unnormalised rows
+        from harness.conformance import ConformanceWarning
+
+        with pytest.warns(ConformanceWarning, match="the rollout's rows are not normalised"):
+            assert len(check_pair(name, n_cases=4)) == 4
+        return
     assert len(check_pair(name, n_cases=4)) == 4
 
 
