@@ -21,7 +21,7 @@ FAULTS = str(PLUGINS / "faults.py")
 def test_a_pair_that_cannot_run_is_not_a_finding(tmp_path, isolation):
     REGISTRY.load_plugin(FAULTS)
     pairs = [REGISTRY.get("faults.setup_gone"), REGISTRY.get("faults.setup_batches"), REGISTRY.get("faults.diverges")]
-    cfg = CampaignConfig(pairs=pairs, seed=3, max_examples=30, corpus=tmp_path / "corpus", isolation=isolation,
+    cfg = CampaignConfig(pairs=pairs, seed=3, max_examples=12, corpus=tmp_path / "corpus", isolation=isolation,
                          plugins=(FAULTS,))
     result = run_campaign(cfg, log=lambda msg: None)
     by = {r.pair: r for r in result.results}
