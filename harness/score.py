@@ -146,7 +146,7 @@ def read_rows(path: Path) -> tuple[int, Iterator[tuple[int, Any]]]:
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line.rstrip("\r\n"))  # (a cut line's error at its own end, not "line 2 column 1")
                 except json.JSONDecodeError as e:
                     yield n, BadRow(n, "(line)", f"not valid JSON ({e.msg} at column {e.colno})")
                     continue

@@ -144,17 +144,19 @@ def test_bad_rows_are_named_by_line_and_field_and_the_rest_is_scored(aligned_fil
         json.dumps({**row, "rollout_logprobs": [float("nan")] + row["rollout_logprobs"][1:]}),  # non-finite
         json.dumps({**row, "response_ids": [999999] + row["response_ids"][1:]}),  # out of vocabulary
         "{not json",
+        good[1][:40],  # a line cut short (a writer killed mid-line)
     ]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join([good[0], *bad, *good[1:]]) + "\n")
     code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking",
                                  "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"))
     assert code == 2, err  # every scored sample is under the line, but bad rows are bad input
-    assert "scored 3 sample(s)" in out and "5 bad row(s)" in out and "5 bad row(s) were not scored" in err
+    assert "scored 3 sample(s)" in out and "6 bad row(s)" in out and "6 bad row(s) were not scored" in err
     for line, fld in ((2, "rollout_logprobs"), (3, "rollout_logprobs"), (4, "rollout_logprobs"), (5, "response_ids"),
-                      (6, "(line)")):
+                      (6, "(line)"), (7, "(line)")):
         assert f"line {line}, field '{fld}'" in err, err
     assert "ragged" in err and "finite" in err and "vocabulary" in err and "missing" in err
+    assert "line 7, field '(line)': not valid JSON" in err and "at column 41)" in err, err  # (where it was cut)
     assert "Traceback" not in err
 
 
