@@ -7,8 +7,8 @@ that replaces a dead one starts in milliseconds, not the seconds of an import), 
 and is reused for every case of every pair until it dies. Only the case goes in; the pair's build,
 both paths and the metrics run in the worker, and only the verdict comes back (a passing case's
 metrics as plain values; a failing case's whole `Evaluation`: symptom, metrics, error; never the
-outcomes), so tensors stay on their device and the pipe carries a few hundred bytes. The pipe connects the campaign to its own child: nothing read from a file or a
-network is ever unpickled.
+outcomes), so tensors stay on their device and the pipe carries a few hundred bytes. The pipe
+connects the campaign to its own child: nothing read from a file or a network is ever unpickled.
 
 What the supervisor turns into findings:
 
