@@ -216,6 +216,12 @@ def _same_or_prefix(y: Any, x: Any) -> bool:
 _TV_CHUNK = 1 << 22  # float64 elements per operand a TV chunk holds (32 MiB: a real vocabulary's rows in bounded memory)
 
 
+def _row_chunks(n: int, v: int) -> list[slice]:
+    """Slices of n rows of V entries, each chunk holding at most `_TV_CHUNK` elements (at least one row)."""
+    step = max(1, _TV_CHUNK // max(v, 1))
+    return [slice(k, k + step) for k in range(0, n, step)]
+
+
 def _probs(x: Any) -> Any:
     import torch
 
@@ -227,9 +233,7 @@ def _tv_rows(a: Any, b: Any) -> Any:
     chunks of rows (memory a small multiple of `_TV_CHUNK` whatever n and V)."""
     import torch
 
-    n, v = a.shape[0], a.shape[-1]
-    step = max(1, _TV_CHUNK // max(v, 1))
-    out = [0.5 * (_probs(a[k:k + step]) - _probs(b[k:k + step])).abs().sum(-1) for k in range(0, n, step)]
+    out = [0.5 * (_probs(a[c]) - _probs(b[c])).abs().sum(-1) for c in _row_chunks(a.shape[0], a.shape[-1])]
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
@@ -244,8 +248,7 @@ def _distinct_scale(lp: Any) -> float:
         return 0.0
     p = _probs(lp[:n])  # (n, V)
     i, j = torch.triu_indices(n, n, 1)
-    step = max(1, _TV_CHUNK // max(p.shape[-1], 1))
-    tv = torch.cat([0.5 * (p[i[k:k + step]] - p[j[k:k + step]]).abs().sum(-1) for k in range(0, len(i), step)])
+    tv = torch.cat([0.5 * (p[i[c]] - p[j[c]]).abs().sum(-1) for c in _row_chunks(len(i), p.shape[-1])])
     return float(tv.median())
 
 
@@ -435,8 +438,7 @@ def _check_normalised(pair: TargetPair, case: Case, role: str, out: Any) -> bool
     import torch
 
     lp = out.logprobs.detach()
-    step = max(1, _TV_CHUNK // max(lp.shape[-1], 1))
-    lse = torch.cat([torch.logsumexp(lp[k:k + step].to(torch.float64).cpu(), -1) for k in range(0, len(lp), step)]) \
+    lse = torch.cat([torch.logsumexp(lp[c].to(torch.float64).cpu(), -1) for c in _row_chunks(len(lp), lp.shape[-1])]) \
         if len(lp) else torch.zeros(0)
     lse = lse[torch.isfinite(lse)]  # (a row with every entry masked has none to sum)
     ok = not len(lse) or float(lse.abs().max()) <= NORMALISED_TOL
