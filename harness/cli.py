@@ -96,6 +96,7 @@ LAZY_COMMANDS = {
     "score": "harness.score:score_command",
     "gpucheck": "harness.gpucheck:gpucheck_command",
     "rerecord": "harness.rerecord:rerecord_command",
+    "shrink": "harness.reshrink:shrink_command",
 }
 LAZY_BENCHMARKS = {
     "overhead": "harness.bench:overhead_command",
@@ -136,7 +137,10 @@ def list_cmd(as_json: bool, plugins: tuple[str, ...]) -> None:
     rows = [("pair", "kind", "expected", "devices", "axes")]
     for p in pairs:
         axes = p.axes.describe()
-        ax = ", ".join(k for k in axes if k not in ("dtypes",)) + f"; dtypes {'/'.join(axes['dtypes'])}"
+        ax = ", ".join(k for k in axes if k not in ("dtypes",))
+        # (a model pair runs the precisions its paths name, not the case's dtype, unless it draws several)
+        if p.kind != "model" or len(axes["dtypes"]) > 1:
+            ax += f"; dtypes {'/'.join(axes['dtypes'])}"
         rows.append((p.name, p.kind, p.expected, ",".join(p.devices), ax))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
@@ -229,7 +233,8 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
 
     def announce(f: Any) -> None:
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
-        notes = ("" if f.shrink_complete else " (shrinking cut short by the budget)") + \
+        notes = ("" if f.shrink_complete or not f.path else
+                 f" (shrinking cut short by the budget: `harness shrink {f.path}` goes on)") + \
             ("" if f.deterministic else " (not deterministic: may not replay)")
         echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, {f.evaluation.headline}, minimal case "
                  f"{f.case.one_line()}{notes}\n    replay: "
@@ -456,7 +461,8 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                      f"({found.get('cases_total', found.get('examples', '?'))} cases in all)")
         else:  # recorded before the first sighting was: only the total is known
             head += f"; {found.get('examples', '?')} cases in all, shrinking included"
-        click.echo(head + ("" if found.get("shrink_complete", True) else " (shrinking was cut short)")
+        click.echo(head + ("" if found.get("shrink_complete", True) is not False else
+                           f" (shrinking was cut short: `harness shrink {file}` goes on)")
                    + (" (NOT DETERMINISTIC: its case gave other values when run again; it may not replay)"
                       if found.get("deterministic") is False else ""))
     click.echo("\ncase (the recorded sample):" if rec else "\ncase (minimal):")

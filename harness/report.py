@@ -90,9 +90,9 @@ def pair_cases(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def missed_pairs(metrics: dict[str, float], suffix: str = ".missed") -> list[str]:
-    """Demonstration pairs a campaign did not catch (`pair.<name>.missed` = 1, per shard or not);
-    with `suffix=".cannot_run"`, the pairs that could not run (they raised a harness error)."""
+def flagged_pairs(metrics: dict[str, float], suffix: str) -> list[str]:
+    """The pairs a campaign flagged with `pair.<name><suffix>` = 1 (per shard or not): `.missed`,
+    demonstration pairs it did not catch; `.cannot_run`, pairs that raised a harness error."""
     out = set()
     for k, v in metrics.items():
         i = k.find("pair.")
@@ -125,8 +125,8 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
             "streams": p.get("streams", "1"),
             "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
-            "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": missed_pairs(m),
-            "cannot_run": missed_pairs(m, ".cannot_run"),
+            "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": flagged_pairs(m, ".missed"),
+            "cannot_run": flagged_pairs(m, ".cannot_run"),
         })
     regressions = []
     from .mlflow_tracking import REGRESSION

@@ -146,15 +146,15 @@ def test_a_slow_first_case_is_deferred_and_starves_no_other_pair(tmp_path, harne
     t = time.monotonic()
     code, out, err = harness_cli("fuzz", "cold.compiled", "faults.diverges", "moe_aggregate.aligned",
                                  "--plugin", str(PLUGINS / "slow_start.py"), "--plugin", FAULTS, "--no-tracking",
-                                 "--seed", "1", "--budget", "30", "--corpus", str(tmp_path / "corpus"),
-                                 env={"SLOW_START_SECONDS": "20"})
+                                 "--seed", "1", "--budget", "21", "--corpus", str(tmp_path / "corpus"),
+                                 env={"SLOW_START_SECONDS": "12"})  # a share is 7 s
     wall = time.monotonic() - t
     assert code == 1, err
     assert "cold.compiled: first case still running at the end of its share" in err
     rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip() and "  " in line}
     assert rows["cold.compiled"][2] == "caught" and rows["faults.diverges"][2] == "caught"
     assert rows["moe_aggregate.aligned"][2] == "clean" and int(rows["moe_aggregate.aligned"][3]) > 10
-    assert wall < 30 + 30  # startup and imports on a loaded machine aside
+    assert wall < 21 + 30  # startup and imports on a loaded machine aside
 
 
 def test_isolated_campaigns_run_the_same_cases_as_in_process_ones(tmp_path, monkeypatch):
@@ -256,11 +256,11 @@ def test_cases_are_handed_ahead_only_with_a_core_to_spare(monkeypatch, cores, xd
 
 
 def test_a_worker_replaced_after_a_crash_is_cold_again(tmp_path, harness_cli):
-    """The pair takes 3 s on its first case in every process (a compile), then segfaults on batches:
+    """The pair takes 2 s on its first case in every process (a compile), then segfaults on batches:
     after the crash, the next case runs in a fresh process, cold, and gets the cold-start allowance,
     not the 1 s per-case timeout (a timeout finding there would be false, and replay would confirm it)."""
     code, out, err = fuzz(harness_cli, tmp_path, "faults.slow_start_segfault", "--timeout", "1", "--max-examples", "15",
-                          "--uniform-per-example", "0")
+                          "--uniform-per-example", "0", env={"FAULTS_SLOW_START": "2"})
     assert code == 1, err
     found = by_pair(tmp_path / "corpus")
     assert [r.symptom for r in found["faults.slow_start_segfault"]] == ["crash"], err

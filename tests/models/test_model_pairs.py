@@ -205,7 +205,7 @@ def test_diverging_model_pair_is_caught_and_shrunk(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,n,bound", [("model.aligned", 200, 1e-9), ("model.rotary_bf16", 100, 1e-6),
+@pytest.mark.parametrize("name,n,bound", [("model.aligned", 100, 1e-9), ("model.rotary_bf16", 100, 1e-6),
                                           ("model.onnxruntime", 40, 1e-9)])
 def test_aligned_model_pair_is_clean_over_sampled_examples(name, n, bound):
     """Cases drawn from the pair's axes (Hypothesis generation only: the campaign's target phase
