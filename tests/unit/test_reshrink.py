@@ -1,6 +1,5 @@
 """`harness shrink`: a repro whose shrinking was cut short is shrunk further from its own case."""
 import json
-import shutil
 from pathlib import Path
 
 from harness import Case
