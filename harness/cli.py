@@ -569,6 +569,9 @@ def bench() -> None:
 
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
+    from .worker import ENTRY_POINT
+
+    ENTRY_POINT[0] = True
     try:
         cli.main(args=argv, prog_name="harness", standalone_mode=False)
     except click.exceptions.Abort:

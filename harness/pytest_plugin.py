@@ -625,6 +625,9 @@ RESULTS_KEY = pytest.StashKey[list]()
 # ---------------------------------------------------------------------------------------------
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
+    from harness.worker import ENTRY_POINT
+
+    ENTRY_POINT[0] = True  # (a worker that fails to start is not a user's script's missing main guard)
     if not _enabled(config):
         _load_plugins(config)
         return

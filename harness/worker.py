@@ -65,6 +65,23 @@ def _signal_name(code: int | None) -> str:
     return f"exit {code}"
 
 
+ENTRY_POINT = [False]  # set by `harness` and the pytest plugin: the process is not a script of the user's
+
+
+def _main_hint() -> str:
+    """A script of one's own that calls the harness at import time (no `if __name__ == "__main__":`)
+    is imported again in the worker, where the call starts another process and fails: say so."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if ENTRY_POINT[0] or not path:  # (the command line, pytest, an interactive session)
+        return ""
+    return (f" If you called the harness from your own script ({path}), put the call under `if __name__ == "
+            "\"__main__\":`: worker processes import that script again (multiprocessing's forkserver), and a "
+            "call at import time runs there too.")
+
+
 # ---------------------------------------------------------------------------------------------
 # The supervisor side
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +120,13 @@ class Worker:
         self._log = Path(log)
         self.proc = ctx.Process(target=serve, args=(child, self.device, self.plugins, self.threads, str(log)),
                                 name="harness-worker", daemon=True)
-        self.proc.start()
+        try:
+            self.proc.start()
+        except BaseException:  # (never started: nothing to kill or join later)
+            self.proc = None
+            parent.close()
+            child.close()
+            raise
         child.close()
         self.conn = parent
         self.ready = False  # until the worker says it has imported what every case needs
@@ -271,7 +294,7 @@ class Worker:
             detail = self._read_log() or f"it exited with {_signal_name(self.proc.exitcode)}"
             self.kill()
             raise WorkerError(f"a worker process for device {self.device} failed to start: {detail[-2000:]}. Run "
-                              "with --no-isolation to see the error in this process.")
+                              "with --no-isolation to see the error in this process." + _main_hint())
         self.kill()
         return False
 
