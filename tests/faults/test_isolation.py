@@ -256,11 +256,11 @@ def test_cases_are_handed_ahead_only_with_a_core_to_spare(monkeypatch, cores, xd
 
 
 def test_a_worker_replaced_after_a_crash_is_cold_again(tmp_path, harness_cli):
-    """The pair takes 2 s on its first case in every process (a compile), then segfaults on batches:
+    """The pair takes 1 s on its first case in every process (a compile), then segfaults on batches:
     after the crash, the next case runs in a fresh process, cold, and gets the cold-start allowance,
-    not the 1 s per-case timeout (a timeout finding there would be false, and replay would confirm it)."""
-    code, out, err = fuzz(harness_cli, tmp_path, "faults.slow_start_segfault", "--timeout", "1", "--max-examples", "15",
-                          "--uniform-per-example", "0", env={"FAULTS_SLOW_START": "2"})
+    not the 0.6 s per-case timeout (a timeout finding there would be false, and replay would confirm it)."""
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.slow_start_segfault", "--timeout", "0.6", "--max-examples", "15",
+                          "--uniform-per-example", "0", env={"FAULTS_SLOW_START": "1"})
     assert code == 1, err
     found = by_pair(tmp_path / "corpus")
     assert [r.symptom for r in found["faults.slow_start_segfault"]] == ["crash"], err
@@ -273,7 +273,7 @@ def test_a_first_case_that_never_returns_is_unfinished_not_a_silent_not_run(tmp_
     cold-start allowance: the pair is UNFINISHED (exit 1, with why), and a pair of the same module that
     waited behind it says so; neither is a silent `not run` with exit 0."""
     code, out, err = fuzz(harness_cli, tmp_path, "faults.hang_always", "faults.diverges", "--timeout", "1",
-                          "--budget", "20", "--max-examples", "10")
+                          "--budget", "12", "--max-examples", "10")
     assert code == 1, (out, err)
     rows = {line.split()[0]: line.split() for line in out.splitlines()[1:] if line.strip() and "  " in line}
     assert rows["faults.hang_always"][2] == "UNFINISHED", out
