@@ -25,8 +25,15 @@ def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p:
     all kept, as a threshold filter does); top_p < 1 keeps the smallest set of most likely tokens
     whose mass reaches top_p (at least one). Everything else is -inf.
     """
+    import math
+
     import torch
 
+    if not (math.isfinite(float(temperature)) and float(temperature) > 0):
+        raise ValueError(f"process_logits: temperature must be a finite number > 0, got {temperature!r} (greedy "
+                         "decoding is top_k=1, not temperature 0)")
+    if not (0.0 < float(top_p) <= 1.0):
+        raise ValueError(f"process_logits: top_p must be in (0, 1], got {top_p!r} (1.0 turns it off)")
     x = logits.float() / float(temperature)
     v = x.shape[-1]
     if 0 < top_k < v:
@@ -39,32 +46,51 @@ def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p:
 
 def _nucleus_drop(x: Any, top_p: float) -> Any:
     """(..., V) float32 logits -> (..., V) bool: the tokens top-p drops. In descending order of the
-    logits, a token is dropped when the probability mass strictly before it (a running float32 sum
-    of the softmax, taken in that order) reaches top_p; the first token always stays.
+    logits, equal logits in ascending token id, a token is dropped when the probability mass strictly
+    before it (a running float32 sum of the row's softmax, taken in that order) reaches top_p; the
+    first token always stays. Each row's result depends on that row alone.
 
-    Only the head of each row is sorted (`topk` of its k largest, k growing 16-fold until every
-    row's head holds top_p of its mass): at a 152k vocabulary a full sort of every row costs about a
-    second per 64 rows on a CPU core, and the kept set is a small head of the row in practice. Ties are ordered as
-    `topk` orders them."""
+    Only the head of each row is sorted: the k largest logits (`topk`, k growing 16-fold until every
+    row's head holds top_p of its mass), widened to every token tied with the head's last logit (topk
+    picks among ties by its own rule, which depends on k, and k on the other rows), then ordered as
+    above. At a 152k vocabulary a full sort costs about a second per 64 rows on a CPU core, and the
+    kept set is a small head of the row in practice."""
     import torch
 
     v = x.shape[-1]
     rows = x.reshape(-1, v)  # (R, V)
     probs = torch.softmax(rows, dim=-1)  # (R, V)
     k = min(v, 64)
-    while True:
-        _, idx = torch.topk(rows, k, dim=-1)  # (R, k), descending
-        head = probs.gather(-1, idx)  # (R, k)
-        mass = torch.cumsum(head, dim=-1)  # (R, k): mass up to and including each token
-        before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)  # strictly before
+    while k < v:
+        head_x, idx = torch.topk(rows, k, dim=-1)  # (R, k), descending; ties in no set order
+        mass = torch.cumsum(probs.gather(-1, idx), dim=-1)  # (R, k)
         # every token past the head has at least the head's whole mass before it
-        if k == v or bool((mass[:, -1] >= top_p).all()):
+        if bool((mass[:, -1] >= top_p).all()):
             break
         # the next head: 16 times larger, or the whole row when that, or `need`, is past a quarter of it (a
         # head that large costs about a full sort). need: how many tokens of the head's mean probability
         # reach top_p; the tokens past the head are less likely, so at least that many are kept
         need = k * top_p / max(float(mass[:, -1].nan_to_num(0.0).min()), 1e-30)
         k = 16 * k if max(16 * k, need) <= v // 4 else v
+    if k < v:
+        # widen the head to every token tied with its last logit (each row's group: the tokens at or
+        # above it, a prefix of the canonical order whose mass reaches top_p), then order it canonically:
+        # by token id, then (stable) by logit, descending
+        group = (rows >= head_x[:, -1:]).sum(-1)  # (R,) >= 1
+        if int(group.max()) > k:
+            k = int(group.max())
+            _, idx = torch.topk(rows, k, dim=-1)
+        by_id, _ = torch.sort(idx, dim=-1)
+        _, order = torch.sort(rows.gather(-1, by_id), dim=-1, descending=True, stable=True)
+        idx = by_id.gather(-1, order)  # (R, k)
+        mass = torch.cumsum(probs.gather(-1, idx), dim=-1)  # (R, k): mass up to and including each token
+        # (summed in this order the group's mass can fall a last bit short of top_p: then sort it all)
+        if not bool((mass.gather(-1, group[:, None] - 1) >= top_p).all()):
+            k = v
+    if k == v:  # the whole row in the canonical order (a stable sort keeps equal logits in id order)
+        _, idx = torch.sort(rows, dim=-1, descending=True, stable=True)
+        mass = torch.cumsum(probs.gather(-1, idx), dim=-1)
+    before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)  # strictly before
     drop = torch.ones_like(rows, dtype=torch.bool) if k < v else torch.zeros_like(rows, dtype=torch.bool)
     drop.scatter_(-1, idx, before >= top_p)  # (R, V)
     return drop.reshape(x.shape)
