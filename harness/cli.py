@@ -508,7 +508,11 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     except HarnessError as e:
         unavailable = e
         click.echo(f"\n(pair not available here: {e})")
-    click.echo("\nmetrics when found:")
+    # (a later campaign or `harness shrink` may have replaced the case found with a smaller one: the metrics are its)
+    shrunk = [h for h in r.history if h.get("event") == "shrunk further"]
+    click.echo("\nmetrics when found:" if not shrunk else
+               f"\nmetrics of this case (shrunk further {shrunk[-1].get('at', '?')}, from "
+               f"{Case.from_json(shrunk[0]['replaced_case']).one_line() if shrunk[0].get('replaced_case') else '?'}):")
     for k, v in r.metrics.items():
         if k != "fired":
             click.echo(f"  {k:18s} {_fmt(v)}")

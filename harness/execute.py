@@ -75,7 +75,10 @@ def headline(metrics: Any, error: dict | None) -> str:
     an error dict."""
     if error:
         lines = str(error.get("message", "")).strip().splitlines()
-        return f"{error.get('type', '?')}: {lines[0][:200] if lines else ''}".rstrip(": ")
+        first = lines[0] if lines else ""
+        if len(first) > 200:  # cut at a word, and say so
+            first = first[:200].rsplit(" ", 1)[0].rstrip(" ,;:(") + " ..."
+        return f"{error.get('type', '?')}: {first}".rstrip(": ")
     if not metrics:
         return "k3=nan"
     get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)

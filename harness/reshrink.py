@@ -9,11 +9,14 @@ stops when no move is accepted or `--budget` seconds are spent, and can be run a
 
 A smaller case replaces the repro's case and metrics (the replaced ones stay in its history as
 "shrunk further", as when a later campaign finds a smaller case); `found.shrink_complete` says
-whether this pass finished. Cases run as replay runs them: in this process with the thread count
-the repro was found with, or, for a `crash` or `timeout` repro, in a supervised worker process.
+whether this pass finished, and the regression run in MLflow (when the store holds one for it) gets
+the new case: tag, note, metrics and repro artifact. Cases run as a campaign runs them: in a
+supervised worker process with the thread count the repro was found with, so a smaller case that
+crashes or hangs is a different failure (not accepted) and the command goes on; `--budget` is a
+wall for them. Ctrl-C or SIGTERM stops it with the smallest case so far saved (exit 130).
 Exit status: 0 when the repro was shrunk or was already minimal, 1 when its case no longer fails
-the recorded way (nothing to shrink: `harness replay` says how it differs), 2 when it cannot be
-evaluated here.
+the recorded way (another symptom or error type, or none: nothing to shrink; `harness replay` says
+how it differs), 2 when it cannot be evaluated here.
 """
 
 from __future__ import annotations
@@ -30,19 +33,27 @@ def _size(case: Any) -> str:
     return f"{case.batch_size} sequence(s), {case.n_tokens} token(s)"
 
 
-def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu",
-                plugins: tuple[str, ...] = (), log: Any = print) -> str:
-    """Shrink one repro in place; returns "shrunk", "minimal", "cut short", "unchanged (cut short)",
-    "does not fail" or "skipped" (with the reason logged)."""
-    from contextlib import ExitStack
+def _fails_as_recorded(repro: Any, ev: Any) -> bool:
+    """The case fails as the repro recorded: the same symptom and, for an error or crash, the same type."""
+    if not ev.failed or ev.symptom.value != repro.symptom:
+        return False
+    if repro.error and ev.error:
+        return ev.error.get("type") == repro.error.get("type")
+    return True
 
+
+def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", plugins: tuple[str, ...] = (),
+                log: Any = print, tracking_uri: str | None = None, tracking: bool = True) -> str:
+    """Shrink one repro in place; returns "shrunk", "minimal", "cut short", "unchanged (cut short)",
+    "does not fail" or "skipped" (with the reason logged). KeyboardInterrupt (Ctrl-C, SIGTERM) is
+    raised again after the smallest case so far is saved."""
     from . import corpus
-    from .env import recorded_threads, threads_as
+    from .env import recorded_threads
     from .errors import HarnessError
-    from .execute import run_case
-    from .fuzz import signature
+    from .fuzz import Executor, _Signals, signature
     from .pairs import REGISTRY
     from .shrink import polish
+    from .worker import DEFAULT_TIMEOUT, OutOfTime, Worker
 
     try:
         repro = corpus.load_repro(path)
@@ -51,74 +62,117 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu",
             log(f"skipped         {path}  ({why})")
             return "skipped"
         pair = REGISTRY.get(repro.pair)
+        corpus.check_case_size(repro.case, f"repro {path}")
     except HarnessError as e:
         log(f"skipped         {path}  ({e})")
         return "skipped"
     thr = repro.threshold
-    with ExitStack() as stack:
-        if repro.symptom in corpus.ISOLATED_SYMPTOMS:  # a case that kills or hangs its process
-            from .worker import DEFAULT_TIMEOUT, Worker
+    limit = (corpus.recorded_timeout(repro) if repro.symptom == "timeout" else None) or DEFAULT_TIMEOUT
+    cold = max(limit, Executor.COLD_START_TIMEOUT)  # a fresh worker's first case: imports, compilation
+    start = time.monotonic()
+    end = start + budget
+    best: dict[str, Any] = {"ev": None, "case": repro.case}
+    with Worker(device, tuple(plugins), limit, threads=recorded_threads(repro.environment)) as worker, \
+            _Signals() as signals:
 
-            limit = (corpus.recorded_timeout(repro) if repro.symptom == "timeout" else None) or DEFAULT_TIMEOUT
-            worker = stack.enter_context(Worker(device, tuple(plugins), limit,
-                                                threads=recorded_threads(repro.environment)))
+        def run(case: Any, wall: float | None) -> Any:
+            fresh = worker.proc is None or not worker.proc.is_alive()  # (started again after a crash or hang)
+            t = cold if fresh else limit
+            worker.submit(pair, case, thr, timeout=t, wall=wall, cold_extra=t - limit)
+            return worker.collect(wall)
 
-            def run(case: Any) -> Any:
-                return worker.evaluate(pair, case, thr)
-        else:
-            stack.enter_context(threads_as(recorded_threads(repro.environment)))
-
-            def run(case: Any) -> Any:
-                return run_case(pair, case, device, thr)
-
-        start = time.monotonic()
-        first = run(repro.case)
+        first = run(repro.case, None)  # (the repro itself runs to the end, whatever the budget)
         if first.setup:
             log(f"skipped         {path}  (its pair could not run here: {first.error['type']}: "
                 f"{first.error['message']})")
             return "skipped"
-        if not first.failed or first.symptom.value != repro.symptom:
-            log(f"does not fail   {path}  (recorded {repro.symptom}, its case now gives {first.symptom.value} "
-                f"{first.headline}; `{repro.replay_command()}` shows how it differs)")
+        if not _fails_as_recorded(repro, first):
+            now = first.headline if first.failed else f"passes ({first.headline})"
+            log(f"does not fail   {path}  (recorded {repro.symptom}"
+                + (f" {repro.error.get('type')}" if repro.error else "")
+                + f"; its case now gives {first.symptom.value if first.failed else 'no failure'}: {now}; "
+                f"`{repro.replay_command()}` shows how it differs)")
             return "does not fail"
         sig = signature(pair.name, first)
-        best = {"ev": first}
+        best["ev"] = first
+        stopped = {"evals": False, "wall": False}
 
         def fails(case: Any) -> bool:
-            ev = run(case)
+            if stopped["wall"]:
+                return False
+            try:
+                ev = run(case, end)
+            except OutOfTime:
+                stopped["wall"] = True
+                return False
             if ev.failed and not ev.setup and signature(pair.name, ev) == sig:
-                best["ev"] = ev
+                best["ev"], best["case"] = ev, case
                 return True
             return False
 
-        case, evals, complete = polish(repro.case, fails, max_evals=max_evals, deadline=start + budget,
-                                       axes=pair.axes)
+        try:
+            case, evals, complete = polish(repro.case, fails, max_evals=max_evals, deadline=end, axes=pair.axes)
+        except KeyboardInterrupt:
+            with signals.critical():
+                if best["case"] != repro.case:
+                    note = _save(repro, path, best["case"], best["ev"], False, tracking, tracking_uri)
+                    log(f"interrupted     {path}  (the smallest case so far is saved: {_size(best['case'])}; "
+                        "run again to go on)")
+                    if note:
+                        log(note)
+                else:
+                    log(f"interrupted     {path}  (nothing smaller found yet; the file is unchanged)")
+            raise
+        complete = complete and not stopped["wall"]
+        ev = best["ev"] if best["case"] == case else run(case, None)
     seconds = time.monotonic() - start
-    was_complete = repro.found.get("shrink_complete", True) is not False
+    why_stopped = ("" if complete else "; --max-evals ran out" if evals >= max_evals else "; the budget ran out")
     if case == repro.case:
-        if complete and not was_complete:
+        if complete and repro.found.get("shrink_complete", True) is False:
             repro.found = {**repro.found, "shrink_complete": True}
             repro.history.append({"at": corpus.now_iso(), "event": "shrink completed",
                                   "note": f"`harness shrink`: no simpler case fails the same way ({evals} tried)"})
             repro.save(path)
         outcome = "minimal" if complete else "unchanged (cut short)"
-        log(f"{outcome:15s} {path}  ({_size(case)}; {evals} case(s) tried in {seconds:.1f}s"
-            + ("" if complete else "; the budget ran out: run again, or with a larger --budget, to go on") + ")")
+        log(f"{outcome:15s} {path}  ({_size(case)}; {evals} case(s) tried in {seconds:.1f}s{why_stopped}"
+            + ("" if complete else ": run again, or with a larger --budget / --max-evals, to go on") + ")")
         return outcome
-    ev = best["ev"]
-    if ev.case != case:  # (the last accepted move's evaluation is the case's; run it again if not)
-        ev = run(case)
     old_case = repro.case
+    note = _save(repro, path, case, ev, complete, tracking, tracking_uri)
+    outcome = "shrunk" if complete else "cut short"
+    log(f"{outcome:15s} {path}  ({_size(old_case)} -> {_size(case)}; {evals} case(s) tried in {seconds:.1f}s; "
+        f"now {ev.headline}{why_stopped}" + ("" if complete else ": run again to go on") + ")")
+    if note:
+        log(note)
+    return outcome
+
+
+def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, tracking: bool, uri: str | None) -> str:
+    """Write the smaller case into the repro (the replaced one into its history), then its MLflow run;
+    returns a line about MLflow to print ("" when there was nothing to update)."""
+    from . import corpus
+
+    old_line = repro.case.one_line()
     repro.history.append({"at": corpus.now_iso(), "event": "shrunk further", "note": "`harness shrink`",
-                          "replaced_case": old_case.to_json(), "replaced_metrics": repro.metrics})
+                          "replaced_case": repro.case.to_json(), "replaced_metrics": repro.metrics})
     repro.case, repro.metrics, repro.error = case, corpus.metrics_json(ev), ev.error
     repro.case_edited = False  # (the metrics are the new case's: a fresh fingerprint)
     repro.found = {**repro.found, "shrink_complete": bool(complete)}
     repro.save(path)
-    outcome = "shrunk" if complete else "cut short"
-    log(f"{outcome:15s} {path}  ({_size(old_case)} -> {_size(case)}; {evals} case(s) tried in {seconds:.1f}s; "
-        f"now {ev.headline}" + ("" if complete else "; the budget ran out: run again to go on") + ")")
-    return outcome
+    if not tracking:
+        return ""
+    from .mlflow_tracking.store import StoreUnavailable
+
+    try:
+        from .mlflow_tracking.lifecycle import note_shrunk
+
+        run_id = note_shrunk(repro, old_line, ev.headline, uri)
+    except StoreUnavailable:
+        return ""  # no store here: nothing to update
+    except Exception as e:  # noqa: BLE001 - the corpus file is written; MLflow is a copy
+        return (f"  warning: the MLflow regression run of {repro.id} was not updated ({type(e).__name__}: "
+                f"{str(e)[:200]}); the corpus file holds the shrunk case")
+    return f"  MLflow regression run {run_id}: case, metrics and repro artifact updated" if run_id else ""
 
 
 @click.command("shrink")
@@ -131,8 +185,11 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu",
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
               help="Load target pairs from a Python file or an importable module (repeatable): a repro of a "
                    "plugin kept outside this repository needs it.")
+@click.option("--tracking-uri", default=None, help="MLflow store whose regression runs get the shrunk cases "
+              "(default: MLFLOW_TRACKING_URI, else the embedded reports/mlflow.db when it exists).")
+@click.option("--no-tracking", is_flag=True, help="Leave MLflow alone: update the corpus files only.")
 def shrink_command(paths: tuple[Path, ...], budget: float, max_evals: int, device: str,
-                   plugins: tuple[str, ...]) -> None:
+                   plugins: tuple[str, ...], tracking_uri: str | None, no_tracking: bool) -> None:
     """Go on shrinking repros (files or corpus folders) whose shrinking was cut short."""
     from . import corpus
     from .cli import load_plugins
@@ -145,7 +202,8 @@ def shrink_command(paths: tuple[Path, ...], budget: float, max_evals: int, devic
         files.extend(corpus.iter_corpus(p) if p.is_dir() else [p])
     counts: dict[str, int] = {}
     for f in files:
-        outcome = shrink_file(f, budget, max_evals, device, plugins, log=click.echo)
+        outcome = shrink_file(f, budget, max_evals, device, plugins, log=click.echo, tracking_uri=tracking_uri,
+                              tracking=not no_tracking)
         counts[outcome] = counts.get(outcome, 0) + 1
     click.echo(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     sys.exit(1 if counts.get("does not fail") else 2 if counts.get("skipped") else 0)

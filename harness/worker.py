@@ -65,6 +65,26 @@ def _signal_name(code: int | None) -> str:
     return f"exit {code}"
 
 
+class _main_file_hidden_if_missing:
+    """multiprocessing re-runs the main script in a new process from `__main__.__file__`; for code read
+    from stdin that is "<stdin>", no file, and the worker would die at start (FileNotFoundError).
+    Such a script cannot be run again anyway: hide the name while the worker starts."""
+
+    def __enter__(self) -> None:
+        import sys
+
+        self.main = sys.modules.get("__main__")
+        self.path = getattr(self.main, "__file__", None)
+        self.hidden = (self.path is not None and getattr(getattr(self.main, "__spec__", None), "name", None) is None
+                       and not os.path.isfile(self.path))
+        if self.hidden:
+            del self.main.__file__
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.hidden:
+            self.main.__file__ = self.path
+
+
 ENTRY_POINT = [False]  # set by `harness` and the pytest plugin: the process is not a script of the user's
 
 
@@ -75,8 +95,8 @@ def _main_hint() -> str:
 
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if ENTRY_POINT[0] or not path:  # (the command line, pytest, an interactive session)
-        return ""
+    if ENTRY_POINT[0] or not path or not os.path.isfile(path):  # (the command line, pytest, an interactive
+        return ""  # session, code read from stdin)
     return (f" If you called the harness from your own script ({path}), put the call under `if __name__ == "
             "\"__main__\":`: worker processes import that script again (multiprocessing's forkserver), and a "
             "call at import time runs there too.")
@@ -121,7 +141,8 @@ class Worker:
         self.proc = ctx.Process(target=serve, args=(child, self.device, self.plugins, self.threads, str(log)),
                                 name="harness-worker", daemon=True)
         try:
-            self.proc.start()
+            with _main_file_hidden_if_missing():
+                self.proc.start()
         except BaseException:  # (never started: nothing to kill or join later)
             self.proc = None
             parent.close()

@@ -266,6 +266,36 @@ def fetch_repro(run_id: str, uri: str | None = None) -> Any:
     return repro
 
 
+def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None = None) -> str | None:
+    """A repro shrunk further by `harness shrink`: its regression run gets the new case (tag, note,
+    metrics at the next step, the repro artifact replaced). Returns the run id, or None when the
+    store has no regression of this finding. StoreUnavailable when there is no store."""
+    from mlflow.entities import Metric
+
+    store = Store(uri, create=False)
+    try:
+        run = store.find_regression(repro.id)
+    except UsageError:
+        return None
+    tags = run.data.tags
+    at = now_iso()
+    updates = {
+        "harness.case": repro.case.one_line()[:5000],
+        "harness.shrink_complete": "true" if repro.found.get("shrink_complete", True) is not False else "false",
+        "mlflow.note.content": _append_note(tags.get("mlflow.note.content", ""),
+                                            f"#### Shrunk further {at}\n\n`harness shrink`: `{old_case_line}` -> "
+                                            f"`{repro.case.one_line()}`, now {headline}. The run's repro artifact "
+                                            "is the shrunk case."),
+    }
+    step = int(tags.get("harness.seen_count", "1") or 1)
+    ts = int(time.time() * 1000)
+    with store.lock():
+        store.client.log_batch(run.info.run_id, tags=_tags(updates),
+                               metrics=[Metric(k, v, ts, step) for k, v in _finite_metrics(repro.metrics).items()])
+        store.client.log_artifact(run.info.run_id, str(repro.path), "repro")
+    return run.info.run_id
+
+
 def who_closes() -> str:
     """The person closing a regression: git's user.name (and email), else the login name."""
     import getpass

@@ -292,4 +292,7 @@ def test_verdict_mean_is_the_mean_that_fired():
     assert severity("divergence", float("inf"), 1e-3) == "high"
     err = {"type": "ValueError", "message": "trainer logprobs have shape (0, 64), expected (1, vocab)\nmore"}
     assert headline(None, err) == "ValueError: trainer logprobs have shape (0, 64), expected (1, vocab)"
+    long = {"type": "timeout", "message": "the case ran longer than " + "the per-case timeout " * 12 + "`pytest --harness"}
+    cut = headline(None, long)
+    assert cut.endswith(" the ...") and len(cut) < 220  # cut at a word, not in the middle of one
     assert headline({**m, "nonfinite_trainer": 3, "nonfinite_rollout": 0}, None) == "NaN/inf from the trainer 3 token(s)"

@@ -1,5 +1,10 @@
 """`harness shrink`: a repro whose shrinking was cut short is shrunk further from its own case."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from harness import Case
@@ -8,6 +13,32 @@ from harness.reshrink import shrink_file
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG = Case(seed=3, seq_lens=(5, 7, 3, 6))  # attention.mask_leak diverges on it (k3 ~0.5)
+
+# A plugin kept outside the repository: a leak across packed sequences (two or more diverge), a kernel
+# that cannot take a batch of one (SIGSEGV), and, on request, a slow case that says when it runs a
+# smaller batch than four (for the interrupt test).
+PLUGIN = """
+import os, pathlib, signal, time, torch
+from harness import Axes, Outcome, TargetPair, register
+
+def build(case, device):
+    return {"x": case.token_randn(8, "x"), "lens": case.seq_lens}
+
+def trainer(inp):
+    return Outcome(logprobs=torch.log_softmax(inp["x"], -1))
+
+def rollout(inp):
+    lens = inp["lens"]
+    if len(lens) == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(float(os.environ.get("LEAKY_SLEEP", "0")))
+    if os.environ.get("LEAKY_MARK") and len(lens) < 4:
+        pathlib.Path(os.environ["LEAKY_MARK"]).touch()
+    return Outcome(logprobs=torch.log_softmax(inp["x"] * 0.5, -1))
+
+register(TargetPair(name="leaky.pack", kind="op", expected="aligned", build=build, trainer=trainer,
+                    rollout=rollout, axes=Axes(n_seqs=(1, 4), seq_len=(1, 8))))
+"""
 
 
 def cut_short_repro(tmp_path: Path, case: Case = BIG, pair: str = "attention.mask_leak") -> Path:
@@ -24,10 +55,21 @@ def cut_short_repro(tmp_path: Path, case: Case = BIG, pair: str = "attention.mas
     return dst
 
 
+def plugin_repro(tmp_path: Path) -> tuple[Path, Path]:
+    plugin = tmp_path / "outside" / "leaky.py"
+    plugin.parent.mkdir()
+    plugin.write_text(PLUGIN)
+    path = cut_short_repro(tmp_path, BIG, pair="leaky.pack")
+    data = json.loads(path.read_text())
+    data["loader"] = {"kind": "plugin_file", "path": str(plugin)}
+    path.write_text(json.dumps(data, indent=2))
+    return path, plugin
+
+
 def test_a_cut_short_repro_is_shrunk_to_its_minimal_case_and_replays_bit_for_bit(tmp_path):
     path = cut_short_repro(tmp_path)
     lines: list[str] = []
-    assert shrink_file(path, budget=300, max_evals=500, log=lines.append) == "shrunk"
+    assert shrink_file(path, budget=300, max_evals=500, log=lines.append, tracking=False) == "shrunk"
     assert "4 sequence(s), 21 token(s) -> 2 sequence(s)" in lines[0], lines
     repro = load_repro(path)
     assert repro.case.batch_size == 2 and repro.case.n_tokens <= 4  # two sequences sharing a row leak
@@ -39,15 +81,15 @@ def test_a_cut_short_repro_is_shrunk_to_its_minimal_case_and_replays_bit_for_bit
     # shrinking again finds nothing simpler and leaves the file alone
     before = path.read_text()
     lines.clear()
-    assert shrink_file(path, budget=300, max_evals=500, log=lines.append) == "minimal"
+    assert shrink_file(path, budget=300, max_evals=500, log=lines.append, tracking=False) == "minimal"
     assert path.read_text() == before and "minimal" in lines[0]
 
 
-def test_a_budget_that_runs_out_keeps_what_was_shrunk_and_says_so(tmp_path):
+def test_max_evals_that_run_out_keep_what_was_shrunk_and_say_so(tmp_path):
     path = cut_short_repro(tmp_path)
     lines: list[str] = []
-    assert shrink_file(path, budget=300, max_evals=2, log=lines.append) == "cut short"
-    assert "run again to go on" in lines[0]
+    assert shrink_file(path, budget=300, max_evals=2, log=lines.append, tracking=False) == "cut short"
+    assert "--max-evals ran out: run again to go on" in lines[0]
     repro = load_repro(path)
     assert repro.found["shrink_complete"] is False and repro.case.n_tokens < BIG.n_tokens
 
@@ -55,7 +97,73 @@ def test_a_budget_that_runs_out_keeps_what_was_shrunk_and_says_so(tmp_path):
 def test_a_repro_that_no_longer_fails_is_not_touched(tmp_path, harness_cli):
     path = cut_short_repro(tmp_path, Case(seed=3, seq_lens=(12,)))  # one sequence: no leak
     before = path.read_text()
-    code, out, err = harness_cli("shrink", str(path))
+    code, out, err = harness_cli("shrink", "--no-tracking", str(path))
     assert code == 1, (out, err)
-    assert "does not fail" in out and "harness replay" in out and "1 does not fail" in out
+    assert "does not fail" in out and "no failure: passes" in out and "harness replay" in out
+    assert "1 does not fail" in out
     assert path.read_text() == before
+
+
+def test_an_error_of_another_type_is_not_the_recorded_failure(tmp_path):
+    path = cut_short_repro(tmp_path)
+    data = json.loads(path.read_text())  # recorded as a ValueError; the pair now diverges instead
+    data.update(symptom="error", error={"type": "ValueError", "message": "x", "where": "f", "traceback": ""})
+    path.write_text(json.dumps(data))
+    before = path.read_text()
+    lines: list[str] = []
+    assert shrink_file(path, budget=60, max_evals=10, log=lines.append, tracking=False) == "does not fail"
+    assert "recorded error ValueError; its case now gives divergence" in lines[0], lines
+    assert path.read_text() == before
+
+
+def test_a_smaller_case_that_crashes_is_another_failure_and_shrinking_goes_on(tmp_path):
+    """Cases run in a worker process: one sequence segfaults, which is not the recorded divergence."""
+    from harness.cli import load_plugins
+
+    path, plugin = plugin_repro(tmp_path)
+    load_plugins((str(plugin),))
+    lines: list[str] = []
+    assert shrink_file(path, budget=300, max_evals=500, plugins=(str(plugin),), log=lines.append,
+                       tracking=False) == "shrunk", lines
+    repro = load_repro(path)
+    assert repro.case.seq_lens == (1, 1) and repro.symptom == "divergence"
+
+
+def test_sigterm_keeps_the_smallest_case_so_far_and_exits_130(tmp_path):
+    path, plugin = plugin_repro(tmp_path)
+    mark = tmp_path / "smaller"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEAKY_SLEEP": "0.4", "LEAKY_MARK": str(mark)}
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "shrink", "--no-tracking", "--plugin", str(plugin),
+                             str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.5)  # the smaller case comes back and is accepted; the next one is running
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted" in out and "the smallest case so far is saved" in out, out
+    repro = load_repro(path)
+    assert repro.found["shrink_complete"] is False and repro.case.batch_size < 4
+    assert repro.history[-1]["event"] == "shrunk further"
+
+
+def test_the_regression_run_in_mlflow_gets_the_shrunk_case(tmp_path, harness_cli):
+    from harness.mlflow_tracking.lifecycle import fetch_repro, show_regression
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    code, out, err = harness_cli("fuzz", "attention.mask_leak", "--max-examples", "30", "--seed", "1",
+                                 "--tracking-uri", uri, "--corpus", str(tmp_path / "corpus"))
+    assert code == 1, err
+    [path] = (tmp_path / "corpus").rglob("*.json")
+    data = json.loads(path.read_text())  # as a campaign cut short would have left it
+    data["case"], data["found"]["shrink_complete"] = BIG.to_json(), False
+    data.pop("case_fingerprint")
+    path.write_text(json.dumps(data))
+    lines: list[str] = []
+    assert shrink_file(path, budget=300, max_evals=500, log=lines.append, tracking_uri=uri) == "shrunk"
+    assert "MLflow regression run" in lines[-1] and "updated" in lines[-1], lines
+    repro = load_repro(path)
+    reg = show_regression(repro.id, uri)
+    assert reg["case"] == repro.case.one_line() and "Shrunk further" in reg["note"]
+    assert fetch_repro(repro.id, uri).case == repro.case  # `harness replay --run-id` replays the shrunk case
