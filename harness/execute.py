@@ -76,8 +76,10 @@ def headline(metrics: Any, error: dict | None) -> str:
     if error:
         lines = str(error.get("message", "")).strip().splitlines()
         first = lines[0] if lines else ""
-        if len(first) > 200:  # cut at a word, and say so
-            first = first[:200].rsplit(" ", 1)[0].rstrip(" ,;:(") + " ..."
+        if len(first) > 200:  # cut at a word near the limit (else at the limit), and say so
+            head = first[:200]
+            at = head.rfind(" ")
+            first = (head[:at].rstrip(" ,;:(") if at >= 160 else head) + " ..."
         return f"{error.get('type', '?')}: {first}".rstrip(": ")
     if not metrics:
         return "k3=nan"

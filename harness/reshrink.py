@@ -45,7 +45,7 @@ def _fails_as_recorded(repro: Any, ev: Any) -> bool:
 def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", plugins: tuple[str, ...] = (),
                 log: Any = print, tracking_uri: str | None = None, tracking: bool = True) -> str:
     """Shrink one repro in place; returns "shrunk", "minimal", "cut short", "unchanged (cut short)",
-    "does not fail" or "skipped" (with the reason logged). KeyboardInterrupt (Ctrl-C, SIGTERM) is
+    "does not fail", "fixed" or "skipped" (with the reason logged). KeyboardInterrupt (Ctrl-C, SIGTERM) is
     raised again after the smallest case so far is saved."""
     from . import corpus
     from .env import recorded_threads
@@ -57,6 +57,9 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
 
     try:
         repro = corpus.load_repro(path)
+        if repro.status == "fixed":
+            log(f"{'fixed':15s} {path}  (its bug is fixed: nothing to shrink)")
+            return "fixed"
         why = corpus.load_plugin_for(repro)
         if why:
             log(f"skipped         {path}  ({why})")
@@ -68,7 +71,10 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
         return "skipped"
     thr = repro.threshold
     limit = (corpus.recorded_timeout(repro) if repro.symptom == "timeout" else None) or DEFAULT_TIMEOUT
-    cold = max(limit, Executor.COLD_START_TIMEOUT)  # a fresh worker's first case: imports, compilation
+    # A fresh worker's first case (imports, compilation) gets the campaign's cold-start allowance; a
+    # timeout repro's cases are judged at its recorded timeout, as replay judges it (a hang would
+    # otherwise cost the allowance per case).
+    cold = limit if repro.symptom == "timeout" else max(limit, Executor.COLD_START_TIMEOUT)
     start = time.monotonic()
     end = start + budget
     best: dict[str, Any] = {"ev": None, "case": repro.case}
@@ -81,7 +87,11 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             worker.submit(pair, case, thr, timeout=t, wall=wall, cold_extra=t - limit)
             return worker.collect(wall)
 
-        first = run(repro.case, None)  # (the repro itself runs to the end, whatever the budget)
+        try:
+            first = run(repro.case, None)  # (the repro itself runs to the end, whatever the budget)
+        except (HarnessError, OutOfTime) as e:  # the pair does not load in a worker; a start past its limit
+            log(f"skipped         {path}  ({e or 'its worker did not start in time'})")
+            return "skipped"
         if first.setup:
             log(f"skipped         {path}  (its pair could not run here: {first.error['type']}: "
                 f"{first.error['message']})")
@@ -89,7 +99,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
         if not _fails_as_recorded(repro, first):
             now = first.headline if first.failed else f"passes ({first.headline})"
             log(f"does not fail   {path}  (recorded {repro.symptom}"
-                + (f" {repro.error.get('type')}" if repro.error else "")
+                + (f" {repro.error.get('type')}" if repro.error and repro.symptom in ("error", "crash") else "")
                 + f"; its case now gives {first.symptom.value if first.failed else 'no failure'}: {now}; "
                 f"`{repro.replay_command()}` shows how it differs)")
             return "does not fail"
@@ -161,14 +171,19 @@ def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, tracking: 
     repro.save(path)
     if not tracking:
         return ""
+    import os
+
     from .mlflow_tracking.store import StoreUnavailable
 
     try:
         from .mlflow_tracking.lifecycle import note_shrunk
 
         run_id = note_shrunk(repro, old_line, ev.headline, uri)
-    except StoreUnavailable:
-        return ""  # no store here: nothing to update
+    except StoreUnavailable as e:
+        if uri or os.environ.get("MLFLOW_TRACKING_URI"):  # a store named by the user: say it was not updated
+            return (f"  warning: the MLflow regression run of {repro.id} was not updated ({e}); the corpus file "
+                    "holds the shrunk case")
+        return ""  # no embedded store here: nothing to update
     except Exception as e:  # noqa: BLE001 - the corpus file is written; MLflow is a copy
         return (f"  warning: the MLflow regression run of {repro.id} was not updated ({type(e).__name__}: "
                 f"{str(e)[:200]}); the corpus file holds the shrunk case")
@@ -190,16 +205,34 @@ def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, tracking: 
 @click.option("--no-tracking", is_flag=True, help="Leave MLflow alone: update the corpus files only.")
 def shrink_command(paths: tuple[Path, ...], budget: float, max_evals: int, device: str,
                    plugins: tuple[str, ...], tracking_uri: str | None, no_tracking: bool) -> None:
-    """Go on shrinking repros (files or corpus folders) whose shrinking was cut short."""
+    """Go on shrinking repros whose shrinking was cut short (files, or corpus folders: the cut-short
+    repros in them)."""
     from . import corpus
     from .cli import load_plugins
     from .env import resolve_device
+    from .errors import HarnessError
 
     load_plugins(plugins)
     device = resolve_device(device)
     files: list[Path] = []
+    done = 0
     for p in paths:
-        files.extend(corpus.iter_corpus(p) if p.is_dir() else [p])
+        if not p.is_dir():
+            files.append(p)
+            continue
+        for f in corpus.iter_corpus(p):  # in a folder: the repros whose shrinking was cut short
+            try:
+                r = corpus.load_repro(f)
+            except HarnessError:
+                files.append(f)  # (skipped with its reason below)
+                continue
+            if r.found.get("shrink_complete", True) is False and r.status != "fixed":
+                files.append(f)
+            else:
+                done += 1
+    if done:
+        click.echo(f"{done} repro(s) in the folder(s) are fully shrunk (or fixed) and left alone; name a file to "
+                   "shrink it anyway")
     counts: dict[str, int] = {}
     for f in files:
         outcome = shrink_file(f, budget, max_evals, device, plugins, log=click.echo, tracking_uri=tracking_uri,

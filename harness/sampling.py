@@ -15,6 +15,7 @@ device, the batch layout or the other sequences.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -25,8 +26,6 @@ def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p:
     all kept, as a threshold filter does); top_p < 1 keeps the smallest set of most likely tokens
     whose mass reaches top_p (at least one). Everything else is -inf.
     """
-    import math
-
     import torch
 
     if not (math.isfinite(float(temperature)) and float(temperature) > 0):
@@ -59,6 +58,8 @@ def _nucleus_drop(x: Any, top_p: float) -> Any:
 
     v = x.shape[-1]
     rows = x.reshape(-1, v)  # (R, V)
+    if rows.shape[0] == 0 or v == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
     probs = torch.softmax(rows, dim=-1)  # (R, V)
     k = min(v, 64)
     while k < v:
@@ -76,7 +77,8 @@ def _nucleus_drop(x: Any, top_p: float) -> Any:
         # widen the head to every token tied with its last logit (each row's group: the tokens at or
         # above it, a prefix of the canonical order whose mass reaches top_p), then order it canonically:
         # by token id, then (stable) by logit, descending
-        group = (rows >= head_x[:, -1:]).sum(-1)  # (R,) >= 1
+        # (a -inf boundary, from top-k: the head holds every finite logit, and -inf ones have no mass)
+        group = ((rows >= head_x[:, -1:]) & (rows > -math.inf)).sum(-1)  # (R,) >= 1
         if int(group.max()) > k:
             k = int(group.max())
             _, idx = torch.topk(rows, k, dim=-1)

@@ -292,7 +292,10 @@ def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None =
     with store.lock():
         store.client.log_batch(run.info.run_id, tags=_tags(updates),
                                metrics=[Metric(k, v, ts, step) for k, v in _finite_metrics(repro.metrics).items()])
-        store.client.log_artifact(run.info.run_id, str(repro.path), "repro")
+        with tempfile.TemporaryDirectory(prefix="harness-artifacts-") as tmp:  # (named as fetch_repro reads it)
+            named = Path(tmp) / f"{repro.id}.json"
+            named.write_bytes(Path(repro.path).read_bytes())
+            store.client.log_artifact(run.info.run_id, str(named), "repro")
     return run.info.run_id
 
 

@@ -256,11 +256,11 @@ def test_cases_are_handed_ahead_only_with_a_core_to_spare(monkeypatch, cores, xd
 
 
 def test_a_worker_replaced_after_a_crash_is_cold_again(tmp_path, harness_cli):
-    """The pair takes 1 s on its first case in every process (a compile), then segfaults on batches:
+    """The pair takes 1.5 s on its first case in every process (a compile), then segfaults on batches:
     after the crash, the next case runs in a fresh process, cold, and gets the cold-start allowance,
-    not the 0.6 s per-case timeout (a timeout finding there would be false, and replay would confirm it)."""
-    code, out, err = fuzz(harness_cli, tmp_path, "faults.slow_start_segfault", "--timeout", "0.6", "--max-examples", "15",
-                          "--uniform-per-example", "0", env={"FAULTS_SLOW_START": "1"})
+    not the 1 s per-case timeout (a timeout finding there would be false, and replay would confirm it)."""
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.slow_start_segfault", "--timeout", "1", "--max-examples", "15",
+                          "--uniform-per-example", "0", env={"FAULTS_SLOW_START": "1.5"})
     assert code == 1, err
     found = by_pair(tmp_path / "corpus")
     assert [r.symptom for r in found["faults.slow_start_segfault"]] == ["crash"], err

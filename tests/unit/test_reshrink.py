@@ -167,3 +167,41 @@ def test_the_regression_run_in_mlflow_gets_the_shrunk_case(tmp_path, harness_cli
     reg = show_regression(repro.id, uri)
     assert reg["case"] == repro.case.one_line() and "Shrunk further" in reg["note"]
     assert fetch_repro(repro.id, uri).case == repro.case  # `harness replay --run-id` replays the shrunk case
+
+
+def test_a_timeout_repro_is_judged_at_its_recorded_timeout(tmp_path):
+    """Hanging cases cost the recorded timeout each (not a cold-start allowance), and the shrunk
+    repro keeps that timeout."""
+    from harness.cli import load_plugins
+
+    faults = ROOT / "tests" / "plugins" / "faults.py"
+    load_plugins((str(faults),))
+    path = cut_short_repro(tmp_path, Case(seed=3, seq_lens=(3, 2, 2)), pair="faults.hang")
+    data = json.loads(path.read_text())
+    data.update(symptom="timeout", loader={"kind": "plugin_file", "path": str(faults)}, metrics={},
+                error={"type": "Timeout", "message": "the case ran longer than the per-case timeout of 1 s",
+                       "where": "", "traceback": "", "timeout_s": 1.0})
+    path.write_text(json.dumps(data))
+    lines: list[str] = []
+    t = time.monotonic()
+    assert shrink_file(path, budget=120, max_evals=100, plugins=(str(faults),), log=lines.append,
+                       tracking=False) == "shrunk", lines
+    assert time.monotonic() - t < 60
+    repro = load_repro(path)
+    assert repro.case.seq_lens == (1, 1) and repro.symptom == "timeout" and repro.error["timeout_s"] == 1.0
+
+
+def test_a_folder_is_the_repros_whose_shrinking_was_cut_short(tmp_path, harness_cli):
+    path = cut_short_repro(tmp_path)  # cut short: shrunk
+    done = json.loads(path.read_text())
+    done["found"]["shrink_complete"], done["id"] = True, "0" * 12
+    (path.parent / f"{'0' * 12}.json").write_text(json.dumps(done))  # complete: left alone
+    fixed = {**done, "id": "1" * 12, "status": "fixed"}
+    (path.parent / f"{'1' * 12}.json").write_text(json.dumps(fixed))  # fixed: left alone
+    before = {p.name: p.read_text() for p in path.parent.glob("*.json") if p != path}
+    code, out, err = harness_cli("shrink", "--no-tracking", str(tmp_path))
+    assert code == 0, (out, err)
+    assert "2 repro(s) in the folder(s) are fully shrunk (or fixed) and left alone" in out and "1 shrunk" in out
+    assert {p.name: p.read_text() for p in path.parent.glob("*.json") if p != path} == before
+    code, out, err = harness_cli("shrink", "--no-tracking", str(path.parent / f"{'1' * 12}.json"))
+    assert code == 0 and "fixed" in out and "nothing to shrink" in out, (out, err)

@@ -58,6 +58,8 @@ def test_rows_that_are_not_distributions_stay_as_they_are():
     lp = process_logits(x, 1.0, top_p=0.5)
     assert torch.isnan(lp[0]).all() and torch.isnan(lp[1]).all()  # NaN in, NaN out; no mass at all
     assert (lp[2] > -math.inf).sum() == 2  # three equal tokens: two reach 0.5 (mass before: 0, 1/3, 2/3)
+    assert process_logits(torch.zeros(0, 9), 1.0, top_p=0.5).shape == (0, 9)  # an empty batch
+    assert process_logits(torch.zeros(2, 0, 9), 1.0, top_k=3, top_p=0.5).shape == (2, 0, 9)
 
 
 def test_a_real_vocabulary_batch():
