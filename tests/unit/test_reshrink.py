@@ -94,11 +94,20 @@ def test_max_evals_that_run_out_keep_what_was_shrunk_and_say_so(tmp_path):
     assert repro.found["shrink_complete"] is False and repro.case.n_tokens < BIG.n_tokens
 
 
-def test_a_repro_that_no_longer_fails_is_not_touched(tmp_path, harness_cli):
+def shrink_cli(*args: str) -> tuple[int, str]:
+    from click.testing import CliRunner
+
+    from harness.reshrink import shrink_command
+
+    res = CliRunner().invoke(shrink_command, list(args))
+    return res.exit_code, res.output
+
+
+def test_a_repro_that_no_longer_fails_is_not_touched(tmp_path):
     path = cut_short_repro(tmp_path, Case(seed=3, seq_lens=(12,)))  # one sequence: no leak
     before = path.read_text()
-    code, out, err = harness_cli("shrink", "--no-tracking", str(path))
-    assert code == 1, (out, err)
+    code, out = shrink_cli("--no-tracking", str(path))
+    assert code == 1, out
     assert "does not fail" in out and "no failure: passes" in out and "harness replay" in out
     assert "1 does not fail" in out
     assert path.read_text() == before
@@ -148,13 +157,16 @@ def test_sigterm_keeps_the_smallest_case_so_far_and_exits_130(tmp_path):
     assert repro.history[-1]["event"] == "shrunk further"
 
 
-def test_the_regression_run_in_mlflow_gets_the_shrunk_case(tmp_path, harness_cli):
+def test_the_regression_run_in_mlflow_gets_the_shrunk_case(tmp_path):
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, run_campaign
     from harness.mlflow_tracking.lifecycle import fetch_repro, show_regression
+    from harness.tracking import make_tracker
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    code, out, err = harness_cli("fuzz", "attention.mask_leak", "--max-examples", "30", "--seed", "1",
-                                 "--tracking-uri", uri, "--corpus", str(tmp_path / "corpus"))
-    assert code == 1, err
+    cfg = CampaignConfig(pairs=[REGISTRY.get("attention.mask_leak")], seed=1, max_examples=30,
+                         corpus=tmp_path / "corpus")
+    assert run_campaign(cfg, make_tracker(uri), log=lambda m: None).findings
     [path] = (tmp_path / "corpus").rglob("*.json")
     data = json.loads(path.read_text())  # as a campaign cut short would have left it
     data["case"], data["found"]["shrink_complete"] = BIG.to_json(), False
@@ -191,7 +203,7 @@ def test_a_timeout_repro_is_judged_at_its_recorded_timeout(tmp_path):
     assert repro.case.seq_lens == (1, 1) and repro.symptom == "timeout" and repro.error["timeout_s"] == 1.0
 
 
-def test_a_folder_is_the_repros_whose_shrinking_was_cut_short(tmp_path, harness_cli):
+def test_a_folder_is_the_repros_whose_shrinking_was_cut_short(tmp_path):
     path = cut_short_repro(tmp_path)  # cut short: shrunk
     done = json.loads(path.read_text())
     done["found"]["shrink_complete"], done["id"] = True, "0" * 12
@@ -199,9 +211,9 @@ def test_a_folder_is_the_repros_whose_shrinking_was_cut_short(tmp_path, harness_
     fixed = {**done, "id": "1" * 12, "status": "fixed"}
     (path.parent / f"{'1' * 12}.json").write_text(json.dumps(fixed))  # fixed: left alone
     before = {p.name: p.read_text() for p in path.parent.glob("*.json") if p != path}
-    code, out, err = harness_cli("shrink", "--no-tracking", str(tmp_path))
-    assert code == 0, (out, err)
+    code, out = shrink_cli("--no-tracking", str(tmp_path))
+    assert code == 0, out
     assert "2 repro(s) in the folder(s) are fully shrunk (or fixed) and left alone" in out and "1 shrunk" in out
     assert {p.name: p.read_text() for p in path.parent.glob("*.json") if p != path} == before
-    code, out, err = harness_cli("shrink", "--no-tracking", str(path.parent / f"{'1' * 12}.json"))
-    assert code == 0 and "fixed" in out and "nothing to shrink" in out, (out, err)
+    code, out = shrink_cli("--no-tracking", str(path.parent / f"{'1' * 12}.json"))
+    assert code == 0 and "fixed" in out and "nothing to shrink" in out, out
