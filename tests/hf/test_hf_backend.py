@@ -356,7 +356,8 @@ def test_replay_refuses_a_router_whose_weights_it_cannot_recompute():
 @pytest.mark.parametrize("name", ["hf.qwen3.bf16_rollout", "hf.qwen3_moe.bf16_rollout", "hf.mixtral.bf16_rollout",
                                   "hf.qwen3_moe.packed_cache_trap"])
 def test_demonstration_caught_and_shrunk(name, tmp_path):
-    cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=100, corpus=tmp_path, write_corpus=False)
+    cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=100, corpus=tmp_path, write_corpus=False,
+                         isolation=False)  # (this process has the model loaded; as isolated: test_fuzz.py)
     (r,) = run_campaign(cfg, log=lambda m: None).results
     assert r.verdict == "caught", (name, r.verdict, r.max_k3)
     (f,) = r.findings
@@ -366,7 +367,8 @@ def test_demonstration_caught_and_shrunk(name, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["hf.qwen3_moe.aligned", "hf.qwen3.eager_vs_sdpa"])
 def test_aligned_clean(name, tmp_path):
-    cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=60, corpus=tmp_path, write_corpus=False)
+    cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=60, corpus=tmp_path, write_corpus=False,
+                         isolation=False)  # (this process has the model loaded; as isolated: test_fuzz.py)
     (r,) = run_campaign(cfg, log=lambda m: None).results
     assert r.verdict == "clean", (name, r.verdict, r.max_k3, [(f.symptom, f.case.one_line(), f.evaluation.error) for f in r.findings])
 

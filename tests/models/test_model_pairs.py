@@ -185,7 +185,7 @@ CAUGHT_WITHIN = {"model.left_pad_positions": 150}  # examples a demonstration ge
 @pytest.mark.parametrize("name", DIVERGES)
 def test_diverging_model_pair_is_caught_and_shrunk(name, tmp_path):
     cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=CAUGHT_WITHIN.get(name, 100),
-                         corpus=tmp_path, write_corpus=False)
+                         corpus=tmp_path, write_corpus=False, isolation=False)  # (as isolated: test_fuzz.py)
     (r,) = run_campaign(cfg, NullTracker(), log=lambda m: None).results
     assert r.verdict == "caught", (name, r.verdict, r.max_k3)
     (f,) = r.findings

@@ -22,7 +22,7 @@ def campaign(name: str, max_examples: int):
     REGISTRY.load_plugin(str(PLUGIN))
     with tempfile.TemporaryDirectory() as corpus:
         cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=max_examples, corpus=Path(corpus),
-                             device="cpu", write_corpus=False)
+                             device="cpu", write_corpus=False, isolation=False)  # (as isolated: test_fuzz.py)
         return run_campaign(cfg, NullTracker(), log=lambda msg: None).results[0]
 
 

@@ -46,7 +46,10 @@ def op_pairs():
 def campaign(name: str, max_examples: int) -> PairResult:
     pair = REGISTRY.get(name)
     with tempfile.TemporaryDirectory() as corpus:
-        cfg = CampaignConfig(pairs=[pair], seed=SEED, max_examples=max_examples, corpus=Path(corpus), device="cpu")
+        # (in this process: the cases and findings are an isolated campaign's, tests/unit/test_fuzz.py checks
+        # that, and no worker process doubles the bookkeeping of 60 campaigns)
+        cfg = CampaignConfig(pairs=[pair], seed=SEED, max_examples=max_examples, corpus=Path(corpus), device="cpu",
+                             isolation=False)
         return run_campaign(cfg, NullTracker(), log=lambda msg: None).results[0]
 
 
