@@ -105,7 +105,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             return "does not fail"
         sig = signature(pair.name, first)
         best["ev"] = first
-        stopped = {"evals": False, "wall": False}
+        stopped = {"wall": False}
 
         def fails(case: Any) -> bool:
             if stopped["wall"]:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-N = 8
+N = 5  # processes: each imports MLflow, so more cost CPU, not coverage (they all race on one fresh file)
 
 
 @pytest.mark.slow
-def test_eight_writers_on_one_fresh_sqlite_file(fresh_cwd):
+def test_five_writers_on_one_fresh_sqlite_file(fresh_cwd):
     from harness.mlflow_tracking import Store
 
     db = fresh_cwd / "shared" / "mlflow.db"
