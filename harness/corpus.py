@@ -402,6 +402,16 @@ class Repro:
             out.setdefault(k, v)
         return out
 
+    def take_smaller_case(self, case: Case, ev: Evaluation, complete: bool, **why: Any) -> None:
+        """Replace the case (and its metrics and error) with a smaller one that fails the same way:
+        the replaced ones go into the history ("shrunk further", with `why`: the campaign seed, or a
+        note), and `found.shrink_complete` says whether this shrinking finished."""
+        self.history.append({"at": now_iso(), "event": "shrunk further", **why, "replaced_case": self.case.to_json(),
+                             "replaced_metrics": self.metrics})
+        self.case, self.metrics, self.error = case, metrics_json(ev), ev.error
+        self.case_edited = False  # (metrics and case agree again: a fresh fingerprint)
+        self.found = {**self.found, "shrink_complete": bool(complete)}
+
     def save(self, path: Path | None = None) -> Path:
         path = Path(path or self.path)
         write_json_atomic(path, self.to_json())
@@ -632,11 +642,7 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int) -> Path:
     size = lambda c: (c.batch_size, c.n_tokens)  # noqa: E731
     if cut_short and old.case != finding.case and (
             size(finding.case) < size(old.case) or (finding.shrink_complete and size(finding.case) <= size(old.case))):
-        old.history.append({"at": now_iso(), "event": "shrunk further", "campaign_seed": campaign_seed,
-                            "replaced_case": old.case.to_json(), "replaced_metrics": old.metrics})
-        old.case, old.metrics, old.error = finding.case, metrics_json(finding.evaluation), finding.evaluation.error
-        old.case_edited = False  # (metrics and case agree again: a fresh fingerprint)
-        old.found = {**old.found, "shrink_complete": bool(finding.shrink_complete)}
+        old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, campaign_seed=campaign_seed)
         changed = True
     if changed:
         old.save(path)

@@ -160,14 +160,8 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
 def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, tracking: bool, uri: str | None) -> str:
     """Write the smaller case into the repro (the replaced one into its history), then its MLflow run;
     returns a line about MLflow to print ("" when there was nothing to update)."""
-    from . import corpus
-
     old_line = repro.case.one_line()
-    repro.history.append({"at": corpus.now_iso(), "event": "shrunk further", "note": "`harness shrink`",
-                          "replaced_case": repro.case.to_json(), "replaced_metrics": repro.metrics})
-    repro.case, repro.metrics, repro.error = case, corpus.metrics_json(ev), ev.error
-    repro.case_edited = False  # (the metrics are the new case's: a fresh fingerprint)
-    repro.found = {**repro.found, "shrink_complete": bool(complete)}
+    repro.take_smaller_case(case, ev, complete, note="`harness shrink`")
     repro.save(path)
     if not tracking:
         return ""
