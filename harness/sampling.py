@@ -52,8 +52,8 @@ def _nucleus_drop(x: Any, top_p: float) -> Any:
     Only the head of each row is sorted: the k largest logits (`topk`, k growing 16-fold until every
     row's head holds top_p of its mass), widened to every token tied with the head's last logit (topk
     picks among ties by its own rule, which depends on k, and k on the other rows), then ordered as
-    above. At a 152k vocabulary a full sort costs about a second per 64 rows on a CPU core, and the
-    kept set is a small head of the row in practice."""
+    above. At a 152k vocabulary a full sort of every row is most of the cost, and the kept set is a
+    small head of the row in practice (a near-flat row ends in a full sort)."""
     import torch
 
     v = x.shape[-1]
