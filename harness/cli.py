@@ -348,7 +348,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     still diverges. A repro recorded from a plugin file inside this repository loads that file.
     A crash or timeout repro runs in a worker process: one that still crashes or hangs exits 1."""
     from .corpus import Skipped, load_many_tolerant, load_plugin_for, replay as do_replay
-    from .env import resolve_device
+    from .env import machine_differences, resolve_device
     from .execute import headline
 
     bisect = in_bisect() if bisect is None else bisect
@@ -403,6 +403,10 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         if not res.bit_for_bit:
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
                                      ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
+            elsewhere = machine_differences(r.environment, dev)
+            if elsewhere:
+                line += ("\n  recorded on another machine or software (" + "; ".join(elsewhere[:3]) + "): "
+                         "last-bit differences are expected there; the verdict is what carries over")
         if res.weights:
             line += f"\n  warning: {res.weights}"
         if ev.error:

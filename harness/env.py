@@ -58,11 +58,51 @@ def environment(device: str) -> dict:
         "git_commit": git_commit(),
         # CPU kernels (GEMMs above all) may split their sums by thread count: a replay uses this one
         "torch_threads": torch.get_num_threads(),
+        # ... and pick their code by processor: another CPU may give other last bits
+        "cpu": cpu_identity(),
     }
     if device == "cuda":
         env["cuda_device"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
     return env
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_identity() -> str:
+    """The processor, as far as the kernels' choice of code goes: its model name and the instruction
+    set torch dispatches to (numpy and the BLAS choose theirs from the same CPU)."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    try:
+        import torch
+
+        return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+    except Exception:  # noqa: BLE001 - an old torch without the query
+        return name
+
+
+# What decides a replay's last bits on a CPU: the same values here mean the recorded metrics are the
+# ones a replay must reproduce bit for bit (the thread count is the recorded one: `recorded_threads`).
+BIT_FOR_BIT_KEYS = ("torch", "numpy", "platform", "device", "cpu")
+
+
+def machine_differences(env: dict, device: str = "cpu") -> list[str]:
+    """How the machine and software a repro was recorded on differ from this process's, in what
+    decides its last bits (`BIT_FOR_BIT_KEYS`; on CUDA also the GPU): empty when a replay here must
+    reproduce its metrics bit for bit. A repro recorded before a fact was stored differs in it."""
+    if not isinstance(env, dict):
+        return ["environment: not recorded"]
+    here = environment(device)
+    keys = BIT_FOR_BIT_KEYS + (("cuda_device", "cuda") if device == "cuda" else ())
+    return [f"{k}: {env.get(k, 'not recorded')} (here {here.get(k)})" for k in keys if env.get(k) != here.get(k)]
 
 
 def recorded_threads(env: dict) -> int | None:

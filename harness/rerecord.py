@@ -7,7 +7,9 @@ replay keeps the recorded verdict (same symptom; a divergence still above its th
 repro still clean), writes the new metrics into the file, rewrites the case in the current schema
 (a schema-1 case keeps `streams: "single"`, so its tensors are unchanged), and appends a
 `rerecorded` entry to its history. A file that did not record the torch thread count it was found
-with gets this process's (the count its new metrics were computed with; replay uses it). A repro whose verdict changed is left untouched and reported:
+with gets this process's (the count its new metrics were computed with; replay uses it). A rewritten
+file also takes this machine's facts (`env.BIT_FOR_BIT_KEYS`: torch, numpy, CPU, ...): its metrics are
+this machine's now. A repro whose verdict changed is left untouched and reported:
 that is a behaviour change for a person to look at, not a rounding change.
 
 A repro whose case was edited by hand since it was recorded (its `case_fingerprint` no longer
@@ -26,7 +28,7 @@ import click
 def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     """(outcome, detail) for one file: outcome is "rewritten", "unchanged", "verdict changed" or "skipped"."""
     from . import corpus
-    from .env import recorded_threads
+    from .env import BIT_FOR_BIT_KEYS, environment, recorded_threads
     from .errors import HarnessError
 
     try:
@@ -59,7 +61,13 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     threads = recorded_threads(repro.environment)
     recorded = {k: corpus.encode_float(v) for k, v in repro.metrics.items()}  # (NaN == NaN as "nan")
     if new_metrics == recorded and not repro.case_edited and threads is not None:
-        return "unchanged", ""
+        if "cpu" in repro.environment:
+            return "unchanged", ""
+        # recorded before the CPU was: this machine reproduces its metrics bit for bit, so they are its too
+        here = environment(device)
+        repro.environment = {**repro.environment, **{k: here[k] for k in BIT_FOR_BIT_KEYS if k in here}}
+        repro.save(path)
+        return "rewritten", "metrics reproduced bit for bit here; this machine's facts recorded"
     edited, repro.case_edited = repro.case_edited, False  # (the metrics are now this case's: a new fingerprint)
     if edited:
         repro.history.append({"event": "case edited", "at": corpus.now_iso(), "replaced_metrics": repro.metrics,
@@ -67,6 +75,10 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
         if ev.error is not None:  # an error/crash/timeout repro: the edited case's own error
             repro.error = ev.error
     repro.metrics = new_metrics
+    # the metrics are now this machine's and software's: its facts replace the recorded ones, so a
+    # replay here compares bit for bit and one elsewhere knows it may differ in the last bits
+    here = environment(device)
+    repro.environment = {**repro.environment, **{k: here[k] for k in BIT_FOR_BIT_KEYS if k in here}}
     if threads is None:  # replayed with this process's thread count: the metrics are that count's
         import torch
 

@@ -4,7 +4,8 @@
 - `expected`: a demonstration pair's divergence: must still diverge (the harness still sees it);
 - `open`: a known, unfixed regression: an expected failure (xfail) that shows its k3 now;
 - `wontfix`: replayed; reported, never failing.
-Each replay must also reproduce the recorded metrics bit-for-bit when the environment matches
+Each replay must also reproduce the recorded metrics bit-for-bit when the machine and software match
+(`harness.env.machine_differences`: torch, numpy, platform, CPU model and instruction set)
 (except a `fixed` repro that replays clean: its recorded metrics are the bug's); a repro whose case
 was edited by hand since it was recorded fails until it is rerecorded or restored.
 A repro of a plugin's pair loads that plugin when it is a file inside this repository; a plugin kept
@@ -15,22 +16,16 @@ the reason, and the other files still run.
 
 from __future__ import annotations
 
-import platform
 from pathlib import Path
 
 import pytest
-import torch
 
 from harness.corpus import iter_corpus, load_plugin_for, load_repro, replay
+from harness.env import machine_differences
 from harness.errors import CannotEvaluate
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpora"
 FILES = iter_corpus(CORPUS)
-
-
-def same_environment(env: dict) -> bool:
-    return env.get("torch") == torch.__version__ and env.get("platform") == \
-        f"{__import__('sys').platform}-{platform.machine()}" and env.get("device") == "cpu"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(CORPUS)) for p in FILES])
@@ -55,7 +50,9 @@ def test_replay(path):
         if ev.failed:
             pytest.xfail(f"open regression still diverges: {ev.symptom.value} {ev.headline}")
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline}): close it as fixed")
-    if same_environment(repro.environment) and result.compared:  # a fixed repro's metrics are the bug's
+    # bit for bit where the machine and software are the recorded ones (`machine_differences`: torch,
+    # numpy, CPU); a fixed repro's metrics are the bug's
+    if not machine_differences(repro.environment) and result.compared:
         assert result.bit_for_bit, (f"{path}: replay differs from the recorded metrics, as (recorded, replayed): "
                                     f"{result.mismatches}; if the change is expected (a new torch, a metric "
                                     "computed differently), `harness rerecord` rewrites them")

@@ -146,3 +146,39 @@ def test_a_fixed_repro_whose_case_was_edited_keeps_its_bugs_metrics(tmp_path):
     after = load_repro(path)
     assert not after.case_edited and after.metrics == load_repro(path).metrics
     assert json.loads(path.read_text())["metrics"] == data["metrics"]
+
+
+def test_metrics_from_another_machine_are_compared_only_on_the_recording_one(tmp_path, harness_cli):
+    """Kernels pick their code by processor (numpy's and torch's SIMD exp, the BLAS), so a repro's last
+    bits hold on the machine and software it was recorded on. Replay elsewhere says so rather than
+    calling it a regression; rerecord makes the metrics this machine's and records its facts."""
+    from harness.env import environment, machine_differences
+
+    here = environment("cpu")
+    assert not machine_differences(here) and here["cpu"]
+    other = {**here, "cpu": "Some Other CPU (AVX2)", "numpy": "1.0.0"}
+    diff = machine_differences(other)
+    assert len(diff) == 2 and diff[0].startswith("numpy: 1.0.0") and "Some Other CPU" in diff[1]
+    assert any(d.startswith("cpu: not recorded") for d in machine_differences({k: v for k, v in here.items()
+                                                                               if k != "cpu"}))
+
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data["environment"].update(cpu="Some Other CPU (AVX2)")
+    data["metrics"]["entropy"] = data["metrics"]["entropy"] * (1 + 4e-16)  # that machine's last bits
+    path.write_text(json.dumps(data))
+    code, out, err = harness_cli("replay", str(path))
+    assert code == 1 and "bit-for-bit no" in out and "recorded on another machine or software (cpu: Some Other CPU" \
+        in out, out + err
+    assert rerecord_file(path)[0] == "rewritten"
+    after = json.loads(path.read_text())
+    assert after["environment"]["cpu"] == here["cpu"] and not machine_differences(after["environment"])
+    assert rerecord_file(path) == ("unchanged", "")
+
+    # a file recorded before the CPU was, whose metrics this machine reproduces: its facts are filled in
+    del after["environment"]["cpu"]
+    path.write_text(json.dumps(after))
+    outcome, detail = rerecord_file(path)
+    assert outcome == "rewritten" and "bit for bit" in detail
+    assert json.loads(path.read_text())["metrics"] == after["metrics"]
+    assert json.loads(path.read_text())["environment"]["cpu"] == here["cpu"]
