@@ -40,7 +40,7 @@ trainer scores in full (an engine's default top-k) gives KL = -log(kept mass), w
 How it is computed. On the outcomes' device, in chunks of rows, so memory stays a small multiple of
 one (T, V) fp32 tensor whatever T is (a chunk's float64 buffers hold at most `chunk_elems` elements
 each: five of them, six when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
-exp(logp_t), d = logp_r - logp_t with a trainer -inf raised to -max (so an excluded token with
+exp(logp_t) (numpy's exp on a CPU: `_exp`), d = logp_r - logp_t with a trainer -inf raised to -max (so an excluded token with
 rollout mass adds > 1e8), then five sums over the vocabulary per row (sum p*d, sum p*logp_r,
 sum p, sum p_t, and sum p_t where p > 0), from which the normalised KL, the expected k3
 ((sum_{p>0} p_t - sum p + sum p*d) / sum p) and the entropy follow. A chunk whose log-probabilities
@@ -335,6 +335,19 @@ def _workspace(n: int, dev: Any) -> Any:
     return buf[:n]
 
 
+def _exp(x: Any, out: Any) -> None:
+    """out = exp(x), float64. On a CPU numpy's exp (its SIMD exp is about twice torch's per element
+    on this build, and exp is most of the metrics' time at a real vocabulary; both are within an
+    ulp of exp, not bit-equal to each other); elsewhere torch's."""
+    if out.device.type == "cpu":
+        with np.errstate(all="ignore"):  # overflow to inf, as torch's
+            np.exp(x.numpy(), out=out.numpy())
+    else:
+        import torch
+
+        torch.exp(x, out=out)
+
+
 def _chunk_views(rows: int, v: int, n: int, draw: bool, dev: Any) -> tuple:
     """The views of one chunk of n rows (of at most `rows`) into the workspace: the (n, 5, V) buffer,
     its five (n, V) slots [d, logp_r, p_r, p_t, p_t on the support], and the (n, V) cumulative sums
@@ -397,7 +410,7 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             src_r, src_t = l.copy_(lr), pt
             if not plain:
                 torch.nn.functional.threshold_(l, LOG_ZERO, _EXP_FLOOR)
-        torch.exp(src_r, out=p)
+        _exp(src_r, p)
         if not plain:
             # lr <= -650 (-inf too) went in as -700 (a CPU's exp is slow on -inf and subnormal
             # results) and comes out as exactly 0
@@ -413,7 +426,7 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
                 # a trainer -inf gives d = +inf -> max, so that p*d >= e^-650*max > 1e8 where p > 0
                 d.clamp_(max=_F64_MAX)
                 torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
-            torch.exp(src_t, out=pt)  # (n, V) p_t, for its normaliser
+            _exp(src_t, pt)  # (n, V) p_t, for its normaliser
             if not plain:
                 torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
         if not plain:
