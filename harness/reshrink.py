@@ -138,14 +138,18 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
     seconds = time.monotonic() - start
     why_stopped = ("" if complete else "; --max-evals ran out" if evals >= max_evals else "; the budget ran out")
     if case == repro.case:
+        note = ""
         if complete and repro.found.get("shrink_complete", True) is False:
             repro.found = {**repro.found, "shrink_complete": True}
             repro.history.append({"at": corpus.now_iso(), "event": "shrink completed",
                                   "note": f"`harness shrink`: no simpler case fails the same way ({evals} tried)"})
             repro.save(path)
+            note = _tell_mlflow(repro, repro.case.one_line(), ev.headline, tracking, tracking_uri, shrunk=False)
         outcome = "minimal" if complete else "unchanged (cut short)"
         log(f"{outcome:15s} {path}  ({_size(case)}; {evals} case(s) tried in {seconds:.1f}s{why_stopped}"
             + ("" if complete else ": run again, or with a larger --budget / --max-evals, to go on") + ")")
+        if note:
+            log(note)
         return outcome
     old_case = repro.case
     note = _save(repro, path, case, ev, complete, tracking, tracking_uri)
@@ -163,6 +167,12 @@ def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, tracking: 
     old_line = repro.case.one_line()
     repro.take_smaller_case(case, ev, complete, note="`harness shrink`")
     repro.save(path)
+    return _tell_mlflow(repro, old_line, ev.headline, tracking, uri, shrunk=True)
+
+
+def _tell_mlflow(repro: Any, old_line: str, headline: str, tracking: bool, uri: str | None, shrunk: bool) -> str:
+    """Give the repro's MLflow regression run what the file now says (`lifecycle.note_shrunk`);
+    returns a line to print ("" when there was nothing to update)."""
     if not tracking:
         return ""
     import os
@@ -172,7 +182,7 @@ def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, tracking: 
     try:
         from .mlflow_tracking.lifecycle import note_shrunk
 
-        run_id = note_shrunk(repro, old_line, ev.headline, uri)
+        run_id = note_shrunk(repro, old_line, headline, uri, shrunk=shrunk)
     except StoreUnavailable as e:
         if uri or os.environ.get("MLFLOW_TRACKING_URI"):  # a store named by the user: say it was not updated
             return (f"  warning: the MLflow regression run of {repro.id} was not updated ({e}); the corpus file "
@@ -181,7 +191,10 @@ def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, tracking: 
     except Exception as e:  # noqa: BLE001 - the corpus file is written; MLflow is a copy
         return (f"  warning: the MLflow regression run of {repro.id} was not updated ({type(e).__name__}: "
                 f"{str(e)[:200]}); the corpus file holds the shrunk case")
-    return f"  MLflow regression run {run_id}: case, metrics and repro artifact updated" if run_id else ""
+    if not run_id:
+        return ""
+    return (f"  MLflow regression run {run_id}: " + ("case, metrics and repro artifact updated" if shrunk else
+                                                     "shrink marked complete, repro artifact updated"))
 
 
 @click.command("shrink")

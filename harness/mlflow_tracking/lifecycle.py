@@ -266,10 +266,14 @@ def fetch_repro(run_id: str, uri: str | None = None) -> Any:
     return repro
 
 
-def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None = None) -> str | None:
-    """A repro shrunk further by `harness shrink`: its regression run gets the new case (tag, note,
-    metrics at the next step, the repro artifact replaced). Returns the run id, or None when the
-    store has no regression of this finding. StoreUnavailable when there is no store."""
+def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None = None, shrunk: bool = True) -> str | None:
+    """A repro `harness shrink` worked on: its regression run gets the new case (tag, note, metrics,
+    the repro artifact replaced) or, with `shrunk=False` (its case was already minimal), the
+    completed shrink (tag, note, artifact). Returns the run id, or None when the store has no
+    regression of this finding. StoreUnavailable when there is no store.
+
+    The metrics go at the step of the last sighting (`seen_count - 1`), with a later timestamp: MLflow
+    shows them as the run's latest values, and the next campaign's sighting keeps its own step."""
     from mlflow.entities import Metric
 
     store = Store(uri, create=False)
@@ -279,19 +283,22 @@ def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None =
         return None
     tags = run.data.tags
     at = now_iso()
+    if shrunk:
+        note = (f"#### Shrunk further {at}\n\n`harness shrink`: `{old_case_line}` -> `{repro.case.one_line()}`, now "
+                f"{headline}. The run's repro artifact is the shrunk case.")
+    else:
+        note = (f"#### Shrink completed {at}\n\n`harness shrink`: no simpler case than `{repro.case.one_line()}` "
+                "fails the same way; the case stands.")
     updates = {
         "harness.case": repro.case.one_line()[:5000],
         "harness.shrink_complete": "true" if repro.found.get("shrink_complete", True) is not False else "false",
-        "mlflow.note.content": _append_note(tags.get("mlflow.note.content", ""),
-                                            f"#### Shrunk further {at}\n\n`harness shrink`: `{old_case_line}` -> "
-                                            f"`{repro.case.one_line()}`, now {headline}. The run's repro artifact "
-                                            "is the shrunk case."),
+        "mlflow.note.content": _append_note(tags.get("mlflow.note.content", ""), note),
     }
-    step = int(tags.get("harness.seen_count", "1") or 1)
+    step = max(0, int(tags.get("harness.seen_count", "1") or 1) - 1)
     ts = int(time.time() * 1000)
+    metrics = [Metric(k, v, ts, step) for k, v in _finite_metrics(repro.metrics).items()] if shrunk else []
     with store.lock():
-        store.client.log_batch(run.info.run_id, tags=_tags(updates),
-                               metrics=[Metric(k, v, ts, step) for k, v in _finite_metrics(repro.metrics).items()])
+        store.client.log_batch(run.info.run_id, tags=_tags(updates), metrics=metrics)
         with tempfile.TemporaryDirectory(prefix="harness-artifacts-") as tmp:  # (named as fetch_repro reads it)
             named = Path(tmp) / f"{repro.id}.json"
             named.write_bytes(Path(repro.path).read_bytes())

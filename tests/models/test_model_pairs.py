@@ -205,7 +205,11 @@ def test_diverging_model_pair_is_caught_and_shrunk(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,n,bound", [("model.aligned", 100, 1e-9), ("model.rotary_bf16", 100, 1e-6),
+# model.rotary_bf16: bf16 rotary tables round packed and decode rows apart a little, and with top-p on
+# both paths a token at the nucleus boundary then goes in or out, moving the kept tokens'
+# log-probabilities by its mass (seen: k3 1.3e-6 on a case with top_p 0.967 on an AMD EPYC with
+# AVX512, under 1e-6 on the machine the bound was first set on); still ~1000x under the threshold
+@pytest.mark.parametrize("name,n,bound", [("model.aligned", 100, 1e-9), ("model.rotary_bf16", 100, 1e-5),
                                           ("model.onnxruntime", 40, 1e-9)])
 def test_aligned_model_pair_is_clean_over_sampled_examples(name, n, bound):
     """Cases drawn from the pair's axes (Hypothesis generation only: the campaign's target phase
@@ -217,7 +221,7 @@ def test_aligned_model_pair_is_clean_over_sampled_examples(name, n, bound):
     assert len(cases) >= 0.9 * n
     evs = [run_case(pair, c) for c in cases]
     assert all(not ev.failed for ev in evs), [ev.case.one_line() for ev in evs if ev.failed][:3]
-    assert max(ev.k3 for ev in evs) < bound  # bf16 rotary tables round packed and decode rows apart a little
+    assert max(ev.k3 for ev in evs) < bound
     assert all(math.isfinite(ev.divergence.kl) and ev.divergence.kl < 1e-5 for ev in evs)
 
 

@@ -179,6 +179,26 @@ def test_the_regression_run_in_mlflow_gets_the_shrunk_case(tmp_path):
     reg = show_regression(repro.id, uri)
     assert reg["case"] == repro.case.one_line() and "Shrunk further" in reg["note"]
     assert fetch_repro(repro.id, uri).case == repro.case  # `harness replay --run-id` replays the shrunk case
+    # the metrics went at the last sighting's step, later: the run's latest values are the shrunk case's
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    history = client.get_metric_history(reg["run_id"], "kl")
+    assert {m.step for m in history} == {0} and len(history) == 2
+    assert client.get_run(reg["run_id"]).data.metrics["kl"] == repro.metrics["kl"]
+
+    # a campaign whose shrinking was cut short at what is already the minimal case: `shrink` finds it
+    # minimal and says so in the file and in MLflow
+    data = json.loads(path.read_text())
+    data["found"]["shrink_complete"] = False
+    path.write_text(json.dumps(data))
+    client.set_tag(reg["run_id"], "harness.shrink_complete", "false")
+    lines.clear()
+    assert shrink_file(path, budget=300, max_evals=500, log=lines.append, tracking_uri=uri) == "minimal"
+    assert "shrink marked complete" in lines[-1], lines
+    reg = show_regression(repro.id, uri)
+    assert client.get_run(reg["run_id"]).data.tags["harness.shrink_complete"] == "true"
+    assert "Shrink completed" in reg["note"] and fetch_repro(repro.id, uri).found["shrink_complete"] is True
 
 
 def test_a_timeout_repro_is_judged_at_its_recorded_timeout(tmp_path):
