@@ -824,6 +824,22 @@ class ReplayResult:
         """The replay reproduced the recorded metrics exactly (True, vacuously, when not `compared`)."""
         return not self.compared or not self.mismatches
 
+    def beyond_noise(self, rel: float = 1e-2, floor: float = 1e-9) -> dict[str, tuple[Any, Any]]:
+        """The mismatches another machine's last bits do not explain: every one that is not a number
+        within `rel` (relative) or `floor` (absolute) of the recorded one (a symptom, an error type,
+        metrics missing, which mean fired, a count, NaN against a number). Between two x86 CPUs
+        with the same torch and numpy the corpus's metrics differed by at most 1.6e-5 relative
+        (above `floor`); a k3 that doubles, or a new symptom, is beyond it. Empty when not `compared`."""
+        if not self.compared:
+            return {}
+        out = {}
+        for k, (a, b) in self.mismatches.items():
+            near = (isinstance(a, float) and isinstance(b, float) and math.isfinite(a) and math.isfinite(b)
+                    and abs(a - b) <= max(rel * max(abs(a), abs(b)), floor))
+            if not near:
+                out[k] = (a, b)
+        return out
+
     @property
     def diverges(self) -> bool:
         return self.evaluation.failed

@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,40 +70,75 @@ def environment(device: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def cpu_identity() -> str:
-    """The processor, as far as the kernels' choice of code goes: its model name and the instruction
-    set torch dispatches to (numpy and the BLAS choose theirs from the same CPU)."""
-    name = ""
+    """The processor, as far as the kernels' choice of code goes: its model name, the instruction set
+    torch dispatches to, the one numpy's float64 exp runs, and a hash of the CPU's feature flags
+    (what oneDNN and the BLAS choose by; it also tells apart CPUs without a model name, as on ARM)."""
+    import hashlib
+
+    name, flags = "", ""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Hardware", "CPU part") and not name:
+                    name = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = value.strip()
+                if name and flags:
                     break
     except OSError:
         pass
-    name = name or platform.processor() or platform.machine()
+    parts = [name or platform.processor() or platform.machine()]
     try:
         import torch
 
-        return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+        parts.append(f"torch {torch.backends.cpu.get_cpu_capability()}")
     except Exception:  # noqa: BLE001 - an old torch without the query
-        return name
+        pass
+    try:
+        from numpy.lib import introspect
+
+        exp = introspect.opt_func_info(func_name="^exp$", signature="float64")["exp"]["dd"]["current"]
+        parts.append(f"numpy {exp}")
+    except Exception:  # noqa: BLE001 - numpy < 2 has no introspection
+        pass
+    if flags:
+        parts.append("flags " + hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:8])
+    return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
 
 
 # What decides a replay's last bits on a CPU: the same values here mean the recorded metrics are the
 # ones a replay must reproduce bit for bit (the thread count is the recorded one: `recorded_threads`).
 BIT_FOR_BIT_KEYS = ("torch", "numpy", "platform", "device", "cpu")
+METRICS_ON = "metrics_recorded_on"  # environment key: where `harness rerecord` recomputed the metrics
 
 
-def machine_differences(env: dict, device: str = "cpu") -> list[str]:
-    """How the machine and software a repro was recorded on differ from this process's, in what
-    decides its last bits (`BIT_FOR_BIT_KEYS`; on CUDA also the GPU): empty when a replay here must
-    reproduce its metrics bit for bit. A repro recorded before a fact was stored differs in it."""
-    if not isinstance(env, dict):
-        return ["environment: not recorded"]
+def machine_facts(device: str = "cpu") -> dict:
+    """This process's values of what decides a replay's last bits on `device` (`BIT_FOR_BIT_KEYS`, and
+    the GPU and CUDA version on CUDA)."""
     here = environment(device)
     keys = BIT_FOR_BIT_KEYS + (("cuda_device", "cuda") if device == "cuda" else ())
-    return [f"{k}: {env.get(k, 'not recorded')} (here {here.get(k)})" for k in keys if env.get(k) != here.get(k)]
+    return {k: here.get(k) for k in keys}
+
+
+def machine_differences(env: Any, device: str = "cpu") -> list[str]:
+    """How the machine and software a repro's metrics were recorded on differ from this process's, in
+    what decides their last bits (`machine_facts`): empty when a replay here must reproduce them bit
+    for bit. That is the repro's environment, or its `metrics_recorded_on` when `harness rerecord`
+    recomputed the metrics elsewhere (the environment stays the finding's). A repro recorded before
+    a fact was stored differs in it. Values come from the file as written (untrusted): they are
+    shown as Python literals, cut at 80 characters."""
+    if not isinstance(env, dict):
+        return ["environment: not recorded"]
+    if isinstance(env.get(METRICS_ON), dict):
+        env = env[METRICS_ON]
+
+    def shown(v: Any) -> str:
+        text = repr(v) if v is not None else "not recorded"
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    return [f"{k}: {shown(env.get(k))} (here {shown(v)})" for k, v in machine_facts(device).items() if env.get(k) != v]
 
 
 def recorded_threads(env: dict) -> int | None:

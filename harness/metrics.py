@@ -336,9 +336,13 @@ def _workspace(n: int, dev: Any) -> Any:
 
 
 def _exp(x: Any, out: Any) -> None:
-    """out = exp(x), float64. On a CPU numpy's exp (its SIMD exp is about twice torch's per element
-    on this build, and exp is most of the metrics' time at a real vocabulary; both are within an
-    ulp of exp, not bit-equal to each other); elsewhere torch's."""
+    """out = exp(x), float64. On a CPU numpy's exp: its SIMD exp takes about half torch's time per
+    element on one thread here, and exp is most of the metrics' time at a real vocabulary (both are
+    within an ulp of exp, not bit-equal to each other). numpy's runs on one thread: with two torch
+    threads torch's exp is about as fast as numpy's one here (`harness bench metrics --threads 2`);
+    with many threads torch's would split a chunk and numpy's does not (not measured: this machine
+    has two cores). One exp whatever the thread count keeps the values independent of it.
+    Elsewhere torch's."""
     if out.device.type == "cpu":
         with np.errstate(all="ignore"):  # overflow to inf, as torch's
             np.exp(x.numpy(), out=out.numpy())

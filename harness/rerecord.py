@@ -8,8 +8,10 @@ repro still clean), writes the new metrics into the file, rewrites the case in t
 (a schema-1 case keeps `streams: "single"`, so its tensors are unchanged), and appends a
 `rerecorded` entry to its history. A file that did not record the torch thread count it was found
 with gets this process's (the count its new metrics were computed with; replay uses it). A rewritten
-file also takes this machine's facts (`env.BIT_FOR_BIT_KEYS`: torch, numpy, CPU, ...): its metrics are
-this machine's now. A repro whose verdict changed is left untouched and reported:
+file also records this machine's facts (`env.machine_facts`: torch, numpy, CPU, ...) as
+`environment.metrics_recorded_on`, beside the environment the bug was found in, which stays; so
+does a file whose metrics this machine reproduces bit for bit although they were recorded without a
+fact or on another machine. A repro whose verdict changed is left untouched and reported:
 that is a behaviour change for a person to look at, not a rounding change.
 
 A repro whose case was edited by hand since it was recorded (its `case_fingerprint` no longer
@@ -28,7 +30,7 @@ import click
 def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     """(outcome, detail) for one file: outcome is "rewritten", "unchanged", "verdict changed" or "skipped"."""
     from . import corpus
-    from .env import BIT_FOR_BIT_KEYS, environment, recorded_threads
+    from .env import METRICS_ON, machine_differences, machine_facts, recorded_threads
     from .errors import HarnessError
 
     try:
@@ -61,11 +63,15 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     threads = recorded_threads(repro.environment)
     recorded = {k: corpus.encode_float(v) for k, v in repro.metrics.items()}  # (NaN == NaN as "nan")
     if new_metrics == recorded and not repro.case_edited and threads is not None:
-        if "cpu" in repro.environment:
+        elsewhere = machine_differences(repro.environment, device)
+        if not elsewhere or not repro.metrics:  # (no metrics: nothing a machine decides)
             return "unchanged", ""
-        # recorded before the CPU was: this machine reproduces its metrics bit for bit, so they are its too
-        here = environment(device)
-        repro.environment = {**repro.environment, **{k: here[k] for k in BIT_FOR_BIT_KEYS if k in here}}
+        # recorded without a fact, or on another machine, and reproduced bit for bit here: the
+        # metrics are this machine's too, and a replay here can hold them to their last bit
+        repro.environment = {**repro.environment, METRICS_ON: machine_facts(device)}
+        repro.history.append({"event": "rerecorded", "at": corpus.now_iso(), "differed_in": elsewhere,
+                              "note": "metrics reproduced bit for bit on this machine; its facts recorded in "
+                                      f"environment.{METRICS_ON}"})
         repro.save(path)
         return "rewritten", "metrics reproduced bit for bit here; this machine's facts recorded"
     edited, repro.case_edited = repro.case_edited, False  # (the metrics are now this case's: a new fingerprint)
@@ -74,18 +80,21 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
                               **({"replaced_error": repro.error} if repro.error else {})})
         if ev.error is not None:  # an error/crash/timeout repro: the edited case's own error
             repro.error = ev.error
+    elsewhere = machine_differences(repro.environment, device)
     repro.metrics = new_metrics
-    # the metrics are now this machine's and software's: its facts replace the recorded ones, so a
-    # replay here compares bit for bit and one elsewhere knows it may differ in the last bits
-    here = environment(device)
-    repro.environment = {**repro.environment, **{k: here[k] for k in BIT_FOR_BIT_KEYS if k in here}}
+    # the metrics are now this machine's and software's: its facts go beside the finding's environment
+    # (which stays where the bug was found), so a replay here compares bit for bit and one elsewhere
+    # knows it may differ in the last bits
+    repro.environment = {**repro.environment, METRICS_ON: machine_facts(device)}
     if threads is None:  # replayed with this process's thread count: the metrics are that count's
         import torch
 
         repro.environment = {**repro.environment, "torch_threads": torch.get_num_threads()}
     repro.history.append({"event": "rerecorded", "at": corpus.now_iso(),
+                          **({"differed_in": elsewhere} if elsewhere else {}),
                           "note": "metrics recomputed for the case as edited by hand; verdict unchanged" if edited
-                          else "metrics recomputed by this harness version; verdict unchanged"})
+                          else "metrics recomputed here (another harness version, or another machine: see "
+                               "differed_in); verdict unchanged"})
     repro.save(path)
     return "rewritten", ev.headline
 

@@ -177,6 +177,8 @@ def _tell_mlflow(repro: Any, old_line: str, headline: str, tracking: bool, uri: 
         return ""
     import os
 
+    holds = "the corpus file holds the shrunk case" if shrunk else "the corpus file says its shrinking is complete"
+
     from .mlflow_tracking.store import StoreUnavailable
 
     try:
@@ -185,16 +187,15 @@ def _tell_mlflow(repro: Any, old_line: str, headline: str, tracking: bool, uri: 
         run_id = note_shrunk(repro, old_line, headline, uri, shrunk=shrunk)
     except StoreUnavailable as e:
         if uri or os.environ.get("MLFLOW_TRACKING_URI"):  # a store named by the user: say it was not updated
-            return (f"  warning: the MLflow regression run of {repro.id} was not updated ({e}); the corpus file "
-                    "holds the shrunk case")
+            return f"  warning: the MLflow regression run of {repro.id} was not updated ({e}); {holds}"
         return ""  # no embedded store here: nothing to update
     except Exception as e:  # noqa: BLE001 - the corpus file is written; MLflow is a copy
         return (f"  warning: the MLflow regression run of {repro.id} was not updated ({type(e).__name__}: "
-                f"{str(e)[:200]}); the corpus file holds the shrunk case")
+                f"{str(e)[:200]}); {holds}")
     if not run_id:
         return ""
     return (f"  MLflow regression run {run_id}: " + ("case, metrics and repro artifact updated" if shrunk else
-                                                     "shrink marked complete, repro artifact updated"))
+                                                     "shrink marked complete, metrics and repro artifact updated"))
 
 
 @click.command("shrink")

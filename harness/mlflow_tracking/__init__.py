@@ -22,7 +22,9 @@ Dedup across campaigns
 ----------------------
 A finding whose signature already has a regression run updates that run: `last_seen`, `seen_count`
 (once per campaign: the tag `harness.last_campaign` makes a repeated upload a no-op), the metrics
-again at step seen_count - 1 (their history is the k3 of every night that saw it). A `fixed`
+again at step seen_count - 1 (their history is the k3 of every night that saw it; `harness shrink`
+adds the shrunk case's metrics at the last night's step, later, so a step can hold two points and
+the run shows the shrunk case's as its latest). A `fixed`
 regression seen again is reopened (`status=open`, `recurrence=true`) and the note says when.
 Params are immutable in MLflow, so everything a person changes (status, notes) lives in tags.
 

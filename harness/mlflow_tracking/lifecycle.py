@@ -269,8 +269,8 @@ def fetch_repro(run_id: str, uri: str | None = None) -> Any:
 def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None = None, shrunk: bool = True) -> str | None:
     """A repro `harness shrink` worked on: its regression run gets the new case (tag, note, metrics,
     the repro artifact replaced) or, with `shrunk=False` (its case was already minimal), the
-    completed shrink (tag, note, artifact). Returns the run id, or None when the store has no
-    regression of this finding. StoreUnavailable when there is no store.
+    completed shrink (tag, note, the file's metrics and artifact). Returns the run id, or None when
+    the store has no regression of this finding. StoreUnavailable when there is no store.
 
     The metrics go at the step of the last sighting (`seen_count - 1`), with a later timestamp: MLflow
     shows them as the run's latest values, and the next campaign's sighting keeps its own step."""
@@ -296,7 +296,8 @@ def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None =
     }
     step = max(0, int(tags.get("harness.seen_count", "1") or 1) - 1)
     ts = int(time.time() * 1000)
-    metrics = [Metric(k, v, ts, step) for k, v in _finite_metrics(repro.metrics).items()] if shrunk else []
+    # the file's metrics in both cases: a repro shrunk before with --no-tracking has a run with older ones
+    metrics = [Metric(k, v, ts, step) for k, v in _finite_metrics(repro.metrics).items()]
     with store.lock():
         store.client.log_batch(run.info.run_id, tags=_tags(updates), metrics=metrics)
         with tempfile.TemporaryDirectory(prefix="harness-artifacts-") as tmp:  # (named as fetch_repro reads it)

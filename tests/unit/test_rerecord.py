@@ -151,34 +151,51 @@ def test_a_fixed_repro_whose_case_was_edited_keeps_its_bugs_metrics(tmp_path):
 def test_metrics_from_another_machine_are_compared_only_on_the_recording_one(tmp_path, harness_cli):
     """Kernels pick their code by processor (numpy's and torch's SIMD exp, the BLAS), so a repro's last
     bits hold on the machine and software it was recorded on. Replay elsewhere says so rather than
-    calling it a regression; rerecord makes the metrics this machine's and records its facts."""
+    calling it a regression, unless the difference is more than last bits; rerecord makes the metrics
+    this machine's and records its facts beside the finding's environment, which stays."""
+    from harness.corpus import load_repro, replay
     from harness.env import environment, machine_differences
 
     here = environment("cpu")
     assert not machine_differences(here) and here["cpu"]
-    other = {**here, "cpu": "Some Other CPU (AVX2)", "numpy": "1.0.0"}
+    other = {**here, "cpu": "Some Other CPU (torch AVX2)", "numpy": "1.0.0"}
     diff = machine_differences(other)
-    assert len(diff) == 2 and diff[0].startswith("numpy: 1.0.0") and "Some Other CPU" in diff[1]
+    assert len(diff) == 2 and diff[0].startswith("numpy: '1.0.0'") and "Some Other CPU" in diff[1]
     assert any(d.startswith("cpu: not recorded") for d in machine_differences({k: v for k, v in here.items()
                                                                                if k != "cpu"}))
+    assert machine_differences({"cpu": "x\n" * 100})[-1].count("\n") == 0  # untrusted text: one line, cut
+    assert machine_differences([]) == ["environment: not recorded"]
 
     path = _copy(tmp_path)
     data = json.loads(path.read_text())
-    data["environment"].update(cpu="Some Other CPU (AVX2)")
+    data["environment"].pop("metrics_recorded_on", None)
+    data["environment"].update(cpu="Some Other CPU (torch AVX2)", torch="2.12.0")
     data["metrics"]["entropy"] = data["metrics"]["entropy"] * (1 + 4e-16)  # that machine's last bits
     path.write_text(json.dumps(data))
+    res = replay(load_repro(path))
+    assert not res.bit_for_bit and not res.beyond_noise()
     code, out, err = harness_cli("replay", str(path))
-    assert code == 1 and "bit-for-bit no" in out and "recorded on another machine or software (cpu: Some Other CPU" \
-        in out, out + err
+    assert code == 1 and "bit-for-bit no" in out and "recorded on another machine or software (torch: '2.12.0'" \
+        in out and "these are within them" in out, out + err
+
+    # more than last bits: a doubled k3 and another symptom are not another machine's rounding
+    worse = {**data, "symptom": "nonfinite", "metrics": {**data["metrics"], "k3_kl": 2 * data["metrics"]["k3_kl"]}}
+    (tmp_path / "worse.json").write_text(json.dumps(worse))
+    assert set(replay(load_repro(tmp_path / "worse.json")).beyond_noise()) == {"symptom", "k3_kl"}
+
     assert rerecord_file(path)[0] == "rewritten"
     after = json.loads(path.read_text())
-    assert after["environment"]["cpu"] == here["cpu"] and not machine_differences(after["environment"])
+    assert after["environment"]["cpu"] == "Some Other CPU (torch AVX2)"  # where the bug was found: kept
+    assert after["environment"]["torch"] == "2.12.0"
+    assert after["environment"]["metrics_recorded_on"]["cpu"] == here["cpu"]
+    assert not machine_differences(after["environment"]) and "differed_in" in after["history"][-1]
     assert rerecord_file(path) == ("unchanged", "")
 
-    # a file recorded before the CPU was, whose metrics this machine reproduces: its facts are filled in
-    del after["environment"]["cpu"]
+    # a file whose metrics this machine reproduces although recorded elsewhere: its facts are added
+    del after["environment"]["metrics_recorded_on"]
     path.write_text(json.dumps(after))
     outcome, detail = rerecord_file(path)
     assert outcome == "rewritten" and "bit for bit" in detail
-    assert json.loads(path.read_text())["metrics"] == after["metrics"]
-    assert json.loads(path.read_text())["environment"]["cpu"] == here["cpu"]
+    final = json.loads(path.read_text())
+    assert final["metrics"] == after["metrics"] and final["environment"]["metrics_recorded_on"]["cpu"] == here["cpu"]
+    assert final["history"][-1]["differed_in"] and final["environment"]["torch"] == "2.12.0"

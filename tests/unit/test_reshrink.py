@@ -32,8 +32,11 @@ def rollout(inp):
     if len(lens) == 1:
         os.kill(os.getpid(), signal.SIGSEGV)
     time.sleep(float(os.environ.get("LEAKY_SLEEP", "0")))
-    if os.environ.get("LEAKY_MARK") and len(lens) < 4:
-        pathlib.Path(os.environ["LEAKY_MARK"]).touch()
+    mark = os.environ.get("LEAKY_MARK")
+    if mark and len(lens) < 4:
+        if pathlib.Path(mark).exists():  # a smaller case was accepted: hold the next one, whatever the machine's speed
+            time.sleep(float(os.environ.get("LEAKY_HOLD", "0")))
+        pathlib.Path(mark).touch()
     return Outcome(logprobs=torch.log_softmax(inp["x"] * 0.5, -1))
 
 register(TargetPair(name="leaky.pack", kind="op", expected="aligned", build=build, trainer=trainer,
@@ -141,7 +144,7 @@ def test_a_smaller_case_that_crashes_is_another_failure_and_shrinking_goes_on(tm
 def test_sigterm_keeps_the_smallest_case_so_far_and_exits_130(tmp_path):
     path, plugin = plugin_repro(tmp_path)
     mark = tmp_path / "smaller"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEAKY_SLEEP": "0.4", "LEAKY_MARK": str(mark)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEAKY_SLEEP": "0.2", "LEAKY_MARK": str(mark), "LEAKY_HOLD": "60"}
     proc = subprocess.Popen([sys.executable, "-m", "harness", "shrink", "--no-tracking", "--plugin", str(plugin),
                              str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
@@ -195,7 +198,7 @@ def test_the_regression_run_in_mlflow_gets_the_shrunk_case(tmp_path):
     client.set_tag(reg["run_id"], "harness.shrink_complete", "false")
     lines.clear()
     assert shrink_file(path, budget=300, max_evals=500, log=lines.append, tracking_uri=uri) == "minimal"
-    assert "shrink marked complete" in lines[-1], lines
+    assert "shrink marked complete, metrics and repro artifact updated" in lines[-1], lines
     reg = show_regression(repro.id, uri)
     assert client.get_run(reg["run_id"]).data.tags["harness.shrink_complete"] == "true"
     assert "Shrink completed" in reg["note"] and fetch_repro(repro.id, uri).found["shrink_complete"] is True
