@@ -402,12 +402,18 @@ class Repro:
             out.setdefault(k, v)
         return out
 
-    def take_smaller_case(self, case: Case, ev: Evaluation, complete: bool, **why: Any) -> None:
+    def take_smaller_case(self, case: Case, ev: Evaluation, complete: bool, device: str, threads: int,
+                          **why: Any) -> None:
         """Replace the case (and its metrics and error) with a smaller one that fails the same way:
         the replaced ones go into the history ("shrunk further", with `why`: the campaign seed, or a
-        note), and `found.shrink_complete` says whether this shrinking finished."""
+        note), and `found.shrink_complete` says whether this shrinking finished. The new metrics were
+        computed here, on `device` with `threads` torch threads: `environment.metrics_recorded_on`
+        says so (`env.record_metrics_machine`), beside the environment the bug was found in."""
+        from .env import record_metrics_machine
+
         self.history.append({"at": now_iso(), "event": "shrunk further", **why, "replaced_case": self.case.to_json(),
                              "replaced_metrics": self.metrics})
+        self.environment = record_metrics_machine(self.environment, device, threads)
         self.case, self.metrics, self.error = case, metrics_json(ev), ev.error
         self.case_edited = False  # (metrics and case agree again: a fresh fingerprint)
         self.found = {**self.found, "shrink_complete": bool(complete)}
@@ -574,11 +580,11 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
         gone, edited = [], []
         same = next(((p, old) for p, old in candidates if old.case == finding.case), None)
         if same is not None:
-            return _known(finding, *same, campaign_seed)
+            return _known(finding, *same, campaign_seed, device)
         # (a repro whose case was edited by hand is tried last: its case may not be its bug's any more)
         for p, old in sorted(candidates, key=lambda c: c[1].case_edited):
             if reproduces(old.case):
-                return _known(finding, p, old, campaign_seed)
+                return _known(finding, p, old, campaign_seed, device)
             (edited if old.case_edited else gone).append(p)
         if gone or edited or blocked:  # every repro of this signature replays clean now: another bug
             path = _own_signature(finding, base, folder)
@@ -593,11 +599,11 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
                     "campaigns can compare again")
             if path.exists():  # (only if that case failed in the campaign and passed just now: flaky)
                 try:
-                    return _known(finding, path, load_repro(path), campaign_seed)
+                    return _known(finding, path, load_repro(path), campaign_seed, device)
                 except UsageError:
                     pass
     elif candidates:
-        return _known(finding, path, candidates[0][1], campaign_seed)
+        return _known(finding, path, candidates[0][1], campaign_seed, device)
     elif blocked:  # (no way to tell whether it is the same bug: keep both)
         path = _own_signature(finding, base, folder)
     finding.new = True
@@ -624,7 +630,7 @@ def _repros_of(folder: Path) -> list[tuple[Path, "Repro"]]:
     return out
 
 
-def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int) -> Path:
+def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: str) -> Path:
     """The finding is the bug the repro at `path` holds: point the finding at it; reopen a fixed repro
     (a recurrence); give a repro whose shrinking was cut short the finding's case when that is
     smaller or fully shrunk."""
@@ -642,7 +648,10 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int) -> Path:
     size = lambda c: (c.batch_size, c.n_tokens)  # noqa: E731
     if cut_short and old.case != finding.case and (
             size(finding.case) < size(old.case) or (finding.shrink_complete and size(finding.case) <= size(old.case))):
-        old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, campaign_seed=campaign_seed)
+        import torch
+
+        old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, device,
+                              torch.get_num_threads(), campaign_seed=campaign_seed)  # (the campaign's count)
         changed = True
     if changed:
         old.save(path)

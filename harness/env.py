@@ -141,8 +141,18 @@ def machine_differences(env: Any, device: str = "cpu") -> list[str]:
     return [f"{k}: {shown(env.get(k))} (here {shown(v)})" for k, v in machine_facts(device).items() if env.get(k) != v]
 
 
+def record_metrics_machine(env: dict, device: str, threads: int) -> dict:
+    """`env` with `metrics_recorded_on`: this machine's facts (`machine_facts`) and the torch thread
+    count the repro's metrics were now computed with, beside the environment the bug was found in
+    (which stays). `machine_differences` and `recorded_threads` read it first."""
+    return {**env, METRICS_ON: {**machine_facts(device), "torch_threads": threads}}
+
+
 def recorded_threads(env: dict) -> int | None:
-    """The torch thread count a repro was found with, if it recorded a sane one (the file is untrusted)."""
+    """The torch thread count a repro's metrics were computed with (its `metrics_recorded_on`'s, else
+    the one it was found with), if it recorded a sane one (the file is untrusted)."""
+    if isinstance(env, dict) and isinstance(env.get(METRICS_ON), dict) and "torch_threads" in env[METRICS_ON]:
+        env = env[METRICS_ON]
     n = env.get("torch_threads") if isinstance(env, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 else None
 

@@ -30,7 +30,7 @@ import click
 def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     """(outcome, detail) for one file: outcome is "rewritten", "unchanged", "verdict changed" or "skipped"."""
     from . import corpus
-    from .env import METRICS_ON, machine_differences, machine_facts, recorded_threads
+    from .env import METRICS_ON, machine_differences, record_metrics_machine, recorded_threads
     from .errors import HarnessError
 
     try:
@@ -68,7 +68,7 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
             return "unchanged", ""
         # recorded without a fact, or on another machine, and reproduced bit for bit here: the
         # metrics are this machine's too, and a replay here can hold them to their last bit
-        repro.environment = {**repro.environment, METRICS_ON: machine_facts(device)}
+        repro.environment = record_metrics_machine(repro.environment, device, threads)
         repro.history.append({"event": "rerecorded", "at": corpus.now_iso(), "differed_in": elsewhere,
                               "note": "metrics reproduced bit for bit on this machine; its facts recorded in "
                                       f"environment.{METRICS_ON}"})
@@ -85,11 +85,12 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     # the metrics are now this machine's and software's: its facts go beside the finding's environment
     # (which stays where the bug was found), so a replay here compares bit for bit and one elsewhere
     # knows it may differ in the last bits
-    repro.environment = {**repro.environment, METRICS_ON: machine_facts(device)}
     if threads is None:  # replayed with this process's thread count: the metrics are that count's
         import torch
 
-        repro.environment = {**repro.environment, "torch_threads": torch.get_num_threads()}
+        threads = torch.get_num_threads()
+        repro.environment = {**repro.environment, "torch_threads": threads}
+    repro.environment = record_metrics_machine(repro.environment, device, threads)
     repro.history.append({"event": "rerecorded", "at": corpus.now_iso(),
                           **({"differed_in": elsewhere} if elsewhere else {}),
                           "note": "metrics recomputed for the case as edited by hand; verdict unchanged" if edited

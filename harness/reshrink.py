@@ -78,7 +78,10 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
     start = time.monotonic()
     end = start + budget
     best: dict[str, Any] = {"ev": None, "case": repro.case}
-    with Worker(device, tuple(plugins), limit, threads=recorded_threads(repro.environment)) as worker, \
+    import torch
+
+    threads = recorded_threads(repro.environment) or torch.get_num_threads()  # what its metrics are computed with
+    with Worker(device, tuple(plugins), limit, threads=threads) as worker, \
             _Signals() as signals:
 
         def run(case: Any, wall: float | None) -> Any:
@@ -125,7 +128,8 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
         except KeyboardInterrupt:
             with signals.critical():
                 if best["case"] != repro.case:
-                    note = _save(repro, path, best["case"], best["ev"], False, tracking, tracking_uri)
+                    note = _save(repro, path, best["case"], best["ev"], False, device, threads, tracking,
+                                 tracking_uri)
                     log(f"interrupted     {path}  (the smallest case so far is saved: {_size(best['case'])}; "
                         "run again to go on)")
                     if note:
@@ -152,7 +156,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             log(note)
         return outcome
     old_case = repro.case
-    note = _save(repro, path, case, ev, complete, tracking, tracking_uri)
+    note = _save(repro, path, case, ev, complete, device, threads, tracking, tracking_uri)
     outcome = "shrunk" if complete else "cut short"
     log(f"{outcome:15s} {path}  ({_size(old_case)} -> {_size(case)}; {evals} case(s) tried in {seconds:.1f}s; "
         f"now {ev.headline}{why_stopped}" + ("" if complete else ": run again to go on") + ")")
@@ -161,11 +165,12 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
     return outcome
 
 
-def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, tracking: bool, uri: str | None) -> str:
+def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, device: str, threads: int, tracking: bool,
+          uri: str | None) -> str:
     """Write the smaller case into the repro (the replaced one into its history), then its MLflow run;
     returns a line about MLflow to print ("" when there was nothing to update)."""
     old_line = repro.case.one_line()
-    repro.take_smaller_case(case, ev, complete, note="`harness shrink`")
+    repro.take_smaller_case(case, ev, complete, device, threads, note="`harness shrink`")
     repro.save(path)
     return _tell_mlflow(repro, old_line, ev.headline, tracking, uri, shrunk=True)
 

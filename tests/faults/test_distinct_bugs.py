@@ -86,6 +86,12 @@ def test_a_repro_whose_shrinking_was_cut_short_takes_a_smaller_case(pair, tmp_pa
     assert repro.found["shrink_complete"] is True and repro.status == "open"
     assert repro.history[-1]["event"] == "shrunk further"
     assert repro.history[-1]["replaced_case"]["seq_lens"] == [5, 4, 3]
+    # its metrics are this campaign's: computed here, with this process's thread count
+    import torch
+
+    from harness.env import machine_differences, recorded_threads
+
+    assert not machine_differences(repro.environment) and recorded_threads(repro.environment) == torch.get_num_threads()
     data = json.loads(first.path.read_text())  # a fully shrunk repro is left alone by later campaigns
     _campaign(pair, corpus, "batch", seed=3)
     assert json.loads(first.path.read_text()) == data

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from harness import Case
 from harness.corpus import load_repro, replay
+from harness.env import machine_differences, recorded_threads
 from harness.reshrink import shrink_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +80,9 @@ def test_a_cut_short_repro_is_shrunk_to_its_minimal_case_and_replays_bit_for_bit
     assert repro.found["shrink_complete"] is True and not repro.case_edited
     last = repro.history[-1]
     assert last["event"] == "shrunk further" and Case.from_json(last["replaced_case"]) == BIG
+    # the new metrics were computed here, with the repro's thread count: said beside the finding's environment
+    on = repro.environment["metrics_recorded_on"]
+    assert not machine_differences(repro.environment) and on["torch_threads"] == recorded_threads(repro.environment)
     res = replay(repro)
     assert res.diverges and res.compared and res.mismatches == {}
     # shrinking again finds nothing simpler and leaves the file alone
