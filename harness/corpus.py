@@ -409,10 +409,12 @@ class Repro:
         note), and `found.shrink_complete` says whether this shrinking finished. The new metrics were
         computed here, on `device` with `threads` torch threads: `environment.metrics_recorded_on`
         says so (`env.record_metrics_machine`), beside the environment the bug was found in."""
-        from .env import record_metrics_machine
+        from .env import METRICS_ON, record_metrics_machine
 
+        was_on = self.environment.get(METRICS_ON)  # (where the replaced metrics were computed, if said)
         self.history.append({"at": now_iso(), "event": "shrunk further", **why, "replaced_case": self.case.to_json(),
-                             "replaced_metrics": self.metrics})
+                             "replaced_metrics": self.metrics,
+                             **({"replaced_metrics_recorded_on": was_on} if was_on is not None else {})})
         self.environment = record_metrics_machine(self.environment, device, threads)
         self.case, self.metrics, self.error = case, metrics_json(ev), ev.error
         self.case_edited = False  # (metrics and case agree again: a fresh fingerprint)
@@ -465,12 +467,24 @@ class Repro:
         return str(full), None
 
 
+def evaluated_threads(ev: Any) -> int:
+    """The torch thread count the evaluation's metrics were computed with (`Evaluation.threads`, set
+    where the case ran: in a worker process, the worker's), else this process's."""
+    n = getattr(ev, "threads", None)
+    if isinstance(n, int) and n >= 1:
+        return n
+    import torch
+
+    return torch.get_num_threads()
+
+
 def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device: str,
                      corpus_dir: str | Path | None = None) -> Repro:
     from .env import environment
 
     ev = finding.evaluation
     env = environment(device)
+    env["torch_threads"] = evaluated_threads(ev)  # where the case ran (a worker may run another count)
     env.update(backend_versions())
     env.update(getattr(ev, "backends", None) or {})  # what the worker that ran the case had imported
     weights = pair_weights(finding.pair)
@@ -648,10 +662,8 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
     size = lambda c: (c.batch_size, c.n_tokens)  # noqa: E731
     if cut_short and old.case != finding.case and (
             size(finding.case) < size(old.case) or (finding.shrink_complete and size(finding.case) <= size(old.case))):
-        import torch
-
         old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, device,
-                              torch.get_num_threads(), campaign_seed=campaign_seed)  # (the campaign's count)
+                              evaluated_threads(finding.evaluation), campaign_seed=campaign_seed)
         changed = True
     if changed:
         old.save(path)
@@ -725,6 +737,14 @@ def validate_repro_json(data: Any, where: str) -> None:
     for name in ("environment", "found", "tracking", "loader"):
         if data.get(name) is not None and not isinstance(data[name], dict):
             bad(name, data[name], "must be an object")
+    env = data.get("environment") or {}
+    on = env.get("metrics_recorded_on")
+    if on is not None and not isinstance(on, dict):
+        bad("environment.metrics_recorded_on", on, "must be an object (where the metrics were computed)")
+    for name, holder in (("environment.torch_threads", env), ("environment.metrics_recorded_on.torch_threads", on or {})):
+        n = holder.get("torch_threads")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024):
+            bad(name, n, "must be a whole number of torch threads from 1 to 1024 (or absent)")
     found = data.get("found") or {}
     for k in ("cases_to_first", "cases_total", "examples", "seconds_to_first", "shrink_seconds"):
         v = found.get(k)

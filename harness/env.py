@@ -151,10 +151,17 @@ def record_metrics_machine(env: dict, device: str, threads: int) -> dict:
 def recorded_threads(env: dict) -> int | None:
     """The torch thread count a repro's metrics were computed with (its `metrics_recorded_on`'s, else
     the one it was found with), if it recorded a sane one (the file is untrusted)."""
-    if isinstance(env, dict) and isinstance(env.get(METRICS_ON), dict) and "torch_threads" in env[METRICS_ON]:
-        env = env[METRICS_ON]
-    n = env.get("torch_threads") if isinstance(env, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024 else None
+
+    def sane(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024
+
+    if not isinstance(env, dict):
+        return None
+    on = env.get(METRICS_ON)
+    if isinstance(on, dict) and sane(on.get("torch_threads")):
+        return on["torch_threads"]
+    n = env.get("torch_threads")
+    return n if sane(n) else None
 
 
 class threads_as:

@@ -44,6 +44,7 @@ class Evaluation:
     # the pair raised a harness error (`harness.errors.HarnessError`: a checkpoint folder that is gone,
     # a setting it refuses): it could not run here, which says nothing of the paths (not recorded)
     setup: bool = False
+    threads: int | None = None  # torch threads of the process that ran the case (a repro replays with them)
 
     @property
     def k3(self) -> float:
@@ -184,6 +185,7 @@ def run_case(pair: TargetPair, case: Case, device: str = "cpu",
         ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e), setup=isinstance(e, HarnessError))
     finally:
         restore_process_state(pair.name, state)
+    ev.threads = state[1]  # (torch.get_num_threads() when the case started)
     if not keep_outcomes:
         ev.trainer = ev.rollout = None
     return ev

@@ -273,7 +273,7 @@ class Worker:
             return Evaluation(pair.name, case, Symptom.CRASH, error={
                 "type": what, "where": "worker",
                 "message": f"the worker process died ({what}) while running this case on {self.device}",
-                "traceback": self._read_log()})
+                "traceback": self._read_log()}, threads=self.threads)
         if stop < min(hang_at, wall_at):
             return None  # still running; the caller may come back for it
         out_of_wall = wall_at <= hang_at
@@ -301,7 +301,7 @@ class Worker:
                           if cold_extra else "") + " (build, both paths and "
                        "metrics); if the pair is just slow, raise it: `harness fuzz --timeout SECONDS` (or GLOB=SECONDS "
                        "for some pairs), `pytest --harness-timeout SECONDS`",
-            "traceback": stack, "timeout_s": float(timeout)})
+            "traceback": stack, "timeout_s": float(timeout)}, threads=self.threads)
 
     def _wait_ready(self, wall: float | None) -> bool:
         limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))
@@ -377,7 +377,7 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
         except KeyboardInterrupt as e:  # SIGINT is ignored here: the target raised it
             from .execute import Evaluation, Symptom, describe_error
 
-            ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e))
+            ev = Evaluation(pair.name, case, Symptom.ERROR, error=describe_error(e), threads=torch.get_num_threads())
         if not ev.failed and ev.divergence is not None:
             # a passing case's verdict is all the campaign keeps: its metrics as plain values (the campaign
             # has the case; pickling the whole Evaluation cost 20x more, on every case)

@@ -6,6 +6,7 @@ still fails: a different bug found after the first one is gone gets a repro of i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +178,53 @@ def test_a_finding_from_a_pair_that_is_not_deterministic_says_so(tmp_path):
     [f] = run_campaign(CampaignConfig(pairs=[clean], seed=1, max_examples=20, corpus=tmp_path / "c2",
                                       isolation=False), log=lambda m: None).results[0].findings
     assert f.deterministic and "deterministic" not in load_repro(f.path).found
+
+
+def test_a_repro_records_the_thread_count_its_isolated_worker_computed_with(tmp_path):
+    """The worker keeps the thread count it started with; the campaign process may have another by
+    the time a finding is recorded (a fixture, a pair's own setting). The repro, and a smaller case
+    a later campaign gives it, must name the worker's: replay runs with it."""
+    from harness import REGISTRY
+    from harness.env import recorded_threads
+    from harness.fuzz import Executor
+
+    pair = REGISTRY.get("rmsnorm.cast_order")
+    corpus = tmp_path / "corpora"
+    before = torch.get_num_threads()
+    cfg = CampaignConfig(pairs=[pair], seed=2, max_examples=30, corpus=corpus, isolation=True)
+    try:
+        torch.set_num_threads(1)
+        ex = Executor(cfg)
+        ex.prepare(None)
+        torch.set_num_threads(2)
+        try:
+            [first] = run_campaign(cfg, log=lambda m: None, executor=ex).results[0].findings
+            assert recorded_threads(load_repro(first.path).environment) == ex.worker.threads == 1
+            data = json.loads(first.path.read_text())  # cut short at a larger case
+            data["case"] = {**data["case"], "seq_lens": [12], "prompt_lens": [], "seq_ids": [], "order": []}
+            data["found"]["shrink_complete"] = False
+            data.pop("case_fingerprint", None)
+            first.path.write_text(json.dumps(data))
+            run_campaign(CampaignConfig(pairs=[pair], seed=3, max_examples=30, corpus=corpus, isolation=True),
+                         log=lambda m: None, executor=ex)
+        finally:
+            ex.close()
+    finally:
+        torch.set_num_threads(before)
+    repro = load_repro(first.path)
+    assert repro.history[-1]["event"] == "shrunk further"
+    assert repro.environment["metrics_recorded_on"]["torch_threads"] == 1 == recorded_threads(repro.environment)
+
+
+def test_a_bad_thread_count_in_a_repro_is_named(tmp_path):
+    from harness.errors import UsageError
+
+    src = next((Path(__file__).resolve().parents[2] / "corpora" / "rmsnorm.cast_order").glob("*.json"))
+    for env_patch in ({"metrics_recorded_on": {"torch_threads": "2"}}, {"torch_threads": 0},
+                      {"metrics_recorded_on": ["not", "an", "object"]}):
+        data = json.loads(src.read_text())
+        data["environment"].update(env_patch)
+        path = tmp_path / src.name
+        path.write_text(json.dumps(data))
+        with pytest.raises(UsageError, match="environment"):
+            load_repro(path)
