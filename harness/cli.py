@@ -406,7 +406,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                                      ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
             if elsewhere:
                 beyond = res.beyond_noise()
-                line += ("\n  recorded on another machine or software (" + "; ".join(elsewhere[:3]) + "): " + (
+                line += ("\n  recorded on another machine or software (" + "; ".join(elsewhere) + "): " + (
                     "last-bit differences are expected there, and these are within them" if not beyond else
                     "these differ beyond last bits (" + ", ".join(sorted(beyond)[:4]) + "): a change to look at"))
         if res.weights:
@@ -472,7 +472,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                            f" (shrinking was cut short: `harness shrink {file}` goes on)")
                    + (" (NOT DETERMINISTIC: its case gave other values when run again; it may not replay)"
                       if found.get("deterministic") is False else ""))
-    click.echo("\ncase (the recorded sample):" if rec else "\ncase (minimal):")
+    click.echo("\ncase (the recorded sample):" if rec else "\ncase (edited by hand since it was recorded):"
+               if r.case_edited else "\ncase (shrinking cut short: not minimal yet):"
+               if found.get("shrink_complete", True) is False else "\ncase (minimal):")
     from .case import Case
 
     defaults = Case(seed=0).to_json()
@@ -517,7 +519,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         click.echo(f"\n(pair not available here: {e})")
     # (a later campaign or `harness shrink` may have replaced the case found with a smaller one: the metrics are its)
     shrunk = [h for h in r.history if h.get("event") == "shrunk further"]
-    click.echo("\nmetrics when found:" if not shrunk else
+    click.echo(f"\nmetrics of the case as recorded, not of this one (its case was edited by hand since; "
+               f"`harness replay {file}` measures this one, `harness rerecord {file}` records them):" if r.case_edited
+               else "\nmetrics when found:" if not shrunk else
                f"\nmetrics of this case (shrunk further {shrunk[-1].get('at', '?')}, from "
                f"{Case.from_json(shrunk[0]['replaced_case']).one_line() if shrunk[0].get('replaced_case') else '?'}):")
     for k, v in r.metrics.items():

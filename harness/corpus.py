@@ -738,6 +738,11 @@ def validate_repro_json(data: Any, where: str) -> None:
         if data.get(name) is not None and not isinstance(data[name], dict):
             bad(name, data[name], "must be an object")
     env = data.get("environment") or {}
+    for name, holder in (("environment", env), ("environment.metrics_recorded_on", env.get("metrics_recorded_on"))):
+        for k in ("cpu", "torch", "numpy", "platform", "device"):
+            v = holder.get(k) if isinstance(holder, dict) else None
+            if v is not None and not isinstance(v, str):
+                bad(f"{name}.{k}", v, "must be a string (what the repro was recorded on) or absent")
     on = env.get("metrics_recorded_on")
     if on is not None and not isinstance(on, dict):
         bad("environment.metrics_recorded_on", on, "must be an object (where the metrics were computed)")
@@ -746,6 +751,9 @@ def validate_repro_json(data: Any, where: str) -> None:
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024):
             bad(name, n, "must be a whole number of torch threads from 1 to 1024 (or absent)")
     found = data.get("found") or {}
+    for k in ("shrink_complete", "deterministic"):
+        if found.get(k) is not None and not isinstance(found[k], bool):
+            bad(f"found.{k}", found[k], "must be true or false (or absent)")
     for k in ("cases_to_first", "cases_total", "examples", "seconds_to_first", "shrink_seconds"):
         v = found.get(k)
         if v is not None and (not _is_number(v) or not math.isfinite(v) or v < 0

@@ -131,8 +131,8 @@ def machine_differences(env: Any, device: str = "cpu") -> list[str]:
     shown as Python literals, cut at 80 characters."""
     if not isinstance(env, dict):
         return ["environment: not recorded"]
-    if isinstance(env.get(METRICS_ON), dict):
-        env = env[METRICS_ON]
+    if isinstance(env.get(METRICS_ON), dict):  # (a fact it lacks: the finding's)
+        env = {**env, **env[METRICS_ON]}
 
     def shown(v: Any) -> str:
         text = repr(v) if v is not None else "not recorded"

@@ -11,8 +11,11 @@ with gets this process's (the count its new metrics were computed with; replay u
 file also records this machine's facts (`env.machine_facts`: torch, numpy, CPU, ...) as
 `environment.metrics_recorded_on`, beside the environment the bug was found in, which stays; so
 does a file whose metrics this machine reproduces bit for bit although they were recorded without a
-fact or on another machine. A repro whose verdict changed is left untouched and reported:
-that is a behaviour change for a person to look at, not a rounding change.
+fact or on another machine. A repro whose verdict changed, or whose metrics moved beyond last-bit
+noise (more than 1%: `ReplayResult.beyond_noise`) with the same verdict, is left untouched and
+reported: that is a behaviour change for a person to look at, not a rounding change
+(`--accept-changes` rewrites the second kind, for a metric now computed differently). The history
+entry of a rewrite keeps the replaced metrics.
 
 A repro whose case was edited by hand since it was recorded (its `case_fingerprint` no longer
 matches; replay then does not compare its metrics, which are another case's) gets the edited
@@ -27,8 +30,10 @@ from pathlib import Path
 import click
 
 
-def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
-    """(outcome, detail) for one file: outcome is "rewritten", "unchanged", "verdict changed" or "skipped"."""
+def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False) -> tuple[str, str]:
+    """(outcome, detail) for one file: outcome is "rewritten", "unchanged", "verdict changed", "metrics
+    changed" (a metric moved beyond last-bit noise, `ReplayResult.beyond_noise`: left alone unless
+    `accept_changes`) or "skipped"."""
     from . import corpus
     from .env import METRICS_ON, machine_differences, record_metrics_machine, recorded_threads
     from .errors import HarnessError
@@ -74,6 +79,12 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
                                       f"environment.{METRICS_ON}"})
         repro.save(path)
         return "rewritten", "metrics reproduced bit for bit here; this machine's facts recorded"
+    beyond = res.beyond_noise()  # (empty for an edited case: its metrics are another case's)
+    if beyond and not accept_changes:
+        moved = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(beyond.items())[:4])
+        return "metrics changed", (f"{moved}: more than last-bit noise, with the same verdict; look at why, and rerun "
+                                   "with --accept-changes if it is intended (a metric now computed differently)")
+    moved_keys = sorted(res.mismatches) if res.compared else []
     edited, repro.case_edited = repro.case_edited, False  # (the metrics are now this case's: a new fingerprint)
     if edited:
         repro.history.append({"event": "case edited", "at": corpus.now_iso(), "replaced_metrics": repro.metrics,
@@ -93,11 +104,14 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
     repro.environment = record_metrics_machine(repro.environment, device, threads)
     repro.history.append({"event": "rerecorded", "at": corpus.now_iso(),
                           **({"differed_in": elsewhere} if elsewhere else {}),
+                          **({"replaced_metrics": recorded, "changed_beyond_noise": sorted(beyond)} if beyond else
+                             {"replaced_metrics": recorded} if not edited else {}),
                           "note": "metrics recomputed for the case as edited by hand; verdict unchanged" if edited
                           else "metrics recomputed here (another harness version, or another machine: see "
                                "differed_in); verdict unchanged"})
     repro.save(path)
-    return "rewritten", ev.headline
+    return "rewritten", ev.headline + (f"; {len(moved_keys)} metric(s) moved: {', '.join(moved_keys[:6])}"
+                                       + (", ..." if len(moved_keys) > 6 else "") if moved_keys else "")
 
 
 @click.command("rerecord")
@@ -106,7 +120,9 @@ def rerecord_file(path: Path, device: str = "cpu") -> tuple[str, str]:
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
               help="Load target pairs from a Python file or an importable module (repeatable): a repro of a "
                    "plugin kept outside this repository needs it.")
-def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, ...]) -> None:
+@click.option("--accept-changes", is_flag=True, help="Also rewrite metrics that moved beyond last-bit noise (more "
+              "than 1%) with the verdict unchanged: a metric now computed differently. The history keeps the old.")
+def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, ...], accept_changes: bool) -> None:
     """Replay repros and rewrite their recorded metrics where the verdict is unchanged."""
     from . import corpus
     from .cli import load_plugins
@@ -118,10 +134,10 @@ def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, .
         files.extend(corpus.iter_corpus(p) if p.is_dir() else [p])
     counts: dict[str, int] = {}
     for f in files:
-        outcome, detail = rerecord_file(f, device)
+        outcome, detail = rerecord_file(f, device, accept_changes)
         counts[outcome] = counts.get(outcome, 0) + 1
         click.echo(f"{outcome:15s} {f}" + (f"  ({detail})" if detail else ""))
     click.echo(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    # as `replay`: 1 when a verdict changed (a behaviour change to look at), else 2 when a repro could not
-    # be replayed here (its reason is printed beside it), else 0
-    sys.exit(1 if counts.get("verdict changed") else 2 if counts.get("skipped") else 0)
+    # as `replay`: 1 when a verdict or a metric changed beyond noise (a behaviour change to look at), else 2
+    # when a repro could not be replayed here (its reason is printed beside it), else 0
+    sys.exit(1 if counts.get("verdict changed") or counts.get("metrics changed") else 2 if counts.get("skipped") else 0)

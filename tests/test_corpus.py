@@ -47,13 +47,17 @@ def test_replay(path):
         assert not ev.failed, f"{path}: fixed regression is back: {ev.symptom.value} {ev.headline}"
     elif repro.status == "expected":
         assert ev.failed, f"{path}: demonstration no longer diverges ({ev.headline}): detection power lost"
-    elif repro.status == "open":
-        if ev.failed:
-            pytest.xfail(f"open regression still diverges: {ev.symptom.value} {ev.headline}")
+    elif repro.status == "open" and not ev.failed:
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline}): close it as fixed")
-    # bit for bit where the machine and software are the recorded ones (`machine_differences`: torch,
-    # numpy, CPU); elsewhere within last-bit noise (`beyond_noise`: the same symptom and error, a k3
-    # within 1%); a fixed repro's metrics are the bug's
+    check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
+    if repro.status == "open":
+        pytest.xfail(f"open regression still diverges: {ev.symptom.value} {ev.headline}")
+
+
+def check_recorded_metrics(path, repro, result) -> None:
+    """Bit for bit where the machine and software are the recorded ones (`machine_differences`:
+    torch, numpy, CPU); elsewhere within last-bit noise (`beyond_noise`: the same symptom and
+    error, a k3 within 1%); a fixed repro's metrics are the bug's (not compared)."""
     elsewhere = machine_differences(repro.environment)
     if not elsewhere:
         assert result.bit_for_bit, (f"{path}: replay differs from the recorded metrics, as (recorded, replayed): "
@@ -63,7 +67,7 @@ def test_replay(path):
         beyond = result.beyond_noise()
         assert not beyond, (f"{path}: replay differs from the recorded metrics beyond another machine's last bits, "
                             f"as (recorded, replayed): {beyond} (recorded on: {'; '.join(elsewhere)}); if the change "
-                            "is expected, `harness rerecord` rewrites them")
+                            "is expected, `harness rerecord --accept-changes` rewrites them")
 
 
 def test_corpus_files_are_named_by_signature():

@@ -3,6 +3,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from harness.rerecord import rerecord_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -199,3 +201,61 @@ def test_metrics_from_another_machine_are_compared_only_on_the_recording_one(tmp
     final = json.loads(path.read_text())
     assert final["metrics"] == after["metrics"] and final["environment"]["metrics_recorded_on"]["cpu"] == here["cpu"]
     assert final["history"][-1]["differed_in"] and final["environment"]["torch"] == "2.12.0"
+
+
+def test_a_metric_moved_beyond_noise_is_not_rerecorded_unless_accepted(tmp_path, harness_cli):
+    """rerecord is for last bits: a k3 that moved 10x with the same verdict is a change to look at;
+    --accept-changes rewrites it (a metric now computed differently), and the history keeps the old."""
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data["metrics"]["k3_expected"] = 10 * data["metrics"]["k3_expected"]
+    path.write_text(json.dumps(data))
+    before = path.read_text()
+    outcome, detail = rerecord_file(path)
+    assert outcome == "metrics changed" and "k3_expected" in detail and "--accept-changes" in detail
+    assert path.read_text() == before
+    code, out, err = harness_cli("rerecord", str(path))
+    assert code == 1 and "metrics changed" in out, out + err
+    outcome, detail = rerecord_file(path, accept_changes=True)
+    assert outcome == "rewritten" and "metric(s) moved: k3_expected" in detail
+    last = json.loads(path.read_text())["history"][-1]
+    assert last["changed_beyond_noise"] == ["k3_expected"]
+    assert last["replaced_metrics"]["k3_expected"] == data["metrics"]["k3_expected"]
+
+
+def test_show_says_when_its_case_is_not_the_one_its_metrics_describe(tmp_path, harness_cli):
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data["found"]["shrink_complete"] = False
+    path.write_text(json.dumps(data))
+    code, out, err = harness_cli("show", str(path))
+    assert code == 0 and "case (shrinking cut short: not minimal yet):" in out, out + err
+    data["case"]["seed"] += 1  # edited by hand: the recorded metrics are another case's
+    path.write_text(json.dumps(data))
+    code, out, err = harness_cli("show", str(path))
+    assert code == 0 and "case (edited by hand since it was recorded):" in out, out + err
+    assert "metrics of the case as recorded, not of this one" in out
+
+
+def test_every_fact_that_differs_is_named_and_bad_facts_are_refused(tmp_path):
+    from harness.corpus import load_repro
+    from harness.env import environment, machine_differences
+    from harness.errors import UsageError
+
+    here = environment("cpu")
+    # a partial metrics_recorded_on: the facts it lacks are the finding's
+    env = {**here, "metrics_recorded_on": {"cpu": "Intel Xeon (torch AVX2)"}}
+    assert [d.split(":")[0] for d in machine_differences(env)] == ["cpu"]
+    other = {k: "x" for k in ("torch", "numpy", "platform", "device", "cpu")}
+    assert len(machine_differences(other)) == 5
+    for patch, field in (({"found": {"shrink_complete": "no"}}, "found.shrink_complete"),
+                         ({"environment": {"cpu": 12}}, "environment.cpu")):
+        sub = tmp_path / field
+        sub.mkdir()
+        path = _copy(sub)
+        data = json.loads(path.read_text())
+        for k, v in patch.items():
+            data[k].update(v)
+        path.write_text(json.dumps(data))
+        with pytest.raises(UsageError, match=field.replace(".", r"\.")):
+            load_repro(path)
