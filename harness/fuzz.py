@@ -131,10 +131,7 @@ class PairResult:
     @property
     def time_note(self) -> str:
         """"its time share ran out after N of M examples", or "" when it ran them all."""
-        if not self.examples_short:
-            return ""
-        return (f"its time share ran out after {self.examples_asked - self.examples_short} of "
-                f"{self.examples_asked} examples")
+        return time_note(self.examples_asked, self.examples_short, self.examples)
 
     @property
     def verdict(self) -> str:
@@ -291,6 +288,17 @@ _RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.
 # the 1:1 mix that leaves Hypothesis half the cases.
 UNIFORM_PER_EXAMPLE = {"op": 3, "model": 1}
 MAX_SIGNATURES = 16  # distinct failures one pair's campaign reports (each is shrunk and written)
+
+
+def time_note(asked: int, short: int, cases: int) -> str:
+    """Why a pair ran fewer examples than asked: "its time share ran out after N of M examples", or
+    "... before its first case finished" when no case came back (an example begun is not a case run);
+    "" when it ran them all."""
+    if not short:
+        return ""
+    if not cases:
+        return f"its time share ran out before its first case finished: 0 of {asked} examples"
+    return f"its time share ran out after {asked - short} of {asked} examples"
 
 
 def uniform_per_example(pair: TargetPair, cfg: CampaignConfig) -> int:

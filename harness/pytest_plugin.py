@@ -828,8 +828,9 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
                 else "REGRESSION (new)" if any(f["new"] for f in d["findings"]) \
                 else "REGRESSION (known)"
         if d.get("examples_short") and not d["findings"]:
-            verdict += (f" (its time share ran out after {d['examples_asked'] - d['examples_short']} of "
-                        f"{d['examples_asked']} examples)")
+            from harness.fuzz import time_note
+
+            verdict += f" ({time_note(d['examples_asked'], d['examples_short'], d['examples'])})"
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
         found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
                           + (" new" if f["new"] else "") for f in d["findings"]) or \

@@ -91,6 +91,11 @@ def test_a_clean_pair_whose_time_share_ran_out_says_how_far_it_got():
     assert f"clean ({note})" in summary_table(CampaignResult(seed=1, config=cfg, results=[r], seconds=1.0))
     done = fuzz_pair(pair, cfg, seed=1, deadline=None, max_examples=5)
     assert done.examples_short == 0 and done.time_note == ""
+    # an example begun whose case never came back is not a case run: no "after 1 of 100" beside 0 cases
+    from harness.fuzz import time_note
+
+    assert time_note(100, 99, 0) == "its time share ran out before its first case finished: 0 of 100 examples"
+    assert time_note(100, 99, 3) == "its time share ran out after 1 of 100 examples"
 
 
 def test_router_topk_bf16_shrinks_to_one_token_at_a_bf16_tie(tmp_path):
