@@ -395,6 +395,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         verdict = ev.symptom.value if ev.failed else "clean"
         rec_k3 = r.metrics.get("k3_kl")
         elsewhere = machine_differences(r.environment, dev)
+        beyond = res.beyond_noise() if elsewhere else {}
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
                 f"-> now {verdict} {ev.headline}; bit-for-bit "
                 + ("yes" if res.compared and res.bit_for_bit else "no" if res.compared else
@@ -405,7 +406,6 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
                                      ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
             if elsewhere:
-                beyond = res.beyond_noise()
                 line += ("\n  recorded on another machine or software (" + "; ".join(elsewhere) + "): " + (
                     "last-bit differences are expected there, and these are within them" if not beyond else
                     "these differ beyond last bits (" + ", ".join(sorted(beyond)[:4]) + "): a change to look at"))
@@ -417,7 +417,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                     "recorded_symptom": r.symptom, "symptom": ev.symptom.value, "k3": ev.k3,
                     "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit if res.compared else None,
                     "case_edited": r.case_edited, "weights_changed": bool(res.weights),
-                    "recorded_elsewhere": elsewhere, "beyond_noise": sorted(res.beyond_noise()) if elsewhere else None,
+                    "recorded_elsewhere": elsewhere, "beyond_noise": sorted(beyond) if elsewhere else None,
                     "mismatches": {k: [str(a), str(b)] for k, (a, b) in res.mismatches.items()}})
         if not as_json:
             click.echo(line)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .case import Case, CaseError
-from .env import recorded_threads, threads_as
+from .env import BIT_FOR_BIT_KEYS, METRICS_ON, is_thread_count, recorded_threads, threads_as
 from .errors import CannotEvaluate, UsageError
 from .execute import DEFAULT_THRESHOLD, Evaluation, Symptom, run_case
 from .metrics import METRIC_KEYS
@@ -409,7 +409,7 @@ class Repro:
         note), and `found.shrink_complete` says whether this shrinking finished. The new metrics were
         computed here, on `device` with `threads` torch threads: `environment.metrics_recorded_on`
         says so (`env.record_metrics_machine`), beside the environment the bug was found in."""
-        from .env import METRICS_ON, record_metrics_machine
+        from .env import record_metrics_machine
 
         was_on = self.environment.get(METRICS_ON)  # (where the replaced metrics were computed, if said)
         self.history.append({"at": now_iso(), "event": "shrunk further", **why, "replaced_case": self.case.to_json(),
@@ -738,18 +738,16 @@ def validate_repro_json(data: Any, where: str) -> None:
         if data.get(name) is not None and not isinstance(data[name], dict):
             bad(name, data[name], "must be an object")
     env = data.get("environment") or {}
-    for name, holder in (("environment", env), ("environment.metrics_recorded_on", env.get("metrics_recorded_on"))):
-        for k in ("cpu", "torch", "numpy", "platform", "device"):
-            v = holder.get(k) if isinstance(holder, dict) else None
-            if v is not None and not isinstance(v, str):
-                bad(f"{name}.{k}", v, "must be a string (what the repro was recorded on) or absent")
-    on = env.get("metrics_recorded_on")
+    on = env.get(METRICS_ON)
     if on is not None and not isinstance(on, dict):
-        bad("environment.metrics_recorded_on", on, "must be an object (where the metrics were computed)")
-    for name, holder in (("environment.torch_threads", env), ("environment.metrics_recorded_on.torch_threads", on or {})):
-        n = holder.get("torch_threads")
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1024):
-            bad(name, n, "must be a whole number of torch threads from 1 to 1024 (or absent)")
+        bad(f"environment.{METRICS_ON}", on, "must be an object (where the metrics were computed)")
+    for name, holder in (("environment", env), (f"environment.{METRICS_ON}", on or {})):
+        for k in BIT_FOR_BIT_KEYS:
+            if holder.get(k) is not None and not isinstance(holder[k], str):
+                bad(f"{name}.{k}", holder[k], "must be a string (what the repro was recorded on) or absent")
+        if holder.get("torch_threads") is not None and not is_thread_count(holder["torch_threads"]):
+            bad(f"{name}.torch_threads", holder["torch_threads"],
+                "must be a whole number of torch threads from 1 to 1024 (or absent)")
     found = data.get("found") or {}
     for k in ("shrink_complete", "deterministic"):
         if found.get(k) is not None and not isinstance(found[k], bool):

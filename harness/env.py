@@ -148,20 +148,21 @@ def record_metrics_machine(env: dict, device: str, threads: int) -> dict:
     return {**env, METRICS_ON: {**machine_facts(device), "torch_threads": threads}}
 
 
+def is_thread_count(n: Any) -> bool:
+    """A torch thread count a repro may record: a whole number from 1 to 1024."""
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024
+
+
 def recorded_threads(env: dict) -> int | None:
     """The torch thread count a repro's metrics were computed with (its `metrics_recorded_on`'s, else
     the one it was found with), if it recorded a sane one (the file is untrusted)."""
-
-    def sane(n: Any) -> bool:
-        return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 1024
-
     if not isinstance(env, dict):
         return None
     on = env.get(METRICS_ON)
-    if isinstance(on, dict) and sane(on.get("torch_threads")):
+    if isinstance(on, dict) and is_thread_count(on.get("torch_threads")):
         return on["torch_threads"]
     n = env.get("torch_threads")
-    return n if sane(n) else None
+    return n if is_thread_count(n) else None
 
 
 class threads_as:

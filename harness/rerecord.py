@@ -102,13 +102,17 @@ def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False)
         threads = torch.get_num_threads()
         repro.environment = {**repro.environment, "torch_threads": threads}
     repro.environment = record_metrics_machine(repro.environment, device, threads)
-    repro.history.append({"event": "rerecorded", "at": corpus.now_iso(),
-                          **({"differed_in": elsewhere} if elsewhere else {}),
-                          **({"replaced_metrics": recorded, "changed_beyond_noise": sorted(beyond)} if beyond else
-                             {"replaced_metrics": recorded} if not edited else {}),
-                          "note": "metrics recomputed for the case as edited by hand; verdict unchanged" if edited
-                          else "metrics recomputed here (another harness version, or another machine: see "
-                               "differed_in); verdict unchanged"})
+    entry = {"event": "rerecorded", "at": corpus.now_iso()}
+    if elsewhere:
+        entry["differed_in"] = elsewhere
+    if not edited:  # (an edited case's replaced metrics are in its "case edited" entry)
+        entry["replaced_metrics"] = recorded
+    if beyond:  # (accepted with --accept-changes)
+        entry["changed_beyond_noise"] = sorted(beyond)
+    entry["note"] = ("metrics recomputed for the case as edited by hand; verdict unchanged" if edited else
+                     "metrics recomputed here (another harness version, or another machine: see differed_in); "
+                     "verdict unchanged")
+    repro.history.append(entry)
     repro.save(path)
     return "rewritten", ev.headline + (f"; {len(moved_keys)} metric(s) moved: {', '.join(moved_keys[:6])}"
                                        + (", ..." if len(moved_keys) > 6 else "") if moved_keys else "")
