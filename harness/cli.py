@@ -468,6 +468,14 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                      f"({found.get('cases_total', found.get('examples', '?'))} cases in all)")
         else:  # recorded before the first sighting was: only the total is known
             head += f"; {found.get('examples', '?')} cases in all, shrinking included"
+        shrunk = [h for h in r.history if h.get("event") == "shrunk further"]
+        if shrunk:  # a later campaign or `harness shrink` replaced that minimal case with a smaller one
+            last = shrunk[-1]
+            by = (last.get("note") or (f"a campaign, seed {last['campaign_seed']}" if "campaign_seed" in last
+                                       else "?"))
+            spent = (f" in {float(last['seconds']):.1f} s" if isinstance(last.get("seconds"), (int, float)) else "") + (
+                f", {last['cases_tried']} cases tried" if isinstance(last.get("cases_tried"), int) else "")
+            head += (f"; then shrunk further {len(shrunk)} time(s), last {last.get('at', '?')} by {by}{spent}")
         click.echo(head + ("" if found.get("shrink_complete", True) is not False else
                            f" (shrinking was cut short: `harness shrink {file}` goes on)")
                    + (" (NOT DETERMINISTIC: its case gave other values when run again; it may not replay)"

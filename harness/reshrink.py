@@ -129,7 +129,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             with signals.critical():
                 if best["case"] != repro.case:
                     note = _save(repro, path, best["case"], best["ev"], False, device, threads, tracking,
-                                 tracking_uri)
+                                 tracking_uri, seconds=round(time.monotonic() - start, 3))
                     log(f"interrupted     {path}  (the smallest case so far is saved: {_size(best['case'])}; "
                         "run again to go on)")
                     if note:
@@ -156,7 +156,8 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             log(note)
         return outcome
     old_case = repro.case
-    note = _save(repro, path, case, ev, complete, device, threads, tracking, tracking_uri)
+    note = _save(repro, path, case, ev, complete, device, threads, tracking, tracking_uri, seconds=round(seconds, 3),
+                 cases_tried=evals)
     outcome = "shrunk" if complete else "cut short"
     log(f"{outcome:15s} {path}  ({_size(old_case)} -> {_size(case)}; {evals} case(s) tried in {seconds:.1f}s; "
         f"now {ev.headline}{why_stopped}" + ("" if complete else ": run again to go on") + ")")
@@ -166,11 +167,12 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
 
 
 def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, device: str, threads: int, tracking: bool,
-          uri: str | None) -> str:
-    """Write the smaller case into the repro (the replaced one into its history), then its MLflow run;
-    returns a line about MLflow to print ("" when there was nothing to update)."""
+          uri: str | None, **spent: Any) -> str:
+    """Write the smaller case into the repro (the replaced one into its history, with `spent`: the
+    seconds and cases this shrink took), then its MLflow run; returns a line about MLflow to print
+    ("" when there was nothing to update)."""
     old_line = repro.case.one_line()
-    repro.take_smaller_case(case, ev, complete, device, threads, note="`harness shrink`")
+    repro.take_smaller_case(case, ev, complete, device, threads, note="`harness shrink`", **spent)
     repro.save(path)
     return _tell_mlflow(repro, old_line, ev.headline, tracking, uri, shrunk=True)
 

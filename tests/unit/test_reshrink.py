@@ -70,7 +70,7 @@ def plugin_repro(tmp_path: Path) -> tuple[Path, Path]:
     return path, plugin
 
 
-def test_a_cut_short_repro_is_shrunk_to_its_minimal_case_and_replays_bit_for_bit(tmp_path):
+def test_a_cut_short_repro_is_shrunk_to_its_minimal_case_and_replays_bit_for_bit(tmp_path, harness_cli):
     path = cut_short_repro(tmp_path)
     lines: list[str] = []
     assert shrink_file(path, budget=300, max_evals=500, log=lines.append, tracking=False) == "shrunk"
@@ -83,8 +83,12 @@ def test_a_cut_short_repro_is_shrunk_to_its_minimal_case_and_replays_bit_for_bit
     # the new metrics were computed here, with the repro's thread count: said beside the finding's environment
     on = repro.environment["metrics_recorded_on"]
     assert not machine_differences(repro.environment) and on["torch_threads"] == recorded_threads(repro.environment)
+    assert last["note"] == "`harness shrink`" and last["seconds"] > 0 and last["cases_tried"] > 0
     res = replay(repro)
     assert res.diverges and res.compared and res.mismatches == {}
+    # `show` says the case was shrunk after the campaign's shrink, by what, and how long that took
+    code, out, err = harness_cli("show", str(path))
+    assert code == 0 and "then shrunk further 1 time(s)" in out and "by `harness shrink` in " in out, out + err
     # shrinking again finds nothing simpler and leaves the file alone
     before = path.read_text()
     lines.clear()
