@@ -414,7 +414,9 @@ class Repro:
         was_on = self.environment.get(METRICS_ON)  # (where the replaced metrics were computed, if said)
         self.history.append({"at": now_iso(), "event": "shrunk further", **why, "replaced_case": self.case.to_json(),
                              "replaced_metrics": self.metrics,
-                             **({"replaced_metrics_recorded_on": was_on} if was_on is not None else {})})
+                             **({"replaced_metrics_recorded_on": was_on} if was_on is not None else {}),
+                             # a case edited by hand: the replaced metrics are those of the case before the edit
+                             **({"replaced_case_edited_by_hand": True} if self.case_edited else {})})
         self.environment = record_metrics_machine(self.environment, device, threads)
         self.case, self.metrics, self.error = case, metrics_json(ev), ev.error
         self.case_edited = False  # (metrics and case agree again: a fresh fingerprint)

@@ -248,3 +248,16 @@ def test_a_folder_is_the_repros_whose_shrinking_was_cut_short(tmp_path):
     assert {p.name: p.read_text() for p in path.parent.glob("*.json") if p != path} == before
     code, out = shrink_cli("--no-tracking", str(path.parent / f"{'1' * 12}.json"))
     assert code == 0 and "fixed" in out and "nothing to shrink" in out, out
+
+
+def test_shrinking_a_case_edited_by_hand_says_the_replaced_metrics_are_the_case_before_the_edit(tmp_path):
+    path = cut_short_repro(tmp_path)
+    data = json.loads(path.read_text())
+    data["case_fingerprint"] = "0" * 16  # the metrics are another case's: what an edit by hand leaves
+    path.write_text(json.dumps(data, indent=2))
+    assert load_repro(path).case_edited
+    assert shrink_file(path, budget=300, max_evals=500, log=lambda _: None, tracking=False) == "shrunk"
+    repro = load_repro(path)
+    last = repro.history[-1]
+    assert last["event"] == "shrunk further" and last["replaced_case_edited_by_hand"] is True
+    assert not repro.case_edited  # the new metrics are the new case's
