@@ -1,7 +1,8 @@
 """Replays every committed repro under corpora/: the regression tests that grow with each finding.
 
 - `fixed`: must replay under the threshold (it failing again is a regression);
-- `expected`: a demonstration pair's divergence: must still diverge (the harness still sees it);
+- `expected`: a demonstration pair's divergence: must still diverge (the harness still sees it); a
+  pair registered aligned cannot have one (the test fails: its divergence is a regression);
 - `open`: a known, unfixed regression: an expected failure (xfail) that shows its k3 now;
 - `wontfix`: replayed; reported, never failing.
 Each replay must also reproduce the recorded metrics bit-for-bit when the machine and software match
@@ -38,6 +39,16 @@ def test_replay(path):
     why = load_plugin_for(repro, flag="--harness-plugin")
     if why is not None:
         pytest.skip(f"{path.relative_to(CORPUS)}: {why}")
+    if repro.status == "expected":
+        from harness.pairs import REGISTRY
+
+        REGISTRY.load_builtins()
+        pair = REGISTRY.get_loaded(repro.pair)  # (a pair not registered: replay says so below)
+        if pair is not None and pair.expected != "diverges":  # a regression of an aligned pair would pass as a demonstration
+            pytest.fail(f"{path}: status 'expected' is for a demonstration pair (registered expected='diverges'), "
+                        f"and {repro.pair} is registered expected={pair.expected!r}: a divergence of it is a "
+                        "regression; set the file's status to 'open' (or close it with `harness regressions close "
+                        "--status wontfix`)")
     try:
         result = replay(repro)
     except CannotEvaluate as e:  # its pair could not run here (a recorded rollout's checkpoint is elsewhere)

@@ -297,6 +297,27 @@ def test_the_corpus_tests_replay_a_repro_of_a_plugin_kept_outside_the_repository
     assert broken.returncode != 0 and "does not exist" in broken.stderr and "Traceback" not in broken.stderr
 
 
+def test_the_corpus_tests_refuse_a_demonstration_status_on_a_pair_registered_aligned(tmp_path):
+    """`expected` marks a demonstration pair's divergence (it must keep being caught). Set by hand on
+    a repro of a pair registered aligned, it would pass a regression as long as it kept diverging."""
+    proj = tmp_path / "proj"
+    (proj / "tests").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "test_corpus.py", proj / "tests" / "test_corpus.py")
+    src = next((ROOT / "corpora" / "attention.mask_leak").glob("*.json"))
+    dst = proj / "corpora" / "attention.aligned" / src.name
+    dst.parent.mkdir(parents=True)
+    data = json.loads(src.read_text())
+    assert data["status"] == "expected"
+    data["pair"] = "attention.aligned"
+    dst.write_text(json.dumps(data, indent=2))
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_corpus.py", "-k",
+                          "test_replay"], cwd=proj, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert res.returncode == 1 and "1 failed" in res.stdout, res.stdout + res.stderr
+    assert "status 'expected' is for a demonstration pair" in res.stdout and "set the file's status to 'open'" in \
+        res.stdout, res.stdout
+
+
 def test_a_pair_that_cannot_run_here_is_not_a_repro_that_still_fails(repro, tmp_path, capsys):
     """A pair raising a harness error (its checkpoint folder is gone) could not run: replay says so
     and exits 2 (125 under --bisect: git bisect skips the commit), not 1 ("still diverges")."""
