@@ -405,7 +405,13 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         if not res.bit_for_bit:
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
                                      ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
-            if elsewhere:
+            if res.nondeterministic:  # no replay reproduces its metrics: only its failure is compared
+                failure = res.failure_mismatches()
+                line += ("\n  recorded as not deterministic (its pair gave other values on this case when it was "
+                         "found): its metrics were one draw; " + (
+                             "it fails the way it was recorded" if not failure else
+                             "it now fails another way (" + ", ".join(sorted(failure)) + ")"))
+            elif elsewhere:
                 line += ("\n  recorded on another machine or software (" + "; ".join(elsewhere) + "): " + (
                     "last-bit differences are expected there, and these are within them" if not beyond else
                     "these differ beyond last bits (" + ", ".join(sorted(beyond)[:4]) + "): a change to look at"))
@@ -418,6 +424,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                     "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit if res.compared else None,
                     "case_edited": r.case_edited, "weights_changed": bool(res.weights),
                     "recorded_elsewhere": elsewhere, "beyond_noise": sorted(beyond) if elsewhere else None,
+                    "nondeterministic": res.nondeterministic,
                     "mismatches": {k: [str(a), str(b)] for k, (a, b) in res.mismatches.items()}})
         if not as_json:
             click.echo(line)

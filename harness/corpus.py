@@ -878,6 +878,20 @@ class ReplayResult:
         return out
 
     @property
+    def nondeterministic(self) -> bool:
+        """The campaign that found it ran its minimal case twice and got other values
+        (`found.deterministic: false`): its metrics are one draw of a pair that is not a function of
+        its case, so no replay is expected to reproduce them; only the failure is."""
+        return self.repro.found.get("deterministic") is False
+
+    def failure_mismatches(self) -> dict[str, tuple[Any, Any]]:
+        """The mismatches of the failure itself: the symptom, the error type, and which mean fired
+        (what a nondeterministic repro is held to; empty when not `compared`)."""
+        if not self.compared:
+            return {}
+        return {k: v for k, v in self.mismatches.items() if k in ("symptom", "error", "fired")}
+
+    @property
     def diverges(self) -> bool:
         return self.evaluation.failed
 

@@ -80,6 +80,10 @@ def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False)
         repro.save(path)
         return "rewritten", "metrics reproduced bit for bit here; this machine's facts recorded"
     beyond = res.beyond_noise()  # (empty for an edited case: its metrics are another case's)
+    if res.nondeterministic and not repro.case_edited and not accept_changes:
+        return "unchanged", ("recorded as not deterministic: every run of its case gives other metrics, so there is "
+                             "nothing to rerecord (replay and the corpus test hold it to its failure only); "
+                             "--accept-changes records this run's draw")
     if beyond and not accept_changes:
         moved = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(beyond.items())[:4])
         return "metrics changed", (f"{moved}: more than last-bit noise, with the same verdict; look at why, and rerun "

@@ -259,3 +259,39 @@ def test_every_fact_that_differs_is_named_and_bad_facts_are_refused(tmp_path):
         path.write_text(json.dumps(data))
         with pytest.raises(UsageError, match=field.replace(".", r"\.")):
             load_repro(path)
+
+
+def test_a_repro_recorded_as_not_deterministic_is_held_to_its_failure_only(tmp_path, harness_cli):
+    """A pair that is not a function of its case (found so: `found.deterministic: false`) gives other
+    metrics on every run: replay, the corpus test and rerecord hold it to its failure, which they
+    can check, and say why; a changed failure still counts."""
+    import importlib.util
+
+    from harness.corpus import load_repro, replay
+
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data["metrics"]["k3_kl"] *= 3  # another draw of a noisy pair
+    data["metrics"]["kl"] *= 0.5
+    path.write_text(json.dumps(data))
+    assert replay(load_repro(path)).beyond_noise()  # as a deterministic repro: a change to look at
+    data["found"]["deterministic"] = False
+    path.write_text(json.dumps(data))
+    res = replay(load_repro(path))
+    assert res.nondeterministic and res.mismatches and not res.failure_mismatches()
+    code, out, err = harness_cli("replay", str(path))
+    assert code == 1 and "recorded as not deterministic" in out and "it fails the way it was recorded" in out, out + err
+    outcome, detail = rerecord_file(path)
+    assert outcome == "unchanged" and "not deterministic" in detail
+    assert json.loads(path.read_text()) == data
+    # the corpus test's own check passes it; a changed failure (which mean fired) still fails it
+    spec = importlib.util.spec_from_file_location("corpus_test", ROOT / "tests" / "test_corpus.py")
+    corpus_test = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus_test)
+    corpus_test.check_recorded_metrics(path, load_repro(path), res)
+    data["metrics"]["fired"] = "kl" if data["metrics"]["fired"] != "kl" else "k3"
+    path.write_text(json.dumps(data))
+    res = replay(load_repro(path))
+    assert list(res.failure_mismatches()) == ["fired"]
+    with pytest.raises(AssertionError, match="fails another way than recorded"):
+        corpus_test.check_recorded_metrics(path, load_repro(path), res)
