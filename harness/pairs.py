@@ -278,6 +278,27 @@ class Axes:
                 tf = r.tie_fraction
                 if not (isinstance(tf, tuple) and len(tf) == 2 and all(_num(x) for x in tf) and 0 <= tf[0] <= tf[1] <= 1):
                     out.append(f"axes.routing.tie_fraction={tf!r} must be a tuple (low, high) with 0 <= low <= high <= 1")
+        if not out:
+            out += self._over_repro_limits()
+        return out
+
+    def _over_repro_limits(self) -> list[str]:
+        """The largest case these axes allow, against the limits a repro is loaded under
+        (`corpus.LIMITS`): a campaign would otherwise draw cases whose repros it then refuses to
+        replay (and spend its budget building them)."""
+        from .corpus import LIMITS
+
+        out = []
+        biggest = {"sequences": self.n_seqs[1], "tokens": self.n_seqs[1] * (self.prompt_len[1] + self.seq_len[1]),
+                   "experts": self.routing.n_experts[1] if self.routing is not None else 0}
+        how = {"sequences": "n_seqs high", "tokens": "n_seqs high x (prompt_len high + seq_len high)",
+               "experts": "routing.n_experts high"}
+        for key, n in biggest.items():
+            lim = LIMITS[key]
+            if n > lim.value():
+                out.append(f"axes allow cases of {n} {key} ({how[key]}), above the limit of {lim.value()} on a "
+                           f"repro's {lim.name}: a finding that large could not be replayed. Lower the bound, or raise "
+                           f"the limit with ${lim.env} (in every process that fuzzes or replays it)")
         return out
 
 

@@ -39,6 +39,10 @@ def _pair(**kw):
     ({"axes": Axes(pad_sides=("up",))}, "axes.pad_sides"),
     ({"axes": Axes(routing=(4, 8))}, "axes.routing must be a harness.RoutingAxes"),
     ({"axes": Axes(routing=RoutingAxes(tie_fraction=(0.5, 2.0)))}, "axes.routing.tie_fraction"),
+    # cases larger than a repro may be: a finding the campaign could write but not replay
+    ({"axes": Axes(n_seqs=(1, 6000), seq_len=(1, 1))}, "6000 sequences (n_seqs high), above the limit of 4096"),
+    ({"axes": Axes(n_seqs=(1, 64), seq_len=(1, 2048))}, "$HARNESS_MAX_TOKENS"),
+    ({"axes": Axes(routing=RoutingAxes(n_experts=(4, 5000)))}, "routing.n_experts high"),
 ])
 def test_registration_validates_eagerly_with_the_fix(changes, words):
     with pytest.raises(PairError) as err:
@@ -156,3 +160,8 @@ def test_pairs_from_the_entry_point_group(tmp_path):
 
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["acme.engine"]["source"] == "entry point acme"
+
+
+def test_a_raised_repro_limit_admits_wider_axes(monkeypatch):
+    monkeypatch.setenv("HARNESS_MAX_SEQUENCES", "8192")
+    Registry().register(_pair(axes=Axes(n_seqs=(1, 6000), seq_len=(1, 1))))
