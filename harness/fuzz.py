@@ -177,11 +177,12 @@ class CampaignConfig:
     fill_budget: bool = False
 
     def timeout_for(self, pair: str, own: float | None = None) -> float:
-        """The per-case timeout of a pair: the command line's for this pair, else the larger of the
-        campaign's and the pair's own (`TargetPair.timeout`: a compiling backend needs more)."""
+        """The per-case timeout of a pair: the command line's for this pair (`--timeout GLOB=S`), else
+        the pair's own (`TargetPair.timeout`: longer for a compiling backend, shorter for one that may
+        hang, so its shrink steps cost seconds, not minutes), else the campaign's (`--timeout S`)."""
         if pair in self.timeouts:
             return self.timeouts[pair]
-        return max(self.timeout, own or 0.0)
+        return own if own else self.timeout
 
 
 @dataclass

@@ -327,8 +327,9 @@ class TargetPair:
     description: str = ""  # one line: which real trainer/rollout difference this reproduces
     profiles: Any = None  # optional: numerics profiles of both paths, for triage by swapping
     source: str = ""  # where it was registered from (filled in by the registry)
-    timeout: float | None = None  # per-case seconds before a case is a hang; None: the campaign's (a compiling
-    #                               backend that recompiles for new shapes may need minutes cold)
+    timeout: float | None = None  # per-case seconds before a case is a hang; None: the campaign's `--timeout`.
+    #   Its own wins over the campaign's either way (a compiling backend that recompiles for new shapes may
+    #   need minutes cold; a pair that may hang wants seconds); `--timeout GLOB=S` overrides it
     # optional: () -> a fingerprint of the weights the pair runs (a checkpoint folder's contents), kept
     # in its repros; a replay against other weights says so (RL runs overwrite checkpoints)
     weights: Callable[[], str] | None = None

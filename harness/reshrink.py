@@ -70,7 +70,8 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
         log(f"skipped         {path}  ({e})")
         return "skipped"
     thr = repro.threshold
-    limit = (corpus.recorded_timeout(repro) if repro.symptom == "timeout" else None) or DEFAULT_TIMEOUT
+    limit = ((corpus.recorded_timeout(repro) if repro.symptom == "timeout" else None) or getattr(pair, "timeout", None)
+             or DEFAULT_TIMEOUT)
     # A fresh worker's first case (imports, compilation) gets the campaign's cold-start allowance; a
     # timeout repro's cases are judged at its recorded timeout, as replay judges it (a hang would
     # otherwise cost the allowance per case).

@@ -408,3 +408,11 @@ def test_the_summary_table_says_when_shrinking_was_cut_short():
         rows.append(summary_table(CampaignResult(seed=1, config=cfg, results=[r], seconds=1.0)))
     assert "shrunk in 4.0s" in rows[0] and "cut short" not in rows[0]
     assert "shrinking cut short after 4.0s" in rows[1]
+
+
+def test_a_pairs_own_timeout_wins_over_the_campaigns_and_the_command_lines_per_pair_one_over_both():
+    cfg = CampaignConfig(pairs=[], timeout=60.0, timeouts={"a.hangs": 2.0})
+    assert cfg.timeout_for("b.plain") == 60.0  # no timeout of its own: the campaign's
+    assert cfg.timeout_for("b.compiled", 600.0) == 600.0  # a compiling backend's longer one
+    assert cfg.timeout_for("b.may_hang", 3.0) == 3.0  # ... and a shorter one (it was max(campaign, own))
+    assert cfg.timeout_for("a.hangs", 3.0) == 2.0  # `--timeout GLOB=S` overrides the pair's own
