@@ -480,6 +480,13 @@ class Registry:
         path = Path(spec)
         try:
             if spec.endswith(".py") or path.exists():
+                if path.is_dir():
+                    files = sorted(p.name for p in path.glob("*.py"))[:5]
+                    raise UsageError(
+                        f"plugin {spec!r} is a folder; pass the Python file in it that registers target pairs"
+                        + (f" ({', '.join(files)} are there)" if files else " (it holds no .py file)")
+                        + ", or a dotted module name importable from this environment (a package: its module)."
+                    )
                 if not path.is_file():
                     raise UsageError(
                         f"plugin file {spec!r} does not exist; pass the path of a Python file that registers "
@@ -509,9 +516,17 @@ class Registry:
                 "register pairs (keep script code under `if __name__ == \"__main__\":`)."
             ) from None
         except Exception as e:
+            is_file = spec.endswith(".py") or path.exists()
+            if not is_file and isinstance(e, ModuleNotFoundError) and (e.name == spec or spec.startswith(f"{e.name}.")):
+                raise UsageError(
+                    f"plugin {spec!r} is neither a file nor an importable module (no module named {e.name!r} in "
+                    f"this environment, {sys.executable}); pass the path of a Python file that registers target "
+                    "pairs (ending in .py), or install the package that holds the module."
+                ) from None
+            run = f"python {spec}" if is_file else f"python -c 'import {spec}'"
             raise UsageError(
-                f"plugin {spec!r} failed to import: {type(e).__name__}: {e}. Run `python {spec}` "
-                "(or `python -c 'import MODULE'`) to see the full error, fix it, and try again."
+                f"plugin {spec!r} failed to import: {type(e).__name__}: {e}. Run `{run}` to see the full error, "
+                "fix it, and try again."
             ) from None
 
     def get(self, name: str) -> TargetPair:

@@ -96,8 +96,19 @@ def test_plugin_from_file_and_bad_plugins(tmp_path):
         REGISTRY.load_plugin(str(broken))
     with pytest.raises(UsageError, match="does not exist"):
         REGISTRY.load_plugin(str(tmp_path / "missing.py"))
-    with pytest.raises(UsageError, match="failed to import"):
+    with pytest.raises(UsageError, match="neither a file nor an importable module .no module named 'no_such_package'"):
         REGISTRY.load_plugin("no_such_package.pairs")
+    with pytest.raises(UsageError, match=r"is a folder; pass the Python file in it .* \(broken.py, my_pairs.py are"):
+        REGISTRY.load_plugin(str(tmp_path))
+    # a module that exists but imports something missing: its own error, and how to see it in full
+    (tmp_path / "pkg_with_missing_dep.py").write_text("import not_a_module_anywhere\n")
+    import sys
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(UsageError, match="failed to import: ModuleNotFoundError.*python -c 'import pkg_with"):
+            REGISTRY.load_plugin("pkg_with_missing_dep")
+    finally:
+        sys.path.remove(str(tmp_path))
 
 
 def test_one_plugin_registering_a_name_twice_is_an_error(tmp_path):
