@@ -1005,16 +1005,16 @@ def load_plugin_for(repro: Repro, registry: Any = None, flag: str = "--plugin") 
         pass
     path, why = repro.auto_plugin(flag)
     if path is None:
-        why = why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
-                      f"loaded; pass {flag}=FILE.py|MODULE")
         given = list(getattr(registry, "plugins", None) or ())
-        if given:  # plugins were loaded (--plugin): say that they are not the ones
+        if given:  # plugins were loaded (--plugin) and none registers it: that first, then where it came from
             theirs = sorted(p.name for p in registry.all() if p.source in given or
                             any(p.source == str(Path(g)) for g in given))
-            why += (f" (the plugin(s) loaded here, {', '.join(given)}, register "
-                    f"{', '.join(theirs[:8]) + (' ...' if len(theirs) > 8 else '') or 'no pair'}, not "
-                    f"{repro.pair!r}: check the pair name in the repro)")
-        return why
+            return (f"its pair {repro.pair!r} is not registered here: the plugin(s) loaded here, {', '.join(given)}, "
+                    f"register {', '.join(theirs[:8]) + (' ...' if len(theirs) > 8 else '') or 'no pair'}, not "
+                    f"{repro.pair!r} (renamed since the repro was recorded? check the pair name in the repro)"
+                    + (f"; the repro says: {why}" if why else ""))
+        return why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
+                       f"loaded; pass {flag}=FILE.py|MODULE")
     try:
         registry.load_plugin(path)
     except UsageError as e:
