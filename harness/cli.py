@@ -303,6 +303,9 @@ def parse_timeouts(values: tuple[str, ...] | list[str], pairs: list, option: str
         if not (t > 0 and t != float("inf")):
             raise UsageError(f"{option} {v!r} must be SECONDS or GLOB=SECONDS with SECONDS > 0, e.g. {option} 30 "
                              f"or {option} 'model.*=300'.")
+        if not glob and "=" in str(v):  # `=30`: a GLOB left out (a shell variable that was empty?)
+            raise UsageError(f"{option} {v!r} has an empty GLOB before '='; write {option} {secs} for every pair, or "
+                             f"{option} 'GLOB={secs}' for the pairs GLOB matches.")
         if not glob:
             default = t
             continue

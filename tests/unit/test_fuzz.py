@@ -418,3 +418,15 @@ def test_a_pairs_own_timeout_wins_over_the_campaigns_and_the_command_lines_per_p
     assert cfg.timeout_for("b.compiled", 600.0) == 600.0  # a compiling backend's longer one
     assert cfg.timeout_for("b.may_hang", 3.0) == 3.0  # ... and a shorter one (it was max(campaign, own))
     assert cfg.timeout_for("a.hangs", 3.0) == 2.0  # `--timeout GLOB=S` overrides the pair's own
+
+
+def test_timeout_options_are_parsed_with_a_clear_error_for_each_mistake():
+    from harness.cli import parse_timeouts
+    from harness.errors import UsageError
+
+    pairs = [REGISTRY.get("attention.aligned"), REGISTRY.get("model.aligned")]
+    assert parse_timeouts(["30", "model.*=300"], pairs) == (30.0, {"model.aligned": 300.0})
+    for bad, words in (("=3", "empty GLOB before '='"), ("model.*=0", "SECONDS > 0"), ("x", "SECONDS > 0"),
+                       ("nosuch.*=3", "no selected pair matches")):
+        with pytest.raises(UsageError, match=words):
+            parse_timeouts([bad], pairs)
