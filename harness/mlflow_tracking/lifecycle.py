@@ -347,8 +347,10 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> None:
         raise UsageError(f"regression {repro.id} cannot be replayed here to check it is fixed: {e}") from None
     ev = result.evaluation
     if ev.failed:
-        raise UsageError(f"regression {repro.id} ({repro.pair}) still diverges: {ev.symptom.value}, {ev.headline} "
-                         f"against the threshold {repro.threshold:g} (`{repro.replay_command()}`). Fix "
+        still = (f"still diverges: {ev.symptom.value}, {ev.headline} against the threshold {repro.threshold:g}"
+                 if ev.symptom.value in ("divergence", "nonfinite") else
+                 f"still fails: {ev.symptom.value}, {ev.headline}")  # a crash, a hang, an error: no threshold
+        raise UsageError(f"regression {repro.id} ({repro.pair}) {still} (`{repro.replay_command()}`). Fix "
                          "it first and close it from the fixed checkout, or close it as --status wontfix.")
 
 
