@@ -298,9 +298,10 @@ class Worker:
             "type": "Timeout", "where": "worker",
             "message": f"the case ran longer than the per-case timeout of {timeout - cold_extra:g} s"
                        + (f" (+{cold_extra:.3g} s for its first case in a fresh worker process: imports, compilation)"
-                          if cold_extra else "") + " (build, both paths and "
-                       "metrics); if the pair is just slow, raise it: `harness fuzz --timeout SECONDS` (or GLOB=SECONDS "
-                       "for some pairs), `pytest --harness-timeout SECONDS`",
+                          if cold_extra else "") + " (build, both paths and metrics)\n"
+                       # (the first line is the headline a table prints; the fix goes below it, whole)
+                       "If the pair is just slow, raise it: `harness fuzz --timeout SECONDS` (or GLOB=SECONDS for "
+                       "some pairs), `pytest --harness-timeout SECONDS`, or the pair's own TargetPair(timeout=SECONDS)",
             "traceback": stack, "timeout_s": float(timeout)}, threads=self.threads)
 
     def _wait_ready(self, wall: float | None) -> bool:

@@ -45,6 +45,12 @@ def test_a_hang_is_a_timeout_finding_and_the_campaign_goes_on(tmp_path, harness_
     [hang] = found["faults.hang"]
     assert hang.symptom == "timeout" and hang.case.batch_size == 2  # shrunk to the smallest hanging batch
     assert "per-case timeout of 1 s" in hang.error["message"]
+    # the headline (tables, finding lines, xfail reasons) is the first line, whole; the fix is below it
+    from harness.execute import headline
+
+    line = headline(hang.metrics, hang.error)
+    assert line.startswith("Timeout: the case ran longer than the per-case timeout of 1 s") and "..." not in line
+    assert "--harness-timeout" in hang.error["message"].splitlines()[1]
     assert "hangs_on_batches" in hang.error["traceback"]  # the worker's stack when it hung
     assert [r.symptom for r in found["faults.diverges"]] == ["divergence"]  # the next pair still ran
     assert "faults.hang: timeout" in err and "REGRESSION" in out
