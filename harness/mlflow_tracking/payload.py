@@ -230,8 +230,10 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
     if sym in ("error", "crash", "timeout"):
         err = p.get("error") or {}
         title += f" ({err.get('type', '?')} at {err.get('where', '?')})"
-        what = (f"The pair raised `{err.get('type', '?')}` in `{err.get('where', '?')}`: "
-                f"{str(err.get('message', ''))[:400]}")
+        msg = str(err.get("message", ""))[:400]
+        what = (f"The worker process running the case died (`{err.get('type', '?')}`): {msg}" if sym == "crash" else
+                f"The case hung (`{err.get('type', '?')}`): {msg}" if sym == "timeout" else
+                f"The pair raised `{err.get('type', '?')}` in `{err.get('where', '?')}`: {msg}")
     else:
         name, value = verdict_mean(m)
         label = "mean exact KL" if name == "kl" else "mean k3"
@@ -267,7 +269,11 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
         lines.append(f"harness replay{plugin} {corpus}")
     lines += ["```", "",
               f"**Triage.** `harness regressions close {p['id']} --status fixed|wontfix --note \"...\"`. "
-              f"Artifacts: `repro/{p['id']}.json`, `per_token/{p['id']}.csv`, `plots/{p['id']}_k3.png`.", "",
+              f"Artifacts: `repro/{p['id']}.json`"
+              + (f", `per_token/{p['id']}.csv`, `plots/{p['id']}_k3.png`" if (p.get("per_token") or {}).get("k3")
+                 else {"crash": " (no per-token metrics: the case crashed)", "timeout": " (no per-token metrics: "
+                       "the case hung)", "error": " (no per-token metrics: the case raised)"}.get(p["symptom"], ""))
+              + ".", "",
               f"Found {p['seen_at']} by campaign seed {p['campaign_seed']} on {p['device']} {_found_line(p)}; "
               f"signature `{p['signature'][:16]}…`."]
     return "\n".join(lines)

@@ -40,7 +40,9 @@ PROBE_TIMEOUT = 3.0  # seconds for the TCP connect that tells a reachable server
 # Severity from the magnitude of the mean k3 relative to the threshold (first match wins).
 SEVERITIES = (
     # (name, symptoms it applies to, smallest k3 / threshold)
-    ("critical", ("nonfinite", "error"), 0.0),  # NaN/inf out of a path, or a path that crashes
+    # NaN/inf out of a path, a path that raises, or one that kills its process (a segfault in a kernel)
+    ("critical", ("nonfinite", "error", "crash"), 0.0),
+    ("high", ("timeout",), 0.0),  # a path that hangs: a stalled rollout or training step
     ("high", ("divergence",), 100.0),  # k3 >= 100 x threshold: ratios far off, training is biased
     ("medium", ("divergence",), 10.0),  # k3 >= 10 x threshold
     ("low", ("divergence",), 0.0),  # above the threshold, within 10 x of it

@@ -75,6 +75,8 @@ def test_severity_bands():
     assert severity("divergence", 0.2, 1e-3) == "high"
     assert severity("nonfinite", float("nan"), 1e-3) == "critical"
     assert severity("error", None, 1e-3) == "critical"
+    assert severity("crash", None, 1e-3) == "critical"  # a path that kills its process
+    assert severity("timeout", None, 1e-3) == "high"  # a path that hangs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,6 +216,20 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     assert log_regression(Store(), payload, None, t2.uid) == (run_id, "already")
     assert log_regression(Store(), payload, None, t1.uid) == (run_id, "already")
     assert list_regressions()[0]["seen_count"] == 2
+
+
+def test_the_note_of_a_crash_says_it_died_and_lists_only_the_artifacts_it_has():
+    from harness.mlflow_tracking import regression_note, severity
+
+    p = {"pair": "mine.kernel", "symptom": "crash", "metrics": {}, "per_token": {}, "expected": "aligned",
+         "error": {"type": "SIGSEGV", "where": "worker", "message": "the worker died of signal 11"},
+         "severity": severity("crash", None, 1e-3), "status": "open", "case_line": "seed=1 seq_lens=[7]",
+         "id": "abcdefabcdef", "threshold": 1e-3, "seen_at": "now", "campaign_seed": 3, "device": "cpu",
+         "signature": "f" * 64, "examples": 10, "corpus_path": None}
+    note = regression_note(p, "run1")
+    assert "Severity **critical**" in note and "The worker process running the case died (`SIGSEGV`)" in note
+    assert "`repro/abcdefabcdef.json` (no per-token metrics: the case crashed)." in note
+    assert "per_token/" not in note and "plots/" not in note
 
 
 def test_bad_ids_and_statuses_are_usage_errors(fresh_cwd, capsys):
