@@ -186,8 +186,11 @@ def regression_dict(run: Any) -> dict[str, Any]:
         "symptom": t.get("harness.symptom", ""),
         "status": t.get("harness.status", ""),
         "severity": t.get("harness.severity", ""),
-        "k3": m.get("k3_kl"),
+        # what the list's "k3 / kl" column shows: [name, value] of the mean the verdict read (the
+        # expected k3 over the vocabulary, or the exact KL); "k3" is the sampled tokens' mean k3
         "verdict_mean": list(verdict_mean({**m, "fired": t.get("harness.fired", "")})),
+        "k3": m.get("k3_kl"),
+        "k3_expected": m.get("k3_expected"),
         "k3_seq_max": m.get("k3_seq_max"),
         "kl": m.get("kl"),
         "kl_excluded": m.get("kl_excluded"),

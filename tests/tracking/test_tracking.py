@@ -206,6 +206,7 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     assert t2.logged[f.id] == (run_id, "reopened")
     [row] = list_regressions()
     assert row["status"] == "open" and row["recurrence"] and row["seen_count"] == 2
+    assert row["k3"] == pytest.approx(f.k3) and row["k3_expected"] == pytest.approx(f.evaluation.divergence.k3_expected)
     assert "Recurrence" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
 
     # the same campaign uploading the same finding again (a retried sync) changes nothing, nor does
