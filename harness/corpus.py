@@ -148,6 +148,16 @@ def encode_float(x: Any) -> Any:
     return x
 
 
+def encode_tree(x: Any) -> Any:
+    """`encode_float` through dicts and lists (a history entry's replaced metrics, say): JSON has no
+    NaN or inf, and `json.dumps(allow_nan=False)` refuses them."""
+    if isinstance(x, dict):
+        return {k: encode_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [encode_tree(v) for v in x]
+    return encode_float(x)
+
+
 def decode_float(x: Any) -> Any:
     return float(x) if x in NONFINITE else x
 
@@ -395,7 +405,7 @@ class Repro:
             "environment": self.environment,
             "loader": self.loader,
             "found": self.found,
-            "history": self.history,
+            "history": encode_tree(self.history),  # (replaced metrics are kept as they were held: floats)
             "tracking": self.tracking,
         }
         for k, v in self.extra.items():

@@ -261,3 +261,24 @@ def test_shrinking_a_case_edited_by_hand_says_the_replaced_metrics_are_the_case_
     last = repro.history[-1]
     assert last["event"] == "shrunk further" and last["replaced_case_edited_by_hand"] is True
     assert not repro.case_edited  # the new metrics are the new case's
+
+
+def test_a_smaller_case_replacing_metrics_with_inf_saves_them_as_json(tmp_path):
+    """Replaced metrics go into the history as the repro held them; an inf among them (a sampled
+    token the trainer excludes) must be written as "inf", not refused by the JSON writer (the
+    campaign lost the smaller case with a traceback)."""
+    from harness import REGISTRY
+    from harness.execute import run_case
+
+    path = cut_short_repro(tmp_path)
+    data = json.loads(path.read_text())
+    data["metrics"]["k3_kl"] = "inf"
+    path.write_text(json.dumps(data, indent=2))
+    repro = load_repro(path)
+    assert repro.metrics["k3_kl"] == float("inf")
+    small = Case(seed=3, seq_lens=(2, 1))
+    ev = run_case(REGISTRY.get("attention.mask_leak"), small)
+    repro.take_smaller_case(small, ev, True, "cpu", 1, note="test")
+    repro.save(path)
+    again = load_repro(path)
+    assert again.case == small and again.history[-1]["replaced_metrics"]["k3_kl"] == "inf"
