@@ -1037,7 +1037,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 try:
                     corpus_mod.record_finding(f, cfg.corpus, cfg.threshold, seed, cfg.device, log=log,
                                               reproduces=reproduces(f))
-                except OSError as e:
+                except Exception as e:  # noqa: BLE001 - a full disk, or a bug writing it: the finding is printed
                     _unsaved(f, e, cfg, seed, log)
                     result.unsaved.append(f)
             tracker.finding(f)
@@ -1161,18 +1161,21 @@ def unfinished_note(r: PairResult, timeout: float) -> str:
     return ""
 
 
-def _unsaved(f: Finding, err: OSError, cfg: CampaignConfig, seed: int, log: Callable[[str], None]) -> None:
+def _unsaved(f: Finding, err: Exception, cfg: CampaignConfig, seed: int, log: Callable[[str], None]) -> None:
     """A finding the corpus could not take: say why, and print it in full so it is not lost."""
     from .corpus import finding_to_repro
 
     target = f.path or Path(cfg.corpus) / f.pair / f"{f.id}.json"
     f.path = None
-    reason = err.strerror or str(err)
-    log(f"error: could not write finding {f.id} ({f.pair}, {f.symptom.value}) to {target}: {reason} "
-        f"(errno {err.errno}). Free space or make the corpus folder writable (or pass `harness fuzz --corpus DIR`, "
-        f"`pytest --harness-corpus DIR`); the campaign goes on (`harness fuzz` exits 3 at the end, which "
-        f"outranks 1: a finding is not on disk). The finding follows on one line as JSON: save that line as {target} "
-        "to replay it.")
+    if isinstance(err, OSError):
+        why = (f"{err.strerror or err} (errno {err.errno}). Free space or make the corpus folder writable (or pass "
+               "`harness fuzz --corpus DIR`, `pytest --harness-corpus DIR`)")
+    else:  # not the disk: a bug of the harness writing the file (please report it, with this message)
+        why = (f"{type(err).__name__}: {err} (an error of the harness writing the file, not of the disk: please report "
+               f"it, with the existing {target} if there is one)")
+    log(f"error: could not write finding {f.id} ({f.pair}, {f.symptom.value}) to {target}: {why}; the campaign goes "
+        f"on (`harness fuzz` exits 3 at the end, which outranks 1: a finding is not on disk). The finding follows on "
+        f"one line as JSON: save that line as {target} to replay it.")
     data = finding_to_repro(f, cfg.threshold, seed, cfg.device).to_json()
     print(json.dumps(data, default=str), file=sys.stderr, flush=True)
 
