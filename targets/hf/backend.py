@@ -278,6 +278,26 @@ class HFModel:
         return int(experts), int(f.get("num_experts_per_tok", 2)), int(f.get("num_hidden_layers", 1))
 
 
+def check_model_type(model_type: Any) -> None:
+    """UsageError, with the closest names, when transformers has no config class for `model_type`
+    (called where the config is built, in the process that runs the pair: importing transformers at
+    registration would cost every campaign ~0.8 s; a UsageError there makes the pair CANNOT RUN, not
+    a regression of it)."""
+    import difflib
+
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    known = list(CONFIG_MAPPING.keys())
+    if isinstance(model_type, str) and model_type in known:
+        return
+    close = difflib.get_close_matches(str(model_type), known, n=4, cutoff=0.6)
+    raise UsageError(f"config model_type {model_type!r} is not a model type transformers {transformers.__version__} "
+                     "knows" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+                     + "; fix the `model_type` of the config dict (`transformers.CONFIG_MAPPING` lists them), or "
+                     "upgrade transformers for a newer model.")
+
+
 def model_from(source: Any) -> HFModel:
     """An HFModel from an HFModel, a checkpoint path (str/Path) or a config (dict / transformers config)."""
     if isinstance(source, HFModel):

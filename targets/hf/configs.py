@@ -67,7 +67,10 @@ def make_config(fields: dict[str, Any]) -> Any:
     """A transformers config from a dict holding `model_type` and config fields."""
     from transformers import AutoConfig
 
+    from .backend import check_model_type
+
     fields = dict(fields)
+    check_model_type(fields.get("model_type"))
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 

@@ -422,3 +422,17 @@ def test_a_group_limited_routers_kept_groups_are_not_decided_by_layout_noise(mon
     finally:
         for _, router in routers:
             router.e_score_correction_bias.zero_()
+
+
+def test_a_mistyped_model_type_makes_the_pair_unable_to_run_not_a_regression():
+    """A config dict's typo shows at its first case: a UsageError (CANNOT RUN, exit 2), not an
+    `error` finding of an aligned pair that a nightly would carry as a known regression."""
+    from harness.execute import Symptom
+    from targets.hf.configs import TINY
+
+    fields = {**TINY["qwen3_moe"], "model_type": "qwen3_mo"}
+    pair = hf_pair("typo.aligned", fields)  # registration imports no transformers: nothing checked yet
+    ev = run_case(pair, Case(seed=1, seq_lens=(2,)))
+    assert ev.symptom == Symptom.ERROR and ev.setup, ev.error
+    assert "config model_type 'qwen3_mo' is not a model type transformers" in ev.error["message"]
+    assert "did you mean 'qwen3_moe'" in ev.error["message"]
