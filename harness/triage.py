@@ -283,13 +283,23 @@ class _Recorder:
             if not self.calls or self.calls[-1].batch == 0 or name in self.calls[-1].raw:
                 return  # outside a root call, or a module called twice in one call (the first is kept)
             call = self.calls[-1]
-            tensors = [t for t in _tensors(out) if t.is_floating_point() and t.dim() >= 1]
+            every = [t for t in _tensors(out) if t.dim() >= 1]
+            tensors = [t for t in every if t.is_floating_point()]
             if module is self.root:
                 call.root = [t.detach() for t in tensors]
             if tensors:
                 call.raw[name] = tensors[0].detach().to(torch.float32, copy=True)
                 if name not in self.order:
                     self.order.append(name)
+                # its other outputs, as `name[i]`: a router returns its logits, then the weights and the
+                # experts chosen from them; a bug in the choice leaves the logits equal on both paths
+                # (integer ids compare as numbers: any changed choice is an error well above the floor)
+                if module is not self.root:
+                    for i, t in enumerate((t for t in every if t is not tensors[0]), 1):
+                        key = f"{name}[{i}]"
+                        call.raw[key] = t.detach().to(torch.float32, copy=True)
+                        if key not in self.order:
+                            self.order.append(key)
 
         return hook
 

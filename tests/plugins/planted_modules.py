@@ -9,6 +9,9 @@ per-module table of `harness triage` can localize.
   nothing but token ids (no bookkeeping argument of any kind), run as one packed call (trainer)
   and one call per sequence in reverse order with temperature-scaled log-probabilities (rollout);
   the `block_bias` rollout copy adds a bias in `blocks.1`.
+- `planted.tiny_moe.aligned` / `planted.tiny_moe.router_choice`: the same calls on a plain torch
+  MoE LM whose router returns (logits, weights, chosen experts); the `router_choice` rollout copy
+  skips each token's best expert, so its logits agree and its choice does not.
 """
 
 from __future__ import annotations
@@ -152,3 +155,82 @@ def tiny_pair(name: str, expected: str, rollout_model: nn.Module, description: s
 register(tiny_pair("planted.tiny_lm.aligned", "aligned", _TINY, "a plain torch LM, packed vs per-sequence calls"))
 register(tiny_pair("planted.tiny_lm.block_bias", "diverges", _TINY_BUGGY,
                    "planted code-level bug: the rollout's blocks.1 adds a constant"))
+
+
+# ---------------------------------------------------------------------------------------------
+# A plain torch MoE model whose router returns (logits, weights, chosen experts)
+# ---------------------------------------------------------------------------------------------
+N_EXPERTS, TOP_K = 4, 2
+
+
+class Router(nn.Module):
+    """Returns its logits first, then the top-k weights and the chosen experts (as HF MoE routers do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, N_EXPERTS, bias=False)
+
+    def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.topk(probs, TOP_K, dim=-1)  # (B, S, k) each
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.proj(x)  # (B, S, E)
+        weights, chosen = self.choose(torch.softmax(logits, -1))
+        return logits, weights, chosen
+
+
+class RouterSkipsBest(Router):
+    """Planted: the choice skips each token's best expert (the logits are those of `Router`)."""
+
+    def choose(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, idx = torch.topk(probs, TOP_K + 1, dim=-1)
+        return w[..., 1:], idx[..., 1:]
+
+
+class MoEBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = Router()
+        self.experts = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(N_EXPERTS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, weights, chosen = self.router(x)  # (B, S, k) each
+        every = torch.stack([e(x) for e in self.experts], -2)  # (B, S, E, W)
+        picked = every.gather(-2, chosen[..., None].expand(*chosen.shape, WIDTH))  # (B, S, k, W)
+        return (weights[..., None] * torch.tanh(picked)).sum(-2)  # (B, S, W)
+
+
+class TinyMoELM(TinyLM):
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.blocks = nn.ModuleList([MoEBlock()])
+        with torch.no_grad():
+            for p in self.blocks.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5 * 2.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)  # (B, S, W)
+        x = x + self.blocks[0](x)
+        return self.head(x) * 3.0  # (B, S, V) logits
+
+
+_TINY_MOE = TinyMoELM().eval()
+_TINY_MOE_BUGGY = with_bug(_TINY_MOE, "blocks.0.router", RouterSkipsBest)
+
+
+def tiny_moe_pair(name: str, expected: str, rollout_model: nn.Module, description: str) -> TargetPair:
+    base = tiny_pair(name, expected, rollout_model, description)
+
+    def build(case, device):
+        inp = base.build(case, device)
+        inp["modules"] = {"trainer": _TINY_MOE.to(device), "rollout": rollout_model.to(device)}
+        return inp
+
+    return TargetPair(name=name, kind="model", expected=expected, build=build, trainer=base.trainer,
+                      rollout=base.rollout, axes=base.axes, devices=("cpu",), description=description)
+
+
+register(tiny_moe_pair("planted.tiny_moe.aligned", "aligned", _TINY_MOE, "a plain torch MoE LM, packed vs per-sequence"))
+register(tiny_moe_pair("planted.tiny_moe.router_choice", "diverges", _TINY_MOE_BUGGY,
+                       "planted: the rollout's router skips each token's best expert; its logits are unchanged"))

@@ -154,6 +154,20 @@ def test_a_plain_torch_model_needs_no_argument_in_its_call():
     assert aligned.first_module is None and max(m.error for m in aligned.modules) < 1e-6
 
 
+def test_a_router_whose_logits_agree_but_whose_choice_does_not_is_named_by_its_other_outputs():
+    """A module returning several tensors has a row per output (`name[i]`): a router bug that leaves
+    its logits equal shows at its weights / chosen experts, before the experts and the block."""
+    case = Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)
+    t = triage(made_repro("planted.tiny_moe.router_choice", case))
+    rows = {m.name: m for m in t.modules}
+    assert rows["blocks.0.router"].error == 0.0  # the logits: equal on both paths
+    assert rows["blocks.0.router[1]"].error > 1e-2 and rows["blocks.0.router[2]"].error > 1e-2
+    assert t.first_module == "blocks.0.router[1]" and t.floor_from == "planted.tiny_moe.aligned"
+    assert not any(m.exceeds for m in t.modules[:t.modules.index(rows["blocks.0.router[1]"])])
+    aligned = triage(made_repro("planted.tiny_moe.aligned", case))
+    assert aligned.first_module is None and max(m.error for m in aligned.modules) < 1e-6
+
+
 def test_a_nonfinite_finding_names_the_first_module_with_nan_or_inf(tmp_path):
     t = triage(made_repro("planted.moe_norm_overflow", DECODER_CASE, "nonfinite"))
     assert t.evaluation.symptom is Symptom.NONFINITE
