@@ -36,11 +36,26 @@ from typing import Any, Callable, Iterator
 from .case import NEUTRAL, Case
 
 
+def neutral_within(axes: Any = None) -> dict[str, Any]:
+    """Each knob's neutral value (`case.NEUTRAL`) as the pair's axes allow it: the first pad side
+    they draw, sampling knobs clamped into their bounds. A shrunk case stays inside the declared
+    axes (a pair that always left-pads is never shown a right-padded repro)."""
+    if axes is None:
+        return dict(NEUTRAL)
+    out = dict(NEUTRAL)
+    out["pad_side"] = axes.pad_sides[0]
+    for name in ("temperature", "top_p", "sample_top_k"):
+        lo, hi = getattr(axes, name)
+        out[name] = type(NEUTRAL[name])(min(max(NEUTRAL[name], lo), hi))
+    return out
+
+
 def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     """Simpler neighbours, the biggest simplifications first."""
     for i in range(case.batch_size if case.batch_size > 1 else 0):
         yield case.drop_sequence(i)
-    for name, neutral in NEUTRAL.items():
+    neutral_of = neutral_within(axes)
+    for name, neutral in neutral_of.items():
         if getattr(case, name) != neutral:
             yield case.replace(**{name: neutral})
     low_scale = axes.logit_scale[0] if axes is not None else None
@@ -77,8 +92,8 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
         # near-tie trigger, and shortening alone cannot reach it when the forced token is not the first
         for j in range(case.batch_size):
             yield _with(case, j, response=1).replace(tie_fraction=1.0)
-    yield from _halfway(case, "temperature", 1.0, log=True)
-    yield from _halfway(case, "top_p", 1.0)
+    yield from _halfway(case, "temperature", neutral_of["temperature"], log=True)
+    yield from _halfway(case, "top_p", neutral_of["top_p"])
     if low_scale is not None:
         yield from _halfway(case, "logit_scale", float(low_scale), log=True)
     yield from _halfway(case, "tie_gap", 0.0)

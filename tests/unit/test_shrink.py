@@ -57,3 +57,20 @@ def test_polish_moves_free_parameters_to_their_strategys_simplest_value():
     assert complete and out.params == {"min_p": 0.0, "mode": "a"}
     out, _, _ = polish(case, lambda c: c.params["min_p"] > 0.01, axes=axes)  # halfway while it still fails
     assert 0.01 < out.params["min_p"] < 0.021 and out.params["mode"] == "a"
+
+
+def test_the_polish_moves_stay_inside_the_pairs_axes():
+    """Neutral knobs as the axes allow them: a pair that only left-pads, or samples at
+    temperatures in [0.5, 0.9], is never shown a case outside them."""
+    from harness import Axes
+    from harness.shrink import moves
+
+    axes = Axes(pad_sides=("left",), temperature=(0.5, 0.9), top_p=(0.8, 0.95), sample_top_k=(4, 8))
+    case = Case(seed=1, seq_lens=(3, 2), pad_side="left", temperature=0.7, top_p=0.9, sample_top_k=6)
+    seen = list(moves(case, axes))
+    assert seen and all(c.pad_side == "left" for c in seen)
+    assert all(0.5 <= c.temperature <= 0.9 and 0.8 <= c.top_p <= 0.95 and 4 <= c.sample_top_k <= 8 for c in seen)
+    assert any(c.temperature == 0.9 for c in seen) and any(c.top_p == 0.95 for c in seen)  # as near neutral as allowed
+    # and the whole polish: a failure that needs nothing but a batch of two shrinks inside them
+    out, _, _ = polish(case, lambda c: c.batch_size >= 2, axes=axes)
+    assert out.pad_side == "left" and out.temperature == 0.9 and out.sample_top_k == 4 and out.seq_lens == (1, 1)
