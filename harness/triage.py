@@ -708,8 +708,13 @@ def _measure(t: Triage, loc: Localization | None = None) -> str:
 def verdict_line(t: Triage) -> str:
     loc, ev = t.localization, t.evaluation
     symptom = getattr(ev.symptom, "value", str(ev.symptom))
-    if ev.error:
-        return f"the pair raised {ev.error['type']} on this case ({ev.error.get('where', '?')}): nothing to compare"
+    if ev.error:  # its own message first line, whole: what a person acts on (where: the frame that raised)
+        msg = (str(ev.error.get("message") or "").strip().splitlines() or [""])[0]
+        what = {"crash": "the worker running this case died", "timeout": "this case hung"}.get(
+            symptom, "the case raised")
+        return (f"{what}: {ev.error['type']}: {msg} (at {ev.error.get('where', '?')}); no log-probabilities to "
+                "compare, so nothing to localize: fix what the message names, or replay it (`harness replay`) to "
+                "see the traceback")
     if symptom == "divergence" and t.k3 == math.inf:  # not a NaN: a sampled token the trainer excludes
         head = ("the rollout sampled a token the trainer's distribution excludes (k3 = inf): the two paths "
                 "truncate at different boundaries (their -inf entries differ: top-k, top-p or another cut)")

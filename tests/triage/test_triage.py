@@ -308,3 +308,16 @@ def test_a_plugin_pair_with_harness_profiles_is_localized():
     assert t.localization.minimal == ["head"] and t.verdict.startswith("LM-head precision: expected k3 "), t.verdict
     with pytest.raises(PairError, match="differ"):
         Profiles(trainer={"a": "x"}, rollout={"b": "y"}, make=lambda t, r: None)
+
+
+def test_the_verdict_on_an_error_quotes_the_pairs_own_message():
+    from harness.triage import verdict_line
+
+    err = {"type": "ValueError", "where": "my_pairs.py:trainer",
+           "message": "trainer logprobs have shape (3, 64), expected (4, vocab)\nmore detail"}
+    t = SimpleNamespace(localization=None, evaluation=SimpleNamespace(symptom=Symptom.ERROR, error=err))
+    line = verdict_line(t)
+    assert line.startswith("the case raised ValueError: trainer logprobs have shape (3, 64), expected "
+                           "(4, vocab) (at my_pairs.py:trainer)") and "more detail" not in line
+    t.evaluation.symptom = Symptom.CRASH
+    assert verdict_line(t).startswith("the worker running this case died: ")
