@@ -710,9 +710,9 @@ def verdict_line(t: Triage) -> str:
     symptom = getattr(ev.symptom, "value", str(ev.symptom))
     if ev.error:  # its own message first line, whole: what a person acts on (where: the frame that raised)
         msg = (str(ev.error.get("message") or "").strip().splitlines() or [""])[0]
-        what = {"crash": "the worker running this case died", "timeout": "this case hung"}.get(
-            symptom, "the case raised")
-        return (f"{what}: {ev.error['type']}: {msg} (at {ev.error.get('where', '?')}); no log-probabilities to "
+        what = {"crash": "the worker running this case died: ", "timeout": "this case hung: "}.get(
+            symptom, "the case raised ")
+        return (f"{what}{ev.error['type']}: {msg} (at {ev.error.get('where', '?')}); no log-probabilities to "
                 "compare, so nothing to localize: fix what the message names, or replay it (`harness replay`) to "
                 "see the traceback")
     if symptom == "divergence" and t.k3 == math.inf:  # not a NaN: a sampled token the trainer excludes
