@@ -90,6 +90,8 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
     click.echo(r["note"] or f"(no note) regression {r['id']} of {r['pair']}")
     click.echo(f"\nrun {r['run_id']}  status {r['status']}  severity {r['severity']}  seen {r['seen_count']}x "
                f"({_day(r['first_seen'])} .. {_day(r['last_seen'])})" + ("  RECURRENCE" if r["recurrence"] else ""))
+    if r["tags"].get("harness.triage_verdict"):  # `harness triage --run-id` (its report: artifacts/triage)
+        click.echo(f"triage verdict (harness.triage_verdict): {r['tags']['harness.triage_verdict']}")
     if r["tags"].get("harness.triage_note"):
         click.echo(f"last triage note: {r['tags']['harness.triage_note']}")
     click.echo("metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(r["metrics"].items())))

@@ -996,10 +996,15 @@ def attach_to_mlflow(t: Triage, run_id: str, uri: str | None) -> str:
     from .mlflow_tracking import open_store
 
     try:
-        open_store(uri).client.log_artifacts(run_id, str(t.report.parent), "triage")
+        client = open_store(uri).client
+        client.log_artifacts(run_id, str(t.report.parent), "triage")
+        # the verdict as a tag, so `harness regressions show` and the UI's run table carry it
+        client.set_tag(run_id, "harness.triage_verdict", verdict_line(t)[:4000])
+        if t.first_module:
+            client.set_tag(run_id, "harness.triage_first_module", t.first_module[:500])
     except Exception as e:  # noqa: BLE001 - the report on disk is the record; tracking is a copy
         return f"not attached to MLflow run {run_id}: {type(e).__name__}: {e}"
-    return f"attached to MLflow run {run_id} (artifacts/triage)"
+    return f"attached to MLflow run {run_id} (artifacts/triage; tag harness.triage_verdict)"
 
 
 # ---------------------------------------------------------------------------------------------

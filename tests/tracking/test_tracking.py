@@ -369,6 +369,10 @@ def test_triage_by_finding_id_attaches_its_report_to_the_regression_run(tmp_path
     run = store.find_regression(finding.id)
     names = {a.path for a in store.client.list_artifacts(run.info.run_id, "triage")}
     assert "triage/report.md" in names
+    verdict = run.data.tags["harness.triage_verdict"]
+    assert verdict and verdict.split(":")[0] in out + err  # the verdict printed is the one tagged
+    code, out, err = harness_cli("regressions", "show", finding.id, "--tracking-uri", uri, cwd=tmp_path)
+    assert code == 0 and "harness.triage_verdict" in out, out + err
 
 
 def test_close_with_a_corpus_file_checks_it_before_changing_anything(fresh_cwd, capsys):
