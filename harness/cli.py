@@ -210,6 +210,9 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     from .corpus import check_limits
 
     check_limits()  # a mistyped HARNESS_MAX_* stops here, not at the first corpus file it refuses
+    from .worker import memory_limits
+
+    memory_limits()  # ... and a mistyped HARNESS_WORKER_*_MB, not in the middle of the campaign
     load_plugins(plugins)
     dev = resolve_device(device)
     pairs = [p for p in REGISTRY.select(pair_names) if dev in p.devices]

@@ -193,7 +193,7 @@ class CampaignResult:
     seconds: float = 0.0
     interrupted: bool = False
     unsaved: list[Finding] = field(default_factory=list)  # findings the corpus could not take (printed as JSON)
-    worker_restarts: int = 0  # isolated runs: workers replaced after a timeout or crash
+    worker_restarts: int = 0  # isolated runs: workers replaced after a timeout, a crash or past their memory cap
 
     @property
     def findings(self) -> list[Finding]:
@@ -846,7 +846,7 @@ class Executor:
             worker = self._current()
             if pair.name not in self._warm(worker):
                 return False
-            if len(worker.queue) >= self.PREFETCH_DEPTH or not worker.ready or not worker.alive():
+            if len(worker.queue) >= self.PREFETCH_DEPTH or not worker.ready or not worker.alive() or worker.replace_due:
                 return False
             if any(q[0].name != pair.name for q in worker.queue):
                 return False  # a parked first case of another pair is still running

@@ -153,8 +153,11 @@ class FuzzSession:
         from harness.corpus import check_limits
         from harness.errors import UsageError as _UsageError
 
+        from harness.worker import memory_limits
+
         try:
             check_limits()
+            memory_limits()
         except _UsageError as e:
             raise pytest.UsageError(str(e)) from None
         from harness.worker import DEFAULT_TIMEOUT

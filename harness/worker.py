@@ -44,6 +44,43 @@ from .errors import HarnessError
 DEFAULT_TIMEOUT = 60.0  # wall seconds one case may take (build, both paths, metrics) before it is a hang
 PRELOAD = ["torch", "numpy", "hypothesis", "harness.execute"]  # imported once, by the fork server
 _START_TIMEOUT = 300.0  # seconds a fresh worker may take to import torch and the pair's module
+MEMORY_CHECK_SECONDS = 0.5  # how often the supervisor reads a worker's resident memory (/proc: ~30 us)
+
+
+def _mib_setting(env: str, default: float) -> float:
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = float("nan")
+    if not v > 0:
+        from .errors import UsageError
+
+        raise UsageError(f"${env}={raw!r} must be a number of MiB > 0 (unset: {default:.0f}); fix or unset it.")
+    return v
+
+
+def memory_limits() -> tuple[float, float]:
+    """(MiB a worker may grow while it runs one pair's cases before the campaign warns of a leak,
+    MiB of resident memory above which the worker is replaced between cases): $HARNESS_WORKER_LEAK_MB
+    (default 1024, or the worker's own size when larger) and $HARNESS_WORKER_MAX_MB (default half of
+    this machine's memory), so a leaking path neither goes unnoticed nor takes a shared runner down."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (ValueError, OSError, AttributeError):
+        total = 16384.0
+    return _mib_setting("HARNESS_WORKER_LEAK_MB", 1024.0), _mib_setting("HARNESS_WORKER_MAX_MB", total / 2)
+
+
+def _rss_mib(pid: int) -> float | None:
+    """Resident memory of a process in MiB (Linux /proc), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class WorkerError(HarnessError):
@@ -123,6 +160,13 @@ class Worker:
         self._last_done = 0.0  # when the last result came back (the next queued case started by then)
         self._log: Path | None = None
         self._dir = tempfile.mkdtemp(prefix="harness-worker-")
+        # memory watch (see `_watch_memory`): the pair whose cases it last measured, its resident MiB
+        # then, when it last looked, pairs already warned about, and a replacement due at the next case
+        self._mem: tuple[str, float] | None = None
+        self._mem_checked = 0.0
+        self._mem_warned: set[str] = set()
+        self._replace = ""
+        self.memory_restarts = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -176,8 +220,8 @@ class Worker:
         self.proc = self.conn = None
         self.queue.clear()  # what was queued behind the case is lost with the process
 
-    def close(self) -> None:
-        """Stop the worker (asked politely first) and remove its temporary files."""
+    def close_process(self) -> None:
+        """Stop the worker process (asked politely first, then killed with its process group)."""
         if self.proc is not None and self.proc.is_alive():
             try:
                 self.conn.send(("stop",))
@@ -185,6 +229,11 @@ class Worker:
             except (OSError, BrokenPipeError):
                 pass
         self.kill()
+        self._mem = None
+
+    def close(self) -> None:
+        """Stop the worker (asked politely first) and remove its temporary files."""
+        self.close_process()
         import shutil
 
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -212,6 +261,15 @@ class Worker:
         sent before it and not collected yet run first (`collect` returns them in order).
         `cold_extra`: the part of `timeout` granted for a first case's imports and compilation."""
         timeout = self.timeout if timeout is None else timeout
+        if self._replace and not self.queue and self.proc is not None:  # grown past its cap: a fresh one
+            import sys
+
+            print(f"warning: {self._replace}; it was replaced by a fresh worker process before the next case "
+                  "(the campaign goes on)", file=sys.stderr, flush=True)
+            self.close_process()
+            self.memory_restarts += 1
+            self.restarts += 1
+        self._replace = ""
         for attempt in range(2):
             if self.proc is None or not self.proc.is_alive():
                 if self.proc is not None:
@@ -256,6 +314,7 @@ class Worker:
             except (EOFError, OSError):
                 msg = None
             if msg is not None:
+                self._watch_memory(pair.name)
                 kind, payload = msg
                 if kind == "pass":  # a passing case: its metrics (see `serve`)
                     from .metrics import METRIC_KEYS, Divergence
@@ -303,6 +362,41 @@ class Worker:
                        "If the pair is just slow, raise it: `harness fuzz --timeout SECONDS` (or GLOB=SECONDS for "
                        "some pairs), `pytest --harness-timeout SECONDS`, or the pair's own TargetPair(timeout=SECONDS)",
             "traceback": stack, "timeout_s": float(timeout)}, threads=self.threads)
+
+    @property
+    def replace_due(self) -> bool:
+        """Grown past its memory cap: replaced at the next case sent with none in flight (so hand it
+        no cases ahead meanwhile)."""
+        return bool(self._replace)
+
+    def _watch_memory(self, name: str) -> None:
+        """Every MEMORY_CHECK_SECONDS, the worker's resident memory: growth of more than the leak
+        allowance (`memory_limits`; or the size it had, when larger) while it runs one pair's cases
+        is a warning naming the pair, once per pair; above the cap the worker is replaced before its
+        next case (cases run on a fresh process; nothing is lost). Measured from the pair's first
+        check in this process, after its first case: loading a model is not a leak."""
+        now = time.monotonic()
+        if now - self._mem_checked < MEMORY_CHECK_SECONDS or self.proc is None:
+            return
+        self._mem_checked = now
+        rss = _rss_mib(self.proc.pid)
+        if rss is None:
+            return
+        if self._mem is None or self._mem[0] != name:
+            self._mem = (name, rss)
+        base = self._mem[1]
+        leak, cap = memory_limits()
+        if rss - base > max(leak, base) and name not in self._mem_warned:
+            import sys
+
+            self._mem_warned.add(name)
+            print(f"warning: the worker process grew from {base:.0f} to {rss:.0f} MiB resident while running "
+                  f"{name}'s cases: a path that keeps memory across cases (a leak, a cache that grows with every "
+                  f"shape)? Above {cap:.0f} MiB ($HARNESS_WORKER_MAX_MB) the worker is replaced between cases; "
+                  "$HARNESS_WORKER_LEAK_MB sets this warning's allowance", file=sys.stderr, flush=True)
+        if rss > cap:
+            self._replace = (f"the worker process running {name}'s cases holds {rss:.0f} MiB, above "
+                             f"$HARNESS_WORKER_MAX_MB={cap:.0f}")
 
     def _wait_ready(self, wall: float | None) -> bool:
         limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))

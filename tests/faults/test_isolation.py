@@ -362,3 +362,18 @@ def test_a_passing_case_comes_back_from_the_worker_with_every_metric_bit_for_bit
             assert a == b, name
             if name == "router.topk_softmax":
                 assert there.divergence.flips_per_layer, name  # (a routed pair: the flips came back too)
+
+
+def test_a_leaking_path_is_named_and_its_worker_replaced_before_it_takes_the_machine(tmp_path, harness_cli):
+    """A path that keeps 8 MiB per case: a warning names the pair once its worker grew past the
+    allowance, and past the cap the worker is replaced between cases; the campaign goes on, and
+    the pair (aligned, its values right) is clean."""
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.leak", "--max-examples", "100", "--budget", "120",
+                          env={"HARNESS_WORKER_LEAK_MB": "64", "HARNESS_WORKER_MAX_MB": "900"})
+    assert code == 0, err
+    assert err.count("warning: the worker process grew from") == 1 and "faults.leak's cases" in err, err
+    assert "above $HARNESS_WORKER_MAX_MB=900; it was replaced by a fresh worker process" in err
+    assert "faults.leak" in out and "clean" in out
+    code, out, err = fuzz(harness_cli, tmp_path, "faults.leak", "--max-examples", "100", "--budget", "120",
+                          env={"HARNESS_WORKER_MAX_MB": "lots"})
+    assert code == 2 and "$HARNESS_WORKER_MAX_MB='lots' must be a number of MiB > 0" in err and "Traceback" not in err

@@ -66,6 +66,14 @@ def slow_start_then_segfaults(inp):  # a cold start in every new process (a comp
     return segfaults_on_batches(inp)
 
 
+KEPT: list = []
+
+
+def leaks(inp):  # keeps what it allocated in every call (a cache keyed by something that never repeats)
+    KEPT.append(b"\x01" * (int(os.environ.get("FAULTS_LEAK_MB", "8")) << 20))  # written: resident
+    return fine(inp)
+
+
 def flattened(inp):  # a different temperature: diverges on every case
     time.sleep(float(os.environ.get("FAULTS_SLEEP", "0")))
     return Outcome(logprobs=torch.log_softmax(inp["x"] * 0.5, -1))
@@ -77,6 +85,7 @@ for name, rollout, expected in (("faults.hang", hangs_on_batches, "aligned"),
                                 ("faults.hang_always", hangs_always, "aligned"),
                                 ("faults.hang_with_helper", hangs_with_a_helper, "aligned"),
                                 ("faults.slow_start_segfault", slow_start_then_segfaults, "aligned"),
+                                ("faults.leak", leaks, "aligned"),
                                 ("faults.diverges", flattened, "diverges")):
     register(TargetPair(name=name, kind="op", expected=expected, build=build, trainer=fine, rollout=rollout,
                         axes=AX, description=f"fault injection: {name.split('.')[1]}"))
