@@ -13,8 +13,8 @@ from ..errors import UsageError
 from ..metrics import verdict_mean
 from .payload import _append_note, _finite_metrics, _g, flatten_case, found_metrics, regression_note
 from .plots import write_artifacts
-from .store import (CAMPAIGN, REGRESSION, TRIAGE_STATUSES, Store, _q, _short, now_iso, open_store, resolve_uri,
-                    sqlite_path)
+from .store import (CAMPAIGN, REGRESSION, REPRO_ARTIFACTS, TRIAGE_STATUSES, Store, _q, _short, now_iso, open_store,
+                    resolve_uri, sqlite_path)
 
 
 def _verdict(m: dict[str, Any]) -> str:
@@ -255,7 +255,7 @@ def fetch_repro(run_id: str, uri: str | None = None) -> Any:
         # (one small file: no progress bar on stderr, where a message is one paragraph)
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         try:
-            local = store.client.download_artifacts(run.info.run_id, f"repro/{fid}.json", tmp)
+            local = store.client.download_artifacts(run.info.run_id, f"{REPRO_ARTIFACTS}/{fid}.json", tmp)
         except Exception as e:  # noqa: BLE001
             raise UsageError(f"regression run {run.info.run_id} in {store.uri} has no artifact repro/{fid}.json "
                              f"({_short(e)}); replay its corpus file instead: "
@@ -306,7 +306,7 @@ def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None =
         with tempfile.TemporaryDirectory(prefix="harness-artifacts-") as tmp:  # (named as fetch_repro reads it)
             named = Path(tmp) / f"{repro.id}.json"
             named.write_bytes(Path(repro.path).read_bytes())
-            store.client.log_artifact(run.info.run_id, str(named), "repro")
+            store.client.log_artifact(run.info.run_id, str(named), REPRO_ARTIFACTS)
     return run.info.run_id
 
 

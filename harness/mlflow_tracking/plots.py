@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .payload import _g
+from .store import REPRO_ARTIFACTS
 
 # ---------------------------------------------------------------------------------------------
 # Artifacts
@@ -16,8 +17,8 @@ from .payload import _g
 def write_artifacts(p: dict[str, Any], folder: Path) -> dict[str, Path]:
     """repro JSON, per-token CSV and k3 plot of a finding, written under `folder` (by artifact dir)."""
     out: dict[str, Path] = {}
-    (folder / "repro").mkdir(parents=True, exist_ok=True)
-    repro = folder / "repro" / f"{p['id']}.json"
+    (folder / REPRO_ARTIFACTS).mkdir(parents=True, exist_ok=True)
+    repro = folder / REPRO_ARTIFACTS / f"{p['id']}.json"
     repro.write_text(json.dumps(p["repro"], indent=2) + "\n")
     out["repro"] = repro
     pt = p.get("per_token") or {}

@@ -50,6 +50,7 @@ SEVERITIES = (
 
 TRIAGE_STATUSES = ("fixed", "wontfix")  # what `harness regressions close` may set
 REGRESSION = "regression"
+REPRO_ARTIFACTS = "repro"  # artifact folder of a regression run's repro JSON (`repro/<id>.json`)
 CAMPAIGN = "campaign"
 
 
