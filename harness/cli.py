@@ -185,8 +185,9 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
               help="Named settings (harness/profiles.py) for what is not given explicitly: cases and seconds "
               "per pair, seed policy (nightly: seed derived from $HARNESS_RUN_ID or $GITHUB_RUN_ID).")
 @click.option("--timeout", "timeouts", multiple=True, metavar="SECONDS|GLOB=SECONDS",
-              help="Per-case wall seconds before a case is a `timeout` finding [default: 60]; GLOB=SECONDS sets "
-              "it for the matching pairs (repeatable).")
+              help="Per-case wall seconds before a case is a `timeout` finding [default: 60; a pair registered "
+              "with its own TargetPair(timeout=) keeps that]; GLOB=SECONDS sets it for the matching pairs, their "
+              "own included (repeatable).")
 @click.option("--no-isolation", is_flag=True, help="Run cases in this process instead of a supervised worker "
               "(for debugging: no timeouts, and a crash of a target ends the campaign).")
 @click.option("--streams", type=click.IntRange(1), default=1, show_default=True,

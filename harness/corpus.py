@@ -413,7 +413,7 @@ class Repro:
         return out
 
     def take_smaller_case(self, case: Case, ev: Evaluation, complete: bool, device: str, threads: int,
-                          **why: Any) -> None:
+                          deterministic: bool | None = None, **why: Any) -> None:
         """Replace the case (and its metrics and error) with a smaller one that fails the same way:
         the replaced ones go into the history ("shrunk further", with `why`: the campaign seed, or a
         note), and `found.shrink_complete` says whether this shrinking finished. The new metrics were
@@ -429,6 +429,10 @@ class Repro:
                              **({"replaced_case_edited_by_hand": True} if self.case_edited else {})})
         self.environment = record_metrics_machine(self.environment, device, threads)
         self.case, self.metrics, self.error = case, metrics_json(ev), ev.error
+        if deterministic is not None:  # (a campaign ran the new case twice; `harness shrink` keeps the pair's flag)
+            self.found = {k: v for k, v in self.found.items() if k != "deterministic"}
+            if not deterministic:
+                self.found["deterministic"] = False
         self.case_edited = False  # (metrics and case agree again: a fresh fingerprint)
         self.found = {**self.found, "shrink_complete": bool(complete)}
 
@@ -675,7 +679,8 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
     if cut_short and old.case != finding.case and (
             size(finding.case) < size(old.case) or (finding.shrink_complete and size(finding.case) <= size(old.case))):
         old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, device,
-                              evaluated_threads(finding.evaluation), campaign_seed=campaign_seed)
+                              evaluated_threads(finding.evaluation), deterministic=getattr(finding, "deterministic", True),
+                              campaign_seed=campaign_seed)
         changed = True
     if changed:
         old.save(path)
@@ -895,11 +900,12 @@ class ReplayResult:
         return self.repro.found.get("deterministic") is False
 
     def failure_mismatches(self) -> dict[str, tuple[Any, Any]]:
-        """The mismatches of the failure itself: the symptom, the error type, and which mean fired
-        (what a nondeterministic repro is held to; empty when not `compared`)."""
+        """The mismatches of the failure itself: the symptom and the error type (what a
+        nondeterministic repro is held to; which mean fired is part of its draw; empty when not
+        `compared`)."""
         if not self.compared:
             return {}
-        return {k: v for k, v in self.mismatches.items() if k in ("symptom", "error", "fired")}
+        return {k: v for k, v in self.mismatches.items() if k in ("symptom", "error")}
 
     @property
     def diverges(self) -> bool:
@@ -1022,7 +1028,8 @@ def load_plugin_for(repro: Repro, registry: Any = None, flag: str = "--plugin") 
             return (f"its pair {repro.pair!r} is not registered here: the plugin(s) loaded here, {', '.join(given)}, "
                     f"register {', '.join(theirs[:8]) + (' ...' if len(theirs) > 8 else '') or 'no pair'}, not "
                     f"{repro.pair!r} (renamed since the repro was recorded? check the pair name in the repro)"
-                    + (f"; the repro says: {why}" if why else ""))
+                    + (f"; the repro says: {why}" if why else f"; pass {flag}=FILE.py|MODULE for the plugin that "
+                       "registers it"))
         return why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
                        f"loaded; pass {flag}=FILE.py|MODULE")
     try:

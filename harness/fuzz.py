@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .case import Case
+from .errors import HarnessError
 from .execute import DEFAULT_THRESHOLD, Evaluation, Symptom, run_case
 from .pairs import TargetPair
 from .worker import DEFAULT_TIMEOUT
@@ -819,6 +820,7 @@ class Executor:
                         return ev
                     self.done[(other.name, _cache_key(sent))] = ev  # (a timeout or crash also empties the queue)
                 waiting = pair.name
+                worker.replace_if_due()  # (grown past its memory cap: a fresh, cold process from this case on)
                 cold = pair.name not in self._warm(worker)
                 if cold:
                     self.first_sent.setdefault(pair.name, time.monotonic())
@@ -1010,7 +1012,10 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         """Whether a case fails now as the finding does (an existing repro of its signature: the same
         bug, or one that is gone). When it cannot tell, yes (the same bug)."""
         def check(case: Case) -> bool:
-            ev = run_again(f, case)
+            try:
+                ev = run_again(f, case)
+            except HarnessError:  # (its worker could not run it: cannot tell)
+                return True
             return ev is None or (ev.failed and signature(f.pair, ev) == (f.base_signature or f.signature))
         return check
 
@@ -1176,7 +1181,11 @@ def _unsaved(f: Finding, err: Exception, cfg: CampaignConfig, seed: int, log: Ca
     log(f"error: could not write finding {f.id} ({f.pair}, {f.symptom.value}) to {target}: {why}; the campaign goes "
         f"on (`harness fuzz` exits 3 at the end, which outranks 1: a finding is not on disk). The finding follows on "
         f"one line as JSON: save that line as {target} to replay it.")
-    data = finding_to_repro(f, cfg.threshold, seed, cfg.device).to_json()
+    try:
+        data = finding_to_repro(f, cfg.threshold, seed, cfg.device).to_json()
+    except Exception as e:  # noqa: BLE001 - what can still be said: the case and the verdict
+        data = {"pair": f.pair, "symptom": f.symptom.value, "case": f.case.to_json(),
+                "error_making_the_repro": f"{type(e).__name__}: {e}"}
     print(json.dumps(data, default=str), file=sys.stderr, flush=True)
 
 

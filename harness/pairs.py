@@ -295,8 +295,11 @@ class Axes:
                "experts": "routing.n_experts high"}
         for key, n in biggest.items():
             lim = LIMITS[key]
-            if n > lim.value():
-                out.append(f"axes allow cases of {n} {key} ({how[key]}), above the limit of {lim.value()} on a "
+            # (against the default or a raised limit: a limit lowered to refuse large repros must not make
+            # the built-in pairs, or anyone's, fail to register; their large repros are refused on load)
+            bound = max(lim.default, lim.value())
+            if n > bound:
+                out.append(f"axes allow cases of {n} {key} ({how[key]}), above the limit of {bound} on a "
                            f"repro's {lim.name}: a finding that large could not be replayed. Lower the bound, or raise "
                            f"the limit with ${lim.env} (in every process that fuzzes or replays it)")
         return out

@@ -93,8 +93,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Uniform random cases after each Hypothesis example (default: 3 for op pairs, 1 for model "
                     "pairs; 0: Hypothesis alone).")
     group.addoption("--harness-timeout", action="append", default=None, metavar="SECONDS|GLOB=SECONDS",
-                    help="Per-case wall seconds before a case is a `timeout` finding (default: 60); GLOB=SECONDS "
-                         "sets it for the matching pairs (repeat the option for several).")
+                    help="Per-case wall seconds before a case is a `timeout` finding (default: 60; a pair registered "
+                         "with its own TargetPair(timeout=) keeps that); GLOB=SECONDS sets it for the matching pairs, "
+                         "their own included (repeat the option for several).")
     group.addoption("--harness-no-isolation", action="store_true", default=False,
                     help="Run cases in the test process instead of a supervised worker (debugging only).")
     parser.addini("harness_profile", "campaign profile used by --harness-fuzz when --harness-profile is not given",

@@ -86,7 +86,8 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             _Signals() as signals:
 
         def run(case: Any, wall: float | None) -> Any:
-            fresh = worker.proc is None or not worker.proc.is_alive()  # (started again after a crash or hang)
+            worker.replace_if_due()  # (grown past its memory cap: replaced, so the next case is a cold one)
+            fresh = worker.proc is None or not worker.proc.is_alive()  # (started again after a crash, hang or that)
             t = cold if fresh else limit
             worker.submit(pair, case, thr, timeout=t, wall=wall, cold_extra=t - limit)
             return worker.collect(wall)

@@ -38,8 +38,9 @@ from .case import NEUTRAL, Case
 
 def neutral_within(axes: Any = None) -> dict[str, Any]:
     """Each knob's neutral value (`case.NEUTRAL`) as the pair's axes allow it: the first pad side
-    they draw, sampling knobs clamped into their bounds. A shrunk case stays inside the declared
-    axes (a pair that always left-pads is never shown a right-padded repro)."""
+    they draw, sampling knobs clamped into their bounds (temperature and top-p toward 1, sampling
+    top-k toward off: its low bound, where Hypothesis shrinks it too). A shrunk case stays inside
+    the declared axes (a pair that always left-pads is never shown a right-padded repro)."""
     if axes is None:
         return dict(NEUTRAL)
     out = dict(NEUTRAL)
@@ -99,7 +100,7 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     yield from _halfway(case, "tie_gap", 0.0)
     # discrete knobs step down, halfway then by one: repeated, this bisects to the smallest value
     # that still fails (a bug from top_k >= 4 shrinks to top_k = 4, not to the top_k drawn)
-    if case.sample_top_k > 1:  # off was tried above; the strategy shrinks a k toward its low bound too
+    if case.sample_top_k > 1:  # off (or, axes without it, their low bound) was tried above; the strategy shrinks a k toward its low bound too
         yield from _fewer(case, "sample_top_k", max(1, axes.sample_top_k[0]) if axes is not None else 1)
     if axes is not None and axes.routing is not None:
         r = axes.routing

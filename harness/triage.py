@@ -283,25 +283,43 @@ class _Recorder:
             if not self.calls or self.calls[-1].batch == 0 or name in self.calls[-1].raw:
                 return  # outside a root call, or a module called twice in one call (the first is kept)
             call = self.calls[-1]
-            every = [t for t in _tensors(out) if t.dim() >= 1]
-            tensors = [t for t in every if t.is_floating_point()]
+            tensors = [t for t in _tensors(out) if t.is_floating_point() and t.dim() >= 1]
             if module is self.root:
                 call.root = [t.detach() for t in tensors]
             if tensors:
                 call.raw[name] = tensors[0].detach().to(torch.float32, copy=True)
                 if name not in self.order:
                     self.order.append(name)
-                # its other outputs, as `name[i]`: a router returns its logits, then the weights and the
-                # experts chosen from them; a bug in the choice leaves the logits equal on both paths
-                # (integer ids compare as numbers: any changed choice is an error well above the floor)
                 if module is not self.root:
-                    for i, t in enumerate((t for t in every if t is not tensors[0]), 1):
-                        key = f"{name}[{i}]"
-                        call.raw[key] = t.detach().to(torch.float32, copy=True)
-                        if key not in self.order:
-                            self.order.append(key)
+                    self._other_outputs(call, name, out, tensors[0])
 
         return hook
+
+    def _other_outputs(self, call: "_Call", name: str, out: Any, first: Any) -> None:
+        """A module's outputs besides its first floating one, as `name[i]` (i: the position in its
+        output tuple or mapping): a router returns its logits, then the weights and the experts
+        chosen from them, and a bug in the choice leaves the logits equal on both paths. Only
+        per-token ones ((B, S, ...) or (B*S, ...), up to 3 dimensions): not attention weights, not
+        caches. Chosen ids compare as numbers, sorted along their last dimension (the same experts
+        in another order are the same choice): any other choice is an error well above the floor."""
+        import torch
+
+        items = list(out.values()) if isinstance(out, Mapping) else list(out) if isinstance(out, (tuple, list)) else []
+        b, s = call.batch, call.seq
+        for i, t in enumerate(items):
+            if not isinstance(t, torch.Tensor) or t is first or t.dim() > 3 or t.is_complex():
+                continue
+            if t.dim() < 2 or not ((t.shape[0] == b and t.shape[1] == s) or t.shape[0] == b * s):
+                continue  # (what `_fit` would not place per token)
+            key = f"{name}[{i}]"
+            if key in call.raw:
+                continue
+            t = t.detach()
+            if not t.is_floating_point() and t.dtype != torch.bool:
+                t = t.sort(-1).values
+            call.raw[key] = t.to(torch.float32, copy=True)
+            if key not in self.order:
+                self.order.append(key)
 
 
 def _fit(call: _Call, t: Any, width: int) -> tuple[Any, int] | None:
@@ -713,8 +731,8 @@ def verdict_line(t: Triage) -> str:
         what = {"crash": "the worker running this case died: ", "timeout": "this case hung: "}.get(
             symptom, "the case raised ")
         return (f"{what}{ev.error['type']}: {msg} (at {ev.error.get('where', '?')}); no log-probabilities to "
-                "compare, so nothing to localize: fix what the message names, or replay it (`harness replay`) to "
-                "see the traceback")
+                "compare, so nothing to localize: fix what the message names (`harness show FILE` prints the "
+                "traceback)")
     if symptom == "divergence" and t.k3 == math.inf:  # not a NaN: a sampled token the trainer excludes
         head = ("the rollout sampled a token the trainer's distribution excludes (k3 = inf): the two paths "
                 "truncate at different boundaries (their -inf entries differ: top-k, top-p or another cut)")

@@ -62,16 +62,31 @@ def _mib_setting(env: str, default: float) -> float:
     return v
 
 
-def memory_limits() -> tuple[float, float]:
-    """(MiB a worker may grow while it runs one pair's cases before the campaign warns of a leak,
-    MiB of resident memory above which the worker is replaced between cases): $HARNESS_WORKER_LEAK_MB
-    (default 1024, or the worker's own size when larger) and $HARNESS_WORKER_MAX_MB (default half of
-    this machine's memory), so a leaking path neither goes unnoticed nor takes a shared runner down."""
+def machine_memory_mib() -> float:
+    """The memory this process may use, in MiB: the machine's, or its container's cgroup limit
+    when lower (a CI container on a large host)."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (ValueError, OSError, AttributeError):
         total = 16384.0
-    return _mib_setting("HARNESS_WORKER_LEAK_MB", 1024.0), _mib_setting("HARNESS_WORKER_MAX_MB", total / 2)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            total = min(total, int(raw) / 2**20)
+    return total
+
+
+def memory_limits() -> tuple[float, float]:
+    """(MiB a worker may grow while it runs one pair's cases before the campaign warns of a leak,
+    MiB of resident memory above which a worker that has also grown that much is replaced between
+    cases): $HARNESS_WORKER_LEAK_MB (default 1024, or the worker's own size when larger) and
+    $HARNESS_WORKER_MAX_MB (default half the memory this process may use: the machine's, or its
+    container's), so a leaking path neither goes unnoticed nor takes a shared runner down."""
+    return (_mib_setting("HARNESS_WORKER_LEAK_MB", 1024.0),
+            _mib_setting("HARNESS_WORKER_MAX_MB", machine_memory_mib() / 2))
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -160,9 +175,11 @@ class Worker:
         self._last_done = 0.0  # when the last result came back (the next queued case started by then)
         self._log: Path | None = None
         self._dir = tempfile.mkdtemp(prefix="harness-worker-")
-        # memory watch (see `_watch_memory`): the pair whose cases it last measured, its resident MiB
-        # then, when it last looked, pairs already warned about, and a replacement due at the next case
-        self._mem: tuple[str, float] | None = None
+        # memory watch (see `_watch_memory`): each pair's size and growth, the last check, when it was,
+        # pairs already warned about, and a replacement due before the next case
+        memory_limits()  # (a mistyped HARNESS_WORKER_*_MB: a UsageError now, not in the middle of a campaign)
+        self._mem: dict[str, list[float]] = {}  # pair -> [its first resident MiB here, growth while it ran since]
+        self._mem_last: tuple[str, float] | None = None  # (the pair of the last check, resident MiB then)
         self._mem_checked = 0.0
         self._mem_warned: set[str] = set()
         self._replace = ""
@@ -219,6 +236,8 @@ class Worker:
         self.conn.close()
         self.proc = self.conn = None
         self.queue.clear()  # what was queued behind the case is lost with the process
+        self._mem, self._mem_last = {}, None  # (a new process measures from its own sizes)
+        self._replace = ""
 
     def close_process(self) -> None:
         """Stop the worker process (asked politely first, then killed with its process group)."""
@@ -229,7 +248,6 @@ class Worker:
             except (OSError, BrokenPipeError):
                 pass
         self.kill()
-        self._mem = None
 
     def close(self) -> None:
         """Stop the worker (asked politely first) and remove its temporary files."""
@@ -261,15 +279,6 @@ class Worker:
         sent before it and not collected yet run first (`collect` returns them in order).
         `cold_extra`: the part of `timeout` granted for a first case's imports and compilation."""
         timeout = self.timeout if timeout is None else timeout
-        if self._replace and not self.queue and self.proc is not None:  # grown past its cap: a fresh one
-            import sys
-
-            print(f"warning: {self._replace}; it was replaced by a fresh worker process before the next case "
-                  "(the campaign goes on)", file=sys.stderr, flush=True)
-            self.close_process()
-            self.memory_restarts += 1
-            self.restarts += 1
-        self._replace = ""
         for attempt in range(2):
             if self.proc is None or not self.proc.is_alive():
                 if self.proc is not None:
@@ -359,22 +368,41 @@ class Worker:
                        + (f" (+{cold_extra:.3g} s for its first case in a fresh worker process: imports, compilation)"
                           if cold_extra else "") + " (build, both paths and metrics)\n"
                        # (the first line is the headline a table prints; the fix goes below it, whole)
-                       "If the pair is just slow, raise it: `harness fuzz --timeout SECONDS` (or GLOB=SECONDS for "
-                       "some pairs), `pytest --harness-timeout SECONDS`, or the pair's own TargetPair(timeout=SECONDS)",
+                       f"If the pair is just slow, raise it: `harness fuzz --timeout '{pair.name}=SECONDS'`, "
+                       f"`pytest --harness-timeout={pair.name}=SECONDS`, or the pair's own TargetPair(timeout=SECONDS) "
+                       "(a plain --timeout SECONDS does not override a pair's own)",
             "traceback": stack, "timeout_s": float(timeout)}, threads=self.threads)
 
     @property
     def replace_due(self) -> bool:
-        """Grown past its memory cap: replaced at the next case sent with none in flight (so hand it
+        """Grown past its memory cap: `replace_if_due` replaces it once no case is in flight (hand it
         no cases ahead meanwhile)."""
         return bool(self._replace)
 
+    def replace_if_due(self) -> bool:
+        """Replace a worker grown past its memory cap by a fresh process (started by the next
+        `submit`), when no case is in flight. Call it before deciding a case's timeout: the fresh
+        process is cold (`restarts` counts it, so a campaign's warm set starts again). True when
+        it did."""
+        if not self._replace or self.queue or self.proc is None:
+            return False
+        import sys
+
+        print(f"warning: {self._replace}; it was replaced by a fresh worker process before the next case "
+              "(the campaign goes on)", file=sys.stderr, flush=True)
+        self.close_process()
+        self.memory_restarts += 1
+        self.restarts += 1
+        return True
+
     def _watch_memory(self, name: str) -> None:
-        """Every MEMORY_CHECK_SECONDS, the worker's resident memory: growth of more than the leak
-        allowance (`memory_limits`; or the size it had, when larger) while it runs one pair's cases
-        is a warning naming the pair, once per pair; above the cap the worker is replaced before its
-        next case (cases run on a fresh process; nothing is lost). Measured from the pair's first
-        check in this process, after its first case: loading a model is not a leak."""
+        """Every MEMORY_CHECK_SECONDS, the worker's resident memory. A pair's growth is what the
+        process grew between two checks that both followed its cases, summed (from its first check
+        in this process, after its first case: loading its model is not a leak, nor is another
+        pair's model loaded in between). Growth above the leak allowance (`memory_limits`; or the
+        process's size at the pair's first check, when larger) is a warning naming the pair, once per
+        pair; such a worker above the cap is replaced before its next case (`replace_if_due`: the
+        cases run on a fresh process; nothing is lost)."""
         now = time.monotonic()
         if now - self._mem_checked < MEMORY_CHECK_SECONDS or self.proc is None:
             return
@@ -382,21 +410,24 @@ class Worker:
         rss = _rss_mib(self.proc.pid)
         if rss is None:
             return
-        if self._mem is None or self._mem[0] != name:
-            self._mem = (name, rss)
-        base = self._mem[1]
-        leak, cap = memory_limits()
-        if rss - base > max(leak, base) and name not in self._mem_warned:
+        seen = self._mem.setdefault(name, [rss, 0.0])
+        if self._mem_last is not None and self._mem_last[0] == name:  # growth while this pair's cases ran
+            seen[1] += rss - self._mem_last[1]  # (another pair's model loaded in between is not its own)
+        self._mem_last = (name, rss)
+        base, leak, cap = seen[0], *memory_limits()
+        grown = seen[1] > max(leak, base)
+        if grown and name not in self._mem_warned:
             import sys
 
             self._mem_warned.add(name)
-            print(f"warning: the worker process grew from {base:.0f} to {rss:.0f} MiB resident while running "
+            print(f"warning: the worker process grew by {seen[1]:.0f} MiB (to {rss:.0f} MiB resident) while running "
                   f"{name}'s cases: a path that keeps memory across cases (a leak, a cache that grows with every "
-                  f"shape)? Above {cap:.0f} MiB ($HARNESS_WORKER_MAX_MB) the worker is replaced between cases; "
-                  "$HARNESS_WORKER_LEAK_MB sets this warning's allowance", file=sys.stderr, flush=True)
-        if rss > cap:
-            self._replace = (f"the worker process running {name}'s cases holds {rss:.0f} MiB, above "
-                             f"$HARNESS_WORKER_MAX_MB={cap:.0f}")
+                  f"shape)? Above the cap of {cap:.0f} MiB (half this machine's memory unless "
+                  "$HARNESS_WORKER_MAX_MB sets it) such a worker is replaced between cases; $HARNESS_WORKER_LEAK_MB "
+                  "sets this warning's allowance", file=sys.stderr, flush=True)
+        if grown and rss > cap:  # (a model larger than the cap that does not grow is left alone)
+            self._replace = (f"the worker process running {name}'s cases holds {rss:.0f} MiB, above the cap of "
+                             f"{cap:.0f} MiB")
 
     def _wait_ready(self, wall: float | None) -> bool:
         limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))

@@ -9,8 +9,8 @@ Each replay must also reproduce the recorded metrics bit-for-bit when the machin
 (`harness.env.machine_differences`: torch, numpy, platform, CPU model and instruction set), and
 elsewhere within last-bit noise: the same symptom and error, metrics within 1% (`beyond_noise`)
 (except a `fixed` repro that replays clean: its recorded metrics are the bug's; a repro recorded as
-not deterministic, `found.deterministic: false`, is held to its symptom, error and which mean fired
-only: its metrics were one draw); a repro whose case
+not deterministic, `found.deterministic: false`, is held to its symptom and error only: its metrics,
+and which mean fired, were one draw); a repro whose case
 was edited by hand since it was recorded fails until it is rerecorded or restored.
 A repro of a plugin's pair loads that plugin when it is a file inside this repository; a plugin kept
 elsewhere is loaded with `pytest --harness-plugin=PATH` (repeatable). One whose pair cannot be
@@ -75,7 +75,7 @@ def check_recorded_metrics(path, repro, result) -> None:
     if result.nondeterministic:  # its pair gave other values on the same case when it was found
         assert not result.failure_mismatches(), (
             f"{path}: replay fails another way than recorded, as (recorded, replayed): "
-            f"{result.failure_mismatches()} (a repro recorded as not deterministic is held to its failure only)")
+            f"{result.failure_mismatches()} (a repro recorded as not deterministic is held to its symptom and error only)")
     elif not elsewhere:
         assert result.bit_for_bit, (f"{path}: replay differs from the recorded metrics, as (recorded, replayed): "
                                     f"{result.mismatches}; if the change is expected (a new torch, a metric "

@@ -173,6 +173,8 @@ def test_pairs_from_the_entry_point_group(tmp_path):
     assert rows["acme.engine"]["source"] == "entry point acme"
 
 
-def test_a_raised_repro_limit_admits_wider_axes(monkeypatch):
+def test_a_raised_repro_limit_admits_wider_axes_and_a_lowered_one_refuses_no_pair(monkeypatch):
     monkeypatch.setenv("HARNESS_MAX_SEQUENCES", "8192")
     Registry().register(_pair(axes=Axes(n_seqs=(1, 6000), seq_len=(1, 1))))
+    monkeypatch.setenv("HARNESS_MAX_SEQUENCES", "4")  # (its repros above 4 sequences are refused on load)
+    Registry().register(_pair(axes=Axes(n_seqs=(1, 32), seq_len=(1, 1))))

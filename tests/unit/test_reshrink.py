@@ -282,3 +282,10 @@ def test_a_smaller_case_replacing_metrics_with_inf_saves_them_as_json(tmp_path):
     repro.save(path)
     again = load_repro(path)
     assert again.case == small and again.history[-1]["replaced_metrics"]["k3_kl"] == "inf"
+    # a campaign's smaller case says whether that case ran the same twice; `harness shrink` keeps the flag
+    again.take_smaller_case(Case(seed=3, seq_lens=(1, 1)), ev, True, "cpu", 1, deterministic=False)
+    assert again.found["deterministic"] is False
+    again.take_smaller_case(small, ev, True, "cpu", 1)
+    assert again.found["deterministic"] is False
+    again.take_smaller_case(small, ev, True, "cpu", 1, deterministic=True)
+    assert "deterministic" not in again.found
