@@ -18,17 +18,43 @@ from typing import Any, Callable
 import click
 
 
+def check_out_file(ctx: Any, param: Any, value: Any) -> Any:
+    """A click callback for a benchmark's `--out FILE.md`: refused before the benchmark runs (it may
+    take minutes) when it is a folder or its folder cannot be made or written."""
+    import os
+
+    path = Path(value)
+    if path.is_dir():
+        raise click.BadParameter(f"{str(path)!r} is a folder; give the markdown file the figures go into "
+                                 f"(e.g. {path / 'BENCHMARKS.md'}).")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise click.BadParameter(f"{str(path)!r} cannot be written here ({str(parent)!r} is not a writable folder); "
+                                 "give a file in a folder you can write.")
+    return path
+
+
 def write_section(path: Path, name: str, body: str) -> None:
-    """Replace (or append) the section `name` of a markdown file, between marker comments."""
+    """Replace (or append) the section `name` of a markdown file, between marker comments. A file
+    that cannot be written is a UsageError, after the section is printed (the figures are not lost)."""
+    from .errors import UsageError
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = path.read_text() if path.exists() else "# Benchmarks\n\nFigures written by `harness bench ...`; " \
-        "each section says the command that produced it.\n"
-    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    path.write_text(text)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = path.read_text() if path.exists() else "# Benchmarks\n\nFigures written by `harness bench ...`; " \
+            "each section says the command that produced it.\n"
+        begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+        block = f"{begin}\n{body.rstrip()}\n{end}"
+        pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+        text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+        path.write_text(text)
+    except OSError as e:
+        click.echo(body)
+        raise UsageError(f"the figures could not be written to {str(path)!r} ({e.strerror or e}); they are printed "
+                         "above. Pass --out with a file in a folder you can write.") from None
 
 
 def machine() -> str:
@@ -166,7 +192,8 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
 @click.argument("pair_names", nargs=-1)
 @click.option("--cases", type=click.IntRange(5), default=100, show_default=True,
               help="max_examples of each pair's campaign.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
+              callback=check_out_file)
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE", help="Load pairs from a plugin.")
 def overhead_command(pair_names: tuple[str, ...], cases: int, out: Path, plugins: tuple[str, ...]) -> None:
     """Harness time per case vs bare calls of the same pair on the same inputs."""
@@ -274,7 +301,8 @@ def _busy_seconds() -> float | None:
               help="Hypothesis examples per pair (split over its streams; no time budget): the same cases in every run.")
 @click.option("--streams", type=click.IntRange(1), default=2, show_default=True)
 @click.option("--rounds", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
+              callback=check_out_file)
 def xdist_command(pair_globs: tuple[str, ...], budget: float | None, max_examples: int, streams: int, rounds: int,
                   out: Path) -> None:
     """Cases/s of `pytest --harness-fuzz` with 2 xdist workers against 1."""

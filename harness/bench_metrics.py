@@ -29,6 +29,8 @@ from pathlib import Path
 
 import click
 
+from .bench import check_out_file
+
 VOCABS = (512, 32768, 151936)
 TOKENS = (64, 256, 1024, 4096)
 GOAL = 2.0  # compare within this factor of one log_softmax
@@ -247,7 +249,8 @@ def _ints(text: str) -> tuple[int, ...]:
               help="torch threads in the measuring process (0: torch's default).")
 @click.option("--max-gb", type=click.FloatRange(0.1), default=None,
               help="Skip sizes whose inputs need more (default: half the memory available now).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
+              callback=check_out_file)
 def metrics_command(vocab: str, tokens: str, device: str, rounds: int, threads: int, max_gb: float | None,
                     out: Path) -> None:
     """Metrics time and peak memory against one log_softmax, per vocabulary and token count."""

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import click
 
+from .bench import check_out_file
+
 
 def measure(pair, n_cases: int, rounds: int, seed: int = 0) -> dict:
     from .bench import bare_calls
@@ -85,7 +87,8 @@ def models(pair_names: tuple[str, ...], n_cases: int, rounds: int, out: Path) ->
 @click.option("--rounds", type=click.IntRange(1), default=5, show_default=True, help="Alternating timing rounds.")
 @click.option("--threads", type=click.IntRange(1), default=1, show_default=True,
               help="torch intra-op threads while measuring (restored after).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
+              callback=check_out_file)
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE", help="Load pairs from a plugin.")
 def models_command(pair_names: tuple[str, ...], cases: int, rounds: int, threads: int, out: Path,
                    plugins: tuple[str, ...]) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from .bench import machine, write_section
+from .bench import check_out_file, machine, write_section
 
 
 def flip_rate(x, w, k: int) -> float:
@@ -119,7 +119,8 @@ def ops(n_cases: int, out: Path) -> str:
               help="EXPERTS:TOP_K of the router (repeatable).")
 @click.option("--gap", "gaps", type=click.FloatRange(0.0, 1.0), multiple=True, default=(0.0, 1e-7, 1e-5, 1e-3),
               show_default=True, help="Boundary gap of the near-tie tokens (repeatable; 0 = an exact tie).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
+              callback=check_out_file)
 def neartie_command(tokens: int, trials: int, shapes: tuple[str, ...], gaps: tuple[float, ...], out: Path) -> None:
     """Routing flip rate fp32 vs bf16: near-tie generation against random inputs, side by side."""
     from .errors import UsageError
@@ -144,7 +145,8 @@ def neartie_command(tokens: int, trials: int, shapes: tuple[str, ...], gaps: tup
 
 @click.command("ops")
 @click.option("--cases", "n_cases", type=click.IntRange(5), default=40, show_default=True, help="Cases per pair.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
+              callback=check_out_file)
 def ops_command(n_cases: int, out: Path) -> None:
     """Cases per second per op family."""
     click.echo(ops(n_cases, out))

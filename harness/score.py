@@ -312,10 +312,15 @@ def batch_metrics(scored: list[Scored]) -> dict[str, float]:
     maxima over tokens (`max_abs_dlogp`, `probs_diff_max`) and over samples (`k3_seq_max`)."""
     import numpy as np
 
-    from .metrics import k3_of
-
     if not scored:
         return {}
+    with np.errstate(all="ignore"):  # (a recorded log-prob of -1e30, a probability 0: inf metrics, no warning)
+        return _batch_metrics(scored, np)
+
+
+def _batch_metrics(scored: list[Scored], np: Any) -> dict[str, float]:
+    from .metrics import k3_of
+
     lt = np.concatenate([np.asarray(s.evaluation.divergence.per_token["logp_trainer"], dtype=np.float64)
                          for s in scored])
     lr = np.concatenate([np.asarray(s.evaluation.divergence.per_token["logp_rollout"], dtype=np.float64)
@@ -397,6 +402,15 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         why = "; ".join(str(b) for b in res.bad[:5]) or "the file holds no samples"
         raise UsageError(f"no sample of {str(path)!r} could be scored: {why}.")
     res.batch = batch_metrics(res.scored)
+    lines_of: dict[str, list[int]] = {}
+    for sc in res.scored:
+        lines_of.setdefault(str(sc.sample.id), []).append(sc.sample.line)
+    dup = {k: v for k, v in lines_of.items() if len(v) > 1}
+    if dup:  # (each is scored as its own sample, and each counts in the batch's means)
+        res.notes.append(f"sample ids repeated: {len(dup)} id(s) on more than one line ("
+                         + ", ".join(f"{k!r} at lines {', '.join(map(str, v[:4]))}" for k, v in list(dup.items())[:4])
+                         + "); each line was scored as its own sample and counts in the batch metrics: drop the "
+                           "duplicates if one recording was written twice")
     # flagged: the case's own verdict (mean k3 of the recorded tokens, or the coarsened KL, a lower
     # bound of the exact KL, above the threshold), so every flagged sample's repro fails as it did
     res.flagged = sorted((s for s in res.scored if s.evaluation.failed),
@@ -472,13 +486,19 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
         for s in res.scored:
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
                         *[s.metrics[k] for k in PER_SAMPLE], s.evaluation.failed])
-    batch = {k: v if not isinstance(v, float) or math.isfinite(v) else str(v) for k, v in res.batch.items()}
+    batch = {k: _finite_or_str(v) for k, v in res.batch.items()}
     summary = {"file": str(source), "threshold": threshold, "batch": batch,  # (NaN as "nan": strict JSON)
-               "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": s.metrics["k3_kl"]} for s in res.flagged],
+               "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": _finite_or_str(s.metrics["k3_kl"])}
+                           for s in res.flagged],
                "bad_rows": [{"line": b.line, "field": b.field, "message": b.message} for b in res.bad],
                "repros": [str(p) for p in res.repros], "notes": res.notes}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable, allow_nan=False) + "\n")
     plot_histogram([s.metrics["k3_kl"] for s in res.scored], threshold, out / "k3_hist.png")
+
+
+def _finite_or_str(v: Any) -> Any:
+    """A float for strict JSON: NaN and infinities as "nan", "inf", "-inf"."""
+    return v if not isinstance(v, float) or math.isfinite(v) else str(v)
 
 
 def _jsonable(x: Any) -> Any:
@@ -492,13 +512,16 @@ def plot_histogram(k3: list[float], threshold: float, path: Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    vals = np.clip(np.asarray(k3, dtype=np.float64), 1e-16, None)
+    vals = np.asarray(k3, dtype=np.float64)
+    vals = np.clip(vals[~np.isnan(vals)], 1e-16, 1e6)  # (inf: a recorded token of probability 0)
+    if not vals.size:
+        vals = np.array([1e-16])
     fig, ax = plt.subplots(figsize=(6, 3.2))
     lo, hi = math.log10(vals.min()), math.log10(max(vals.max(), threshold * 10))
     ax.hist(vals, bins=np.logspace(lo - 0.1, hi + 0.1, 40), color="#4477aa")
     ax.axvline(threshold, color="#cc3311", linestyle="--", label=f"threshold {threshold:g}")
     ax.set_xscale("log")
-    ax.set_xlabel("per-sample mean k3 (values < 1e-16 drawn at 1e-16)")
+    ax.set_xlabel("per-sample mean k3 (values < 1e-16 drawn at 1e-16, > 1e6 and inf at 1e6)")
     ax.set_ylabel("samples")
     ax.legend()
     fig.tight_layout()
@@ -575,6 +598,11 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         load_plugins(plugins)
         # (rollouts.jsonl and rollouts.parquet apart; a --replay run beside the plain one, not over it)
         out = out_dir or Path("reports") / "score" / (file.name + (".replay" if replay else ""))
+        try:  # (before scoring: a folder that cannot be made would otherwise fail after it)
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"the output folder {str(out)!r} cannot be made ({e.strerror or e}); pass --out with a "
+                             "folder you can write.") from None
         tracker = make_tracker(tracking_uri, enabled=not no_tracking)
         res = score(file, model=model, pair_name=pair_name, replay=replay, threshold=threshold, device=device,
                     corpus=corpus_dir, out_dir=out, max_repros=max_repros,

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import click
 
+from ..bench import check_out_file
+
 from .planted import CLASSES, PlantedClass, planted_classes
 
 DEFAULT_PLOT = Path("reports/examples/detection.png")
@@ -428,7 +430,8 @@ def _relative(p: Path, out: Path) -> str:
               help="Cases each side may try before a class counts as not found.")
 @click.option("--twin-cases", type=click.IntRange(0), default=100, show_default=True,
               help="Cases of each fixed twin's campaign per seed (0: skip the twins).")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
+              callback=check_out_file)
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=DEFAULT_PLOT, show_default=True)
 def detection_command(names: tuple[str, ...], seeds: int, cap: int, twin_cases: int, out: Path,
                       plot_path: Path) -> None:

@@ -279,3 +279,21 @@ def test_a_long_recorded_sample_fits_a_repro_and_outputs_survive_a_repro_that_fa
                 progress=False)
     assert res.flagged and not res.repros and any("could not be written" in n for n in res.notes)
     assert (tmp_path / "o" / "samples.csv").stat().st_size > 0  # what was scored is kept
+
+
+def test_repeated_ids_are_noted_and_a_zero_probability_token_keeps_the_summary_strict_json(aligned_file, tmp_path):
+    rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:2]]
+    zero = {**rows[1], "id": "z", "rollout_logprobs": [-1e30] + rows[1]["rollout_logprobs"][1:]}  # p = 0 recorded
+    path = tmp_path / "dup.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (rows[0], rows[0], zero)))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (numpy's overflow warnings must not leak out)
+        res = score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", out_dir=tmp_path / "o",
+                    progress=False, max_repros=0)
+    [note] = [n for n in res.notes if n.startswith("sample ids repeated")]
+    assert f"{rows[0]['id']!r} at lines 1, 2" in note
+    assert res.batch["k3_kl"] == math.inf and [s.sample.id for s in res.flagged] == ["z"]
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert summary["batch"]["k3_kl"] == "inf" and summary["flagged"][0]["k3_kl"] == "inf"
