@@ -210,9 +210,14 @@ def list_regressions(uri: str | None = None, status: str | None = None, pair: st
     """Regressions in the store as plain dicts, newest last_seen first; `pair` may be a glob."""
     import fnmatch
 
+    import os
+
     db = sqlite_path(resolve_uri(uri))
     if db is not None and not db.exists():
-        return []
+        if uri or os.environ.get("MLFLOW_TRACKING_URI"):  # a store named by the user: a typo is not "none found"
+            raise UsageError(f"there is no MLflow store at {db}; check the tracking URI (--tracking-uri or "
+                             "$MLFLOW_TRACKING_URI), or run a campaign that writes one there first.")
+        return []  # (the default store of a checkout no campaign has run in yet)
     store = open_store(uri)
     flt = f"tags.`harness.kind` = '{REGRESSION}'"
     if status:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -244,7 +245,13 @@ def test_bad_ids_and_statuses_are_usage_errors(fresh_cwd, capsys):
     assert code == 2
     code, out, err = run_cli(capsys, "replay", "--run-id", "not-an-id")
     assert code == 2 and "not a regression id" in err
+    # a store named by the user that is not there (a typo) is an error, not "no regressions": a CI gate
+    # on open regressions must not pass on it; the default store of a fresh checkout is just empty
     code, out, err = run_cli(capsys, "regressions", "--tracking-uri", f"sqlite:///{fresh_cwd}/none.db")
+    assert code == 2 and "there is no MLflow store at" in err and "Traceback" not in err
+    (fresh_cwd / "elsewhere").mkdir()
+    os.chdir(fresh_cwd / "elsewhere")  # (fresh_cwd's fixture puts the working directory back)
+    code, out, err = run_cli(capsys, "regressions")
     assert code == 0 and "no regressions" in out
 
 
