@@ -94,3 +94,12 @@ def test_shards_sharing_an_output_folder_keep_each_its_own_summary(tmp_path):
     names = sorted(p.name for p in (tmp_path / "out").glob("summary*"))
     assert names == ["summary.shard1of2.json", "summary.shard1of2.md", "summary.shard2of2.json",
                      "summary.shard2of2.md"], names
+
+
+def test_a_shard_that_runs_some_streams_of_a_demonstration_does_not_call_it_missed(tmp_path, harness_cli):
+    """Its other streams are other shards': not caught here is not MISSED (exit 0, said as such)."""
+    code, out, err = harness_cli("fuzz", "router.topk_softmax", "--seed", "7", "--max-examples", "10", "--streams", "2",
+                                 "--shard", "1/2", "--no-tracking", "--corpus", str(tmp_path / "c"))
+    assert code == 0, err
+    assert "not caught by this shard's streams (1/2): router.topk_softmax" in out and "missed demonstration" not in out
+    assert "warning: demonstration pair(s) not caught" not in err
