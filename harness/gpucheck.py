@@ -9,7 +9,8 @@ way on every push). With CUDA it
 1. runs the CUDA tests (every test marked `gpu`: `pytest tests -m gpu` in a subprocess, under
    `--tests-timeout`);
 2. runs a short campaign of every registered pair that declares `cuda` (the model pairs run their
-   real-size config on CUDA: `targets.models.moe_decoder.LARGE`): at most `--max-examples` cases;
+   real-size config on CUDA: `targets.models.moe_decoder.LARGE`): at most `--max-examples` Hypothesis
+   examples (each followed by the pair's uniform cases: 3 for op pairs, 1 for model pairs);
    `--budget` seconds are shared out over the pairs (each gets an equal share of what is left when
    it starts, half for its campaign, half for the timings below; its first case, which pays the
    cold start, is not counted against it);
@@ -48,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"  # the CUDA tests are the ones marked `gpu` (pyproject's markers)
 DEFAULT_BUDGET = 200.0  # seconds for all the campaigns, their bare calls and metrics together (cold starts aside)
 DEFAULT_TESTS_TIMEOUT = 210.0  # seconds for the CUDA tests
-DEFAULT_MAX_EXAMPLES = 30  # cases per pair at most
+DEFAULT_MAX_EXAMPLES = 30  # Hypothesis examples per pair at most (each with its uniform cases)
 
 
 @dataclass
@@ -259,8 +260,9 @@ def select_pairs(patterns: tuple[str, ...], device: str) -> list:
 @click.option("--budget", type=click.FloatRange(1.0), default=DEFAULT_BUDGET, show_default=True,
               help="Seconds for all the campaigns together, shared out over the pairs.")
 @click.option("--max-examples", type=click.IntRange(2), default=DEFAULT_MAX_EXAMPLES, show_default=True,
-              help="Cases per pair at most.")
-@click.option("--seed", type=int, default=1, show_default=True, help="Campaign seed.")
+              help="Hypothesis examples per pair at most (each followed by the pair's uniform cases: 3 for op "
+              "pairs, 1 for model pairs).")
+@click.option("--seed", type=click.IntRange(0), default=1, show_default=True, help="Campaign seed.")
 @click.option("--tests/--no-tests", default=True, show_default=True,
               help="Run the CUDA tests (tests marked gpu) first.")
 @click.option("--tests-timeout", type=click.FloatRange(1.0), default=DEFAULT_TESTS_TIMEOUT, show_default=True)
@@ -309,7 +311,8 @@ def gpucheck(device: str = "cuda", patterns: tuple[str, ...] = (), budget: float
         click.echo("CUDA tests: pytest tests -m gpu ...")
         test_run = run_tests(tests_timeout, index)
         click.echo(f"CUDA tests: {test_run.summary} ({test_run.seconds:.0f} s)")
-    click.echo(f"campaigns: {len(pairs)} pair(s), at most {max_examples} cases each, {budget:.0f} s in all, "
+    click.echo(f"campaigns: {len(pairs)} pair(s), at most {max_examples} examples each (with their uniform cases), "
+               f"{budget:.0f} s in all, "
                f"seed {seed}, device {device}")
     rows = run_campaigns(pairs, device, seed, max_examples, budget, lambda m: click.echo(m, err=True))
     click.echo("")
