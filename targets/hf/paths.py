@@ -179,6 +179,23 @@ def scored_keys(inp: HFInputs) -> Any:
                       for j, (p, r) in enumerate(zip(inp.prompts, inp.resp_lens))])
 
 
+def routed_keys(inp: HFInputs) -> Any:
+    """The keys whose routing the flip rate compares: for a recording with experts (`harness
+    score`), every position they were recorded for (prompt and response: a prompt position routed
+    otherwise than recorded changes what the response attends to, and router replay would force
+    it); else the positions that score the response tokens (`scored_keys`)."""
+    import torch
+
+    rec = inp.recorded
+    if rec is None or not all(r["experts"] for r in rec):
+        return scored_keys(inp)
+    keys = []
+    for j, (p, n, r) in enumerate(zip(inp.prompts, inp.resp_lens, rec)):
+        recorded = min(len(ex) for ex in r["experts"].values())  # (positions recorded, per layer)
+        keys.append(j * inp.stride + torch.arange(min(recorded, len(p) + n, inp.stride)))
+    return torch.cat(keys)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rollout: left-padded prefill + KV-cache decode, seeded inverse-CDF sampling
 # ---------------------------------------------------------------------------------------------
@@ -288,7 +305,7 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
     picked = logits[torch.tensor(sel_r), torch.tensor(sel_c)]  # (T, V)
     temp, top_k, top_p = sampling(case)
     logprobs = process_logits(picked, temp, top_k, top_p)
-    routing, _ = _routing(ctx.captured, scored_keys(inp), inp.n_seqs * inp.stride)
+    routing, _ = _routing(ctx.captured, routed_keys(inp), inp.n_seqs * inp.stride)
     if inp.recorded is not None:
         logprobs = two_outcome(logprobs.gather(1, tokens[:, None].to(logprobs.device)).squeeze(1).cpu(), tokens,
                                logprobs.shape[-1])
@@ -317,7 +334,7 @@ def recorded_outcome(inp: HFInputs) -> Outcome:
     lp = torch.tensor([v for r in inp.recorded for v in r["logprobs"]], dtype=torch.float64)
     routing, tables = {}, {}
     if all(r["experts"] for r in inp.recorded):
-        wanted = scored_keys(inp)
+        wanted = routed_keys(inp)
         for layer in inp.recorded[0]["experts"]:
             k = inp.recorded[0]["experts"][layer].shape[-1]
             table = torch.full((inp.n_seqs * inp.stride, k), -1, dtype=torch.int64)

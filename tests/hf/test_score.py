@@ -297,3 +297,20 @@ def test_repeated_ids_are_noted_and_a_zero_probability_token_keeps_the_summary_s
     assert res.batch["k3_kl"] == math.inf and [s.sample.id for s in res.flagged] == ["z"]
     summary = json.loads((tmp_path / "o" / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert summary["batch"]["k3_kl"] == "inf" and summary["flagged"][0]["k3_kl"] == "inf"
+
+
+def test_recorded_experts_that_differ_only_at_prompt_positions_count_as_flips(aligned_file, tmp_path):
+    """Experts are recorded for the prompt too: a recording wrong there (the response's own positions
+    right) is a routing difference router replay would force into the trainer, so it counts."""
+    rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:3]]
+    n_experts = REGISTRY.get("hf.qwen3_moe.aligned").profiles.model.moe()[0]
+    n_prompt = len(rows[1]["prompt_ids"])
+    assert n_prompt >= 3
+    rows[1]["routed_experts"] = [[[(e + 1) % n_experts for e in layer] for layer in pos] if i < n_prompt - 1 else pos
+                                 for i, pos in enumerate(rows[1]["routed_experts"])]  # prompt positions only
+    path = tmp_path / "prompt_experts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", progress=False)
+    flips = {s.sample.line: s.metrics["flip_rate"] for s in res.scored}
+    assert flips[2] > 0.1 and flips[1] == 0.0 and flips[3] == 0.0, flips
+    assert res.batch["flip_rate"] > 0 and any(n.startswith("recorded experts") for n in res.notes)
