@@ -177,6 +177,18 @@ class FuzzSession:
         self.out = Path(opt("harness_out"))
         self.tracking = not opt("harness_no_tracking")
         self.tracking_uri = opt("harness_tracking_uri")
+        if self.tracking:  # a scheme no store takes is a mistake to fix now, not an outage to spool through
+            import os
+
+            from harness.mlflow_tracking.store import check_scheme
+
+            uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+            try:
+                if uri:
+                    check_scheme(uri)
+            except UsageError as e:
+                raise pytest.UsageError(str(e).replace("--tracking-uri", "--harness-tracking-uri")
+                                        .replace("--no-tracking", "--harness-no-tracking")) from None
         self.results: list[dict] = []  # this process's pair results (serialised)
         self.campaign_run_id: str | None = None
         self.campaign_uid: str | None = None  # the controller's campaign: what a regression counts as seen by

@@ -62,9 +62,34 @@ def default_uri() -> str:
     return "sqlite:///" + str((Path.cwd() / DEFAULT_DB).resolve())
 
 
+# schemes MLflow's tracking stores take (a plugin's come from its `mlflow.tracking_store` entry point)
+KNOWN_SCHEMES = {"", "file", "sqlite", "http", "https", "databricks", "databricks-uc", "uc", "postgresql", "mysql",
+                 "mssql", "oracle"}
+
+
+def check_scheme(uri: str) -> None:
+    """UsageError for a URI no MLflow tracking store takes (`bogus://x`): not an outage to wait out."""
+    import re as _re
+
+    m = _re.match(r"^([A-Za-z][A-Za-z0-9+.-]*):", uri)
+    if m is None or len(m.group(1)) == 1:  # a plain path (C:\... too)
+        return
+    scheme = m.group(1).lower().split("+")[0]
+    if scheme in KNOWN_SCHEMES:
+        return
+    from importlib.metadata import entry_points
+
+    if scheme in {ep.name for ep in entry_points(group="mlflow.tracking_store")}:
+        return
+    raise UsageError(f"tracking URI {uri!r}: no MLflow tracking store takes the scheme {scheme!r} (these do: "
+                     f"{', '.join(sorted(s for s in KNOWN_SCHEMES if s))}, or an installed MLflow plugin's); fix "
+                     "--tracking-uri or $MLFLOW_TRACKING_URI, or pass --no-tracking.")
+
+
 def resolve_uri(uri: str | None = None) -> str:
     """`uri`, else $MLFLOW_TRACKING_URI, else the embedded store under ./reports (absolute)."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+    check_scheme(uri)
     path = sqlite_path(uri)
     if path is not None:  # make a relative sqlite path absolute, so it means one file wherever
         return "sqlite:///" + str(path)

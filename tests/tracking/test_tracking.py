@@ -411,3 +411,17 @@ def test_close_with_a_corpus_file_checks_it_before_changing_anything(fresh_cwd, 
                              "--corpus-file", str(fresh_cwd / "mine.json"))
     assert code == 0, err
     assert json.loads((fresh_cwd / "mine.json").read_text())["status"] == "wontfix"
+
+
+def test_a_tracking_uri_no_store_takes_is_a_usage_error_not_an_outage(fresh_cwd, capsys):
+    from harness.mlflow_tracking.store import check_scheme
+    from harness.errors import UsageError
+
+    for ok in ("sqlite:///x.db", "file:///tmp/m", "http://host:5000", "postgresql+psycopg2://u@h/db", "/tmp/mlruns",
+               "C:\\mlruns"):
+        check_scheme(ok)
+    with pytest.raises(UsageError, match="no MLflow tracking store takes the scheme 'bogus'"):
+        check_scheme("bogus://x")
+    code, out, err = run_cli(capsys, "fuzz", "router.aligned", "--tracking-uri", "bogus://x", "--max-examples", "2")
+    assert code == 2 and "--no-tracking" in err and "Traceback" not in err
+    assert not (fresh_cwd / "reports" / "pending").exists()  # nothing spooled for a store that can never exist
