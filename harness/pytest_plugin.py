@@ -402,6 +402,8 @@ class FuzzSession:
         parts += [f"--harness-timeout {shlex.quote(t)}" for t in self.timeouts]
         if not self.isolation:
             parts.append("--harness-no-isolation")
+        if not self.tracking:
+            parts.append("--harness-no-tracking")
         parts.append(f"--harness-seed {self.seed}")
         if self.shard and pair is None:
             parts.append(f"--shard {self.shard[0]}/{self.shard[1]}")
@@ -645,6 +647,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     ENTRY_POINT[0] = True  # (a worker that fails to start is not a user's script's missing main guard)
     if not _enabled(config):
+        given = [flag for dest, flag in (("harness_shard", "--shard"), ("harness_pairs", "--harness-pairs"))
+                 if config.getoption(dest, None)]
+        if given:  # (else the whole test suite runs, unsharded, and says nothing)
+            raise pytest.UsageError(f"{' and '.join(given)} choose(s) what a fuzz campaign runs: add --harness-fuzz "
+                                    "(without it pytest runs the test suite, which these options do not split).")
         _load_plugins(config)
         return
     session = FuzzSession(config)
