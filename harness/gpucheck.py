@@ -289,6 +289,8 @@ def gpucheck(device: str = "cuda", patterns: tuple[str, ...] = (), budget: float
         if not ok:
             click.echo(f"gpucheck: skipped: {what}; nothing to check on this machine (run it where "
                        "torch.cuda.is_available() is True).")
+            if as_json:  # (the same shape as with rows: none; why is on the line above)
+                click.echo("[]")
             return 0
         index = int(device.split(":")[1]) if ":" in device else None
         if index is not None:  # one device: the pairs run on it as the current device, the tests see only it

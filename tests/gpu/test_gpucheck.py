@@ -19,6 +19,8 @@ def test_without_cuda_it_skips_with_the_reason_and_exits_0():
     assert res.output.startswith("gpucheck: skipped: torch ") and "sees no CUDA device" in res.output
     res = CliRunner().invoke(gpucheck_command, ["--device", "cuda:1"])
     assert res.exit_code == 0 and "skipped" in res.output
+    res = CliRunner().invoke(gpucheck_command, ["--json"])  # rows as JSON: none, in the same shape
+    assert res.exit_code == 0 and res.output.splitlines()[-1] == "[]"
 
 
 def test_the_module_runs_as_a_script_too(harness_cli):
