@@ -27,8 +27,9 @@ def git_commit(cwd: str | None = None) -> str | None:
         return None
 
 
-def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when CUDA is present else 'cpu'; 'cuda' without CUDA is a usage error."""
+def resolve_device(device: str, option: str = "--device") -> str:
+    """'auto' -> 'cuda' when CUDA is present else 'cpu'; 'cuda' without CUDA is a usage error
+    (naming `option`, the flag it came from: `--harness-device` under pytest)."""
     import torch
 
     from .errors import UsageError
@@ -36,10 +37,10 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but torch sees no CUDA device here; use --device cpu "
-                         "or --device auto, or run on a machine with a GPU and a CUDA build of torch.")
+        raise UsageError(f"{option} cuda was asked for but torch sees no CUDA device here; use {option} cpu "
+                         f"or {option} auto, or run on a machine with a GPU and a CUDA build of torch.")
     if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device {device!r} is not one of cpu, cuda, auto.")
+        raise UsageError(f"{option} {device!r} is not one of cpu, cuda, auto.")
     return device
 
 

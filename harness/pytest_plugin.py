@@ -217,7 +217,7 @@ class FuzzSession:
     def device(self) -> str:
         from harness.env import resolve_device
 
-        return resolve_device(self.device_option)
+        return resolve_device(self.device_option, "--harness-device")
 
     def all_pairs(self) -> list:
         """Every selected pair that runs on the device, in name order, before sharding."""

@@ -304,4 +304,4 @@ def test_cuda_device(tmp_path):
         assert json.loads((tmp_path / "out" / "summary.json").read_text())["pairs"][0]["verdict"] == "clean"
     else:
         assert rc == 4, out
-        assert "--device cuda was asked for but torch sees no CUDA device" in out and "Traceback" not in out
+        assert "--harness-device cuda was asked for but torch sees no CUDA device" in out and "Traceback" not in out
