@@ -564,8 +564,11 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         click.echo("  over the threshold: " + (fired if fired else "neither mean" if fired == "" else
                                               "not recorded (a repro from before the exact-KL verdict)")
                    + f" (judged k3 {_fmt(judged)}: {why}; sampled tokens' mean k3 "
-                   f"{_fmt(r.metrics.get('k3_kl'))}; mean exact KL {_fmt(r.metrics.get('kl'))}; "
-                   f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
+                   f"{_fmt(r.metrics.get('k3_kl'))}; "
+                   + (f"mean two-outcome KL {_fmt(r.metrics.get('kl'))} (a recording: only its tokens' probabilities "
+                      "are known, so a lower bound of the exact KL); " if rec else
+                      f"mean exact KL {_fmt(r.metrics.get('kl'))}; ")
+                   + f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
     if r.error:
         click.echo(f"\nerror: {r.error.get('type')}: {r.error.get('message')}\n{r.error.get('traceback', '')}")
     env = r.environment

@@ -115,6 +115,7 @@ def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_p
     assert code == 0 and "hf.qwen3_moe.aligned" in out, err
     assert f"by `harness score`: sample {worst.sample.id} at line {worst.sample.line} of {bf16_file}" in out, out
     assert "case (the recorded sample):" in out and "campaign seed" not in out
+    assert "mean two-outcome KL" in out and "mean exact KL" not in out  # a recording's KL is a lower bound
 
 
 def test_score_logs_a_campaign_run_with_the_batch_metrics(aligned_file, tmp_path):
