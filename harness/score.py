@@ -105,6 +105,7 @@ class ScoreResult:
     notes: list[str] = field(default_factory=list)
     out_dir: Path | None = None
     seconds: float = 0.0
+    unsaved: int = 0  # flagged samples whose repro could not be written (the exit code says so: 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,6 +440,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
         except (UsageError, OSError) as e:
             res.notes.append(f"line {s.sample.line}: its repro could not be written: {e}")
+            res.unsaved += 1
             continue
         if p is not None:
             res.repros.append(p)
@@ -591,7 +593,7 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
                   out_dir: Path | None, tracking_uri: str | None, no_tracking: bool, plugins: tuple[str, ...]) -> None:
     """Score recorded rollouts (JSONL or Parquet) with a trainer: per-sample and batch k3, flagged samples,
     the worst as repros."""
-    from .cli import EXIT_FOUND, EXIT_OK, EXIT_USAGE, load_plugins
+    from .cli import EXIT_FOUND, EXIT_OK, EXIT_UNSAVED, EXIT_USAGE, load_plugins
     from .tracking import make_tracker
 
     try:
@@ -640,4 +642,5 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
     if res.bad:
         click.echo(f"{len(res.bad)} bad row(s) were not scored (above, by line and field): fix or drop them; the exit "
                    "code is 2 unless a sample was flagged", err=True)
-    sys.exit(EXIT_FOUND if res.flagged else EXIT_USAGE if res.bad else EXIT_OK)
+    # (as `harness fuzz`: a flagged sample whose repro is not on disk outranks the rest)
+    sys.exit(EXIT_UNSAVED if res.unsaved else EXIT_FOUND if res.flagged else EXIT_USAGE if res.bad else EXIT_OK)
