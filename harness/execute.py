@@ -239,10 +239,27 @@ def restore_process_state(pair: str, before: tuple) -> None:
             pass
 
 
+def _library_file(filename: str) -> bool:
+    """A frame of installed or standard-library code, or of the harness itself: not where a pair's
+    own code called it (`describe_error`'s `caller`)."""
+    import os
+    import sysconfig
+
+    f = os.path.abspath(filename)
+    return ("site-packages" in f or "dist-packages" in f or f.startswith(sysconfig.get_paths()["stdlib"])
+            or f.startswith(os.path.dirname(os.path.abspath(__file__)) + os.sep) or filename.startswith("<"))
+
+
 def describe_error(e: BaseException) -> dict[str, str]:
+    """The error of a case, as a repro keeps it: type, message, `where` (the innermost frame:
+    file:function), `caller` (the innermost frame of the pair's own code, when `where` is in a
+    library: the call that raised there; see `fuzz.signature`) and the traceback."""
     tb = traceback.extract_tb(e.__traceback__)
     inner = tb[-1] if tb else None
     where = f"{inner.filename.rsplit('/', 1)[-1]}:{inner.name}" if inner else "?"
+    own = next((f for f in reversed(tb) if not _library_file(f.filename)), None) if inner is not None \
+        and _library_file(inner.filename) else None
+    caller = f"{own.filename.rsplit('/', 1)[-1]}:{own.name}" if own is not None else None
     try:  # an exception whose own __str__ raises is still a finding
         message = str(e)
     except Exception as inner_error:  # noqa: BLE001
@@ -257,5 +274,6 @@ def describe_error(e: BaseException) -> dict[str, str]:
         "type": type(e).__name__,
         "message": message[:2000],
         "where": where,
+        **({"caller": caller} if caller else {}),
         "traceback": text[-8000:],
     }

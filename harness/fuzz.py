@@ -205,11 +205,28 @@ class CampaignResult:
         return sum(r.examples for r in self.results)
 
 
+def message_class(message: Any) -> str:
+    """An error message's first line with what varies from case to case taken out (numbers, hex,
+    paths): two messages of one class are one bug raised on other inputs."""
+    import re
+
+    lines = str(message or "").strip().splitlines()
+    first = lines[0] if lines else ""
+    first = re.sub(r"(?:[A-Za-z]:)?(?:[\\/][^\s'\"\\/,;:)\]]+){2,}", "<path>", first)
+    first = re.sub(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", "#", first)
+    return re.sub(r"\s+", " ", first)[:200]
+
+
 def signature(pair: str, ev: Evaluation) -> str:
-    """Findings with the same signature are one bug: shrinking keeps it, the corpus holds one repro."""
+    """Findings with the same signature are one bug: shrinking keeps it, the corpus holds one repro.
+    An error is its type and the frame that raised it; raised inside a library (an inference
+    engine's `run`, torch, the harness's own checks), every error of the pair would share that
+    frame, so the call site in the pair's code (`caller`) and the message's class say which bug."""
     detail = ""
     if ev.symptom is Symptom.ERROR and ev.error:
         detail = f"{ev.error['type']}@{ev.error['where']}"
+        if ev.error.get("caller"):
+            detail += f"<-{ev.error['caller']}|{message_class(ev.error.get('message'))}"
     elif ev.symptom is Symptom.CRASH and ev.error:
         detail = ev.error["type"]  # the signal (SIGSEGV, SIGABRT, SIGKILL) or exit status
     return hashlib.sha256(f"{pair}|{ev.symptom.value}|{detail}".encode()).hexdigest()

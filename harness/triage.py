@@ -730,7 +730,9 @@ def verdict_line(t: Triage) -> str:
         msg = (str(ev.error.get("message") or "").strip().splitlines() or [""])[0]
         what = {"crash": "the worker running this case died: ", "timeout": "this case hung: "}.get(
             symptom, "the case raised ")
-        return (f"{what}{ev.error['type']}: {msg} (at {ev.error.get('where', '?')}); no log-probabilities to "
+        caller = ev.error.get("caller")
+        return (f"{what}{ev.error['type']}: {msg} (at {ev.error.get('where', '?')}"
+                + (f", called from {caller}" if caller else "") + "); no log-probabilities to "
                 "compare, so nothing to localize: fix what the message names (`harness show FILE` prints the "
                 "traceback)")
     if symptom == "divergence" and t.k3 == math.inf:  # not a NaN: a sampled token the trainer excludes

@@ -330,6 +330,34 @@ def test_crash_and_timeout_signatures():
     assert len({signature("p", e) for e in (segv, abrt, hang)}) == 3
 
 
+def test_errors_raised_inside_a_library_are_told_apart_by_call_site_and_message_class():
+    """An engine's errors all raise in its own `run`: the pair's call site and the message's class
+    (numbers and paths taken out) tell two bugs apart, and keep one bug raised on other inputs one."""
+    import json as _json
+
+    from harness import Outcome, TargetPair
+    from harness.execute import run_case
+    from harness.fuzz import signature
+
+    def engine(inp):  # a library call that refuses some inputs, with a message that names them
+        n = inp["n"]
+        _json.loads("x" * (n % 2) + f"[{n}] {n}" * (n // 2 % 2) + "[1]")
+        return Outcome(logprobs=torch.log_softmax(inp["x"], -1))
+
+    pair = TargetPair(name="lib.raises", kind="op", expected="aligned",
+                      build=lambda c, d: {"n": c.batch_size, "x": c.token_randn(8, "x")},
+                      trainer=lambda i: Outcome(logprobs=torch.log_softmax(i["x"], -1)), rollout=engine)
+    evs = {n: run_case(pair, Case(seed=1, seq_lens=(1,) * n)) for n in (1, 2, 3, 10)}
+    for n, ev in evs.items():  # raised in json's decoder, called from this test's engine
+        assert ev.symptom is Symptom.ERROR and ev.error["where"].startswith("decoder.py:"), (n, ev.error)
+        assert ev.error["caller"] == "test_fuzz.py:engine"
+    sig = {n: signature(pair.name, ev) for n, ev in evs.items()}
+    assert sig[1] == sig[3]  # "Expecting value ... (char 0)" twice: one bug
+    assert sig[2] == sig[10] != sig[1]  # "Extra data: line 1 column N": another, whatever N is
+    own = run_case(pair, Case(seed=1, seq_lens=(1,) * 4))  # (no error: the engine parses "[1]")
+    assert own.symptom is not Symptom.ERROR
+
+
 
 @pytest.mark.parametrize("name, n, per_example", [("moe_aggregate.aligned", None, 3), ("moe_aggregate.aligned", 0, 0),
                                                   ("moe_aggregate.aligned", 2, 2), ("model.aligned", None, 1)])
