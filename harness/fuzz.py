@@ -131,7 +131,10 @@ class PairResult:
 
     @property
     def time_note(self) -> str:
-        """"its time share ran out after N of M examples", or "" when it ran them all."""
+        """"its time share ran out after N of M examples", or "" when it ran them all; for a pair
+        that never ran a case of its own, waiting behind another's first case, says that."""
+        if self.waited_for and not self.examples:
+            return f"it waited behind {self.waited_for}'s first case, which never finished: 0 cases of its own"
         return time_note(self.examples_asked, self.examples_short, self.examples)
 
     @property

@@ -288,6 +288,9 @@ def test_a_first_case_that_never_returns_is_unfinished_not_a_silent_not_run(tmp_
     assert rows["faults.diverges"][2] in ("not run", "caught"), out
     if rows["faults.diverges"][2] == "not run":
         assert "faults.diverges: not run: it waited for the first case of faults.hang_always" in err
+        assert "it waited behind faults.hang_always's first case" in out + err  # not "its time share ran out"
+        assert "faults.diverges: not run (0 cases in" not in err or "time share ran out" not in err.split(
+            "faults.diverges: not run (0 cases in", 1)[1].splitlines()[0]
 
 
 def test_processes_a_target_started_die_with_its_worker(tmp_path, harness_cli):

@@ -458,3 +458,11 @@ def test_timeout_options_are_parsed_with_a_clear_error_for_each_mistake():
                        ("nosuch.*=3", "no selected pair matches")):
         with pytest.raises(UsageError, match=words):
             parse_timeouts([bad], pairs)
+
+
+def test_a_pair_that_waited_behind_anothers_first_case_says_so_not_that_its_time_ran_out():
+    from harness.fuzz import PairResult
+
+    r = PairResult("ort.fp16", "diverges", waited_for="ort.aligned", examples_asked=100, examples_short=100)
+    assert r.verdict == "not run" and r.time_note.startswith("it waited behind ort.aligned's first case")
+    assert "time share" not in r.time_note
