@@ -199,7 +199,7 @@ def layer_of(name: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # 1. Per-module divergence: hooks, positions tied to outcome rows, errors against a noise floor
 # ---------------------------------------------------------------------------------------------
-def exposed_modules(inputs: Any) -> dict[str, Any] | None:
+def _modules_entry(inputs: Any) -> Any:
     extra = getattr(inputs, "extra", None)
     mods = None
     if isinstance(extra, dict):
@@ -208,9 +208,28 @@ def exposed_modules(inputs: Any) -> dict[str, Any] | None:
         mods = inputs.get("modules")
     if mods is None:
         mods = getattr(inputs, "modules", None)
+    return mods
+
+
+def exposed_modules(inputs: Any) -> dict[str, Any] | None:
+    mods = _modules_entry(inputs)
     if not isinstance(mods, dict) or mods.get("trainer") is None or mods.get("rollout") is None:
         return None
     return mods
+
+
+def half_exposed(inputs: Any) -> str | None:
+    """Why a `modules` entry the pair's inputs hold is not used, when it is incomplete (a rollout
+    engine that is not a torch module exposes only the trainer's), else None."""
+    mods = _modules_entry(inputs)
+    if mods is None or exposed_modules(inputs) is not None:
+        return None
+    if not isinstance(mods, dict):
+        return f"its inputs' `modules` is a {type(mods).__name__}, not a dict {{'trainer': module, 'rollout': module}}"
+    missing = [k for k in ("trainer", "rollout") if mods.get(k) is None]
+    return (f"its inputs' `modules` has no {' and no '.join(repr(k) for k in missing)} torch module, so there is no "
+            "per-module table: it compares the same module names on both paths (a rollout engine that is not a torch "
+            "module has none to compare; its numerics profiles, if any, still localize it)")
 
 
 def _tensors(out: Any) -> list[Any]:
@@ -529,6 +548,12 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
     notes: list[str] = []
     got = capture(pair, case, device)
     if got is None:
+        import torch
+
+        with torch.inference_mode():
+            why = half_exposed(pair.build(case, device))
+        if why:
+            notes.append(f"per-module table: {why}")
         return [], None, None, notes
     t_cap, r_cap = got
     for role, cap in (("trainer", t_cap), ("rollout", r_cap)):

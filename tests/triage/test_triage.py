@@ -321,3 +321,29 @@ def test_the_verdict_on_an_error_quotes_the_pairs_own_message():
                            "(4, vocab) (at my_pairs.py:trainer)") and "more detail" not in line
     t.evaluation.symptom = Symptom.CRASH
     assert verdict_line(t).startswith("the worker running this case died: ")
+
+
+def test_a_modules_entry_without_the_rollouts_module_is_named_not_ignored():
+    """A rollout engine that is not a torch module (ONNX Runtime, say) exposes only the trainer's:
+    the report says why there is no per-module table, instead of dropping the entry silently."""
+    import torch
+
+    from harness import Outcome, TargetPair
+
+    base = REGISTRY.get("planted.tiny_lm.block_bias")
+
+    def build(case, device):
+        inp = base.build(case, device)
+        inp["engine"] = inp["modules"]["rollout"]
+        inp["modules"] = {"trainer": inp["modules"]["trainer"]}
+        return inp
+
+    def rollout(inp):
+        rows = [torch.log_softmax(inp["engine"](ids[None])[0] * inp["scale"], -1) for ids in inp["ids"]]
+        return Outcome(logprobs=torch.cat(rows))
+
+    REGISTRY.register(TargetPair(name="planted.half_exposed", kind="model", expected="diverges", build=build,
+                                 trainer=base.trainer, rollout=rollout, axes=base.axes, devices=("cpu",)))
+    t = triage(made_repro("planted.half_exposed", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    assert t.k3 > 1e-3 and not t.modules
+    assert any("has no 'rollout' torch module, so there is no per-module table" in n for n in t.notes), t.notes
