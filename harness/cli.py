@@ -514,7 +514,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         else:
             at_default.append(f"{k} {v}")
     if at_default:  # (a pair reads only the fields its axes draw: most of these are not its axes)
-        click.echo(f"  at defaults: {', '.join(at_default)}")
+        click.echo(f"  at defaults (what the pair's axes do not vary is never read by it): {', '.join(at_default)}")
     click.echo(f"  -> {r.case.batch_size} sequence(s), {r.case.n_tokens} token(s)")
     try:
         load_plugins(plugins)
@@ -546,11 +546,12 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         click.echo(f"\n(pair not available here: {e})")
     # (a later campaign or `harness shrink` may have replaced the case found with a smaller one: the metrics are its)
     shrunk = [h for h in r.history if h.get("event") == "shrunk further"]
-    click.echo(f"\nmetrics of the case as recorded, not of this one (its case was edited by hand since; "
-               f"`harness replay {file}` measures this one, `harness rerecord {file}` records them):" if r.case_edited
-               else "\nmetrics when found:" if not shrunk else
-               f"\nmetrics of this case (shrunk further {shrunk[-1].get('at', '?')}, from "
-               f"{Case.from_json(shrunk[0]['replaced_case']).one_line() if shrunk[0].get('replaced_case') else '?'}):")
+    if r.metrics:  # (an error, crash or hang has none: its error follows)
+        click.echo(f"\nmetrics of the case as recorded, not of this one (its case was edited by hand since; "
+                   f"`harness replay {file}` measures this one, `harness rerecord {file}` records them):"
+                   if r.case_edited else "\nmetrics when found:" if not shrunk else
+                   f"\nmetrics of this case (shrunk further {shrunk[-1].get('at', '?')}, from "
+                   f"{Case.from_json(shrunk[0]['replaced_case']).one_line() if shrunk[0].get('replaced_case') else '?'}):")
     for k, v in r.metrics.items():
         if k != "fired":
             click.echo(f"  {k:18s} {_fmt(v)}")

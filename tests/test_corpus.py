@@ -64,7 +64,8 @@ def test_replay(path):
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline}): close it as fixed")
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
     if repro.status == "open":
-        pytest.xfail(f"open regression still diverges: {ev.symptom.value} {ev.headline}")
+        pytest.xfail(f"open regression still {'diverges' if ev.divergence is not None else 'fails'}: "
+                     f"{ev.symptom.value} {ev.headline}")
 
 
 def check_recorded_metrics(path, repro, result) -> None:

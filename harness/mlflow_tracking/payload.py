@@ -268,7 +268,8 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
     if corpus:
         lines.append(f"harness replay{plugin} {corpus}")
     lines += ["```", "",
-              f"**Triage.** `harness regressions close {p['id']} --status fixed|wontfix --note \"...\"`. "
+              f"**Triage.** `harness triage --run-id {run_id or p['id']}{plugin}` localizes it (its report is "
+              f"attached here); `harness regressions close {p['id']} --status fixed|wontfix --note \"...\"`. "
               f"Artifacts: `repro/{p['id']}.json`"
               + (f", `per_token/{p['id']}.csv`, `plots/{p['id']}_k3.png`" if (p.get("per_token") or {}).get("k3")
                  else {"crash": " (no per-token metrics: the case crashed)", "timeout": " (no per-token metrics: "
