@@ -514,7 +514,8 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         else:
             at_default.append(f"{k} {v}")
     if at_default:  # (a pair reads only the fields its axes draw: most of these are not its axes)
-        click.echo(f"  at defaults (what the pair's axes do not vary is never read by it): {', '.join(at_default)}")
+        click.echo(f"  at defaults (fields its axes do not vary; a pair reads only those its code uses): "
+                   f"{', '.join(at_default)}")
     click.echo(f"  -> {r.case.batch_size} sequence(s), {r.case.n_tokens} token(s)")
     try:
         load_plugins(plugins)
