@@ -249,7 +249,7 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     n = len(result.findings)
     click.echo(f"\n{result.examples} cases in {result.seconds:.1f}s, {n} finding(s); seed {result.seed}.")
     missed = [r.pair for r in result.results if r.verdict == "MISSED"]
-    if missed and cfg.shard is not None and cfg.streams > 1:  # its other streams may be other shards'
+    if missed and cfg.shard is not None and cfg.shard[1] > 1 and cfg.streams > 1:  # other streams: other shards'
         click.echo(f"not caught by this shard's streams ({cfg.shard[0]}/{cfg.shard[1]}): {', '.join(missed)}; the other "
                    "shards run the rest of each pair's streams, so a demonstration is missed only if no shard caught "
                    "it (compare their summaries)")

@@ -19,6 +19,12 @@ import click
 
 from .corpus import STATUSES
 
+def _check_out_file(ctx: Any, param: Any, value: Any) -> Any:
+    from .bench import check_out_file
+
+    return check_out_file(ctx, param, value)
+
+
 URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<abs>/reports/mlflow.db)."
 
 
@@ -209,7 +215,8 @@ def tracking_overhead(pair_names: tuple[str, ...], max_examples: int, seed: int)
 @click.argument("pair_names", nargs=-1, metavar="[PAIR|GLOB]...")
 @click.option("--max-examples", type=click.IntRange(1), default=15, show_default=True)
 @click.option("--seed", type=click.IntRange(0), default=1, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False), default="reports/BENCHMARKS.md", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default="reports/BENCHMARKS.md", show_default=True,
+              callback=lambda ctx, param, value: str(_check_out_file(ctx, param, value)))
 def bench_tracking_command(pair_names: tuple[str, ...], max_examples: int, seed: int, out: str) -> None:
     """Time MLflow tracking adds to a small campaign (fresh store, existing store, unreachable store)."""
     from pathlib import Path

@@ -634,11 +634,35 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
                     pass
     elif candidates:
         return _known(finding, path, candidates[0][1], campaign_seed, device)
+    elif finding.symptom is Symptom.ERROR and finding.evaluation.error:  # a repro named before message classes
+        adopted = _legacy_error_repro(finding, folder)
+        if adopted is not None:
+            return _known(finding, *adopted, campaign_seed, device)
     elif blocked:  # (no way to tell whether it is the same bug: keep both)
         path = _own_signature(finding, base, folder)
     finding.new = True
     finding_to_repro(finding, threshold, campaign_seed, device, corpus_dir).save(path)
     return path
+
+
+def _legacy_error_repro(finding: Any, folder: Path) -> tuple[Path, "Repro"] | None:
+    """An error repro written when an error's signature was its type and raising frame only, whose
+    message is of the finding's class: the same bug under its old id (kept, so its MLflow
+    regression and history go on)."""
+    from .fuzz import legacy_error_signature, message_class
+
+    err = finding.evaluation.error
+    legacy = legacy_error_signature(finding.pair, err)
+    path = folder / f"{legacy[:12]}.json"
+    if not path.exists():
+        return None
+    try:
+        old = load_repro(path)
+    except UsageError:
+        return None
+    same = (old.signature == legacy and old.error is not None
+            and message_class(old.error.get("message")) == message_class(err.get("message")))
+    return (path, old) if same else None
 
 
 def _own_signature(finding: Any, base: str, folder: Path) -> Path:
@@ -935,9 +959,15 @@ def compare_metrics(repro: Repro, ev: Evaluation) -> dict[str, tuple[Any, Any]]:
     if repro.symptom != ev.symptom.value:
         mismatches["symptom"] = (repro.symptom, ev.symptom.value)
     if not now and not repro.metrics and ev.error is not None:  # an error both times: the same error?
+        from .fuzz import message_class
+
         rec = (repro.error or {}).get("type")
         if rec != ev.error.get("type"):
             mismatches["error"] = (rec or "missing", ev.error.get("type"))
+        elif repro.symptom == "error" and repro.error and message_class(repro.error.get("message")) != \
+                message_class(ev.error.get("message")):  # another error of the same type: another bug
+            mismatches["error"] = (f"{rec}: {message_class(repro.error.get('message'))[:120]}",
+                                   f"{rec}: {message_class(ev.error.get('message'))[:120]}")
     return mismatches
 
 

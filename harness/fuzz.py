@@ -220,16 +220,20 @@ def message_class(message: Any) -> str:
     return re.sub(r"\s+", " ", first)[:200]
 
 
+def legacy_error_signature(pair: str, error: dict) -> str:
+    """An error's signature before the message class was part of it (type and raising frame only):
+    what repros written then are named by (`corpus.record_finding` adopts them)."""
+    return hashlib.sha256(f"{pair}|error|{error.get('type')}@{error.get('where')}".encode()).hexdigest()
+
+
 def signature(pair: str, ev: Evaluation) -> str:
     """Findings with the same signature are one bug: shrinking keeps it, the corpus holds one repro.
-    An error is its type and the frame that raised it; raised inside a library (an inference
-    engine's `run`, torch, the harness's own checks), every error of the pair would share that
-    frame, so the call site in the pair's code (`caller`) and the message's class say which bug."""
+    An error is its type, the frame that raised it and its message's class (`message_class`): raised
+    inside a library (an inference engine's `run`), every error of the pair shares the frame, and
+    raised from C++ every error shares the pair's own line; what the message says tells the bugs apart."""
     detail = ""
     if ev.symptom is Symptom.ERROR and ev.error:
-        detail = f"{ev.error['type']}@{ev.error['where']}"
-        if ev.error.get("caller"):
-            detail += f"<-{ev.error['caller']}|{message_class(ev.error.get('message'))}"
+        detail = f"{ev.error['type']}@{ev.error['where']}|{message_class(ev.error.get('message'))}"
     elif ev.symptom is Symptom.CRASH and ev.error:
         detail = ev.error["type"]  # the signal (SIGSEGV, SIGABRT, SIGKILL) or exit status
     return hashlib.sha256(f"{pair}|{ev.symptom.value}|{detail}".encode()).hexdigest()

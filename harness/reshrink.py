@@ -34,11 +34,17 @@ def _size(case: Any) -> str:
 
 
 def _fails_as_recorded(repro: Any, ev: Any) -> bool:
-    """The case fails as the repro recorded: the same symptom and, for an error or crash, the same type."""
+    """The case fails as the repro recorded: the same symptom and, for an error or crash, the same
+    type (for an error, a message of the same class too: `fuzz.message_class`)."""
+    from .fuzz import message_class
+
     if not ev.failed or ev.symptom.value != repro.symptom:
         return False
     if repro.error and ev.error:
-        return ev.error.get("type") == repro.error.get("type")
+        same = ev.error.get("type") == repro.error.get("type")
+        if same and repro.symptom == "error":
+            same = message_class(ev.error.get("message")) == message_class(repro.error.get("message"))
+        return same
     return True
 
 

@@ -489,7 +489,7 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
                         *[s.metrics[k] for k in PER_SAMPLE], s.evaluation.failed])
     batch = {k: _finite_or_str(v) for k, v in res.batch.items()}
-    summary = {"file": str(source), "threshold": threshold, "batch": batch,  # (NaN as "nan": strict JSON)
+    summary = {"file": str(source), "threshold": _finite_or_str(threshold), "batch": batch,  # (NaN as "nan": strict JSON)
                "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": _finite_or_str(s.metrics["k3_kl"])}
                            for s in res.flagged],
                "bad_rows": [{"line": b.line, "field": b.field, "message": b.message} for b in res.bad],

@@ -434,8 +434,10 @@ def _gather(rec: _Recorder, out: Any) -> PathCapture:
     return PathCapture(rows, list(rec.order), nonfinite, len(where), finite_rows)
 
 
-def capture(pair: Any, case: Any, device: str) -> tuple[PathCapture, PathCapture] | None:
-    """Both paths' module outputs by name and case-order row, or None when the pair exposes no modules."""
+def capture(pair: Any, case: Any, device: str, why: list[str] | None = None
+            ) -> tuple[PathCapture, PathCapture] | None:
+    """Both paths' module outputs by name and case-order row, or None when the pair exposes no modules
+    (with `why`: the reason appended when it exposes only some, `half_exposed`)."""
     import torch
 
     from .execute import finalize
@@ -444,6 +446,9 @@ def capture(pair: Any, case: Any, device: str) -> tuple[PathCapture, PathCapture
         inputs = pair.build(case, device)
         mods = exposed_modules(inputs)
         if mods is None:
+            reason = half_exposed(inputs) if why is not None else None
+            if reason:
+                why.append(reason)
             return None
         with _Recorder(mods["rollout"]) as rec_r:
             rollout = finalize(pair, case, pair.rollout(inputs), "rollout")
@@ -546,14 +551,10 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
     only the minimal component set aligned: a module counts as where the divergence starts only when
     its error is also FLOOR_FACTOR x the error the other differing components give there."""
     notes: list[str] = []
-    got = capture(pair, case, device)
+    why: list[str] = []
+    got = capture(pair, case, device, why)
     if got is None:
-        import torch
-
-        with torch.inference_mode():
-            why = half_exposed(pair.build(case, device))
-        if why:
-            notes.append(f"per-module table: {why}")
+        notes += [f"per-module table: {w}" for w in why]
         return [], None, None, notes
     t_cap, r_cap = got
     for role, cap in (("trainer", t_cap), ("rollout", r_cap)):

@@ -330,32 +330,33 @@ def test_crash_and_timeout_signatures():
     assert len({signature("p", e) for e in (segv, abrt, hang)}) == 3
 
 
-def test_errors_raised_inside_a_library_are_told_apart_by_call_site_and_message_class():
-    """An engine's errors all raise in its own `run`: the pair's call site and the message's class
-    (numbers and paths taken out) tell two bugs apart, and keep one bug raised on other inputs one."""
+def test_errors_of_one_raising_frame_are_told_apart_by_their_message_class():
+    """An engine's errors all raise in its own `run`: what the message says (numbers and paths taken
+    out) tells two bugs apart, and keeps one bug raised on other inputs one. The pair's call site
+    is kept beside it (`caller`, for people)."""
     import json as _json
 
     from harness import Outcome, TargetPair
     from harness.execute import run_case
     from harness.fuzz import signature
 
-    def engine(inp):  # a library call that refuses some inputs, with a message that names them
-        n = inp["n"]
-        _json.loads("x" * (n % 2) + f"[{n}] {n}" * (n // 2 % 2) + "[1]")
+    texts = {1: "x", 2: "[1 2]", 3: "[1 2, 3]", 4: "[1]"}  # json's raw_decode raises all three errors
+
+    def engine(inp):
+        _json.loads(texts[inp["n"]])
         return Outcome(logprobs=torch.log_softmax(inp["x"], -1))
 
     pair = TargetPair(name="lib.raises", kind="op", expected="aligned",
                       build=lambda c, d: {"n": c.batch_size, "x": c.token_randn(8, "x")},
                       trainer=lambda i: Outcome(logprobs=torch.log_softmax(i["x"], -1)), rollout=engine)
-    evs = {n: run_case(pair, Case(seed=1, seq_lens=(1,) * n)) for n in (1, 2, 3, 10)}
-    for n, ev in evs.items():  # raised in json's decoder, called from this test's engine
-        assert ev.symptom is Symptom.ERROR and ev.error["where"].startswith("decoder.py:"), (n, ev.error)
+    evs = {n: run_case(pair, Case(seed=1, seq_lens=(1,) * n)) for n in (1, 2, 3)}
+    for n, ev in evs.items():  # one raising frame for all three, called from this test's engine
+        assert ev.symptom is Symptom.ERROR and ev.error["where"] == "decoder.py:raw_decode", (n, ev.error)
         assert ev.error["caller"] == "test_fuzz.py:engine"
     sig = {n: signature(pair.name, ev) for n, ev in evs.items()}
-    assert sig[1] == sig[3]  # "Expecting value ... (char 0)" twice: one bug
-    assert sig[2] == sig[10] != sig[1]  # "Extra data: line 1 column N": another, whatever N is
-    own = run_case(pair, Case(seed=1, seq_lens=(1,) * 4))  # (no error: the engine parses "[1]")
-    assert own.symptom is not Symptom.ERROR
+    assert sig[1] != sig[2]  # "Expecting value" and "Expecting ',' delimiter": two bugs
+    assert sig[2] == sig[3]  # the delimiter at column 4 and at column 7: one
+    assert run_case(pair, Case(seed=1, seq_lens=(1,) * 4)).symptom is not Symptom.ERROR
 
 
 
@@ -466,3 +467,48 @@ def test_a_pair_that_waited_behind_anothers_first_case_says_so_not_that_its_time
     r = PairResult("ort.fp16", "diverges", waited_for="ort.aligned", examples_asked=100, examples_short=100)
     assert r.verdict == "not run" and r.time_note.startswith("it waited behind ort.aligned's first case")
     assert "time share" not in r.time_note
+
+
+def test_an_error_repro_named_before_message_classes_is_adopted_and_another_message_is_its_own(tmp_path):
+    """A corpus written when an error's signature was its type and raising frame: the same error now
+    is that repro (its id, MLflow run and history go on); another message of the same frame is a
+    repro of its own, and replay tells the two apart."""
+    import json as _json
+
+    from harness import Outcome, TargetPair
+    from harness.corpus import load_repro, record_finding, replay
+    from harness.execute import run_case
+    from harness.fuzz import Finding, legacy_error_signature, signature
+
+    texts = {1: "x", 2: "[1 2]"}
+
+    def engine(inp):
+        _json.loads(texts[inp["n"]])
+
+    pair = TargetPair(name="lib.legacy", kind="op", expected="aligned",
+                      build=lambda c, d: {"n": c.batch_size, "x": c.token_randn(8, "x")},
+                      trainer=lambda i: Outcome(logprobs=torch.log_softmax(i["x"], -1)), rollout=engine)
+    REGISTRY.register(pair)
+
+    def finding(n):
+        case = Case(seed=1, seq_lens=(1,) * n)
+        ev = run_case(pair, case)
+        return Finding(pair=pair.name, expected="aligned", symptom=ev.symptom, signature=signature(pair.name, ev),
+                       case=case, evaluation=ev, examples=1)
+
+    first = finding(1)
+    path = record_finding(first, tmp_path, 1e-3, 1, "cpu")
+    legacy = legacy_error_signature(pair.name, first.evaluation.error)
+    data = _json.loads(path.read_text())
+    data["signature"] = legacy  # as an older harness named it
+    old = path.with_name(f"{legacy[:12]}.json")
+    old.write_text(_json.dumps(data))
+    path.unlink()
+    again = finding(1)
+    assert record_finding(again, tmp_path, 1e-3, 1, "cpu") == old and not again.new and again.id == legacy[:12]
+    other = finding(2)
+    assert record_finding(other, tmp_path, 1e-3, 1, "cpu") != old and other.new
+    # replaying the old repro's case against the other bug's message: not the recorded failure
+    repro = load_repro(old)
+    repro.error = {**repro.error, "message": other.evaluation.error["message"]}
+    assert "error" in replay(repro).mismatches
