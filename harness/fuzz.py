@@ -216,7 +216,8 @@ def message_class(message: Any) -> str:
     lines = str(message or "").strip().splitlines()
     first = lines[0] if lines else ""
     first = re.sub(r"(?:[A-Za-z]:)?(?:[\\/][^\s'\"\\/,;:)\]]+){2,}", "<path>", first)
-    first = re.sub(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", "#", first)
+    first = re.sub(r"0x[0-9a-fA-F]+|\b[0-9a-fA-F]{8,}\b|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?", "#", first)
+    first = re.sub(r"#(?:\s*[,x*]\s*#)+", "#", first)  # a shape or list of any length: (#, #, #) -> (#)
     return re.sub(r"\s+", " ", first)[:200]
 
 

@@ -512,3 +512,12 @@ def test_an_error_repro_named_before_message_classes_is_adopted_and_another_mess
     repro = load_repro(old)
     repro.error = {**repro.error, "message": other.evaluation.error["message"]}
     assert "error" in replay(repro).mismatches
+
+
+def test_a_message_class_keeps_the_words_and_drops_what_varies_with_the_case():
+    from harness.fuzz import message_class
+
+    assert message_class("shape [3, 64] vs [4, 64, 2] in /tmp/x/y.py at 0x7f3a") == "shape [#] vs [#] in <path> at #"
+    assert message_class("idx=17 must be within [-16,15]") == message_class("idx=23 must be within [-16,15]")
+    assert message_class("Expecting value") != message_class("Expecting ',' delimiter")
+    assert message_class("first line\nsecond 12") == "first line"
