@@ -404,6 +404,10 @@ class FuzzSession:
             parts.append("--harness-no-isolation")
         if not self.tracking:
             parts.append("--harness-no-tracking")
+        elif self.tracking_uri:
+            parts.append(f"--harness-tracking-uri={shlex.quote(str(self.tracking_uri))}")
+        if opt("harness_out") != os.path.join("reports", "fuzz"):
+            parts.append(f"--harness-out={shlex.quote(str(opt('harness_out')))}")
         parts.append(f"--harness-seed {self.seed}")
         if self.shard and pair is None:
             parts.append(f"--shard {self.shard[0]}/{self.shard[1]}")

@@ -403,6 +403,17 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         why = "; ".join(str(b) for b in res.bad[:5]) or "the file holds no samples"
         raise UsageError(f"no sample of {str(path)!r} could be scored: {why}.")
     res.batch = batch_metrics(res.scored)
+    try:  # (a model's position table: a longer sample is scored past what the model was made for)
+        max_pos = int(spec.fields().get("max_position_embeddings") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        max_pos = 0
+    long = [sc for sc in res.scored if max_pos and len(sc.sample.prompt) + len(sc.sample.response) > max_pos]
+    if long:
+        res.notes.append(f"{len(long)} sample(s) are longer than the model's max_position_embeddings ({max_pos}) ("
+                         + ", ".join(f"line {sc.sample.line}: {len(sc.sample.prompt) + len(sc.sample.response)} "
+                                     "tokens" for sc in long[:4])
+                         + "): the trainer scored them past the positions the model was made for, so their "
+                           "log-probs may say more about the model than about the engine")
     lines_of: dict[str, list[int]] = {}
     for sc in res.scored:
         lines_of.setdefault(str(sc.sample.id), []).append(sc.sample.line)

@@ -316,3 +316,17 @@ def test_recorded_experts_that_differ_only_at_prompt_positions_count_as_flips(al
     flips = {s.sample.line: s.metrics["flip_rate"] for s in res.scored}
     assert flips[2] > 0.1 and flips[1] == 0.0 and flips[3] == 0.0, flips
     assert res.batch["flip_rate"] > 0 and any(n.startswith("recorded experts") for n in res.notes)
+
+
+def test_a_sample_longer_than_the_models_positions_is_noted(aligned_file, tmp_path, monkeypatch):
+    import targets.hf.backend as backend
+
+    fields = backend.HFModel.fields
+    monkeypatch.setattr(backend.HFModel, "fields", lambda self: {**fields(self), "max_position_embeddings": 16})
+    rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:3]]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", progress=False, max_repros=0)
+    n = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
+    [note] = [x for x in res.notes if "max_position_embeddings" in x]
+    assert f"{sum(k > 16 for k in n)} sample(s) are longer than the model's max_position_embeddings (16)" in note
