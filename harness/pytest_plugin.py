@@ -651,8 +651,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     ENTRY_POINT[0] = True  # (a worker that fails to start is not a user's script's missing main guard)
     if not _enabled(config):
-        given = [flag for dest, flag in (("harness_shard", "--shard"), ("harness_pairs", "--harness-pairs"))
-                 if config.getoption(dest, None)]
+        args = [str(a) for a in getattr(config.invocation_params, "args", ())]  # (the command line, not addopts)
+        given = [flag for flag in ("--shard", "--harness-shard", "--harness-pairs")
+                 if any(a == flag or a.startswith(flag + "=") for a in args)]
         if given:  # (else the whole test suite runs, unsharded, and says nothing)
             raise pytest.UsageError(f"{' and '.join(given)} choose(s) what a fuzz campaign runs: add --harness-fuzz "
                                     "(without it pytest runs the test suite, which these options do not split).")

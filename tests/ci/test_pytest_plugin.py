@@ -305,3 +305,13 @@ def test_cuda_device(tmp_path):
     else:
         assert rc == 4, out
         assert "--harness-device cuda was asked for but torch sees no CUDA device" in out and "Traceback" not in out
+
+
+def test_fuzz_options_on_the_command_line_without_harness_fuzz_are_a_usage_error(tmp_path):
+    """`pytest --shard 1/2` alone would run the whole suite unsplit and say nothing; the same options
+    in PYTEST_ADDOPTS (a project's defaults for its nightly) leave a plain run alone."""
+    (tmp_path / "test_plain.py").write_text("def test_ok():\n    pass\n")
+    rc, out = run_pytest(["--shard", "1/2", str(tmp_path / "test_plain.py")], cwd=tmp_path)
+    assert rc == 4 and "--shard choose(s) what a fuzz campaign runs: add --harness-fuzz" in out, out
+    rc, out = run_pytest([str(tmp_path / "test_plain.py")], cwd=tmp_path, env={"PYTEST_ADDOPTS": "--harness-pairs x"})
+    assert rc == 0 and "1 passed" in out, out
