@@ -17,13 +17,8 @@ from typing import Any
 
 import click
 
+from .bench import check_out_file
 from .corpus import STATUSES
-
-def _check_out_file(ctx: Any, param: Any, value: Any) -> Any:
-    from .bench import check_out_file
-
-    return check_out_file(ctx, param, value)
-
 
 URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<abs>/reports/mlflow.db)."
 
@@ -216,7 +211,7 @@ def tracking_overhead(pair_names: tuple[str, ...], max_examples: int, seed: int)
 @click.option("--max-examples", type=click.IntRange(1), default=15, show_default=True)
 @click.option("--seed", type=click.IntRange(0), default=1, show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), default="reports/BENCHMARKS.md", show_default=True,
-              callback=lambda ctx, param, value: str(_check_out_file(ctx, param, value)))
+              callback=check_out_file)
 def bench_tracking_command(pair_names: tuple[str, ...], max_examples: int, seed: int, out: str) -> None:
     """Time MLflow tracking adds to a small campaign (fresh store, existing store, unreachable store)."""
     from pathlib import Path

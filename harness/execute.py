@@ -8,6 +8,7 @@ an `Evaluation` with symptom `error` and the traceback kept; NaN/inf output beco
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import traceback
 from dataclasses import dataclass
@@ -239,15 +240,23 @@ def restore_process_state(pair: str, before: tuple) -> None:
             pass
 
 
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    """The standard library's folder and the harness's own."""
+    import os
+    import sysconfig
+
+    return sysconfig.get_paths()["stdlib"], os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _library_file(filename: str) -> bool:
     """A frame of installed or standard-library code, or of the harness itself: not where a pair's
     own code called it (`describe_error`'s `caller`)."""
     import os
-    import sysconfig
 
     f = os.path.abspath(filename)
-    return ("site-packages" in f or "dist-packages" in f or f.startswith(sysconfig.get_paths()["stdlib"])
-            or f.startswith(os.path.dirname(os.path.abspath(__file__)) + os.sep) or filename.startswith("<"))
+    return ("site-packages" in f or "dist-packages" in f or f.startswith(_library_roots())
+            or filename.startswith("<"))
 
 
 def describe_error(e: BaseException) -> dict[str, str]:

@@ -185,10 +185,9 @@ class FuzzSession:
             uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
             try:
                 if uri:
-                    check_scheme(uri)
+                    check_scheme(uri, "--harness-tracking-uri", "--harness-no-tracking")
             except UsageError as e:
-                raise pytest.UsageError(str(e).replace("--tracking-uri", "--harness-tracking-uri")
-                                        .replace("--no-tracking", "--harness-no-tracking")) from None
+                raise pytest.UsageError(str(e)) from None
         self.results: list[dict] = []  # this process's pair results (serialised)
         self.campaign_run_id: str | None = None
         self.campaign_uid: str | None = None  # the controller's campaign: what a regression counts as seen by

@@ -491,6 +491,8 @@ def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path,
 def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
     import csv
 
+    from .corpus import encode_float
+
     out = res.out_dir
     out.mkdir(parents=True, exist_ok=True)
     with (out / "samples.csv").open("w", newline="") as fh:
@@ -499,19 +501,14 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
         for s in res.scored:
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
                         *[s.metrics[k] for k in PER_SAMPLE], s.evaluation.failed])
-    batch = {k: _finite_or_str(v) for k, v in res.batch.items()}
-    summary = {"file": str(source), "threshold": _finite_or_str(threshold), "batch": batch,  # (NaN as "nan": strict JSON)
-               "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": _finite_or_str(s.metrics["k3_kl"])}
+    batch = {k: encode_float(v) for k, v in res.batch.items()}
+    summary = {"file": str(source), "threshold": encode_float(threshold), "batch": batch,  # (NaN as "nan": strict JSON)
+               "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": encode_float(s.metrics["k3_kl"])}
                            for s in res.flagged],
                "bad_rows": [{"line": b.line, "field": b.field, "message": b.message} for b in res.bad],
                "repros": [str(p) for p in res.repros], "notes": res.notes}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable, allow_nan=False) + "\n")
     plot_histogram([s.metrics["k3_kl"] for s in res.scored], threshold, out / "k3_hist.png")
-
-
-def _finite_or_str(v: Any) -> Any:
-    """A float for strict JSON: NaN and infinities as "nan", "inf", "-inf"."""
-    return v if not isinstance(v, float) or math.isfinite(v) else str(v)
 
 
 def _jsonable(x: Any) -> Any:

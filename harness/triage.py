@@ -324,12 +324,11 @@ class _Recorder:
         import torch
 
         items = list(out.values()) if isinstance(out, Mapping) else list(out) if isinstance(out, (tuple, list)) else []
-        b, s = call.batch, call.seq
         for i, t in enumerate(items):
             if not isinstance(t, torch.Tensor) or t is first or t.dim() > 3 or t.is_complex():
                 continue
-            if t.dim() < 2 or not ((t.shape[0] == b and t.shape[1] == s) or t.shape[0] == b * s):
-                continue  # (what `_fit` would not place per token)
+            if _fit(call, t, width=-1) is None:  # not per token (width -1: no logits_to_keep slice here)
+                continue
             key = f"{name}[{i}]"
             if key in call.raw:
                 continue

@@ -31,6 +31,7 @@ not the worker, decides what an interrupt does (it stops the worker).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import tempfile
@@ -62,9 +63,11 @@ def _mib_setting(env: str, default: float) -> float:
     return v
 
 
+@functools.lru_cache(maxsize=1)
 def machine_memory_mib() -> float:
     """The memory this process may use, in MiB: the machine's, or its container's cgroup limit
-    when lower (a CI container on a large host)."""
+    when lower (a CI container on a large host). Read once per process (the memory watch asks
+    every 0.5 s)."""
     try:
         total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (ValueError, OSError, AttributeError):

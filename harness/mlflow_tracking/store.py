@@ -67,7 +67,7 @@ KNOWN_SCHEMES = {"", "file", "sqlite", "http", "https", "databricks", "databrick
                  "mssql", "oracle"}
 
 
-def check_scheme(uri: str) -> None:
+def check_scheme(uri: str, uri_flag: str = "--tracking-uri", off_flag: str = "--no-tracking") -> None:
     """UsageError for a URI no MLflow tracking store takes (`bogus://x`): not an outage to wait out."""
     import re as _re
 
@@ -83,7 +83,7 @@ def check_scheme(uri: str) -> None:
         return
     raise UsageError(f"tracking URI {uri!r}: no MLflow tracking store takes the scheme {scheme!r} (these do: "
                      f"{', '.join(sorted(s for s in KNOWN_SCHEMES if s))}, or an installed MLflow plugin's); fix "
-                     "--tracking-uri or $MLFLOW_TRACKING_URI, or pass --no-tracking.")
+                     f"{uri_flag} or $MLFLOW_TRACKING_URI, or pass {off_flag}.")
 
 
 def resolve_uri(uri: str | None = None) -> str:
