@@ -308,9 +308,9 @@ def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None
 
 def batch_metrics(scored: list[Scored]) -> dict[str, float]:
     """Batch metrics under verl's rollout-correction names, with its weighting: token means over every
-    scored token of the batch (`k3_kl`, `kl`, `chi2_token`, `pearson`, `flip_rate`: a long sample
-    weighs more), sequence means (`log_ppl_diff`, `ppl_ratio`: each sample's own mean first),
-    maxima over tokens (`max_abs_dlogp`, `probs_diff_max`) and over samples (`k3_seq_max`)."""
+    scored token of the batch (`k3_kl`, `kl`, `chi2_token`, `pearson`: a long sample weighs more;
+    `flip_rate`: over every routed position of the batch, prompts included, as each sample's own),
+    sequence means (`log_ppl_diff`, `ppl_ratio`: each sample's own mean first), maxima over tokens (`max_abs_dlogp`, `probs_diff_max`) and over samples (`k3_seq_max`)."""
     import numpy as np
 
     if not scored:
@@ -333,9 +333,9 @@ def _batch_metrics(scored: list[Scored], np: Any) -> dict[str, float]:
                              np.asarray(s.evaluation.divergence.per_token["logp_rollout"]))) for s in scored]
     pt, pr = np.exp(lt), np.exp(lr)
     pearson = float(np.corrcoef(pt, pr)[0, 1]) if len(pt) > 1 and pt.std() > 0 and pr.std() > 0 else float("nan")
-    routed = [(s.metrics.get("flip_rate", 0.0) + s.metrics.get("tie_flip_rate", 0.0), s.metrics["n_tokens"])
-              for s in scored]
-    n_tok = sum(n for _, n in routed)
+    # expert flips over every routed position (prompt and response, each layer), as each sample's own rate
+    layers = [v for s in scored for v in (getattr(s.evaluation.divergence, "flips_per_layer", None) or {}).values()]
+    flips, routed = sum(v["flips"] + v["tie_flips"] for v in layers), sum(v["tokens"] for v in layers)
     return {
         "k3_kl": float(k3.mean()),
         "k3_seq_max": float(max(s.metrics["k3_kl"] for s in scored)),
@@ -347,8 +347,7 @@ def _batch_metrics(scored: list[Scored], np: Any) -> dict[str, float]:
         "probs_diff_max": float(np.abs(pt - pr).max()),
         "pearson": pearson,
         # (no sample recorded its experts: nothing to compare the trainer's routing with)
-        "flip_rate": (float(sum(f * n for f, n in routed) / n_tok) if n_tok else 0.0)
-        if any(s.sample.experts for s in scored) else math.nan,
+        "flip_rate": (flips / routed if routed else 0.0) if any(s.sample.experts for s in scored) else math.nan,
         "samples": float(len(scored)),
         "tokens": float(len(d)),
     }

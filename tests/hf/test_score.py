@@ -316,6 +316,13 @@ def test_recorded_experts_that_differ_only_at_prompt_positions_count_as_flips(al
     flips = {s.sample.line: s.metrics["flip_rate"] for s in res.scored}
     assert flips[2] > 0.1 and flips[1] == 0.0 and flips[3] == 0.0, flips
     assert res.batch["flip_rate"] > 0 and any(n.startswith("recorded experts") for n in res.notes)
+    # the batch's rate is over every routed position, as each sample's (not weighted by response tokens)
+    layers = [v for s in res.scored for v in s.evaluation.divergence.flips_per_layer.values()]
+    want = sum(v["flips"] + v["tie_flips"] for v in layers) / sum(v["tokens"] for v in layers)
+    assert res.batch["flip_rate"] == pytest.approx(want, rel=1e-12)
+    routed = {s.sample.line: sum(v["tokens"] for v in s.evaluation.divergence.flips_per_layer.values())
+              for s in res.scored}
+    assert res.batch["flip_rate"] == pytest.approx(flips[2] * routed[2] / sum(routed.values()), rel=1e-12)
 
 
 def test_a_sample_longer_than_the_models_positions_is_noted(aligned_file, tmp_path, monkeypatch):
