@@ -268,11 +268,12 @@ class Case:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     def one_line(self) -> str:
-        """The case in one line, only the fields that differ from the defaults."""
+        """The case in one line, only the fields that differ from the defaults (`seq_ids` too: the
+        sequences' streams, which every tensor is drawn from)."""
         default = Case(seed=0)
         parts = [f"seed={self.seed}", f"seq_lens={list(self.seq_lens)}"]
         for f in dataclasses.fields(self):
-            if f.name in ("seed", "seq_lens", "seq_ids"):
+            if f.name in ("seed", "seq_lens"):
                 continue
             value = getattr(self, f.name)
             if value != getattr(default, f.name):
@@ -364,8 +365,8 @@ class Case:
         return torch.cat(parts)
 
     def smaller_neighbours(self) -> list["Case"]:
-        """The cases one removal away: one sequence (batch row) dropped, one token dropped from the
-        end of one response, or one from the front of one prompt, all else equal."""
+        """The cases one removal away: one sequence (batch row) dropped, or one token dropped from the
+        end of one response or of one prompt (the shorter one is a prefix of it), all else equal."""
         out: list[Case] = []
         n = self.batch_size
         for i in range(n if n > 1 else 0):

@@ -18,6 +18,23 @@ def test_polish_drops_bystanders_and_moves_knobs_to_neutral():
     assert all(not fails(n) for n in got.simpler_neighbours())  # 1-minimal
 
 
+def test_polish_reaches_a_boundary_that_half_and_one_less_miss():
+    # a bug past position 64 that fires at most lengths above it, but not at 75 or 74 (it depends on
+    # the values there): halving (38) and dropping one token (75) both pass from 76
+    def fails(c):
+        return c.prompt_len(0) > 64 and c.prompt_len(0) not in (74, 75, 66)
+
+    got, _, complete = polish(Case(seed=3, seq_lens=(1,), prompt_lens=(76,)), fails)
+    assert complete and got.prompt_lens == (65,), got.one_line()
+    got, _, complete = polish(Case(seed=3, seq_lens=(76,)), lambda c: c.seq_lens[0] > 64 and c.seq_lens[0] != 75)
+    assert complete and got.seq_lens == (65,), got.one_line()
+
+
+def test_one_line_names_the_sequences_streams():
+    assert "seq_ids=[296]" in Case(seed=0, seq_lens=(1,), prompt_lens=(76,), seq_ids=(296,)).one_line()
+    assert "seq_ids" not in Case(seed=0, seq_lens=(1, 2)).one_line()
+
+
 def test_polish_stops_at_its_budget_and_says_so():
     got, evals, complete = polish(Case(seed=1, seq_lens=(8, 8, 8)), lambda c: True, max_evals=2)
     assert evals == 2 and not complete and got.seq_lens == (8,)
