@@ -362,6 +362,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     from .corpus import Skipped, load_many_tolerant, load_plugin_for, replay as do_replay
     from .env import machine_differences, resolve_device
     from .execute import headline
+    from .metrics import verdict_mean
 
     bisect = in_bisect() if bisect is None else bisect
     cannot = EXIT_SKIP if bisect else EXIT_USAGE
@@ -431,9 +432,15 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             line += f"\n  warning: {res.weights}"
         if ev.error:
             line += f"\n  {ev.error['type']}: {ev.error['message']}"
+        d = ev.divergence
+        now = {**(d.as_dict() if d is not None else {}), "fired": getattr(d, "fired", "")}
         out.append({"file": str(r.path) if r.path else None, "id": r.id, "pair": r.pair, "status": r.status,
-                    "recorded_symptom": r.symptom, "symptom": ev.symptom.value, "k3": ev.k3,
-                    "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit if res.compared else None,
+                    "recorded_symptom": r.symptom, "symptom": ev.symptom.value,
+                    # the mean the verdict read (`fired` says which crossed the line), then the sampled k3
+                    "verdict_mean": list(verdict_mean(now)) if d is not None else None,
+                    "recorded_verdict_mean": list(verdict_mean(r.metrics)) if r.metrics else None,
+                    "fired": now["fired"], "k3_expected": now.get("k3_expected"), "kl": now.get("kl"),
+                    "k3": ev.k3, "recorded_k3": rec_k3, "bit_for_bit": res.bit_for_bit if res.compared else None,
                     "case_edited": r.case_edited, "weights_changed": bool(res.weights),
                     "recorded_elsewhere": elsewhere, "beyond_noise": sorted(beyond) if elsewhere else None,
                     "nondeterministic": res.nondeterministic,

@@ -52,6 +52,9 @@ def test_show_and_replay_a_repro(found, harness_cli):
     code, out, _ = harness_cli("replay", str(found), "--json")
     [row] = json.loads(out)
     assert row["bit_for_bit"] and row["symptom"] == "divergence"
+    # the JSON carries the mean the verdict read and which fired, not only the sampled k3
+    assert row["verdict_mean"] == row["recorded_verdict_mean"] == [name, value] and row["fired"] == fired
+    assert row["k3_expected"] == data["metrics"]["k3_expected"] and row["kl"] == data["metrics"]["kl"]
 
 
 def test_replay_exits_0_once_the_case_no_longer_diverges(found, harness_cli):
