@@ -398,7 +398,9 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
             problems.append(f"{where}: trainer logprobs {tuple(t1.logprobs.shape)} and rollout logprobs "
                             f"{tuple(r1.logprobs.shape)} differ in shape; both must be (tokens, vocab)")
         for role, a, b in (("trainer", t1, t2), ("rollout", r1, r2)):
-            if not torch.equal(a.logprobs, b.logprobs):
+            same = (torch.equal(a.logprobs, b.logprobs) if a.logprobs.shape != b.logprobs.shape or not a.logprobs.is_floating_point()
+                    else bool(torch.isclose(a.logprobs, b.logprobs, rtol=0, atol=0, equal_nan=True).all()))
+            if not same:  # (NaN in the same places is the same output: reported below, not as nondeterminism)
                 problems.append(f"{where}: {role} is not deterministic: two runs of the same case differ. Draw every "
                                 "tensor from case.generator(...) and avoid nondeterministic kernels")
             if bool(torch.isnan(a.logprobs).any() or torch.isposinf(a.logprobs).any()):

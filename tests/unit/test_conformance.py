@@ -1,5 +1,6 @@
 """The conformance check a backend author calls in one line, run over every registered pair."""
 
+import math
 import warnings
 
 import pytest
@@ -39,6 +40,24 @@ def test_a_nondeterministic_pair_fails_with_the_fix(tmp_path):
     spec.loader.exec_module(mod)
     with pytest.raises(ConformanceError, match="trainer is not deterministic.*case.generator"):
         check_pair(mod.pair, n_cases=2)
+
+
+def test_nan_in_the_same_places_is_reported_as_nan_not_as_nondeterminism():
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+
+    def nan_rows(case, device):
+        lp = torch.log_softmax(case.randn((case.n_tokens, 8), "x"), -1)
+        lp[0, 0] = math.nan  # deterministic: the same NaN on every run
+        return lp
+
+    pair = TargetPair(name="nan.same", kind="op", expected="aligned", build=nan_rows,
+                      trainer=lambda x: Outcome(logprobs=x.clone()), rollout=lambda x: Outcome(logprobs=x.clone()),
+                      axes=Axes(n_seqs=(1, 2), seq_len=(1, 3)))
+    with pytest.raises(ConformanceError) as e:
+        check_pair(pair, n_cases=2)
+    assert "contain NaN" in str(e.value) and "not deterministic" not in str(e.value)
 
 
 def test_a_raise_in_the_pair_is_reported_with_the_pairs_own_line():
