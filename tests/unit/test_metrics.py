@@ -296,3 +296,13 @@ def test_verdict_mean_is_the_mean_that_fired():
     cut = headline(None, long)
     assert cut.endswith(" the ...") and len(cut) < 220  # cut at a word, not in the middle of one
     assert headline({**m, "nonfinite_trainer": 3, "nonfinite_rollout": 0}, None) == "NaN/inf from the trainer 3 token(s)"
+
+
+def test_a_finding_fired_by_one_excluded_draw_says_so_with_the_exact_means():
+    from harness.execute import headline
+
+    m = {"k3_kl": math.inf, "k3_expected": 3.6e-4, "kl": 2e-4, "kl_excluded": 0.038, "fired": "k3",
+         "nonfinite_trainer": 0, "nonfinite_rollout": 0}
+    assert headline(m, None) == ("k3=inf (a sampled token the trainer excludes: rollout mass there 0.038; "
+                                 "expected k3 0.00036, kl 0.0002)")
+    assert headline({**m, "k3_kl": 0.01, "k3_expected": 0.002}, None) == "k3=0.002"
