@@ -103,6 +103,16 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
                          "numerics and the pair would test nothing. Compare a component it has (body, lm_head, "
                          "attention, patch, ...), or give it a MoE model.")
 
+    axes = axes or default_axes(spec)
+    max_pos = int(spec.fields().get("max_position_embeddings") or 0)
+    longest = 1 + getattr(axes, "prompt_len", (0, 0))[1] + axes.seq_len[1]  # first token + prompt + response
+    if max_pos and longest > max_pos:
+        raise UsageError(f"hf_pair {name!r}: its axes reach sequences of {longest} tokens (a first token, prompts up "
+                         f"to {getattr(axes, 'prompt_len', (0, 0))[1]}, responses up to {axes.seq_len[1]}), past the "
+                         f"model's max_position_embeddings ({max_pos}): positions beyond it test what the model was "
+                         "never built for. Lower max_prompt / max_response in default_axes(...), or raise "
+                         "max_position_embeddings in the config.")
+
     def build(case: Any, device: str) -> paths.HFInputs:
         inp = paths.make_inputs(case, spec, device)
         expose_modules(inp, trainer, rollout)
@@ -124,7 +134,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
                            + (", router replay" if replay else ""))
     return TargetPair(
         name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
-        axes=axes or default_axes(spec), devices=devices, description=desc,
+        axes=axes, devices=devices, description=desc,
         weights=spec.fingerprint if spec.path else None,  # (a checkpoint folder; a config's weights come from its seed)
         profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=labels(trainer, rollout),
                             make=remake, model=spec, replay=replay),
@@ -202,21 +212,22 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
     )
 
 
-def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges") -> list[TargetPair]:
+def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axes | None = None) -> list[TargetPair]:
     """The standard set for one model: `<prefix>.aligned` (float32 both sides),
     `<prefix>.bf16_rollout` (float32 trainer vs bf16 engine), `<prefix>.bf16_rollout.replay` (the same
-    with router replay; MoE models only), `<prefix>.eager_vs_sdpa` (attention implementations, float32)."""
+    with router replay; MoE models only), `<prefix>.eager_vs_sdpa` (attention implementations, float32).
+    `axes`: every pair's (default: `default_axes(model)`)."""
     spec = model_from(model)
     pairs = [
-        hf_pair(f"{prefix}.aligned", spec, FP32, FP32, expected="aligned",
+        hf_pair(f"{prefix}.aligned", spec, FP32, FP32, expected="aligned", axes=axes,
                 description="float32 both sides: packed teacher-forced trainer vs KV-cache decode rollout"),
-        hf_pair(f"{prefix}.bf16_rollout", spec, FP32, BF16, expected=bf16_expected,
+        hf_pair(f"{prefix}.bf16_rollout", spec, FP32, BF16, expected=bf16_expected, axes=axes,
                 description="float32 trainer vs a bf16 engine (weights, activations, router, LM head)"),
-        hf_pair(f"{prefix}.eager_vs_sdpa", spec, FP32.replace(attention="eager"), FP32, expected="aligned",
+        hf_pair(f"{prefix}.eager_vs_sdpa", spec, FP32.replace(attention="eager"), FP32, expected="aligned", axes=axes,
                 description="eager attention (trainer) vs sdpa (rollout), float32"),
     ]
     if spec.moe():
         pairs.append(hf_pair(f"{prefix}.bf16_rollout.replay", spec, FP32, BF16, replay=True,
-                             expected=bf16_expected,
+                             expected=bf16_expected, axes=axes,
                              description="bf16 engine with router replay: flips gone, the precision gap remains"))
     return pairs

@@ -149,6 +149,21 @@ def test_user_pair_from_config_dict_and_profiles_swap():
     assert ev.k3 < 1e-8 and math.isfinite(ev.k3)
 
 
+def test_axes_past_the_models_positions_are_refused_and_wider_axes_reach_far_positions():
+    from harness.errors import UsageError
+    from targets.hf import hf_pairs
+    from targets.hf.pairs import default_axes
+    from targets.hf.backend import model_from
+
+    cfg = dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    with pytest.raises(UsageError, match=r"reach sequences of 97 tokens .* max_position_embeddings \(64\)"):
+        hf_pair("user.long", cfg, axes=default_axes(model_from(cfg), max_prompt=48, max_response=48))
+    wide = default_axes(model_from(cfg), max_prompt=40, max_response=23)  # 1 + 40 + 23 = 64: allowed
+    pairs = hf_pairs("user.wide", cfg, axes=wide)
+    assert all(p.axes is wide for p in pairs)
+
+
 def test_tied_embeddings_keep_the_body_dtype_when_only_the_head_differs():
     """A tied LM head (tie_word_embeddings: most small real checkpoints) in its own dtype gets its own
     weight copy: the input embedding stays in the body dtype, and a bf16 body with a float32 head runs."""
