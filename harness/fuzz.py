@@ -1137,7 +1137,11 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 if cfg.fill_budget and r.examples and not by_pair[pair.name].findings \
                         and not by_pair[pair.name].setup_error:  # (another stream's finding or setup error counts)
                     fill.append(unit)
-                log(f"  {unit.label}: {r.verdict} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
+                said = r.verdict
+                if said == "MISSED" and (unit in fill or unit.streams > 1):  # the pair's verdict comes at the end
+                    said = "not caught yet" + (" (more rounds follow if time is left)" if unit in fill else
+                                               " (by this stream)")
+                log(f"  {unit.label}: {said} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "")
                     + (f"; {r.time_note}" if r.time_note else "") + ")"

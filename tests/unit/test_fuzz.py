@@ -521,3 +521,20 @@ def test_a_message_class_keeps_the_words_and_drops_what_varies_with_the_case():
     assert message_class("idx=17 must be within [-16,15]") == message_class("idx=23 must be within [-16,15]")
     assert message_class("Expecting value") != message_class("Expecting ',' delimiter")
     assert message_class("first line\nsecond 12") == "first line"
+
+
+def test_a_demonstration_not_caught_in_its_first_round_is_not_called_missed_before_its_last(tmp_path):
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+
+    same = TargetPair(name="demo.never", kind="op", expected="diverges",
+                      build=lambda case, device: torch.log_softmax(case.randn((case.n_tokens, 8), "x"), -1),
+                      trainer=lambda x: Outcome(logprobs=x), rollout=lambda x: Outcome(logprobs=x.clone()),
+                      axes=Axes(n_seqs=(1, 2), seq_len=(1, 3)))
+    logged = []
+    cfg = CampaignConfig(pairs=[same], corpus=tmp_path / "c", max_examples=3, budget=2.0, seed=3, fill_budget=True)
+    result = run_campaign(cfg, NullTracker(), log=logged.append)
+    assert result.results[0].verdict == "MISSED"  # the pair's verdict, at the end
+    first = [m for m in logged if m.startswith("  demo.never:") and "cases in" in m][0]
+    assert "MISSED" not in first and "not caught yet (more rounds follow if time is left)" in first, logged
