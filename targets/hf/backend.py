@@ -127,10 +127,11 @@ def register_patch(name: str, fn: Callable[[Any], Any] | None = None) -> Any:
 
 
 def _where(f: Any) -> str:
-    """Where a function is defined (module, name, line): two lambdas of one file differ."""
+    """Where a function is defined (its file, or module, name and line): two lambdas of one file differ,
+    and one file imported under two module names (a plugin another plugin imports) is the same def."""
     code = getattr(f, "__code__", None)
-    return (f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', '?')}"
-            + (f" (line {code.co_firstlineno})" if code is not None else ""))
+    where = code.co_filename if code is not None and code.co_filename else getattr(f, "__module__", "?")
+    return f"{where}: {getattr(f, '__qualname__', '?')}" + (f" (line {code.co_firstlineno})" if code is not None else "")
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,21 @@ def test_a_patch_must_be_registered_before_numerics_name_it_and_names_are_checke
         PATCHES.pop("test_lambdas", None)
 
 
+def test_one_plugin_file_imported_under_two_module_names_registers_its_patch_once(tmp_path):
+    import importlib.util
+
+    plugin = tmp_path / "engine_plugin.py"
+    plugin.write_text("from targets.hf import register_patch
+register_patch('test_twice', lambda m: None)
+")
+    try:
+        for name in ("engine_plugin", "harness_plugin_engine_plugin"):  # another plugin imports it by its name
+            spec = importlib.util.spec_from_file_location(name, plugin)
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    finally:
+        PATCHES.pop("test_twice", None)
+
+
 def test_the_patch_changes_only_its_own_paths_copy_and_the_routers_stay_hooked():
     seen = []
 
