@@ -57,9 +57,7 @@ def test_one_plugin_file_imported_under_two_module_names_registers_its_patch_onc
     import importlib.util
 
     plugin = tmp_path / "engine_plugin.py"
-    plugin.write_text("from targets.hf import register_patch
-register_patch('test_twice', lambda m: None)
-")
+    plugin.write_text("from targets.hf import register_patch\nregister_patch('test_twice', lambda m: None)\n")
     try:
         for name in ("engine_plugin", "harness_plugin_engine_plugin"):  # another plugin imports it by its name
             spec = importlib.util.spec_from_file_location(name, plugin)
