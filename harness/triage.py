@@ -564,6 +564,17 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
                          "logits, and a row with fewer than 3 finite values (top-k/top-p truncated it) or none above "
                          "the correlation bar cannot be (see harness/triage.py `_match_rows`)")
     errs = module_errors(t_cap, r_cap)
+    for role, cap, other in (("trainer", t_cap, r_cap), ("rollout", r_cap, t_cap)):
+        only = [n for n in cap.order if n not in errs and n not in other.rows and cap.rows.get(n)]
+        if only:
+            notes.append(f"per-module table: {len(only)} module(s) only the {role} runs are not in it (nothing to "
+                         f"compare them with): " + ", ".join(only[:6]) + (", ..." if len(only) > 6 else "")
+                         + "; the table narrows a divergence down to the modules both paths share")
+    unlike = [n for n in t_cap.order if n not in errs and n in r_cap.rows and t_cap.rows.get(n)]
+    if unlike:
+        notes.append(f"per-module table: {len(unlike)} module(s) both paths run give outputs of other shapes or "
+                     "other token rows, so they are not compared: " + ", ".join(unlike[:6])
+                     + (", ..." if len(unlike) > 6 else ""))
     floors: dict[str, float] = {}
     if reference is not None:
         ref = capture(reference, case, device)

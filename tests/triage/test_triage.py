@@ -347,3 +347,38 @@ def test_a_modules_entry_without_the_rollouts_module_is_named_not_ignored():
     t = triage(made_repro("planted.half_exposed", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
     assert t.k3 > 1e-3 and not t.modules
     assert any("has no 'rollout' torch module, so there is no per-module table" in n for n in t.notes), t.notes
+
+
+def test_modules_only_one_path_runs_are_named_in_a_note():
+    """An engine that wraps a layer in its own module (`blocks.1.inner`) has modules the trainer does
+    not: the table cannot compare them, and a note says which instead of leaving them out silently."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    base = REGISTRY.get("planted.tiny_lm.block_bias")
+    engine = copy.deepcopy(base.build(Case(seed=0, seq_lens=(1,)), "cpu")["modules"]["rollout"])
+
+    class Wrapped(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x)
+
+    engine.blocks[1] = Wrapped(engine.blocks[1])
+
+    def build(case, device):
+        inp = base.build(case, device)
+        inp["modules"] = {"trainer": inp["modules"]["trainer"], "rollout": engine}
+        return inp
+
+    from harness import TargetPair
+
+    REGISTRY.register(TargetPair(name="planted.wrapped_engine", kind="model", expected="diverges", build=build,
+                                 trainer=base.trainer, rollout=base.rollout, axes=base.axes, devices=("cpu",)))
+    t = triage(made_repro("planted.wrapped_engine", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    assert "blocks.1" in {m.name for m in t.modules} and "blocks.1.inner" not in {m.name for m in t.modules}
+    assert any("1 module(s) only the rollout runs are not in it" in n and "blocks.1.inner" in n for n in t.notes), t.notes
