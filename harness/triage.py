@@ -180,6 +180,7 @@ class Triage:
     report: Path | None = None
     plots: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    first_over: str = ""  # the earliest token over the line (`first_over_line`): where a position bug starts
 
     @property
     def first_layer(self) -> str | None:
@@ -866,9 +867,36 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
         if t.modules and reference is None:
             t.notes.append("no aligned run of the same modules was found (a registered `aligned` pair exposing "
                            f"the same modules); the noise floor is the absolute minimum {MIN_FLOOR:g}")
+    t.first_over = first_over_line(ev.divergence, repro.case, thr)
     t.verdict = verdict_line(t)
     t.seconds = time.monotonic() - start
     return t
+
+
+def first_over_line(div: Any, case: Any, threshold: float) -> str:
+    """Where the per-token divergence first crosses the line: the token with the smallest offset into
+    its sequence (prompt tokens before it + its response index) whose expected k3 or exact KL is over
+    `threshold` (or whose sampled k3 is +inf), and how many are. A bug from position 48 shows as offset
+    48 even when the minimal case keeps clean tokens before it (the verdict is a mean over tokens)."""
+    pt = getattr(div, "per_token", None) or {}
+    if "sequence" not in pt or not len(pt["sequence"]):
+        return ""
+    import numpy as np
+
+    with np.errstate(invalid="ignore"):
+        row = np.fmax(np.asarray(pt.get("k3_expected", pt["k3"]), dtype=float), np.asarray(pt["kl"], dtype=float))
+        over = (row > threshold) | (np.asarray(pt["k3"], dtype=float) == math.inf)
+    if not over.any():
+        return (f"no single token is over the line (the largest per-token value is {np.nanmax(row):.3g}): the "
+                "mean is, over many small differences") if np.isfinite(np.nanmax(row)) else ""
+    seqs, pos = np.asarray(pt["sequence"]), np.asarray(pt["position"])
+    offsets = np.array([case.prompt_len(int(j)) for j in seqs]) + pos
+    i = int(np.flatnonzero(over)[np.argmin(offsets[over])])
+    j, p, prompt = int(seqs[i]), int(pos[i]), case.prompt_len(int(seqs[i]))
+    at = f"sequence {j}, response token {p}" + (f" after a {prompt}-token prompt (offset {prompt + p})" if prompt else "")
+    earlier = int((~over & (seqs == j) & (pos < p)).sum())
+    return (f"first token over the line: {at}, per-token value {row[i]:.3g}; {int(over.sum())} of {len(over)} tokens "
+            f"over it" + (f", the {earlier} before it in that sequence under it" if earlier else ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -976,6 +1004,7 @@ def write_report(t: Triage, reports: Path) -> Path:
              f"**Verdict:** {t.verdict}", "",
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",
              f"- case: `{r.case.one_line()}`",
+             *([f"- {t.first_over}"] if t.first_over else []),
              f"- replay: `{_replay_command(r)}`; triage again: `{_triage_command(r)}`",
              f"- judged k3 ({judged_what}) now {t.k3:.6g}, exact KL "
              f"{getattr(ev.divergence, 'kl', float('nan')):.6g} (threshold {t.threshold:g}, either over it fails); "
@@ -1124,6 +1153,7 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
             "id": repro.id, "pair": repro.pair, "k3": t.k3, "verdict": t.verdict, "first_module": t.first_module,
             "first_layer": t.first_layer, "floor_from": t.floor_from,
             "first_nonfinite": t.nonfinite.module if t.nonfinite else None,
+            "first_over": t.first_over or None,
             "minimal": loc.minimal if loc else None, "explained": loc.explained if loc else None,
             "k3_minimal_aligned": loc.k3_minimal_aligned if loc else None, "flips": t.flips,
             "report": str(t.report), "plots": [str(p) for p in t.plots], "seconds": t.seconds, "mlflow": attached,
@@ -1140,6 +1170,8 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
                 f"{l} {v['near_tie']}/{v['other']}" + (f"/{v.get('unscored', 0)}" if unscored else "")
                 for l, v in t.flips.items()))
         click.echo(f"verdict: {t.verdict}")
+        if t.first_over:
+            click.echo(t.first_over)
         click.echo(f"report: {t.report} ({len(t.plots)} plot(s)); {t.seconds:.1f}s")
         if attached:
             click.echo(attached, err=True)

@@ -382,3 +382,33 @@ def test_modules_only_one_path_runs_are_named_in_a_note():
     t = triage(made_repro("planted.wrapped_engine", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
     assert "blocks.1" in {m.name for m in t.modules} and "blocks.1.inner" not in {m.name for m in t.modules}
     assert any("1 module(s) only the rollout runs are not in it" in n and "blocks.1.inner" in n for n in t.notes), t.notes
+
+
+def test_the_first_token_over_the_line_is_named_by_its_offset_into_the_sequence():
+    """A position bug (from offset 48) in a minimal case that keeps clean tokens before it: the mean
+    fires, and the line says where the per-token values cross."""
+    import numpy as np
+
+    from harness.triage import first_over_line
+
+    case = Case(seed=0, seq_lens=(29, 4), prompt_lens=(23, 0))
+    pos = np.concatenate([np.arange(29), np.arange(4)])
+    seq = np.repeat([0, 1], [29, 4])
+    k3e = np.where((seq == 0) & (23 + pos >= 48), 0.02, 1e-9)
+    div = SimpleNamespace(per_token={"sequence": seq, "position": pos, "k3": np.zeros(33), "k3_expected": k3e,
+                                     "kl": np.zeros(33)})
+    line = first_over_line(div, case, 1e-3)
+    assert line.startswith("first token over the line: sequence 0, response token 25 after a 23-token prompt "
+                           "(offset 48), per-token value 0.02; 4 of 33 tokens over it, the 25 before it in that "
+                           "sequence under it"), line
+    div.per_token["k3_expected"] = np.full(33, 5e-4)
+    assert first_over_line(div, case, 1e-3).startswith("no single token is over the line")
+    div.per_token["k3"] = np.where(pos == 2, math.inf, 0.0)  # a sampled token the trainer excludes
+    assert "sequence 1, response token 2," in first_over_line(div, case, 1e-3)
+
+
+def test_triage_prints_where_the_tokens_cross_the_line(tmp_path):
+    t = triage(made_repro("planted.tiny_lm.block_bias", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    assert t.first_over.startswith("first token over the line: sequence ")
+    path = write_report(t, tmp_path)
+    assert t.first_over in path.read_text()
