@@ -190,7 +190,7 @@ class Triage:
 def layer_of(name: str) -> str:
     """The layer a module belongs to: its path up to the first numeric index ("model.layers.3.mlp"
     -> "model.layers.3"); a module outside the numbered layers is its own ("lm_head")."""
-    parts = name.split(".")
+    parts = name.split("[")[0].split(".")  # (an extra output's row, `name[i]`, is its module's layer)
     for i, p in enumerate(parts):
         if p.isdigit():
             return ".".join(parts[:i + 1])

@@ -182,6 +182,8 @@ def test_a_nonfinite_finding_names_the_first_module_with_nan_or_inf(tmp_path):
 def test_layer_names_and_single_layer_verdicts():
     assert layer_of("model.layers.3.mlp.gate") == "model.layers.3"
     assert layer_of("layers.0") == "layers.0" and layer_of("lm_head") == "lm_head"
+    assert layer_of("layers.0[3]") == "layers.0" and layer_of("model.layers.2.mlp.gate[1]") == "model.layers.2"
+    assert layer_of("lm_head[1]") == "lm_head[1]"  # outside the numbered layers: its own
     ev = SimpleNamespace(symptom=Symptom.DIVERGENCE, error=None, divergence=None)
     loc = Localization(differing=["router"], swaps=[Swap("router", "router score precision", "float32", "bfloat16",
                                                          1e-5, 2e-2)],
