@@ -374,7 +374,16 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
         head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
     head.to(_dtype(nx.lm_head))
     if nx.patch != NO_PATCH:  # the user's modules, then the routers and head of the patched model
-        patched = PATCHES[nx.patch](model)
+        fn = PATCHES[nx.patch]
+        try:
+            patched = fn(model)
+        except Exception as e:  # the pair's own definition is broken: a setup error, not a finding
+            raise UsageError(f"module patch {nx.patch!r} ({_where(fn)}) raised {type(e).__name__}: {e} when applied to "
+                             f"a copy of the {type(model).__name__}; the pair cannot run until the patch is fixed "
+                             "(print(model) shows the module names it can reach).") from e
+        if patched is not None and not isinstance(patched, torch.nn.Module):
+            raise UsageError(f"module patch {nx.patch!r} ({_where(fn)}) returned a {type(patched).__name__}; a patch "
+                             "changes the model in place and returns None, or returns a replacement torch.nn.Module.")
         model = model if patched is None else patched
         model.eval()
         model.requires_grad_(False)

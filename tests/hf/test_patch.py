@@ -156,3 +156,26 @@ def test_a_decode_batch_bug_in_a_real_models_rollout_is_found_at_nine_sequences(
         assert finding.evaluation.case.batch_size == 9, finding.evaluation.case.one_line()
     finally:
         PATCHES.pop("test_decode_batch", None)
+
+
+@pytest.mark.parametrize("body,words", [
+    ("    model.model.layers[0].block_sparse_moe.gate = None\n", "raised AttributeError"),
+    ("    return {'not': 'a module'}\n", "returned a dict; a patch changes the model in place"),
+])
+def test_a_broken_patch_is_a_pair_that_cannot_run_not_a_finding(tmp_path, body, words):
+    from harness.fuzz import CampaignConfig, run_campaign
+    from targets.hf import hf_pair
+
+    name = f"test_broken_{len(body)}"
+    ns: dict = {}
+    exec(f"def broken(model):\n{body}", ns)
+    register_patch(name, ns["broken"])
+    try:
+        pair = hf_pair(f"user.{name}", TINY["qwen3_moe"], FP32, FP32.replace(patch=name), expected="aligned")
+        cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=3, corpus=tmp_path / "c")
+        [r] = run_campaign(cfg, log=lambda msg: None).results
+        assert r.verdict == "CANNOT RUN" and not r.findings, (r.verdict, r.findings)
+        assert f"module patch {name!r}" in r.setup_error and words in r.setup_error, r.setup_error
+        assert not list((tmp_path / "c").rglob("*.json"))
+    finally:
+        PATCHES.pop(name, None)
