@@ -237,7 +237,8 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
 
     def announce(f: Any) -> None:
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
-        notes = ("" if f.shrink_complete else " (shrinking cut short by the budget" +
+        notes = ("" if f.shrink_complete else
+                 f" (shrinking cut short by the {'interrupt' if getattr(f, 'interrupted', False) else 'budget'}" +
                  (f": `harness shrink {f.path}` goes on)" if f.path and f.new else ")")) + \
             ("" if f.deterministic else " (not deterministic: may not replay)")
         echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, {f.evaluation.headline}, minimal case "

@@ -77,6 +77,7 @@ class Finding:
     evaluation: Evaluation  # the minimal case's evaluation (metrics, per-token table)
     examples: int  # cases this pair had run when the campaign ended
     shrink_complete: bool = True  # False when the budget or Ctrl-C cut shrinking short
+    interrupted: bool = False  # ... it was Ctrl-C / SIGTERM
     path: Path | None = None  # the corpus file
     new: bool = True  # False when the corpus already held this signature
     recurrence: bool = False  # True when the corpus held it as `fixed`
@@ -399,6 +400,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         ev = cache.get(key)
         if ev is not None:
             return ev
+        if _SIGNALLED[0]:  # an interrupt whose KeyboardInterrupt Python swallowed (raised inside a
+            raise KeyboardInterrupt  # weakref or __del__ callback, say): delivered here, between cases
         began = time.monotonic()
         if limit["deadline"] is not None and began > limit["deadline"]:
             raise _OutOfTime  # a BaseException: Hypothesis lets it through instead of shrinking it
@@ -522,7 +525,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             result.examples_asked, result.examples_short = asked, max(0, asked - calls[0])
     except KeyboardInterrupt:
         result.seconds = time.monotonic() - start
-        result.findings = [_finding(pair, ev, result, complete=False) for ev in smallest.values()]
+        result.findings = [_seen(_finding(pair, ev, result, complete=False), first_seen, start)
+                           for ev in smallest.values()]
         raise _Interrupted(result) from None
     by_sig: dict[str, Evaluation] = {}
     for ev in failures:
@@ -542,7 +546,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 cut["shrink"], evals, ev, complete = True, 0, smallest.get(sig, ev), False
             except KeyboardInterrupt:
                 result.seconds = time.monotonic() - start
-                result.findings = [_finding(pair, e, result, complete=False) for e in by_sig.values()]
+                result.findings = [_seen(_finding(pair, e, result, complete=False), first_seen, start)
+                                   for e in by_sig.values()]
                 raise _Interrupted(result) from None
             if not complete and limit["deadline"] is not None and time.monotonic() > limit["deadline"]:
                 cut["shrink"] = True
@@ -596,6 +601,15 @@ def _leaves(group: BaseExceptionGroup):
             yield from _leaves(e)
         else:
             yield e
+
+
+def _seen(f: Finding, first_seen: dict[str, tuple[int, float]], start: float) -> Finding:
+    """A finding an interrupt cut short: when it was first seen, and shrinking's time since, as the
+    finished ones say it (not 'after 0 cases, 0.0 s')."""
+    f.interrupted = True
+    f.cases_to_first, f.seconds_to_first = first_seen.get(f.signature, (f.examples, 0.0))
+    f.shrink_seconds = max(0.0, time.monotonic() - start - f.seconds_to_first)
+    return f
 
 
 def _finding(pair: TargetPair, ev: Evaluation, result: PairResult, complete: bool) -> Finding:
@@ -912,6 +926,9 @@ def spare_core_per_worker() -> bool:
     return cores >= 2 * campaigns
 
 
+_SIGNALLED = [False]  # an interrupt came during this campaign (set by `_Signals._handle`)
+
+
 class _Signals:
     """SIGTERM (what CI timeouts and Slurm send) handled like Ctrl-C, and neither of them lands in the
     middle of writing a finding: inside `critical()` an interrupt waits until the write is done."""
@@ -925,6 +942,7 @@ class _Signals:
         import signal
         import threading
 
+        _SIGNALLED[0] = False
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.saved[sig] = signal.signal(sig, self._handle)
@@ -937,7 +955,8 @@ class _Signals:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.depth:
+        _SIGNALLED[0] = True  # (checked between cases too: Python drops an exception raised here when the
+        if self.depth:  # signal lands inside a weakref callback or __del__, and the campaign would go on)
             self.pending = True
             return
         raise KeyboardInterrupt
@@ -1233,7 +1252,8 @@ def summary_table(result: CampaignResult) -> str:
                      ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "
                                f"{f.seconds_to_first:.1f}s; "
                                + (f"shrunk in {f.shrink_seconds:.1f}s" if f.shrink_complete else
-                                  f"shrinking cut short after {f.shrink_seconds:.1f}s") + f") -> {f.path or '-'}"
+                                  f"shrinking cut short{' by the interrupt' if f.interrupted else ''} after "
+                                  f"{f.shrink_seconds:.1f}s") + f") -> {f.path or '-'}"
                                for f in r.findings) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []

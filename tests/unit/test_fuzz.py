@@ -538,3 +538,35 @@ def test_a_demonstration_not_caught_in_its_first_round_is_not_called_missed_befo
     assert result.results[0].verdict == "MISSED"  # the pair's verdict, at the end
     first = [m for m in logged if m.startswith("  demo.never:") and "cases in" in m][0]
     assert "MISSED" not in first and "not caught yet (more rounds follow if time is left)" in first, logged
+
+
+def test_an_interrupt_whose_exception_python_dropped_still_stops_the_campaign_at_the_next_case(tmp_path):
+    """A signal landing inside a weakref callback or __del__ (SQLAlchemy's, say): Python prints
+    'Exception ignored' and drops the KeyboardInterrupt the handler raised. The handler's flag is
+    read between cases, so the campaign stops there and keeps what it found."""
+    import torch
+
+    import harness.fuzz as fz
+    from harness import Axes, Outcome, TargetPair
+
+    calls = [0]
+
+    def build(case, device):
+        calls[0] += 1
+        if calls[0] == 4:
+            fz._SIGNALLED[0] = True  # what _Signals._handle sets before its exception was dropped
+        return torch.log_softmax(case.randn((case.n_tokens, 8), "x"), -1)
+
+    pair = TargetPair(name="demo.dropped_signal", kind="op", expected="diverges", build=build,
+                      trainer=lambda x: Outcome(logprobs=x), rollout=lambda x: Outcome(logprobs=x * 1.5),
+                      axes=Axes(n_seqs=(1, 3), seq_len=(1, 4)))
+    cfg = CampaignConfig(pairs=[pair], corpus=tmp_path / "c", max_examples=10**6, budget=60.0, seed=3)
+    t = __import__("time").monotonic()
+    result = run_campaign(cfg, NullTracker(), log=lambda m: None)
+    assert result.interrupted and __import__("time").monotonic() - t < 30 and calls[0] <= 5, calls
+    [r] = result.results
+    assert r.findings and all(f.interrupted and not f.shrink_complete for f in r.findings)
+    assert all(f.cases_to_first >= 1 for f in r.findings)  # when it was first seen, not "after 0 cases"
+    again = run_campaign(CampaignConfig(pairs=[REGISTRY.get("rmsnorm.aligned")], corpus=tmp_path / "d",
+                                        max_examples=3, seed=3), NullTracker(), log=lambda m: None)
+    assert not again.interrupted
