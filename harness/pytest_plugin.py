@@ -661,6 +661,8 @@ def pytest_configure(config: pytest.Config) -> None:
     session = FuzzSession(config)
     config.stash[SESSION_KEY] = session
     config.stash[RESULTS_KEY] = []
+    if session.is_worker:
+        _stop_with_the_controller()
     if not session.is_worker:
         from harness.errors import HarnessError
 
@@ -687,6 +689,27 @@ def pytest_configure(config: pytest.Config) -> None:
             # round trips cost nothing. A --maxschedchunk given on the command line wins.
             if getattr(config.option, "maxschedchunk", 0) is None:
                 config.option.maxschedchunk = 1
+
+
+def _stop_with_the_controller(poll: float = 0.5) -> None:
+    """An xdist worker whose controller is gone (interrupted, killed) stops as on Ctrl-C: its campaign
+    writes what it found and ends, instead of fuzzing on for the rest of its budget (and recording
+    findings the controller's summary, written already, never lists). Gone = this process was
+    re-parented (its parent process id changed)."""
+    import os
+    import signal
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGINT)  # the campaign's handler takes it as Ctrl-C
+                return
+
+    threading.Thread(target=watch, name="harness-controller-watch", daemon=True).start()
 
 
 def _sigterm_as_interrupt(config: pytest.Config) -> None:
@@ -815,7 +838,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         results += _not_run(fs, results, per_item)
     config.stash[RESULTS_KEY] = results
     fs.close_campaign(results, interrupted=interrupted)
-    _write_summary(fs, results)
+    _write_summary(fs, results, interrupted)
 
 
 def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list[dict]:
@@ -902,7 +925,12 @@ def summary_path(fs: FuzzSession, ext: str) -> Path:
     return fs.out / (f"summary.shard{fs.shard[0]}of{fs.shard[1]}.{ext}" if fs.shard else f"summary.{ext}")
 
 
-def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
+INTERRUPTED_NOTE = ("interrupted: this summary was written when the session stopped; a pair running then "
+                    "wrote what it had found to the corpus (and new-repros/) as it stopped, which may be after "
+                    "this summary: `harness replay` the corpus folder, or rerun, for the whole picture")
+
+
+def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = False) -> None:
     fs.out.mkdir(parents=True, exist_ok=True)
     cases = sum(d["examples"] for d in results)
     seconds = sum(d["seconds"] for d in results)
@@ -911,7 +939,7 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
         "shard": list(fs.shard) if fs.shard else None, "device": fs.device_option,
         "max_examples": fs.max_examples, "budget_per_pair": fs.budget, "threshold": fs.threshold,
         "campaign_run_id": fs.campaign_run_id, "tracking_error": fs.tracking_error,
-        "cases": cases, "pair_seconds": seconds, "wall_seconds": time.time() - fs.start,
+        "interrupted": interrupted, "cases": cases, "pair_seconds": seconds, "wall_seconds": time.time() - fs.start,
         "new_aligned_regressions": [f["id"] for d in results if d["expected"] == "aligned"
                                     for f in d["findings"] if f["new"] or f["recurrence"]],
         "missed_demonstrations": sorted(d["pair"] for d in results if d["verdict"] == "MISSED"),
@@ -926,6 +954,8 @@ def _write_summary(fs: FuzzSession, results: list[dict]) -> None:
           + (f"; MLflow campaign run {fs.campaign_run_id}" if fs.campaign_run_id else ""), "",
           "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
+    if interrupted:
+        md += ["", f"**{INTERRUPTED_NOTE[0].upper()}{INTERRUPTED_NOTE[1:]}.**"]
     if summary["missed_demonstrations"]:
         md += ["", f"**Missed demonstrations ({len(summary['missed_demonstrations'])})**: "
                + ", ".join(summary["missed_demonstrations"])

@@ -144,10 +144,32 @@ def test_sigterm_to_the_xdist_controller_is_an_interrupt_with_a_summary(tmp_path
     assert {d["pair"]: d["verdict"] for d in summary["pairs"]} == {
         "slow.a_quick": "clean", "slow.b_slow": "not run (interrupted)", "slow.c_slow": "not run (interrupted)"}, out
     assert "slow.b_slow (not run (interrupted))" in out
+    assert summary["interrupted"] is True and "this summary was written when the session stopped" in \
+        (out_dir / "summary.md").read_text()
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("harness")
     [camp] = client.search_runs([exp.experiment_id], "tags.`harness.kind` = 'campaign'")
     assert camp.info.status == "KILLED" and camp.data.metrics["cases"] > 0  # the finished pair's cases
+
+
+def test_an_xdist_worker_whose_controller_is_gone_stops_as_on_ctrl_c(tmp_path):
+    """A worker outlives a killed controller (SIGKILL, a runner torn down): it notices it was
+    re-parented and stops as on Ctrl-C (its campaign writes what it found and ends) instead of
+    fuzzing on for the rest of its budget."""
+    import time
+
+    done = tmp_path / "stopped"
+    child = (f"import time, harness.pytest_plugin as p\np._stop_with_the_controller(0.1)\n"
+             f"open({str(tmp_path / 'ready')!r}, 'w').close()\n"
+             f"try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    open({str(done)!r}, 'w').close()\n")
+    parent = (f"import subprocess, sys, time, pathlib\n"
+              f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+              f"while not pathlib.Path({str(tmp_path / 'ready')!r}).exists():\n    time.sleep(0.05)\n")
+    subprocess.run([sys.executable, "-c", parent], cwd=ROOT, env=clean_env(), timeout=120, check=True)
+    deadline = time.monotonic() + 30
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert done.exists()
 
 
 def test_an_interrupted_pair_with_some_streams_done_says_so():
