@@ -475,7 +475,10 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
         os.dup2(2, 1)  # summary table, perhaps piped into a file) stays the campaign's own
     except OSError:
         pass
-    fault = open(log, "a")  # appends: the supervisor empties it between cases
+    try:
+        fault = open(log, "a")  # appends: the supervisor empties it between cases
+    except OSError:  # the campaign ended (an interrupt) and removed its folder while this one started
+        return
     faulthandler.enable(file=fault)
     faulthandler.register(signal.SIGUSR1, file=fault, all_threads=True)  # a hang: the supervisor asks
     import torch
