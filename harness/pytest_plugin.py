@@ -229,10 +229,12 @@ class FuzzSession:
         return [p for p in REGISTRY.select(self.globs) if dev in p.devices]
 
     def select(self) -> list:
-        """This shard's pairs that run on the device, in name order (the same in every process)."""
-        from harness.fuzz import shard_pairs
+        """This shard's pairs that run on the device, in name order (the same in every process): those
+        with a unit (pair, stream) in the shard (with streams, a pair's streams spread over shards)."""
+        from harness.fuzz import campaign_units
 
-        return shard_pairs(self.all_pairs(), self.shard)
+        units = campaign_units(self.all_pairs(), self.streams, self.shard)
+        return sorted({u.pair.name: u.pair for u in units}.values(), key=lambda p: p.name)
 
     def units(self) -> list[dict]:
         """This shard's (pair, stream) units as plain data; a worker gets them from the controller, so

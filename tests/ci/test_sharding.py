@@ -103,3 +103,24 @@ def test_a_shard_that_runs_some_streams_of_a_demonstration_does_not_call_it_miss
     assert code == 0, err
     assert "not caught by this shard's streams (1/2): router.topk_softmax" in out and "missed demonstration" not in out
     assert "warning: demonstration pair(s) not caught" not in err
+
+
+def test_a_shards_campaign_run_lists_the_pairs_its_streams_run(tmp_path):
+    """With streams, a shard runs some streams of every pair: its MLflow campaign run names them all
+    (it named only the pairs a pair-wise cut gives it)."""
+    from mlflow import MlflowClient
+
+    from tests.ci.test_pytest_plugin import run_pytest
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    rc, out = run_pytest(["--harness-fuzz", "-q", "--shard", "2/2", "--harness-streams", "2",
+                          "--harness-pairs", "rmsnorm.aligned", "--harness-pairs", "rotary.aligned",
+                          "--harness-pairs", "linear.aligned", "--harness-max-examples", "2",
+                          "--harness-tracking-uri", uri, "--harness-out", str(tmp_path / "out"),
+                          "--harness-corpus", str(tmp_path / "corpus")])
+    assert rc == 0, out
+    client = MlflowClient(uri)
+    [camp] = client.search_runs([client.get_experiment_by_name("harness").experiment_id],
+                                "tags.`harness.kind` = 'campaign'")
+    assert camp.data.params["n_pairs"] == "3", camp.data.params
+    assert camp.data.params["pairs"] == "linear.aligned,rmsnorm.aligned,rotary.aligned"
