@@ -146,3 +146,14 @@ def test_commands_use_options_that_exist(path):
                     from harness.profiles import PROFILES
 
                     assert cmd[cmd.index("--harness-profile") + 1] in PROFILES
+
+
+def test_the_nightly_replays_the_corpus_once_and_fuzzes_on_every_shard_even_if_it_fails():
+    """`--harness-fuzz` deselects the test files: the corpus replay (where a fixed regression shows)
+    is a step of its own, on one shard; the fuzz step runs whatever the replay said."""
+    cpu = load(NIGHTLY)["jobs"]["cpu"]
+    replay = [s for s in steps(cpu) if "run" in s and "tests/test_corpus.py" in s["run"]]
+    assert len(replay) == 1 and replay[0].get("if") == "matrix.shard == 1"
+    fuzz = [s for s in steps(cpu) if "run" in s and "--harness-fuzz" in s["run"]]
+    assert len(fuzz) == 1 and fuzz[0].get("if") == "always()"
+    assert steps(cpu).index(replay[0]) < steps(cpu).index(fuzz[0])
