@@ -1239,8 +1239,8 @@ def _unsaved(f: Finding, err: Exception, cfg: CampaignConfig, seed: int, log: Ca
 
 def summary_table(result: CampaignResult) -> str:
     """One row per pair; *max judged* is the largest mean the verdict read (expected k3 or exact KL),
-    *max k3* the largest sampled tokens' mean k3."""
-    rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max k3", "findings")]
+    *max sampled k3* the largest sampled tokens' mean k3."""
+    rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max sampled k3", "findings")]
     for r in result.results:
         verdict = r.verdict + (f" ({r.time_note})" if r.time_note and not r.findings else "")
         if r.setup_error and not r.findings:

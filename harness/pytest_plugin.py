@@ -893,8 +893,8 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
 
 
 # *max judged*: the largest mean a verdict read (expected k3 or exact KL: what the findings show);
-# *max k3*: the largest sampled tokens' mean k3 (what an RL dashboard logs; noisy on small cases)
-HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max k3", "worker", "findings")
+# *max sampled k3*: the largest sampled tokens' mean k3 (what an RL dashboard logs; noisy on small cases)
+HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max sampled k3", "worker", "findings")
 
 
 def _setup_headline(message: str) -> str:
