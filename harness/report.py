@@ -214,6 +214,20 @@ def _g(x: Any) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) else "-"
 
 
+def _registered_expected(names: set[str]) -> dict[str, str]:
+    """Pair -> its expected verdict, for the pairs no regression names (a clean aligned pair): from the
+    registry of this checkout, where the pair is registered here (a plugin's pairs may not be)."""
+    if not names:
+        return {}
+    try:
+        from .pairs import REGISTRY
+
+        known = {p.name: p.expected for p in REGISTRY.all()}
+    except Exception:  # noqa: BLE001 - the report is written anyway, with '-' there
+        return {}
+    return {n: known[n] for n in names if n in known}
+
+
 def _judged(r: dict) -> str:
     """The mean the verdict read (`k3 0.0013`: the expected k3; `kl 0.003`: the exact KL), not the
     sampled tokens' mean k3, which a small case can hold far under the line."""
@@ -246,6 +260,7 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
             per_cases[name][1] += n / rate if rate > 0 else 0.0
     pairs = sorted({r["pair"] for rows in groups.values() for r in rows} | set(per_cases))
     expected = {r["pair"]: r["expected"] for r in regressions}
+    expected.update({p: e for p, e in _registered_expected(set(pairs) - set(expected)).items()})
     lines += ["## Per pair", ""]
     if pairs:
         lines += ["| pair | expected | new | recurring | fixed | cases | cases/s |", "|---|---|---|---|---|---|---|"]

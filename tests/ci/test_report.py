@@ -93,3 +93,18 @@ def test_missing_store_is_a_usage_error(tmp_path, harness_cli):
     rc, out, err = harness_cli("report", "--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}",
                                "--out", str(tmp_path / "r.md"))
     assert rc == 2 and "no MLflow store" in err and "Traceback" not in err
+
+
+def test_a_clean_pair_in_the_report_shows_its_expected_verdict(tmp_path):
+    """No regression names a clean aligned pair: its expected verdict comes from the registry."""
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, run_campaign
+    from harness.mlflow_tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = CampaignConfig(pairs=[REGISTRY.get("rmsnorm.aligned")], seed=1, max_examples=5, corpus=tmp_path / "c")
+    run_campaign(cfg, tracker=MlflowTracker(uri, log=lambda m: None), log=lambda m: None)
+    out = tmp_path / "nightly.md"
+    res = CliRunner().invoke(report_command, ["--since", "24h", "--tracking-uri", uri, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"\| rmsnorm\.aligned \| aligned \| 0 \| 0 \| 0 \| \d+ \|", out.read_text()), out.read_text()
