@@ -178,3 +178,13 @@ def test_a_raised_repro_limit_admits_wider_axes_and_a_lowered_one_refuses_no_pai
     Registry().register(_pair(axes=Axes(n_seqs=(1, 6000), seq_len=(1, 1))))
     monkeypatch.setenv("HARNESS_MAX_SEQUENCES", "4")  # (its repros above 4 sequences are refused on load)
     Registry().register(_pair(axes=Axes(n_seqs=(1, 32), seq_len=(1, 1))))
+
+
+def test_the_registry_is_indexed_by_name():
+    from harness import REGISTRY
+    from harness.errors import UsageError
+
+    assert REGISTRY["rmsnorm.aligned"] is REGISTRY.get("rmsnorm.aligned")
+    assert "rmsnorm.aligned" in REGISTRY and "no.such.pair" not in REGISTRY
+    with pytest.raises(UsageError, match="Did you mean rmsnorm.aligned"):
+        REGISTRY["rmsnorm.aligne"]
