@@ -245,7 +245,7 @@ def test_xdist_one_summary_one_campaign_run(tmp_path):
     res = CliRunner().invoke(report_command, ["--tracking-uri", uri, "--out", str(report)])
     assert res.exit_code == 0, res.output
     cases = {d["pair"]: d["examples"] for d in summary["pairs"]}
-    assert f"| router_topk.replay | - | 0 | 0 | 0 | {cases['router_topk.replay']} |" in report.read_text()
+    assert f"| router_topk.replay | aligned | 0 | 0 | 0 | {cases['router_topk.replay']} |" in report.read_text()
     assert f"| router_topk.bf16 | diverges | 1 | 0 | 0 | {cases['router_topk.bf16']} |" in report.read_text()
 
 
