@@ -398,6 +398,10 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
                              "read-only); nothing was changed.")
     elif path is not None and path.exists():
         on_disk = load_repro(path)
+    if on_disk is not None and (not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK)):
+        raise UsageError(f"the corpus file {path} cannot be written here (its folder or the file is read-only), so "
+                         "its status could not follow MLflow's; nothing was changed. Make it writable, or run this "
+                         "where the corpus is writable.")
     if status == "fixed" and verify:
         repro = on_disk if on_disk is not None else fetch_repro(run.info.run_id, store.uri)
         verify_fixed(repro, plugins)
@@ -428,7 +432,14 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
         if sqlite_path(store.uri) is None:  # a shared server means the same to everyone; a local file does not
             tracking["uri"] = store.uri
         repro.tracking = tracking
-        repro.save(path)
+        try:
+            repro.save(path)
+        except OSError as e:  # (a full disk, say): put MLflow back, so the two never disagree
+            with store.lock():
+                store.client.log_batch(run.info.run_id, tags=_tags({k: tags.get(k, "") for k in updates}))
+            raise UsageError(f"the corpus file {path} could not be written ({e.strerror or e}); the regression was "
+                             "left as it was in MLflow too. Free the space or fix the permissions, then close it "
+                             "again.") from None
         out["corpus_updated"] = str(path)
     elif path is not None:
         out["corpus_missing"] = str(path)

@@ -413,6 +413,28 @@ def test_close_with_a_corpus_file_checks_it_before_changing_anything(fresh_cwd, 
     assert json.loads((fresh_cwd / "mine.json").read_text())["status"] == "wontfix"
 
 
+def test_a_corpus_file_that_cannot_be_written_leaves_mlflow_as_it_was(fresh_cwd, capsys, monkeypatch):
+    """Closing writes MLflow and the corpus file: when the file's write fails (a full disk; a read-only
+    folder as a user without root), MLflow is put back and the command says so in one paragraph."""
+    from harness.corpus import Repro
+    from harness.mlflow_tracking import MlflowTracker
+
+    f = make_finding(fresh_cwd)
+    logged(MlflowTracker(log=lambda m: None), [f])
+    before = f.path.read_text()
+    note_before = store().find_regression(f.id).data.tags.get("mlflow.note.content", "")
+
+    def full_disk(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Repro, "save", full_disk)
+    code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "wontfix", "--note", "n")
+    assert code == 2 and "could not be written (No space left on device)" in err and "Traceback" not in err, err
+    tags = store().find_regression(f.id).data.tags
+    assert tags["harness.status"] == "open" and tags.get("mlflow.note.content", "") == note_before
+    assert f.path.read_text() == before
+
+
 def test_a_tracking_uri_no_store_takes_is_a_usage_error_not_an_outage(fresh_cwd, capsys):
     from harness.mlflow_tracking.store import check_scheme
     from harness.errors import UsageError
