@@ -142,10 +142,15 @@ def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, .
         files.extend(corpus.iter_corpus(p) if p.is_dir() else [p])
     counts: dict[str, int] = {}
     for f in files:
-        outcome, detail = rerecord_file(f, device, accept_changes)
+        try:
+            outcome, detail = rerecord_file(f, device, accept_changes)
+        except OSError as e:  # a full disk, a read-only folder: the file is as it was (writes are atomic)
+            outcome, detail = "not written", (f"{e.strerror or e} (errno {e.errno}); the file is unchanged: free "
+                                              "space or make its folder writable, then run again")
         counts[outcome] = counts.get(outcome, 0) + 1
         click.echo(f"{outcome:15s} {f}" + (f"  ({detail})" if detail else ""))
     click.echo(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     # as `replay`: 1 when a verdict or a metric changed beyond noise (a behaviour change to look at), else 2
     # when a repro could not be replayed here (its reason is printed beside it), else 0
-    sys.exit(1 if counts.get("verdict changed") or counts.get("metrics changed") else 2 if counts.get("skipped") else 0)
+    sys.exit(1 if counts.get("verdict changed") or counts.get("metrics changed") else
+             2 if counts.get("skipped") or counts.get("not written") else 0)

@@ -136,8 +136,13 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
         except KeyboardInterrupt:
             with signals.critical():
                 if best["case"] != repro.case:
-                    note = _save(repro, path, best["case"], best["ev"], False, device, threads, tracking,
-                                 tracking_uri, seconds=round(time.monotonic() - start, 3))
+                    try:
+                        note = _save(repro, path, best["case"], best["ev"], False, device, threads, tracking,
+                                     tracking_uri, seconds=round(time.monotonic() - start, 3))
+                    except NotWritten:
+                        log(f"interrupted     {path}  (the smallest case so far could not be written: it is on "
+                            "stderr as JSON, above)")
+                        raise KeyboardInterrupt from None
                     log(f"interrupted     {path}  (the smallest case so far is saved: {_size(best['case'])}; "
                         "run again to go on)")
                     if note:
@@ -155,7 +160,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             repro.found = {**repro.found, "shrink_complete": True}
             repro.history.append({"at": corpus.now_iso(), "event": "shrink completed",
                                   "note": f"`harness shrink`: no simpler case fails the same way ({evals} tried)"})
-            repro.save(path)
+            _write(repro, path)
             note = _tell_mlflow(repro, repro.case.one_line(), ev.headline, tracking, tracking_uri, shrunk=False)
         outcome = "minimal" if complete else "unchanged (cut short)"
         log(f"{outcome:15s} {path}  ({_size(case)}; {evals} case(s) tried in {seconds:.1f}s{why_stopped}"
@@ -174,6 +179,25 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
     return outcome
 
 
+class NotWritten(Exception):
+    """The repro file could not be written: the smaller case was printed as JSON on stderr instead."""
+
+
+def _write(repro: Any, path: Path) -> None:
+    """repro.save(path); a disk or permission error prints the repro whole as JSON on stderr (so the
+    work is not lost: save that line as the file) and raises NotWritten."""
+    import json
+
+    try:
+        repro.save(path)
+    except OSError as e:
+        print(f"error: could not write {path}: {e.strerror or e} (errno {e.errno}); free space or make its folder "
+              f"writable. The repro follows on one line as JSON: save that line as {path} to keep it.",
+              file=sys.stderr, flush=True)
+        print(json.dumps(repro.to_json(), default=str), file=sys.stderr, flush=True)
+        raise NotWritten(str(path)) from None
+
+
 def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, device: str, threads: int, tracking: bool,
           uri: str | None, **spent: Any) -> str:
     """Write the smaller case into the repro (the replaced one into its history, with `spent`: the
@@ -181,7 +205,7 @@ def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, device: st
     ("" when there was nothing to update)."""
     old_line = repro.case.one_line()
     repro.take_smaller_case(case, ev, complete, device, threads, note="`harness shrink`", **spent)
-    repro.save(path)
+    _write(repro, path)
     return _tell_mlflow(repro, old_line, ev.headline, tracking, uri, shrunk=True)
 
 
@@ -258,8 +282,14 @@ def shrink_command(paths: tuple[Path, ...], budget: float, max_evals: int, devic
                    "shrink it anyway")
     counts: dict[str, int] = {}
     for f in files:
-        outcome = shrink_file(f, budget, max_evals, device, plugins, log=click.echo, tracking_uri=tracking_uri,
-                              tracking=not no_tracking)
+        try:
+            outcome = shrink_file(f, budget, max_evals, device, plugins, log=click.echo, tracking_uri=tracking_uri,
+                                  tracking=not no_tracking)
+        except NotWritten:
+            outcome = "not written"
+            click.echo(f"not written     {f}  (the smaller case is on stderr as JSON, above)")
         counts[outcome] = counts.get(outcome, 0) + 1
     click.echo(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    sys.exit(1 if counts.get("does not fail") else 2 if counts.get("skipped") else 0)
+    # 3: a smaller case found but not on disk (as `harness fuzz` exits for an unsaved finding)
+    sys.exit(3 if counts.get("not written") else 1 if counts.get("does not fail") else 2 if counts.get("skipped")
+             else 0)

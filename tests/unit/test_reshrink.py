@@ -289,3 +289,52 @@ def test_a_smaller_case_replacing_metrics_with_inf_saves_them_as_json(tmp_path):
     assert again.found["deterministic"] is False
     again.take_smaller_case(small, ev, True, "cpu", 1, deterministic=True)
     assert "deterministic" not in again.found
+
+
+def test_a_smaller_case_that_cannot_be_written_is_printed_as_json_and_exits_3(tmp_path, monkeypatch):
+    """A full disk (or a read-only folder) when the smaller case is written: the work is not lost
+    (the repro is printed whole as JSON on stderr), the file is as it was, and the exit is 3."""
+    from click.testing import CliRunner
+
+    from harness.corpus import Repro
+    from harness.reshrink import shrink_command
+
+    path = cut_short_repro(tmp_path)
+    before = path.read_text()
+
+    def full_disk(self, where=None):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Repro, "save", full_disk)
+    res = CliRunner().invoke(shrink_command, [str(path), "--no-tracking", "--budget", "300"])
+    assert res.exit_code == 3, res.output
+    assert f"error: could not write {path}: No space left on device" in res.output and "Traceback" not in res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("{"))
+    assert Case.from_json(json.loads(line)["case"]).n_tokens < BIG.n_tokens  # the smaller case, whole
+    assert "1 not written" in res.output and path.read_text() == before
+
+
+def test_rerecord_goes_on_past_a_file_it_cannot_write(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from harness.corpus import Repro
+    from harness.rerecord import rerecord_command
+
+    import shutil
+
+    src = next((ROOT / "corpora" / "moe_aggregate.bf16").glob("*.json"))
+    path = tmp_path / "moe_aggregate.bf16" / src.name
+    path.parent.mkdir()
+    shutil.copy(src, path)
+    data = json.loads(path.read_text())
+    data["metrics"]["k3_kl"] = data["metrics"]["k3_kl"] * (1 + 1e-15) + 1e-18  # last bits to rewrite
+    path.write_text(json.dumps(data))
+    before = path.read_text()
+
+    def read_only(self, where=None):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(Repro, "save", read_only)
+    res = CliRunner().invoke(rerecord_command, [str(path)])
+    assert res.exit_code == 2 and "not written" in res.output and "Read-only file system" in res.output, res.output
+    assert "Traceback" not in res.output and path.read_text() == before
