@@ -818,6 +818,11 @@ def load_repro(path: str | Path) -> Repro:
     if not path.exists():
         raise UsageError(f"{where} does not exist; {fix}.")
     if path.is_dir():
+        try:
+            os.listdir(path)
+        except OSError as e:  # (iter_corpus lists such a folder: its repros would be left out unsaid)
+            raise UsageError(f"the corpus folder {str(path)!r} cannot be read ({e.strerror or e}), so its repros are "
+                             "not replayed; make it readable (chmod u+rx) and run again.") from None
         raise UsageError(f"{str(path)!r} is a folder, not a repro file; {fix}, or list the folder's *.json files.")
     if not path.is_file():  # a FIFO would block the read, a device would never end
         raise UsageError(f"{where} is not a regular file (a pipe, socket or device); {fix}.")
@@ -872,10 +877,15 @@ def case_fingerprint(case_json: Any) -> str:
 
 
 def iter_corpus(corpus_dir: str | Path) -> list[Path]:
+    """The repro files under a corpus folder, and any folder under it that cannot be read (listed as
+    itself: loading it says so, where `rglob` would leave its repros out without a word)."""
     root = Path(corpus_dir)
     if not root.exists():
         return []
-    return sorted(p for p in root.rglob("*.json") if not p.name.startswith("."))
+    unreadable: list[Path] = []
+    for _ in os.walk(root, onerror=lambda e: unreadable.append(Path(e.filename))):
+        pass
+    return sorted([p for p in root.rglob("*.json") if not p.name.startswith(".")] + unreadable)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -298,3 +298,31 @@ def test_a_repro_recorded_as_not_deterministic_is_held_to_its_failure_only(tmp_p
     assert list(res.failure_mismatches()) == ["symptom"]
     with pytest.raises(AssertionError, match="fails another way than recorded"):
         corpus_test.check_recorded_metrics(path, load_repro(path), res)
+
+
+def test_a_corpus_folder_that_cannot_be_read_is_named_not_left_out(tmp_path, monkeypatch):
+    """`Path.rglob` skips a folder it cannot list without a word: its repros would drop out of
+    replay, shrink, rerecord and the corpus test. It is listed, and loading it says why."""
+    import os
+
+    from harness.corpus import iter_corpus, load_many_tolerant
+
+    good = _copy(tmp_path)
+    locked = tmp_path / "router.tie_break"
+    locked.mkdir()
+    (locked / "0123456789ab.json").write_text("{}")
+    real_scandir, real_listdir = os.scandir, os.listdir
+
+    def deny(fn):
+        def inner(path=".", *a, **k):
+            if os.fspath(path).rstrip("/").endswith("router.tie_break"):
+                raise PermissionError(13, "Permission denied", os.fspath(path))
+            return fn(path, *a, **k)
+        return inner
+
+    monkeypatch.setattr(os, "scandir", deny(real_scandir))  # (as a user without root, chmod 000 does this)
+    monkeypatch.setattr(os, "listdir", deny(real_listdir))
+    assert iter_corpus(tmp_path) == sorted([good, locked])
+    repros, skipped = load_many_tolerant([tmp_path])
+    assert [r.id for r in repros] == [good.stem]
+    assert [s.path for s in skipped] == [locked] and "cannot be read (Permission denied)" in skipped[0].reason
