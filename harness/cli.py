@@ -643,4 +643,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         sys.exit(EXIT_OK)
+    except OSError as e:  # a path the command could not write or read (a file where a folder should be,
+        # a read-only folder, a full disk): what the OS said and which path, not a traceback
+        where = f" {e.filename!r}" + (f" -> {e.filename2!r}" if e.filename2 else "") if e.filename else ""
+        echo_err(f"error: the command stopped on a file-system error: {e.strerror or e}{where} (errno {e.errno}). "
+                 "Check that path: a folder the command writes into must be a folder (not a file) and writable, "
+                 "and the disk must have space; then run it again. Files already written (corpus repros) are "
+                 "complete: they are written whole or not at all.")
+        sys.exit(EXIT_USAGE)
     sys.exit(EXIT_OK)

@@ -175,6 +175,12 @@ class FuzzSession:
         self.unit_list: list[dict] | None = None  # workers: the controller's units (no imports to collect)
         self.executor: Any = None  # harness.fuzz.Executor shared by this process's items
         self.out = Path(opt("harness_out"))
+        if not self.is_worker:  # a folder the session writes into: a file there is a mistake to say now, not
+            for flag, folder in (("--harness-out", self.out), ("--harness-corpus", self.corpus)):  # at the end
+                bad = _not_a_folder(folder)
+                if bad is not None:
+                    raise pytest.UsageError(f"{flag}={folder}: {bad} is a file, not a folder; the session writes "
+                                            "into that folder. Pass a folder (it is created if missing).")
         self.tracking = not opt("harness_no_tracking")
         self.tracking_uri = opt("harness_tracking_uri")
         if self.tracking:  # a scheme no store takes is a mistake to fix now, not an outage to spool through
@@ -691,6 +697,14 @@ def pytest_configure(config: pytest.Config) -> None:
             # round trips cost nothing. A --maxschedchunk given on the command line wins.
             if getattr(config.option, "maxschedchunk", 0) is None:
                 config.option.maxschedchunk = 1
+
+
+def _not_a_folder(path: Path) -> Path | None:
+    """The path itself, or the nearest of its parents that exists, when that is not a folder."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
 
 
 def _stop_with_the_controller(poll: float = 0.5) -> None:

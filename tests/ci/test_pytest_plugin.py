@@ -52,6 +52,15 @@ def test_options_are_registered():
         assert flag in out, flag
 
 
+@pytest.mark.parametrize("flag", ["--harness-out", "--harness-corpus"])
+def test_a_file_where_the_session_writes_a_folder_is_a_usage_error_before_anything_runs(tmp_path, flag):
+    (tmp_path / "afile").write_text("")
+    rc, out = run_pytest(["--harness-fuzz", "--harness-pairs", "rmsnorm.aligned", "--harness-no-tracking",
+                          "--harness-max-examples", "2", f"{flag}={tmp_path / 'afile' / 'sub'}"])
+    assert rc == 4, out  # pytest's usage-error exit code: nothing ran, nothing went unsaved
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in out and "Traceback" not in out
+
+
 def test_bad_profile_is_a_usage_error(tmp_path):
     rc, out = run_pytest(["--harness-fuzz", "--harness-profile", "weekly", "--harness-no-tracking",
                           "--harness-out", str(tmp_path)])

@@ -108,3 +108,17 @@ def test_a_clean_pair_in_the_report_shows_its_expected_verdict(tmp_path):
     res = CliRunner().invoke(report_command, ["--since", "24h", "--tracking-uri", uri, "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert re.search(r"\| rmsnorm\.aligned \| aligned \| 0 \| 0 \| 0 \| \d+ \|", out.read_text()), out.read_text()
+
+
+def test_an_output_path_under_a_file_is_one_paragraph_and_exit_2(tmp_path, harness_cli):
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, run_campaign
+    from harness.mlflow_tracking import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = CampaignConfig(pairs=[REGISTRY.get("rmsnorm.aligned")], seed=1, max_examples=2, corpus=tmp_path / "c")
+    run_campaign(cfg, tracker=MlflowTracker(uri, log=lambda m: None), log=lambda m: None)
+    (tmp_path / "afile").write_text("")
+    code, out, err = harness_cli("report", "--tracking-uri", uri, "--out", str(tmp_path / "afile" / "x.md"))
+    assert code == 2 and "Traceback" not in err, err
+    assert err.startswith("error: the command stopped on a file-system error: File exists") and "afile" in err
