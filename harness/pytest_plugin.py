@@ -374,6 +374,11 @@ class FuzzSession:
         data["stream"] = item.stream
         self.results.append(data)
         item.user_properties.append(("harness", data))
+        if result.unsaved:  # a finding that is not on disk fails its item, whatever the pair expects
+            raise FuzzFailure(f"{pair.name}: {len(result.unsaved)} finding(s) could not be written to the corpus "
+                              f"{cfg.corpus} (the reason and each repro as JSON are on stderr: save a line as "
+                              "corpora/<pair>/<id>.json to keep it); fix the folder (space, permissions) and rerun."
+                              f"\n  rerun: {self.rerun(pair.name)}")
         self.judge(pair, r)
 
     def replay_command(self, path: Any) -> str:

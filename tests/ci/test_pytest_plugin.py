@@ -61,6 +61,18 @@ def test_a_file_where_the_session_writes_a_folder_is_a_usage_error_before_anythi
     assert f"{tmp_path / 'afile'} is a file, not a folder" in out and "Traceback" not in out
 
 
+def test_a_finding_the_corpus_cannot_take_fails_its_item(tmp_path):
+    """A demonstration caught but not on disk (the pair's corpus folder is a file here; a full disk or a
+    read-only folder alike) is not a green item: nothing would replay it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "router_topk.bf16").write_text("")  # where the pair's folder would be
+    rc, out = run_pytest(["--harness-fuzz", "--harness-pairs", "router_topk.bf16", "--harness-no-tracking",
+                          "--harness-max-examples", "20", f"--harness-corpus={corpus}", f"--harness-out={tmp_path / 'o'}"])
+    assert rc == 1, out
+    assert "router_topk.bf16: 1 finding(s) could not be written to the corpus" in out and "1 failed" in out
+
+
 def test_bad_profile_is_a_usage_error(tmp_path):
     rc, out = run_pytest(["--harness-fuzz", "--harness-profile", "weekly", "--harness-no-tracking",
                           "--harness-out", str(tmp_path)])
