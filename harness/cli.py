@@ -19,6 +19,8 @@ import click
 
 from .errors import CannotEvaluate, HarnessError, UsageError
 
+MAX_STREAMS = 1024  # streams per pair: far past any machine's workers; a typo of 10000 would only start and stop
+
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_SKIP, EXIT_INTERRUPTED = 0, 1, 2, 125, 130
 EXIT_UNSAVED = 3  # fuzz: a finding could not be written to the corpus (it was printed as JSON on stderr)
 MAX_UNIFORM_PER_EXAMPLE = 1000  # (the uniform cases of an example are drawn before any deadline check)
@@ -190,7 +192,7 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
               "own included (repeatable).")
 @click.option("--no-isolation", is_flag=True, help="Run cases in this process instead of a supervised worker "
               "(for debugging: no timeouts, and a crash of a target ends the campaign).")
-@click.option("--streams", type=click.IntRange(1), default=1, show_default=True,
+@click.option("--streams", type=click.IntRange(1, MAX_STREAMS), default=1, show_default=True,
               help="Independently seeded streams per pair (each runs its share of the cases); --shard spreads them.")
 @click.option("--uniform-per-example", type=click.IntRange(0, MAX_UNIFORM_PER_EXAMPLE), default=None,
               help="Uniform random cases run after each Hypothesis example [default: 3 for op pairs, 1 for model "

@@ -1132,6 +1132,14 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 deadline = None
                 if end is not None:
                     now = time.monotonic()
+                    if now >= end:  # the budget's wall: the units left do not start (each start costs a
+                        # Hypothesis setup, and thousands of streams would run far past it); each is "not run"
+                        for u in [unit, *queue]:
+                            add(PairResult(pair=u.pair.name, expected=u.pair.expected,
+                                           seed=stream_seed(seed, u.pair.name, u.stream, u.streams)))
+                        log(f"  the budget ended before {unit.label} and {len(queue)} more unit(s) started: not run")
+                        queue.clear()
+                        break
                     deadline = now + max(0.0, end - now) / (len(queue) + 1)
                 may_defer = any(executor.source(u.pair) not in parked and executor.source(u.pair) != source
                                 for u in queue)

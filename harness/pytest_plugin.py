@@ -147,8 +147,11 @@ class FuzzSession:
         if self.uniform_per_example is not None and not 0 <= self.uniform_per_example <= 1000:
             raise pytest.UsageError(f"--harness-uniform-per-example {self.uniform_per_example!r} must be 0..1000 "
                                     "(uniform cases per Hypothesis example).")
-        if self.streams < 1:
-            raise pytest.UsageError(f"--harness-streams {self.streams!r} must be >= 1 (streams per pair; default 1).")
+        from harness.cli import MAX_STREAMS
+
+        if not 1 <= self.streams <= MAX_STREAMS:
+            raise pytest.UsageError(f"--harness-streams {self.streams!r} must be from 1 to {MAX_STREAMS} (streams per "
+                                    "pair; default 1).")
         if opt("harness_seed") is not None and opt("harness_seed") < 0:
             raise pytest.UsageError(f"--harness-seed {opt('harness_seed')!r} must be >= 0 (the campaign seed).")
         from harness.corpus import check_limits

@@ -570,3 +570,19 @@ def test_an_interrupt_whose_exception_python_dropped_still_stops_the_campaign_at
     again = run_campaign(CampaignConfig(pairs=[REGISTRY.get("rmsnorm.aligned")], corpus=tmp_path / "d",
                                         max_examples=3, seed=3), NullTracker(), log=lambda m: None)
     assert not again.interrupted
+
+
+def test_the_budget_is_a_wall_for_units_not_started_yet(tmp_path):
+    """Hundreds of streams and a short budget: the units left when the budget ends do not start
+    (each start costs a Hypothesis setup: 1000 streams ran 24 s past a 3 s budget)."""
+    import time
+
+    logged = []
+    cfg = CampaignConfig(pairs=[REGISTRY.get("rmsnorm.aligned")], corpus=tmp_path / "c", max_examples=10**6,
+                         budget=1.5, seed=3, streams=1000)
+    t = time.monotonic()
+    result = run_campaign(cfg, NullTracker(), log=logged.append)
+    assert time.monotonic() - t < 1.5 + 5.0, logged[-3:]
+    assert any("more unit(s) started: not run" in m for m in logged), logged[-3:]
+    [r] = result.results
+    assert r.pair == "rmsnorm.aligned" and r.streams == 1000  # every stream accounted for, run or not
