@@ -465,6 +465,10 @@ class Repro:
             if kind == "entry_point":
                 return None, (f"its pair {self.pair!r} comes from the entry point {self.loader.get('name')!r}; "
                               "install the package that provides it")
+            if kind == "builtin":
+                return None, (f"its pair {self.pair!r} was built in (targets/) when it was recorded and is not "
+                              "registered now: renamed or removed since? Rename the repro's pair (and its folder) "
+                              "to the pair's new name, or close it (`harness regressions close`) if the pair is gone")
             return None, None
         root = git_root(self.path)
         rel = Path(self.loader.get("path", ""))
@@ -1071,7 +1075,8 @@ def load_plugin_for(repro: Repro, registry: Any = None, flag: str = "--plugin") 
                     + (f"; the repro says: {why}" if why else f"; pass {flag}=FILE.py|MODULE for the plugin that "
                        "registers it"))
         return why or (f"its pair {repro.pair!r} is not registered here and the repro does not say how it was "
-                       f"loaded; pass {flag}=FILE.py|MODULE")
+                       f"loaded (recorded before repros said so): if the pair was built in (targets/), it was "
+                       f"renamed or removed since; if it comes from a plugin, pass {flag}=FILE.py|MODULE")
     try:
         registry.load_plugin(path)
     except UsageError as e:

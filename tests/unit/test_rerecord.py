@@ -326,3 +326,17 @@ def test_a_corpus_folder_that_cannot_be_read_is_named_not_left_out(tmp_path, mon
     repros, skipped = load_many_tolerant([tmp_path])
     assert [r.id for r in repros] == [good.stem]
     assert [s.path for s in skipped] == [locked] and "cannot be read (Permission denied)" in skipped[0].reason
+
+
+def test_a_repro_of_a_built_in_pair_that_is_gone_says_renamed_or_removed(tmp_path):
+    from harness.corpus import load_plugin_for, load_repro
+
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data.update(pair="moe_aggregate.bf16_renamed", loader={"kind": "builtin"})
+    path.write_text(json.dumps(data))
+    why = load_plugin_for(load_repro(path))
+    assert "was built in (targets/) when it was recorded and is not registered now: renamed or removed" in why
+    data["loader"] = {}  # recorded before repros said how their pair was loaded
+    path.write_text(json.dumps(data))
+    assert "if the pair was built in (targets/), it was renamed or removed" in load_plugin_for(load_repro(path))
