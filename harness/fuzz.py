@@ -1134,10 +1134,13 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     now = time.monotonic()
                     if now >= end:  # the budget's wall: the units left do not start (each start costs a
                         # Hypothesis setup, and thousands of streams would run far past it); each is "not run"
+                        hung = next((r.pair for r in result.results if r.unfinished), "")  # (what took the time)
                         for u in [unit, *queue]:
                             add(PairResult(pair=u.pair.name, expected=u.pair.expected,
-                                           seed=stream_seed(seed, u.pair.name, u.stream, u.streams)))
-                        log(f"  the budget ended before {unit.label} and {len(queue)} more unit(s) started: not run")
+                                           seed=stream_seed(seed, u.pair.name, u.stream, u.streams),
+                                           waited_for=hung if hung != u.pair.name else ""))
+                        log(f"  the budget ended before {unit.label} and {len(queue)} more unit(s) started: not run"
+                            + (f" (they waited behind {hung}'s first case, which never finished)" if hung else ""))
                         queue.clear()
                         break
                     deadline = now + max(0.0, end - now) / (len(queue) + 1)
