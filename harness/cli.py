@@ -647,6 +647,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_OK)
     except OSError as e:  # a path the command could not write or read (a file where a folder should be,
         # a read-only folder, a full disk): what the OS said and which path, not a traceback
+        import errno
+
+        if not e.filename and e.errno not in (errno.EACCES, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                                              errno.EISDIR, errno.EEXIST, errno.EFBIG, errno.EPERM):
+            raise  # not the file system (a connection, a library's own OSError): as it is
         where = f" {e.filename!r}" + (f" -> {e.filename2!r}" if e.filename2 else "") if e.filename else ""
         echo_err(f"error: the command stopped on a file-system error: {e.strerror or e}{where} (errno {e.errno}). "
                  "Check that path: a folder the command writes into must be a folder (not a file) and writable, "

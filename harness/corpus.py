@@ -275,6 +275,20 @@ def repo_root(near: str | Path | None = None) -> Path:
     return git_root(near) or Path.cwd().resolve()
 
 
+def builtin_extra_missing(pair: str) -> str | None:
+    """Why a built-in pair is not registered when the reason is an optional dependency this environment
+    lacks (the `hf.*` pairs register only with transformers installed), else None."""
+    if pair.startswith("hf."):
+        try:
+            from targets.hf import AVAILABLE
+        except Exception:  # noqa: BLE001 - no targets package: not this checkout's pairs
+            return None
+        if not AVAILABLE:
+            return (f"its pair {pair!r} is one of the Hugging Face pairs, which register only with transformers "
+                    "installed; install the hf extra (pip install -e '.[hf]') to replay it")
+    return None
+
+
 def loader_of(source: str, root: Path) -> dict[str, str]:
     """What a pair's `source` (filled in by the registry) says about how to load it again."""
     if not source or source.startswith("targets.") or source == "targets":
@@ -466,6 +480,9 @@ class Repro:
                 return None, (f"its pair {self.pair!r} comes from the entry point {self.loader.get('name')!r}; "
                               "install the package that provides it")
             if kind == "builtin":
+                extra = builtin_extra_missing(self.pair)
+                if extra:
+                    return None, extra
                 return None, (f"its pair {self.pair!r} was built in (targets/) when it was recorded and is not "
                               "registered now: renamed or removed since? Rename the repro's pair (and its folder) "
                               "to the pair's new name, or close it (`harness regressions close`) if the pair is gone")
@@ -1064,6 +1081,8 @@ def load_plugin_for(repro: Repro, registry: Any = None, flag: str = "--plugin") 
     except UsageError:
         pass
     path, why = repro.auto_plugin(flag)
+    if path is None and why and repro.loader.get("kind") == "builtin":  # (no plugin registers a built-in pair)
+        return why
     if path is None:
         given = list(getattr(registry, "plugins", None) or ())
         if given:  # plugins were loaded (--plugin) and none registers it: that first, then where it came from

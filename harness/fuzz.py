@@ -953,6 +953,7 @@ class _Signals:
 
         for sig, handler in self.saved.items():
             signal.signal(sig, handler)
+        _SIGNALLED[0] = False  # (delivered by now; a later campaign in this process starts without it)
 
     def _handle(self, signum: int, frame: Any) -> None:
         _SIGNALLED[0] = True  # (checked between cases too: Python drops an exception raised here when the
@@ -1138,7 +1139,10 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                         for u in [unit, *queue]:
                             add(PairResult(pair=u.pair.name, expected=u.pair.expected,
                                            seed=stream_seed(seed, u.pair.name, u.stream, u.streams),
-                                           waited_for=hung if hung != u.pair.name else ""))
+                                           waited_for=hung if hung != u.pair.name else "",
+                                           # every example it was to run is one the budget cut: its pair
+                                           # is not clean over what was asked (`time_note`)
+                                           examples_asked=examples_of(u), examples_short=examples_of(u)))
                         log(f"  the budget ended before {unit.label} and {len(queue)} more unit(s) started: not run"
                             + (f" (they waited behind {hung}'s first case, which never finished)" if hung else ""))
                         queue.clear()

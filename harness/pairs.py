@@ -552,10 +552,6 @@ class Registry:
         """`REGISTRY["model.aligned"]`: the same as `get` (a UsageError naming the closest pairs)."""
         return self.get(name)
 
-    def __contains__(self, name: object) -> bool:
-        self.load_builtins()
-        return name in self._pairs
-
     def get_loaded(self, name: str) -> TargetPair | None:
         """The pair `name` if it is registered already, else None (loads nothing: no built-ins, no plugin)."""
         return self._pairs.get(name)

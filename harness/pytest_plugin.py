@@ -380,7 +380,8 @@ class FuzzSession:
         if result.unsaved:  # a finding that is not on disk fails its item, whatever the pair expects
             raise FuzzFailure(f"{pair.name}: {len(result.unsaved)} finding(s) could not be written to the corpus "
                               f"{cfg.corpus} (the reason and each repro as JSON are on stderr: save a line as "
-                              "corpora/<pair>/<id>.json to keep it); fix the folder (space, permissions) and rerun."
+                              f"{Path(cfg.corpus) / pair.name}/<id>.json to keep it); fix the folder (space, "
+                              "permissions) and rerun."
                               f"\n  rerun: {self.rerun(pair.name)}")
         self.judge(pair, r)
 
@@ -710,8 +711,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def _not_a_folder(path: Path) -> Path | None:
     """The path itself, or the nearest of its parents that exists, when that is not a folder."""
     for p in (path, *path.parents):
-        if p.exists():
-            return None if p.is_dir() else p
+        try:
+            if p.exists():
+                return None if p.is_dir() else p
+        except OSError:  # (a parent this user may not look into: the write says so, later, if it fails)
+            return None
     return None
 
 

@@ -152,5 +152,6 @@ def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, .
     click.echo(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     # as `replay`: 1 when a verdict or a metric changed beyond noise (a behaviour change to look at), else 2
     # when a repro could not be replayed here (its reason is printed beside it), else 0
-    sys.exit(1 if counts.get("verdict changed") or counts.get("metrics changed") else
-             2 if counts.get("skipped") or counts.get("not written") else 0)
+    # (a file not written first: work left undone, whatever else the run says)
+    sys.exit(2 if counts.get("not written") else 1 if counts.get("verdict changed") or counts.get("metrics changed")
+             else 2 if counts.get("skipped") else 0)

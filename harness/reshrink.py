@@ -160,7 +160,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             repro.found = {**repro.found, "shrink_complete": True}
             repro.history.append({"at": corpus.now_iso(), "event": "shrink completed",
                                   "note": f"`harness shrink`: no simpler case fails the same way ({evals} tried)"})
-            _write(repro, path)
+            _write(repro, path, smaller=False)
             note = _tell_mlflow(repro, repro.case.one_line(), ev.headline, tracking, tracking_uri, shrunk=False)
         outcome = "minimal" if complete else "unchanged (cut short)"
         log(f"{outcome:15s} {path}  ({_size(case)}; {evals} case(s) tried in {seconds:.1f}s{why_stopped}"
@@ -180,10 +180,15 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
 
 
 class NotWritten(Exception):
-    """The repro file could not be written: the smaller case was printed as JSON on stderr instead."""
+    """The repro file could not be written. `smaller`: it held a smaller case, printed as JSON on stderr
+    instead; else only its 'shrink complete' mark was lost (the file is as it was)."""
+
+    def __init__(self, path: str, smaller: bool) -> None:
+        super().__init__(path)
+        self.smaller = smaller
 
 
-def _write(repro: Any, path: Path) -> None:
+def _write(repro: Any, path: Path, smaller: bool = True) -> None:
     """repro.save(path); a disk or permission error prints the repro whole as JSON on stderr (so the
     work is not lost: save that line as the file) and raises NotWritten."""
     import json
@@ -195,7 +200,7 @@ def _write(repro: Any, path: Path) -> None:
               f"writable. The repro follows on one line as JSON: save that line as {path} to keep it.",
               file=sys.stderr, flush=True)
         print(json.dumps(repro.to_json(), default=str), file=sys.stderr, flush=True)
-        raise NotWritten(str(path)) from None
+        raise NotWritten(str(path), smaller) from None
 
 
 def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, device: str, threads: int, tracking: bool,
@@ -285,11 +290,12 @@ def shrink_command(paths: tuple[Path, ...], budget: float, max_evals: int, devic
         try:
             outcome = shrink_file(f, budget, max_evals, device, plugins, log=click.echo, tracking_uri=tracking_uri,
                                   tracking=not no_tracking)
-        except NotWritten:
-            outcome = "not written"
-            click.echo(f"not written     {f}  (the smaller case is on stderr as JSON, above)")
+        except NotWritten as e:
+            outcome = "not written" if e.smaller else "mark not written"
+            click.echo(f"not written     {f}  " + ("(the smaller case is on stderr as JSON, above)" if e.smaller else
+                       "(it is minimal, but the file could not take that mark; it is as it was)"))
         counts[outcome] = counts.get(outcome, 0) + 1
     click.echo(", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     # 3: a smaller case found but not on disk (as `harness fuzz` exits for an unsaved finding)
-    sys.exit(3 if counts.get("not written") else 1 if counts.get("does not fail") else 2 if counts.get("skipped")
-             else 0)
+    sys.exit(3 if counts.get("not written") else 1 if counts.get("does not fail") else
+             2 if counts.get("skipped") or counts.get("mark not written") else 0)

@@ -11,7 +11,8 @@ signature:
    one packed row in the given order, no forced router ties; with the pair's axes: logit scale
    at its low bound, the first dtype, the fewest experts and the smallest router top-k);
 3. empty one prompt, halve one prompt or response, then drop ..., 8, 4, 2, 1 of their last tokens
-   (a bug past a block boundary need not fire at every length above it); a near-tie case
+   (a bug past a block boundary need not fire at every length above it; once one sequence is left,
+   else only the last one); a near-tie case
    becomes one token with every token forced (which tokens are forced is drawn per token);
 4. move a continuous knob halfway to neutral (temperature and top-p toward 1, logit scale toward
    its low bound, the tie gap toward 0): repeated, this bisects to
@@ -80,13 +81,14 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
         yield case.replace(tie_fraction=0.0)
     if case.tie_gap > 0:
         yield case.replace(tie_gap=0.0)  # the exact tie: the simplest gap
-    for j in range(case.batch_size):
+    steps = case.batch_size == 1  # (one sequence left: the n - 2^k steps; with many, each length's few
+    for j in range(case.batch_size):  # more moves would make the last, all-rejected round cost too much)
         p = case.prompt_len(j)
         if p:
-            for q in _shorter(p, 0):
+            for q in _shorter(p, 0, steps):
                 yield _with(case, j, prompt=q)
     for j, n in enumerate(case.seq_lens):
-        for m in _shorter(n, 1):
+        for m in _shorter(n, 1, steps):
             yield _with(case, j, response=m)
     if 0 < case.tie_fraction < 1 and case.n_tokens > 1:
         # which tokens are forced comes from their own uniforms: one token, forced, is the simplest
@@ -143,18 +145,18 @@ def simplest_value(strategy: Any) -> Any:
     return value
 
 
-def _shorter(n: int, low: int) -> list[int]:
+def _shorter(n: int, low: int, steps: bool = True) -> list[int]:
     """Shorter lengths to try for a prompt or response of n, the shortest first: the lowest, half,
     then n - 2^k down to n - 1 (76: 0, 38, 44, 60, 68, 72, 74, 75). A bug past a block boundary
     need not fire at every length above it (it depends on the values there): where half and one
     less both pass, a failing length between them is still reached (76 -> 68 for a bug from
-    position 64 that 75 and 38 do not show)."""
-    steps = []
+    position 64 that 75 and 38 do not show). Without `steps`: the lowest, half and one less."""
+    between = []
     step = 1
-    while n - step > max(low, n // 2):
-        steps.append(n - step)
+    while steps and n - step > max(low, n // 2):
+        between.append(n - step)
         step *= 2
-    return [m for m in dict.fromkeys((low, n // 2, *reversed(steps), n - 1)) if low <= m < n]
+    return [m for m in dict.fromkeys((low, n // 2, *reversed(between), n - 1)) if low <= m < n]
 
 
 def _fewer(case: Case, name: str, low: int) -> Iterator[Case]:

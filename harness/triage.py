@@ -841,7 +841,7 @@ def noise_reference(pair: Any, case: Any, device: str, registry: Any, loc: Local
 
 
 def triage(repro: Any, device: str = "cpu", threshold: float | None = None, registry: Any = None) -> Triage:
-    from .execute import run_case
+    from .execute import Symptom, run_case
     from .pairs import REGISTRY
 
     start = time.monotonic()
@@ -867,7 +867,8 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
         if t.modules and reference is None:
             t.notes.append("no aligned run of the same modules was found (a registered `aligned` pair exposing "
                            f"the same modules); the noise floor is the absolute minimum {MIN_FLOOR:g}")
-    t.first_over = first_over_line(ev.divergence, repro.case, thr)
+    if ev.symptom is Symptom.DIVERGENCE:  # (a NaN finding or a case that now passes: nothing crosses)
+        t.first_over = first_over_line(ev.divergence, repro.case, thr)
     t.verdict = verdict_line(t)
     t.seconds = time.monotonic() - start
     return t
@@ -876,8 +877,9 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
 def first_over_line(div: Any, case: Any, threshold: float) -> str:
     """Where the per-token divergence first crosses the line: the token with the smallest offset into
     its sequence (prompt tokens before it + its response index) whose expected k3 or exact KL is over
-    `threshold` (or whose sampled k3 is +inf), and how many are. A bug from position 48 shows as offset
-    48 even when the minimal case keeps clean tokens before it (the verdict is a mean over tokens)."""
+    `threshold` (or whose sampled k3 is +inf), and how many are ("" when none is). A bug from position
+    48 shows as offset 48 even when the minimal case keeps clean tokens before it (the verdict is a
+    mean over tokens)."""
     pt = getattr(div, "per_token", None) or {}
     if "sequence" not in pt or not len(pt["sequence"]):
         return ""
@@ -886,9 +888,8 @@ def first_over_line(div: Any, case: Any, threshold: float) -> str:
     with np.errstate(invalid="ignore"):
         row = np.fmax(np.asarray(pt.get("k3_expected", pt["k3"]), dtype=float), np.asarray(pt["kl"], dtype=float))
         over = (row > threshold) | (np.asarray(pt["k3"], dtype=float) == math.inf)
-    if not over.any():
-        return (f"no single token is over the line (the largest per-token value is {np.nanmax(row):.3g}): the "
-                "mean is, over many small differences") if np.isfinite(np.nanmax(row)) else ""
+    if not over.any():  # (a mean over tokens is over the line only if some token is: nothing to point at)
+        return ""
     seqs, pos = np.asarray(pt["sequence"]), np.asarray(pt["position"])
     offsets = np.array([case.prompt_len(int(j)) for j in seqs]) + pos
     i = int(np.flatnonzero(over)[np.argmin(offsets[over])])

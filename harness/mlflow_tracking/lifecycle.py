@@ -435,11 +435,18 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
         try:
             repro.save(path)
         except OSError as e:  # (a full disk, say): put MLflow back, so the two never disagree
-            with store.lock():
-                store.client.log_batch(run.info.run_id, tags=_tags({k: tags.get(k, "") for k in updates}))
-            raise UsageError(f"the corpus file {path} could not be written ({e.strerror or e}); the regression was "
-                             "left as it was in MLflow too. Free the space or fix the permissions, then close it "
-                             "again.") from None
+            try:
+                with store.lock():
+                    store.client.log_batch(run.info.run_id, tags=_tags({k: tags[k] for k in updates if k in tags}))
+                    for k in updates:
+                        if k not in tags:
+                            store.client.delete_tag(run.info.run_id, k)
+                back = "the regression was left as it was in MLflow too"
+            except Exception as undo:  # noqa: BLE001 - say what state MLflow is in, not a traceback
+                back = (f"MLflow could not be put back ({type(undo).__name__}: {undo}): it now says {status}, the "
+                        "file does not")
+            raise UsageError(f"the corpus file {path} could not be written ({e.strerror or e}); {back}. Free the "
+                             "space or fix the permissions, then close it again.") from None
         out["corpus_updated"] = str(path)
     elif path is not None:
         out["corpus_missing"] = str(path)

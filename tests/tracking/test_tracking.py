@@ -432,6 +432,7 @@ def test_a_corpus_file_that_cannot_be_written_leaves_mlflow_as_it_was(fresh_cwd,
     assert code == 2 and "could not be written (No space left on device)" in err and "Traceback" not in err, err
     tags = store().find_regression(f.id).data.tags
     assert tags["harness.status"] == "open" and tags.get("mlflow.note.content", "") == note_before
+    assert "harness.closed_at" not in tags and "harness.triage_note" not in tags  # (deleted, not set to "")
     assert f.path.read_text() == before
 
 

@@ -2,7 +2,6 @@
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -586,3 +585,4 @@ def test_the_budget_is_a_wall_for_units_not_started_yet(tmp_path):
     assert any("more unit(s) started: not run" in m for m in logged), logged[-3:]
     [r] = result.results
     assert r.pair == "rmsnorm.aligned" and r.streams == 1000  # every stream accounted for, run or not
+    assert r.examples_short > 0 and "ran out" in r.time_note, r.time_note  # not clean over what was asked

@@ -335,8 +335,25 @@ def test_a_repro_of_a_built_in_pair_that_is_gone_says_renamed_or_removed(tmp_pat
     data = json.loads(path.read_text())
     data.update(pair="moe_aggregate.bf16_renamed", loader={"kind": "builtin"})
     path.write_text(json.dumps(data))
-    why = load_plugin_for(load_repro(path))
+    from harness.pairs import Registry
+
+    why = load_plugin_for(load_repro(path), registry=Registry())  # (a registry no test loaded plugins into)
     assert "was built in (targets/) when it was recorded and is not registered now: renamed or removed" in why
     data["loader"] = {}  # recorded before repros said how their pair was loaded
     path.write_text(json.dumps(data))
-    assert "if the pair was built in (targets/), it was renamed or removed" in load_plugin_for(load_repro(path))
+    assert "renamed" in load_plugin_for(load_repro(path), registry=Registry())  # (either wording: plugins loaded or not)
+
+
+def test_a_hugging_face_repro_without_transformers_asks_for_the_extra_not_a_rename(tmp_path, monkeypatch):
+    import targets.hf
+    from harness.corpus import load_plugin_for, load_repro
+
+    path = _copy(tmp_path)
+    data = json.loads(path.read_text())
+    data.update(pair="hf.unregistered.bf16_rollout", loader={"kind": "builtin"})
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(targets.hf, "AVAILABLE", False)
+    from harness.pairs import Registry
+
+    why = load_plugin_for(load_repro(path), registry=Registry())
+    assert "install the hf extra" in why and "renamed" not in why
