@@ -723,7 +723,7 @@ def _stop_with_the_controller(poll: float = 0.5) -> None:
     """An xdist worker whose controller is gone (interrupted, killed) stops as on Ctrl-C: its campaign
     writes what it found and ends, instead of fuzzing on for the rest of its budget (and recording
     findings the controller's summary, written already, never lists). Gone = this process was
-    re-parented (its parent process id changed)."""
+    re-parented (its parent process id changed); it is sent SIGTERM."""
     import os
     import signal
     import threading
@@ -734,7 +734,10 @@ def _stop_with_the_controller(poll: float = 0.5) -> None:
         while True:
             time.sleep(poll)
             if os.getppid() != parent:
-                os.kill(os.getpid(), signal.SIGINT)  # the campaign's handler takes it as Ctrl-C
+                # SIGTERM, not SIGINT: a worker started in the background (CI, nohup) ignores SIGINT. A
+                # running campaign takes it as Ctrl-C (`harness.fuzz._Signals`); between items it ends
+                # the worker, which has nothing in flight then
+                os.kill(os.getpid(), signal.SIGTERM)
                 return
 
     threading.Thread(target=watch, name="harness-controller-watch", daemon=True).start()

@@ -180,9 +180,14 @@ def test_an_xdist_worker_whose_controller_is_gone_stops_as_on_ctrl_c(tmp_path):
     import time
 
     done = tmp_path / "stopped"
-    child = (f"import time, harness.pytest_plugin as p\np._stop_with_the_controller(0.1)\n"
+    # (what a campaign's handler does with SIGTERM: stop as on Ctrl-C; here, say so and end. SIGINT is
+    # ignored in a process started in the background, as CI starts pytest: the watch must not use it)
+    child = (f"import os, signal, time, harness.pytest_plugin as p\n"
+             f"signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+             f"signal.signal(signal.SIGTERM, lambda *a: (open({str(done)!r}, 'w').close(), os._exit(0)))\n"
+             f"p._stop_with_the_controller(0.1)\n"
              f"open({str(tmp_path / 'ready')!r}, 'w').close()\n"
-             f"try:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    open({str(done)!r}, 'w').close()\n")
+             f"time.sleep(60)\n")
     parent = (f"import subprocess, sys, time, pathlib\n"
               f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
               f"while not pathlib.Path({str(tmp_path / 'ready')!r}).exists():\n    time.sleep(0.05)\n")
