@@ -651,7 +651,12 @@ def main(argv: list[str] | None = None) -> None:
 
         if not e.filename and e.errno not in (errno.EACCES, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                                               errno.EISDIR, errno.EEXIST, errno.EFBIG, errno.EPERM):
-            raise  # not the file system (a connection, a library's own OSError): as it is
+            # not the file system (a connection, a library's own OSError): what it said, exit 2 (not 1,
+            # which means findings)
+            echo_err(f"error: the command stopped on an operating-system error: {type(e).__name__}: {e}. If it "
+                     "names a server (an MLflow tracking URI), check that it is reachable, or pass --no-tracking; "
+                     "files already written (corpus repros) are complete.")
+            sys.exit(EXIT_USAGE)
         where = f" {e.filename!r}" + (f" -> {e.filename2!r}" if e.filename2 else "") if e.filename else ""
         echo_err(f"error: the command stopped on a file-system error: {e.strerror or e}{where} (errno {e.errno}). "
                  "Check that path: a folder the command writes into must be a folder (not a file) and writable, "

@@ -11,8 +11,8 @@ signature:
    one packed row in the given order, no forced router ties; with the pair's axes: logit scale
    at its low bound, the first dtype, the fewest experts and the smallest router top-k);
 3. empty one prompt, halve one prompt or response, then drop ..., 8, 4, 2, 1 of their last tokens
-   (a bug past a block boundary need not fire at every length above it; once one sequence is left,
-   else only the last one); a near-tie case
+   (a bug past a block boundary need not fire at every length above it; the 2^k steps for the
+   longest sequence only); a near-tie case
    becomes one token with every token forced (which tokens are forced is drawn per token);
 4. move a continuous knob halfway to neutral (temperature and top-p toward 1, logit scale toward
    its low bound, the tie gap toward 0): repeated, this bisects to
@@ -81,14 +81,16 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
         yield case.replace(tie_fraction=0.0)
     if case.tie_gap > 0:
         yield case.replace(tie_gap=0.0)  # the exact tie: the simplest gap
-    steps = case.batch_size == 1  # (one sequence left: the n - 2^k steps; with many, each length's few
-    for j in range(case.batch_size):  # more moves would make the last, all-rejected round cost too much)
+    # the n - 2^k steps for the longest sequence only (a position bug lives there): for every sequence,
+    # each length's few more moves would make the last, all-rejected round cost too much
+    longest = max(range(case.batch_size), key=case.total_len) if case.batch_size else -1
+    for j in range(case.batch_size):
         p = case.prompt_len(j)
         if p:
-            for q in _shorter(p, 0, steps):
+            for q in _shorter(p, 0, j == longest):
                 yield _with(case, j, prompt=q)
     for j, n in enumerate(case.seq_lens):
-        for m in _shorter(n, 1, steps):
+        for m in _shorter(n, 1, j == longest):
             yield _with(case, j, response=m)
     if 0 < case.tie_fraction < 1 and case.n_tokens > 1:
         # which tokens are forced comes from their own uniforms: one token, forced, is the simplest

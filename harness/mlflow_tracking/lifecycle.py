@@ -435,16 +435,19 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
         try:
             repro.save(path)
         except OSError as e:  # (a full disk, say): put MLflow back, so the two never disagree
+            restored = False
             try:
                 with store.lock():
                     store.client.log_batch(run.info.run_id, tags=_tags({k: tags[k] for k in updates if k in tags}))
+                    restored = True
                     for k in updates:
                         if k not in tags:
                             store.client.delete_tag(run.info.run_id, k)
                 back = "the regression was left as it was in MLflow too"
             except Exception as undo:  # noqa: BLE001 - say what state MLflow is in, not a traceback
-                back = (f"MLflow could not be put back ({type(undo).__name__}: {undo}): it now says {status}, the "
-                        "file does not")
+                back = (f"MLflow could not be put back entirely ({type(undo).__name__}: {undo}): " + (
+                    f"its status is {tags.get('harness.status', '?')!r} again, but some closing tags remain"
+                    if restored else f"it now says {status}, the file does not"))
             raise UsageError(f"the corpus file {path} could not be written ({e.strerror or e}); {back}. Free the "
                              "space or fix the permissions, then close it again.") from None
         out["corpus_updated"] = str(path)

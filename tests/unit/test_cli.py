@@ -132,3 +132,23 @@ def test_ctrl_c_exits_130_and_keeps_what_was_found(tmp_path):
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert [p.parent.name for p in iter_corpus(corpus)] == ["moe_aggregate.bf16"]
+
+
+@pytest.mark.parametrize("err,words", [
+    (ConnectionError("connection refused"), "operating-system error: ConnectionError: connection refused"),
+    (PermissionError(13, "Permission denied", "/some/reports"), "file-system error: Permission denied '/some/reports'"),
+])
+def test_an_os_error_at_the_top_is_one_paragraph_and_exit_2_not_1(monkeypatch, capsys, err, words):
+    """Exit 1 means findings: an OSError that reaches the command line (a server down, a folder it
+    cannot write) is said in one paragraph and exits 2."""
+    from harness.cli import main
+    from harness.pairs import REGISTRY
+
+    def fail():
+        raise err
+
+    monkeypatch.setattr(REGISTRY, "all", fail)
+    with pytest.raises(SystemExit) as e:
+        main(["list"])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err

@@ -586,3 +586,4 @@ def test_the_budget_is_a_wall_for_units_not_started_yet(tmp_path):
     [r] = result.results
     assert r.pair == "rmsnorm.aligned" and r.streams == 1000  # every stream accounted for, run or not
     assert r.examples_short > 0 and "ran out" in r.time_note, r.time_note  # not clean over what was asked
+    assert r.examples_asked == cfg.max_examples  # the streams never started count what they were to run

@@ -28,6 +28,10 @@ def test_polish_reaches_a_boundary_that_half_and_one_less_miss():
     assert complete and got.prompt_lens == (65,), got.one_line()
     got, _, complete = polish(Case(seed=3, seq_lens=(76,)), lambda c: c.seq_lens[0] > 64 and c.seq_lens[0] != 75)
     assert complete and got.seq_lens == (65,), got.one_line()
+    # a bug that needs two sequences (a packing leak past a boundary): the longest one still steps down
+    got, _, complete = polish(Case(seed=3, seq_lens=(76, 3)), lambda c: c.batch_size == 2 and c.seq_lens[0] > 64
+                              and c.seq_lens[0] not in (74, 75))
+    assert complete and got.seq_lens == (65, 1), got.one_line()
 
 
 def test_one_line_names_the_sequences_streams():
