@@ -903,10 +903,10 @@ def iter_corpus(corpus_dir: str | Path) -> list[Path]:
     root = Path(corpus_dir)
     if not root.exists():
         return []
-    unreadable: list[Path] = []
-    for _ in os.walk(root, onerror=lambda e: unreadable.append(Path(e.filename))):
-        pass
-    return sorted([p for p in root.rglob("*.json") if not p.name.startswith(".")] + unreadable)
+    found: list[Path] = []
+    for folder, dirs, files in os.walk(root, onerror=lambda e: found.append(Path(e.filename))):
+        found += [Path(folder) / n for n in (*files, *dirs) if n.endswith(".json") and not n.startswith(".")]
+    return sorted(found)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .case import Case
-from .metrics import Divergence, compare, fired, judged_k3, verdict_mean, with_routing
+from .metrics import Divergence, _num, compare, fired, judged_k3, verdict_mean, with_routing
 from .pairs import Outcome, TargetPair
 
 DEFAULT_THRESHOLD = 1e-3  # mean k3 (or mean exact KL) above which two paths are not equivalent
@@ -94,18 +94,11 @@ def headline(metrics: Any, error: dict | None) -> str:
     if name == "k3" and value == math.inf:
         # fired by one draw landing where the trainer gives probability 0, not by the exact means:
         # say so, and what those are (under the line when that draw made the finding)
-        k3e, kl, excl = (_float(get(k, math.nan)) for k in ("k3_expected", "kl", "kl_excluded"))
+        k3e, kl, excl = (_num(get(k, math.nan)) for k in ("k3_expected", "kl", "kl_excluded"))
         if not math.isnan(k3e) and k3e != math.inf:
             return (f"k3=inf (a sampled token the trainer excludes: rollout mass there {excl:.3g}; "
                     f"expected k3 {k3e:.3g}, kl {kl:.3g})")
     return f"{name}={value:.3g}"
-
-
-def _float(v: Any) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcome | None = None) -> Outcome:

@@ -715,6 +715,11 @@ def campaign_units(pairs: list[TargetPair], streams: int = 1, shard: tuple[int, 
     return [u for j, u in enumerate(units) if j % n == i - 1]
 
 
+def unit_pairs(units: list[Unit]) -> list[TargetPair]:
+    """The pairs the units name, each once, in the units' order."""
+    return list({u.pair.name: u.pair for u in units}.values())
+
+
 def run_order(units: list[Unit]) -> list[Unit]:
     """The order a campaign runs its units in: op pairs, then model pairs (slow to start: imports,
     exports, compiles), each by name. Shards are cut by name first (`campaign_units`), so every
@@ -1019,7 +1024,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     cfg.seed = seed
     result = CampaignResult(seed=seed, config=cfg)
     units = run_order(campaign_units(cfg.pairs, cfg.streams, cfg.shard, cfg.stream))
-    pairs = list({u.pair.name: u.pair for u in units}.values())
+    pairs = unit_pairs(units)
     log(f"campaign seed {seed} (rerun exactly with --seed {seed}); {len(pairs)} pair(s), device {cfg.device}, "
         f"threshold {cfg.threshold:g}" + (f", {cfg.streams} streams per pair" if cfg.streams > 1 else "")
         + (f", shard {cfg.shard[0]}/{cfg.shard[1]}" if cfg.shard else "")

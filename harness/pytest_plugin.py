@@ -240,10 +240,9 @@ class FuzzSession:
     def select(self) -> list:
         """This shard's pairs that run on the device, in name order (the same in every process): those
         with a unit (pair, stream) in the shard (with streams, a pair's streams spread over shards)."""
-        from harness.fuzz import campaign_units
+        from harness.fuzz import campaign_units, unit_pairs
 
-        units = campaign_units(self.all_pairs(), self.streams, self.shard)
-        return sorted({u.pair.name: u.pair for u in units}.values(), key=lambda p: p.name)
+        return unit_pairs(campaign_units(self.all_pairs(), self.streams, self.shard))  # (units in name order)
 
     def units(self) -> list[dict]:
         """This shard's (pair, stream) units as plain data; a worker gets them from the controller, so
@@ -956,7 +955,7 @@ def summary_path(fs: FuzzSession, ext: str) -> Path:
     return fs.out / (f"summary.shard{fs.shard[0]}of{fs.shard[1]}.{ext}" if fs.shard else f"summary.{ext}")
 
 
-INTERRUPTED_NOTE = ("interrupted: this summary was written when the session stopped; a pair running then "
+INTERRUPTED_NOTE = ("Interrupted: this summary was written when the session stopped; a pair running then "
                     "wrote what it had found to the corpus (and new-repros/) as it stopped, which may be after "
                     "this summary: `harness replay` the corpus folder, or rerun, for the whole picture")
 
@@ -986,7 +985,7 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
           "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
     if interrupted:
-        md += ["", f"**{INTERRUPTED_NOTE[0].upper()}{INTERRUPTED_NOTE[1:]}.**"]
+        md += ["", f"**{INTERRUPTED_NOTE}.**"]
     if summary["missed_demonstrations"]:
         md += ["", f"**Missed demonstrations ({len(summary['missed_demonstrations'])})**: "
                + ", ".join(summary["missed_demonstrations"])

@@ -310,7 +310,8 @@ def batch_metrics(scored: list[Scored]) -> dict[str, float]:
     """Batch metrics under verl's rollout-correction names, with its weighting: token means over every
     scored token of the batch (`k3_kl`, `kl`, `chi2_token`, `pearson`: a long sample weighs more;
     `flip_rate`: over every routed position of the batch, prompts included, as each sample's own),
-    sequence means (`log_ppl_diff`, `ppl_ratio`: each sample's own mean first), maxima over tokens (`max_abs_dlogp`, `probs_diff_max`) and over samples (`k3_seq_max`)."""
+    sequence means (`log_ppl_diff`, `ppl_ratio`: each sample's own mean first), maxima over tokens
+    (`max_abs_dlogp`, `probs_diff_max`) and over samples (`k3_seq_max`)."""
     import numpy as np
 
     if not scored:
