@@ -1,0 +1,49 @@
+"""Time of the metrics step (`execute.judge`) against the pair's own calls, on a campaign's cases.
+
+    OMP_NUM_THREADS=1 python reports/scripts/judge_time.py attention.aligned
+
+Draws the cases of a 100-example in-process campaign (seed 0), then times, per case over the first
+300: `judge` on outcomes computed once, `run_paths` (build, both paths, readout) and the bare calls
+(`bench.bare_calls`), three times each.
+"""
+import os
+import sys
+import time
+
+
+def main() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from harness.bench import bare_calls
+    from harness.execute import judge, run_case, run_paths
+    from harness.fuzz import CampaignConfig, fuzz_pair, pair_seed
+    from harness.pairs import REGISTRY
+
+    pair = REGISTRY[sys.argv[1]]
+    cfg = CampaignConfig(pairs=[pair], seed=0, max_examples=100, write_corpus=False, isolation=False)
+    seen = []
+
+    def evaluate(c):
+        seen.append(c)
+        return run_case(pair, c, cfg.device, cfg.threshold)
+
+    fuzz_pair(pair, cfg, pair_seed(0, pair.name), deadline=None, evaluate=evaluate)
+    cases = seen[:300]
+    outs = [run_paths(pair, c, cfg.device) for c in cases]
+
+    def per_case(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) / len(cases) * 1e3
+
+    for _ in range(3):
+        j = per_case(lambda: [judge(pair, c, tr, ro, cfg.threshold) for c, (tr, ro) in zip(cases, outs)])
+        p = per_case(lambda: [run_paths(pair, c, cfg.device) for c in cases])
+        b = per_case(lambda: bare_calls(pair, cases))
+        print(f"judge {j:.3f} ms  paths {p:.3f} ms  bare {b:.3f} ms  ({len(cases)} cases)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
