@@ -276,6 +276,7 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
         start += r
     rows = case.packed_rows() if nx.packing == "packed" else [[j] for j in range(len(full))]
     width = max(sum(len(full[j]) for j in row) for row in rows)
+    longest = max(len(f) for f in full)
     ids = torch.zeros(len(rows), width, dtype=torch.int64)
     pos = torch.zeros(len(rows), width, dtype=torch.int64)
     keys = torch.full((len(rows), width), -1, dtype=torch.int64)
@@ -289,7 +290,9 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
             keys[r, o:o + n] = j * inp.stride + torch.arange(n)
             at[j] = (r, o)
             o += n
-        pos[r, o:] = torch.arange(width - o)  # padding: a fake sequence of its own
+        # padding: fake sequences of their own, no longer than the longest real one (so no position
+        # past what the case's axes, and the model's max_position_embeddings, allow)
+        pos[r, o:] = torch.arange(width - o) % longest
     table = None
     if replay:
         table = {k: v.to(dev) for k, v in (rollout_outcome.intermediates.get("route_table") or {}).items()}

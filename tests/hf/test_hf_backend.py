@@ -122,6 +122,35 @@ def test_packing_layout_does_not_change_trainer_logprobs():
         assert (got - ref).abs().max() < 1e-4, layout
 
 
+def test_padding_in_packed_rows_takes_no_position_past_the_longest_sequence(monkeypatch):
+    """A packed row's padding is fake sequences of its own: a row that holds one short sequence next
+    to a full one must not give its padding positions up to the full row's width (past the model's
+    max_position_embeddings when several sequences share a row)."""
+    import targets.hf.paths as paths
+
+    pair = REGISTRY.get("hf.qwen3_moe.aligned")
+    case = rl_case(row_capacity=32, order=(2, 0, 1))  # rows (19 + 13), (5): 27 positions of padding
+    rows = [[case.total_len(j) for j in row] for row in case.packed_rows()]
+    width, longest = max(map(sum, rows)), max(map(max, rows)) + 1  # (+1: each sequence's first token)
+    assert any(width - sum(r) > longest for r in rows), rows  # a row whose padding is longer than any sequence
+    rollout = pair.rollout(pair.build(case, "cpu"))
+    seen = []
+    real = paths.path_model
+
+    def spying(*a, **kw):
+        run = real(*a, **kw)
+
+        def call(ctx, **inputs):
+            seen.append(inputs["position_ids"].clone())
+            return run(ctx, **inputs)
+
+        return type("Spy", (), {"__call__": staticmethod(call), "gates": run.gates, "model": run.model})()
+
+    monkeypatch.setattr(paths, "path_model", spying)
+    pair.trainer(pair.build(case, "cpu"), rollout)
+    assert seen and int(seen[-1].max()) < longest, (seen[-1], longest)
+
+
 def test_router_replay_removes_flips_at_near_ties():
     c = rl_case(tie_fraction=1.0, tie_gap=0.0, params={"tie_layer": 0})
     flips = run_case(REGISTRY.get("hf.qwen3_moe.bf16_rollout"), c)
