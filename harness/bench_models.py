@@ -1,6 +1,7 @@
 """`harness bench models`: full-model cases per second per pair, and the harness's overhead.
 
-For every model pair (kind "model") that runs on the CPU: a fixed sample of cases from the pair's
+For the model pairs named (default `model.*`, the built-in ones; any pair of kind "model" that runs on the
+CPU may be named, `hf.*` too): a fixed sample of cases from the pair's
 own axes (seeded), timed two ways in alternating rounds so machine noise hits both:
 
 - bare: `build` + `rollout` + `trainer` on each case (the two paths, nothing else);
@@ -59,6 +60,12 @@ def models(pair_names: tuple[str, ...], n_cases: int, rounds: int, out: Path) ->
     from .pairs import REGISTRY
 
     pairs = [p for p in REGISTRY.select(pair_names or ("model.*",)) if p.kind == "model" and "cpu" in p.devices]
+    if not pairs:  # (an empty table would replace the measured one in the report)
+        from .errors import UsageError
+
+        raise UsageError(f"no CPU model pair matches {' '.join(pair_names) or 'model.*'!r}: `harness bench models` "
+                         "measures pairs of kind model that run on the CPU (`harness list` shows them); nothing was "
+                         "written.")
     rows = [measure(p, n_cases, rounds) for p in pairs]
     cmd = "harness bench models" + (" " + " ".join(pair_names) if pair_names else "") + \
         f" --cases {n_cases} --rounds {rounds}"

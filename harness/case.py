@@ -237,7 +237,7 @@ class Case:
         if not isinstance(data, dict):
             raise CaseError(f"a case must be a JSON object, got {type(data).__name__}.")
         schema = data.get("schema", 1)
-        if schema not in READABLE_SCHEMAS or isinstance(schema, bool):
+        if type(schema) is not int or schema not in READABLE_SCHEMAS:
             raise CaseError(
                 f"case schema {schema!r} is not supported (this harness reads schemas {READABLE_SCHEMAS}); "
                 "re-record the repro with this version of the harness."
@@ -266,6 +266,9 @@ class Case:
     def key(self) -> str:
         """A canonical string for the case: equal cases have equal keys."""
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    def __hash__(self) -> int:  # (the generated one hashes `params`, a dict: a case in a set or a cache key)
+        return hash(self.key())
 
     def one_line(self) -> str:
         """The case in one line, only the fields that differ from the defaults (`seq_ids` too: the
@@ -428,4 +431,10 @@ def _int(x: Any) -> bool:
 
 
 def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite int or float (an int too large for a float, as JSON may hold one, is not)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False

@@ -306,9 +306,13 @@ def _relation(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: 
             "tokens, and a shrunk repro is no longer the case that failed. Sample sequence j from its own stream "
             "(case.seq_generator(j, \"sample\"), or case.token_uniforms(\"sample\") by inverse CDF)."), stacklevel=6)
     if inp is False or (inp is None and judged_roles and not any(judged_roles.values())):
+        why = ("the pair's per-token inputs did not follow, so its tensors come from whole-batch streams" if inp is False
+               else "neither path's rows followed and the pair's inputs hold no per-token tensor to tell why: either "
+                    "its tensors come from whole-batch streams, or both paths return rows out of case order ("
+                    + ROW_ORDER + ")")
         warnings.warn(ConformanceWarning(
-            f"{pair.name}: the {check} check was skipped: on {case.one_line()} with {what} the pair's per-token inputs did not "
-            "follow, so its tensors come from whole-batch streams. Draw them per sequence (case.token_randn, "
+            f"{pair.name}: the {check} check was skipped: on {case.one_line()} with {what} {why}. "
+            f"{'Draw' if inp is False else 'If the former, draw'} them per sequence (case.token_randn, "
             "case.seq_generator(j, ...), case.prompt_tokens(j, ...)) so that reordering, shortening or removing a "
             "sequence leaves the other tokens' tensors unchanged, as shrinking assumes."), stacklevel=6)
         return []

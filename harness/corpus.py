@@ -740,7 +740,14 @@ def _symptoms() -> tuple[str, ...]:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """An int or float a float can hold (JSON may hold an int too large for one: not a number here)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    return True
 
 
 def validate_repro_json(data: Any, where: str) -> None:

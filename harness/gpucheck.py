@@ -106,13 +106,21 @@ def _sync(device: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # 1. The CUDA tests
 # ---------------------------------------------------------------------------------------------
+def visible_device(index: int) -> str:
+    """What CUDA_VISIBLE_DEVICES must say for the tests' process to see this process's cuda:index: the
+    index-th entry of an inherited CUDA_VISIBLE_DEVICES (a scheduler's allocation: `4,5` makes cuda:1
+    the physical GPU 5, or a GPU UUID), else the index itself."""
+    inherited = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return inherited[index] if 0 <= index < len(inherited) else str(index)
+
+
 def run_tests(timeout: float, index: int | None = None) -> TestRun:
     if not (TESTS / "gpu").is_dir():
         return TestRun(True, 4, f"{TESTS} not found: run the check from a checkout of the repository", 0.0)
     start = time.monotonic()
     cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "gpu", "-q", "-p", "no:cacheprovider"]
     try:
-        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": str(index)} if index is not None else {})}
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": visible_device(index)} if index is not None else {})}
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return TestRun(True, 124, f"the CUDA tests ran past {timeout:.0f} s", time.monotonic() - start)

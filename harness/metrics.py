@@ -176,7 +176,7 @@ def verdict_mean(metrics: Any) -> tuple[str, float]:
 def _num(v: Any) -> float:
     try:
         return float(v)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return math.nan
 
 

@@ -49,7 +49,7 @@ def parse_since(value: str, now: _dt.datetime | None = None) -> _dt.datetime:
     except (ValueError, AttributeError):
         raise UsageError(f"--since {value!r} is neither a duration like 24h, 90m, 7d, 2w nor an ISO date like "
                          "2026-01-31 or 2026-01-31T06:00; pass one of those.") from None
-    return t if t.tzinfo else t.replace(tzinfo=_dt.timezone.utc)
+    return t.astimezone(_dt.timezone.utc) if t.tzinfo else t.replace(tzinfo=_dt.timezone.utc)  # (printed as UTC)
 
 
 def _parse_iso(s: str | None) -> _dt.datetime | None:
@@ -77,16 +77,19 @@ def _campaign_metric(metrics: dict[str, float], key: str) -> float:
     """A campaign metric; a campaign run shared by shards holds it per shard (`shard1of4.cases`)."""
     if key in metrics:
         return float(metrics[key])
-    return float(sum(v for k, v in metrics.items() if k.endswith("." + key) and not k.startswith("pair.")))
+    return float(sum(v for k, v in metrics.items()
+                     if k.endswith("." + key) and not k.startswith("pair.") and ".pair." not in k))
 
 
 def pair_cases(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     """pair -> (cases, cases/s) from a campaign run of `pytest --harness-fuzz` (`pair.<name>.cases`)."""
-    out = {}
+    out: dict[str, tuple[float, float]] = {}
     for k, v in metrics.items():
-        if k.startswith("pair.") and k.endswith(".cases"):
-            name = k[len("pair."):-len(".cases")]
-            out[name] = (float(v), float(metrics.get(f"pair.{name}.cases_per_second", 0.0)))
+        i = k.find("pair.")  # `pair.<name>.cases`, or a shard's `shard1of4.pair.<name>.cases`
+        if (i == 0 or (i > 0 and k[i - 1] == ".")) and k.endswith(".cases"):
+            name, prefix = k[i + len("pair."):-len(".cases")], k[:i]
+            cases, rate = out.get(name, (0.0, 0.0))
+            out[name] = (cases + float(v), rate + float(metrics.get(f"{prefix}pair.{name}.cases_per_second", 0.0)))
     return out
 
 

@@ -26,9 +26,10 @@ two-outcome coarsening {sampled token, everything else}: a lower bound of the ex
 
 Output: per-sample metrics (`samples.csv`), batch metrics under verl's rollout-correction names
 (`summary.json`, printed), the flagged samples (see below), the worst of them
-written as repros (`corpora/<pair>/<id>.json`; the recording lives in the case, at most
-MAX_REPRO_TOKENS tokens: a longer response is cut, which leaves the scores of the tokens kept
-unchanged because the trainer is causal), a histogram of per-sample k3 (`k3_hist.png`), and an
+written as repros (`corpora/<pair>/<id>.json`; the recording lives in the case: the whole prompt and
+the response cut to MAX_REPRO_TOKENS tokens in all, at least one response token, which leaves the scores
+of the tokens kept unchanged because the trainer is causal; a prompt is never cut, since that would
+change what every response token is conditioned on), a histogram of per-sample k3 (`k3_hist.png`), and an
 MLflow campaign run. Bad rows (missing fields, ragged lengths, non-finite log-probs, ids out of the
 vocabulary) are reported by line and field; the rest of the file is scored.
 
@@ -55,7 +56,7 @@ import click
 
 from .errors import UsageError
 
-MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro may carry
+MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro keeps (a longer prompt: whole, + 1 response token)
 PROGRESS_FROM = 50  # show a progress bar from this many samples on
 
 ALIASES = {
@@ -128,9 +129,17 @@ def read_rows(path: Path) -> tuple[int, Iterator[tuple[int, Any]]]:
             raise UsageError(f"{str(path)!r} is not a readable Parquet file ({type(e).__name__}: {e}).") from None
 
         def parquet_rows() -> Iterator[tuple[int, Any]]:
-            n = 0
-            for batch in pf.iter_batches(batch_size=256):
-                for row in batch.to_pylist():
+            n = 0  # rows are numbered from 1 in file order, as lines are
+            for g in range(pf.num_row_groups):
+                size = pf.metadata.row_group(g).num_rows
+                try:  # one row group at a time: a damaged one is reported and the others are scored
+                    rows = [row for batch in pf.iter_batches(batch_size=256, row_groups=[g]) for row in batch.to_pylist()]
+                except Exception as e:  # noqa: BLE001 - pyarrow's errors for damaged data are of many types
+                    yield n + 1, BadRow(n + 1, "(row group)", f"row group {g} (rows {n + 1} to {n + size}) could not "
+                                        f"be read ({type(e).__name__}: {str(e)[:200]}); the other row groups are scored")
+                    n += size
+                    continue
+                for row in rows:
                     n += 1
                     yield n, row
 
@@ -151,6 +160,10 @@ def read_rows(path: Path) -> tuple[int, Iterator[tuple[int, Any]]]:
                 except json.JSONDecodeError as e:
                     yield n, BadRow(n, "(line)", f"not valid JSON ({e.msg} at column {e.colno})")
                     continue
+                except (ValueError, RecursionError) as e:  # an integer of thousands of digits; nesting too deep
+                    yield n, BadRow(n, "(line)", "not JSON this reader takes ("
+                                    + ("nested too deeply" if isinstance(e, RecursionError) else str(e)) + ")")
+                    continue
                 if not isinstance(row, dict):
                     yield n, BadRow(n, "(line)", f"a sample must be a JSON object, got {type(row).__name__}")
                     continue
@@ -166,6 +179,19 @@ def _pick(row: dict, what: str) -> tuple[str | None, Any]:
     return None, None
 
 
+def _finite_float(v: int | float) -> bool:
+    """A number a float holds, finite (a JSON integer of hundreds of digits is not)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+
+
 def _int_list(line: int, name: str, value: Any, vocab: int) -> list[int] | BadRow:
     if hasattr(value, "tolist"):
         value = value.tolist()
@@ -177,9 +203,9 @@ def _int_list(line: int, name: str, value: Any, vocab: int) -> list[int] | BadRo
             if isinstance(v, float) and v.is_integer():
                 v = int(v)
             else:
-                return BadRow(line, name, f"entry {i} is {v!r}, not an integer token id")
+                return BadRow(line, name, f"entry {i} is {_short(v)}, not an integer token id")
         if not 0 <= v < vocab:
-            return BadRow(line, name, f"token id {v} at index {i} is outside the model's vocabulary [0, {vocab})")
+            return BadRow(line, name, f"token id {_short(v)} at index {i} is outside the model's vocabulary [0, {vocab})")
         out.append(v)
     return out
 
@@ -215,8 +241,8 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
                                    "record one log-probability per response token")
     logprobs = []
     for i, v in enumerate(lps):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-            return BadRow(line, lname, f"entry {i} is {v!r}: log-probabilities must be finite numbers")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite_float(v):
+            return BadRow(line, lname, f"entry {i} is {_short(v)}: log-probabilities must be finite numbers")
         if float(v) > 1e-6:
             return BadRow(line, lname, f"entry {i} is {v!r} > 0: not a log-probability")
         logprobs.append(float(v))
@@ -289,7 +315,8 @@ def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tu
 
 
 def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None) -> tuple[Any, bool]:
-    """The case carrying a recorded sample (response cut to `limit` total tokens when given)."""
+    """The case carrying a recorded sample (response cut to `limit` total tokens when given, keeping at
+    least one response token: a prompt is never cut)."""
     from targets.hf.paths import encode_recorded
 
     from .case import Case
@@ -309,7 +336,8 @@ def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None
 def batch_metrics(scored: list[Scored]) -> dict[str, float]:
     """Batch metrics under verl's rollout-correction names, with its weighting: token means over every
     scored token of the batch (`k3_kl`, `kl`, `chi2_token`, `pearson`: a long sample weighs more;
-    `flip_rate`: over every routed position of the batch, prompts included, as each sample's own),
+    `flip_rate` and `tie_flip_rate`: over every routed position of the batch, prompts included, as each
+    sample's own),
     sequence means (`log_ppl_diff`, `ppl_ratio`: each sample's own mean first), maxima over tokens
     (`max_abs_dlogp`, `probs_diff_max`) and over samples (`k3_seq_max`)."""
     import numpy as np
@@ -336,7 +364,9 @@ def _batch_metrics(scored: list[Scored], np: Any) -> dict[str, float]:
     pearson = float(np.corrcoef(pt, pr)[0, 1]) if len(pt) > 1 and pt.std() > 0 and pr.std() > 0 else float("nan")
     # expert flips over every routed position (prompt and response, each layer), as each sample's own rate
     layers = [v for s in scored for v in (getattr(s.evaluation.divergence, "flips_per_layer", None) or {}).values()]
-    flips, routed = sum(v["flips"] + v["tie_flips"] for v in layers), sum(v["tokens"] for v in layers)
+    flips, ties = sum(v["flips"] for v in layers), sum(v["tie_flips"] for v in layers)
+    routed = sum(v["tokens"] for v in layers)
+    recorded = any(s.sample.experts for s in scored)
     return {
         "k3_kl": float(k3.mean()),
         "k3_seq_max": float(max(s.metrics["k3_kl"] for s in scored)),
@@ -348,7 +378,9 @@ def _batch_metrics(scored: list[Scored], np: Any) -> dict[str, float]:
         "probs_diff_max": float(np.abs(pt - pr).max()),
         "pearson": pearson,
         # (no sample recorded its experts: nothing to compare the trainer's routing with)
-        "flip_rate": (flips / routed if routed else 0.0) if any(s.sample.experts for s in scored) else math.nan,
+        # (away from exact ties, as each sample's `flip_rate`; those at a tie in `tie_flip_rate`)
+        "flip_rate": (flips / routed if routed else 0.0) if recorded else math.nan,
+        "tie_flip_rate": (ties / routed if routed else 0.0) if recorded else math.nan,
         "samples": float(len(scored)),
         "tokens": float(len(d)),
     }
@@ -377,84 +409,99 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                               shard=None, run_name=f"score {Path(path).name} with {pair.name}")
         tracker.campaign_started(cfg, 0, [pair])
 
-    def one(item: tuple[int, Any]) -> None:
-        line, row = item
-        s = row if isinstance(row, BadRow) else parse_sample(line, row, vocab, moe)
-        if isinstance(s, BadRow):
-            res.bad.append(s)
-            return
-        case, _ = sample_case(s, extra, sampling)
-        ev = run_case(pair, case, device, threshold)
-        if ev.divergence is None:
-            err = (ev.error or {}).get("message", ev.symptom.value)
-            res.bad.append(BadRow(line, "(scoring)", f"the trainer failed on this sample: {err}"))
-            return
-        metrics = {k: v for k, v in ev.divergence.as_dict().items() if k in PER_SAMPLE}
-        res.scored.append(Scored(s, metrics, ev, case))
+    def scored() -> None:
+        def one(item: tuple[int, Any]) -> None:
+            line, row = item
+            s = row if isinstance(row, BadRow) else parse_sample(line, row, vocab, moe)
+            if isinstance(s, BadRow):
+                res.bad.append(s)
+                return
+            case, _ = sample_case(s, extra, sampling)
+            ev = run_case(pair, case, device, threshold)
+            if ev.divergence is None:
+                err = (ev.error or {}).get("message", ev.symptom.value)
+                res.bad.append(BadRow(line, "(scoring)", f"the trainer failed on this sample: {err}"))
+                return
+            metrics = {k: v for k, v in ev.divergence.as_dict().items() if k in PER_SAMPLE}
+            res.scored.append(Scored(s, metrics, ev, case))
 
-    if progress and total >= PROGRESS_FROM:
-        with click.progressbar(rows, length=total, label=f"scoring {path.name}", file=sys.stderr) as bar:
-            for item in bar:
+        if progress and total >= PROGRESS_FROM:
+            with click.progressbar(rows, length=total, label=f"scoring {path.name}", file=sys.stderr) as bar:
+                for item in bar:
+                    one(item)
+        else:
+            for item in rows:
                 one(item)
-    else:
-        for item in rows:
-            one(item)
-    if not res.scored:
-        why = "; ".join(str(b) for b in res.bad[:5]) or "the file holds no samples"
-        raise UsageError(f"no sample of {str(path)!r} could be scored: {why}.")
-    res.batch = batch_metrics(res.scored)
-    try:  # (a model's position table: a longer sample is scored past what the model was made for)
-        max_pos = int(spec.fields().get("max_position_embeddings") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        max_pos = 0
-    long = [sc for sc in res.scored if max_pos and len(sc.sample.prompt) + len(sc.sample.response) > max_pos]
-    if long:
-        res.notes.append(f"{len(long)} sample(s) are longer than the model's max_position_embeddings ({max_pos}) ("
-                         + ", ".join(f"line {sc.sample.line}: {len(sc.sample.prompt) + len(sc.sample.response)} "
-                                     "tokens" for sc in long[:4])
-                         + "): the trainer scored them past the positions the model was made for, so their "
-                           "log-probs may say more about the model than about the engine")
-    lines_of: dict[str, list[int]] = {}
-    for sc in res.scored:
-        lines_of.setdefault(str(sc.sample.id), []).append(sc.sample.line)
-    dup = {k: v for k, v in lines_of.items() if len(v) > 1}
-    if dup:  # (each is scored as its own sample, and each counts in the batch's means)
-        res.notes.append(f"sample ids repeated: {len(dup)} id(s) on more than one line ("
-                         + ", ".join(f"{k!r} at lines {', '.join(map(str, v[:4]))}" for k, v in list(dup.items())[:4])
-                         + "); each line was scored as its own sample and counts in the batch metrics: drop the "
-                           "duplicates if one recording was written twice")
-    # flagged: the case's own verdict (mean k3 of the recorded tokens, or the coarsened KL, a lower
-    # bound of the exact KL, above the threshold), so every flagged sample's repro fails as it did
-    res.flagged = sorted((s for s in res.scored if s.evaluation.failed),
-                         key=lambda s: -verdict_mean(s.evaluation.divergence)[1])
-    replays = replay or bool(getattr(getattr(pair, "profiles", None), "replay", False))
-    if replays and not any(s.sample.experts for s in res.scored):
-        res.notes.append("router replay: no scored sample records routed experts (routed_experts / "
-                         "rollout_routed_experts), so nothing was replayed: the trainer routed every token itself")
-    if not replays:  # recorded experts the trainer's own router disagrees with, beyond near ties
-        # (a flagged sample's flips are part of what it is flagged for: an engine's own routing numerics)
-        off = [s for s in res.scored if s.sample.experts and not s.evaluation.failed
-               and s.metrics.get("flip_rate", 0.0) > EXPERT_FLIP_NOTE]
-        if off:
-            worst = sorted(off, key=lambda s: -s.metrics["flip_rate"])[:5]
-            res.notes.append(
-                f"recorded experts: {len(off)} sample(s) under the line record experts that differ from the trainer's "
-                f"own routing on "
-                f"more than {EXPERT_FLIP_NOTE:.0%} of routed tokens away from ties ("
-                + ", ".join(f"line {s.sample.line} {s.metrics['flip_rate']:.2f}" for s in worst)
-                + "). Their log-probs are judged as scored, but router replay (--replay) would force those experts "
-                  "into the trainer: check how the engine records them, or score with --replay to see the effect.")
-    if out_dir is not None:  # first: what was scored is never lost to a repro that cannot be written
-        write_outputs(res, path, threshold)
-    for s in res.flagged[:max_repros]:
+        if not res.scored:
+            why = "; ".join(str(b) for b in res.bad[:5]) or "the file holds no samples"
+            raise UsageError(f"no sample of {str(path)!r} could be scored: {why}.")
+        res.batch = batch_metrics(res.scored)
+        try:  # (a model's position table: a longer sample is scored past what the model was made for)
+            max_pos = int(spec.fields().get("max_position_embeddings") or 0)
+        except (OSError, ValueError, TypeError, AttributeError):
+            max_pos = 0
+        long = [sc for sc in res.scored if max_pos and len(sc.sample.prompt) + len(sc.sample.response) > max_pos]
+        if long:
+            res.notes.append(f"{len(long)} sample(s) are longer than the model's max_position_embeddings ({max_pos}) ("
+                             + ", ".join(f"line {sc.sample.line}: {len(sc.sample.prompt) + len(sc.sample.response)} "
+                                         "tokens" for sc in long[:4])
+                             + "): the trainer scored them past the positions the model was made for, so their "
+                               "log-probs may say more about the model than about the engine")
+        lines_of: dict[str, list[int]] = {}
+        for sc in res.scored:
+            lines_of.setdefault(str(sc.sample.id), []).append(sc.sample.line)
+        dup = {k: v for k, v in lines_of.items() if len(v) > 1}
+        if dup:  # (each is scored as its own sample, and each counts in the batch's means)
+            res.notes.append(f"sample ids repeated: {len(dup)} id(s) on more than one line ("
+                             + ", ".join(f"{k!r} at lines {', '.join(map(str, v[:4]))}" for k, v in list(dup.items())[:4])
+                             + "); each line was scored as its own sample and counts in the batch metrics: drop the "
+                               "duplicates if one recording was written twice")
+        # flagged: the case's own verdict (mean k3 of the recorded tokens, or the coarsened KL, a lower
+        # bound of the exact KL, above the threshold), so every flagged sample's repro fails as it did
+        res.flagged = sorted((s for s in res.scored if s.evaluation.failed),
+                             key=lambda s: -verdict_mean(s.evaluation.divergence)[1])
+        replays = replay or bool(getattr(getattr(pair, "profiles", None), "replay", False))
+        if replays and not any(s.sample.experts for s in res.scored):
+            res.notes.append("router replay: no scored sample records routed experts (routed_experts / "
+                             "rollout_routed_experts), so nothing was replayed: the trainer routed every token itself")
+        if not replays:  # recorded experts the trainer's own router disagrees with, beyond near ties
+            # (a flagged sample's flips are part of what it is flagged for: an engine's own routing numerics)
+            off = [s for s in res.scored if s.sample.experts and not s.evaluation.failed
+                   and s.metrics.get("flip_rate", 0.0) > EXPERT_FLIP_NOTE]
+            if off:
+                worst = sorted(off, key=lambda s: -s.metrics["flip_rate"])[:5]
+                res.notes.append(
+                    f"recorded experts: {len(off)} sample(s) under the line record experts that differ from the trainer's "
+                    f"own routing on "
+                    f"more than {EXPERT_FLIP_NOTE:.0%} of routed tokens away from ties ("
+                    + ", ".join(f"line {s.sample.line} {s.metrics['flip_rate']:.2f}" for s in worst)
+                    + "). Their log-probs are judged as scored, but router replay (--replay) would force those experts "
+                      "into the trainer: check how the engine records them, or score with --replay to see the effect.")
+        if out_dir is not None:  # first: what was scored is never lost to a repro that cannot be written
+            write_outputs(res, path, threshold)
+        for s in res.flagged[:max_repros]:
+            try:
+                p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
+            except (UsageError, OSError) as e:
+                res.notes.append(f"line {s.sample.line}: its repro could not be written: {e}")
+                res.unsaved += 1
+                continue
+            if p is not None:
+                res.repros.append(p)
+
+    try:
+        scored()
+    except BaseException:  # no sample scored, an interrupt, a crash: the campaign run ends (KILLED), not RUNNING
+        if tracker is not None:
+            tracker.campaign_finished(SimpleNamespace(findings=[], examples=len(res.scored),
+                                                      seconds=time.monotonic() - t0, interrupted=True, results=[]))
+        raise
+    if out_dir is not None and (res.repros or res.unsaved):  # again: the repros and their notes, now known
         try:
-            p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
-        except (UsageError, OSError) as e:
-            res.notes.append(f"line {s.sample.line}: its repro could not be written: {e}")
-            res.unsaved += 1
-            continue
-        if p is not None:
-            res.repros.append(p)
+            write_summary(res, path, threshold)
+        except OSError as e:
+            log(f"warning: {out_dir / 'summary.json'} could not be rewritten with the repros ({e}); they are "
+                "listed above")
     res.seconds = time.monotonic() - t0
     if tracker is not None:
         finish_tracking(tracker, res, threshold)
@@ -500,7 +547,16 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
         w.writerow(["line", "id", "prompt_tokens", "response_tokens", *PER_SAMPLE, "above_threshold"])
         for s in res.scored:
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
-                        *[s.metrics[k] for k in PER_SAMPLE], s.evaluation.failed])
+                        *["" if k == "flip_rate" and not s.sample.experts else s.metrics[k] for k in PER_SAMPLE],
+                        s.evaluation.failed])  # (no recorded experts: no flip rate, as the console's n/a)
+    write_summary(res, source, threshold)
+    plot_histogram([s.metrics["k3_kl"] for s in res.scored], threshold, out / "k3_hist.png")
+
+
+def write_summary(res: ScoreResult, source: Path, threshold: float) -> None:
+    from .corpus import encode_float
+
+    out = res.out_dir
     batch = {k: encode_float(v) for k, v in res.batch.items()}
     summary = {"file": str(source), "threshold": encode_float(threshold), "batch": batch,  # (NaN as "nan": strict JSON)
                "flagged": [{"line": s.sample.line, "id": s.sample.id, "k3_kl": encode_float(s.metrics["k3_kl"])}
@@ -508,7 +564,6 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
                "bad_rows": [{"line": b.line, "field": b.field, "message": b.message} for b in res.bad],
                "repros": [str(p) for p in res.repros], "notes": res.notes}
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_jsonable, allow_nan=False) + "\n")
-    plot_histogram([s.metrics["k3_kl"] for s in res.scored], threshold, out / "k3_hist.png")
 
 
 def _jsonable(x: Any) -> Any:

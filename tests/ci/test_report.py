@@ -23,6 +23,19 @@ def test_parse_since():
     assert parse_since("2026-01-30", NOW) == dt.datetime(2026, 1, 30, tzinfo=dt.timezone.utc)
     with pytest.raises(UsageError, match="24h"):
         parse_since("yesterday", NOW)
+    east = parse_since("2026-01-31T06:00+02:00", NOW)  # printed as UTC: 04:00, not 06:00
+    assert east == dt.datetime(2026, 1, 31, 4, 0, tzinfo=dt.timezone.utc) and f"{east:%H:%M}" == "04:00"
+
+
+def test_campaign_counters_of_a_run_shared_by_shards_count_each_case_once():
+    from harness.report import _campaign_metric, pair_cases
+
+    metrics = {"shard1of2.cases": 10, "shard1of2.pair.a.cases": 10, "shard1of2.pair.a.cases_per_second": 5,
+               "shard2of2.cases": 5, "shard2of2.pair.b.cases": 3, "shard2of2.pair.a.cases": 2,
+               "shard2of2.pair.a.cases_per_second": 1}
+    assert _campaign_metric(metrics, "cases") == 15
+    assert pair_cases(metrics) == {"a": (12.0, 6.0), "b": (3.0, 0.0)}
+    assert pair_cases({"pair.a.cases": 4, "pair.a.cases_per_second": 2}) == {"a": (4.0, 2.0)}
 
 
 def test_classify_against_the_window():

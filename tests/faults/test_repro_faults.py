@@ -159,6 +159,9 @@ def test_an_oversized_file_is_not_parsed(repro, capsys, monkeypatch):
     ({"loader": {"kind": "pickle"}}, "loader.kind"),
     ({"environment": [1]}, "environment"),
     ({"id": "../x"}, "id"),
+    ({"threshold": 10 ** 400}, "threshold"),  # JSON ints past a float's range: refused, not an OverflowError
+    ({"metrics": {"k3_kl": 10 ** 400}}, "metrics.k3_kl"),
+    ({"found": {"seconds_to_first": 10 ** 400}}, "found.seconds_to_first"),
 ])
 def test_a_field_of_the_wrong_type_or_range_is_refused(repro, capsys, changes, field):
     edit(repro, **changes)
@@ -169,6 +172,15 @@ def test_a_field_of_the_wrong_type_or_range_is_refused(repro, capsys, changes, f
     assert_clean_error(code, err, 125, f"field {field!r}")
     code, _, err = run_cli(capsys, "show", str(repro))
     assert_clean_error(code, err, 2, f"field {field!r}")
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "tie_fraction", "tie_gap", "logit_scale"])
+def test_a_case_number_past_a_floats_range_is_refused(repro, capsys, field):
+    edit(repro, **{f"case.{field}": 10 ** 400})  # json reads such a literal as an int a float cannot hold
+    code, out, err = run_cli(capsys, "replay", "--no-bisect", str(repro))
+    assert_clean_error(code, err, 2, field)
+    code, _, err = run_cli(capsys, "show", str(repro))
+    assert_clean_error(code, err, 2, field)
 
 
 def test_a_repro_without_metrics_cannot_claim_bit_for_bit(repro, capsys):

@@ -81,3 +81,29 @@ def test_the_cuda_test_run_collects_the_gpu_marked_tests_and_reports_pytests_sum
     got = run_tests(timeout=600)
     assert got.ran and got.ok and got.code == 0, got.summary
     assert "skipped" in got.summary and "passed" not in got.summary  # every gpu test skips without CUDA
+
+
+def test_cuda_n_under_a_schedulers_visible_devices_is_that_allocations_nth_gpu(monkeypatch):
+    """`--device cuda:1` with CUDA_VISIBLE_DEVICES=4,5 (a Slurm allocation) is physical GPU 5: the
+    tests' process must be given 5, not 1 (another job's GPU)."""
+    import subprocess
+
+    from harness import gpucheck
+
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen["env"] = kw["env"]
+        return subprocess.CompletedProcess(cmd, 0, "1 skipped\n", "")
+
+    monkeypatch.setattr(gpucheck.subprocess, "run", fake_run)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    gpucheck.run_tests(10, index=1)
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "5"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa, GPU-bbbb")
+    gpucheck.run_tests(10, index=0)
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    gpucheck.run_tests(10, index=1)
+    assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+

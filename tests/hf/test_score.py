@@ -18,6 +18,7 @@ pytest.importorskip("transformers", reason="harness score needs the HF backend: 
 
 from harness import REGISTRY, Case  # noqa: E402
 from harness.corpus import load_repro, replay  # noqa: E402
+from harness.errors import UsageError  # noqa: E402
 from harness.score import BadRow, parse_sample, score  # noqa: E402
 from targets.hf import FP32, HFModel, hf_pair  # noqa: E402
 from targets.hf.backend import base_model  # noqa: E402
@@ -83,6 +84,8 @@ def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_p
     assert {id(s) for s in res.flagged} == {id(s) for s in over}
     assert any(s.metrics["kl"] <= 1e-3 for s in res.flagged)  # flagged on k3 alone (the case that was dropped)
     assert len(res.repros) == len(res.flagged) and not res.notes, res.notes
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())  # written again once the repros exist
+    assert summary["repros"] == [str(p) for p in res.repros]
     replayed = score(bf16_file, pair_name="hf.qwen3_moe.bf16_rollout.replay", corpus=corpus, progress=False,
                      max_repros=0)
     assert replayed.batch["flip_rate"] == 0.0
@@ -134,6 +137,15 @@ def test_score_logs_a_campaign_run_with_the_batch_metrics(aligned_file, tmp_path
     assert run.data.metrics["cases"] == 12
     assert run.info.run_name == f"score {aligned_file.name} with hf.qwen3_moe.aligned"  # not "campaign seed 0"
     assert {a.path for a in client.list_artifacts(run.info.run_id, "score")} >= {"score/k3_hist.png"}
+    assert run.info.status == "FINISHED"
+
+    # a score that fails (no row scores) ends its campaign run too: KILLED, not RUNNING forever
+    bad = tmp_path / "allbad.jsonl"
+    bad.write_text('{"x": 1}\n')
+    with pytest.raises(UsageError, match="could be scored"):
+        score(bad, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", tracker=make_tracker(uri), progress=False)
+    failed = [r for r in client.search_runs([exp.experiment_id]) if r.info.run_name.startswith("score allbad")]
+    assert [r.info.status for r in failed] == ["KILLED"]
 
 
 def test_bad_rows_are_named_by_line_and_field_and_the_rest_is_scored(aligned_file, tmp_path, harness_cli):
@@ -146,15 +158,18 @@ def test_bad_rows_are_named_by_line_and_field_and_the_rest_is_scored(aligned_fil
         json.dumps({**row, "response_ids": [999999] + row["response_ids"][1:]}),  # out of vocabulary
         "{not json",
         good[1][:40],  # a line cut short (a writer killed mid-line)
+        json.dumps({**row, "rollout_logprobs": [-(10 ** 400)] + row["rollout_logprobs"][1:]}),  # no float holds it
+        '{"rollout_logprobs": [-' + "1" * 5000 + "]}",  # more digits than Python's int reader takes
+        "[" * 100000 + "]" * 100000,  # nested too deeply for the reader
     ]
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join([good[0], *bad, *good[1:]]) + "\n")
     code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking",
                                  "--corpus", str(tmp_path / "c"), "--out", str(tmp_path / "o"))
     assert code == 2, err  # every scored sample is under the line, but bad rows are bad input
-    assert "scored 3 sample(s)" in out and "6 bad row(s)" in out and "6 bad row(s) were not scored" in err
+    assert "scored 3 sample(s)" in out and "9 bad row(s)" in out and "9 bad row(s) were not scored" in err
     for line, fld in ((2, "rollout_logprobs"), (3, "rollout_logprobs"), (4, "rollout_logprobs"), (5, "response_ids"),
-                      (6, "(line)"), (7, "(line)")):
+                      (6, "(line)"), (7, "(line)"), (8, "rollout_logprobs"), (9, "(line)"), (10, "(line)")):
         assert f"line {line}, field '{fld}'" in err, err
     assert "ragged" in err and "finite" in err and "vocabulary" in err and "missing" in err
     assert "line 7, field '(line)': not valid JSON" in err and "at column 41)" in err, err  # (where it was cut)
@@ -204,6 +219,17 @@ def test_score_a_checkpoint_directory_jsonl_and_parquet(tmp_path, harness_cli):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ckpt.parquet")
     res = score(tmp_path / "ckpt.parquet", model=str(ckpt), corpus=tmp_path / "c", progress=False)
     assert len(res.scored) == 6 and not res.flagged
+    # a file damaged in its middle row group: that group is a bad row, the others are scored
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "damaged.parquet", row_group_size=2, compression="none")
+    meta = pq.ParquetFile(tmp_path / "damaged.parquet").metadata
+    data = bytearray((tmp_path / "damaged.parquet").read_bytes())
+    col = meta.row_group(1).column(0)
+    start = col.dictionary_page_offset or col.data_page_offset
+    data[start:start + col.total_compressed_size] = b"\xff" * col.total_compressed_size
+    (tmp_path / "damaged.parquet").write_bytes(bytes(data))
+    res = score(tmp_path / "damaged.parquet", model=str(ckpt), corpus=tmp_path / "c", progress=False)
+    assert len(res.scored) == 4 and [(b.line, b.field) for b in res.bad] == [(3, "(row group)")], res.bad
+    assert "rows 3 to 4" in res.bad[0].message
     code, _, err = harness_cli("score", str(tmp_path / "ckpt.jsonl"), "--model", str(tmp_path / "nowhere"),
                                "--no-tracking")
     assert code == 2 and "not a checkpoint directory" in err and "Traceback" not in err
@@ -318,8 +344,10 @@ def test_recorded_experts_that_differ_only_at_prompt_positions_count_as_flips(al
     assert res.batch["flip_rate"] > 0 and any(n.startswith("recorded experts") for n in res.notes)
     # the batch's rate is over every routed position, as each sample's (not weighted by response tokens)
     layers = [v for s in res.scored for v in s.evaluation.divergence.flips_per_layer.values()]
-    want = sum(v["flips"] + v["tie_flips"] for v in layers) / sum(v["tokens"] for v in layers)
+    want = sum(v["flips"] for v in layers) / sum(v["tokens"] for v in layers)  # (exact ties: tie_flip_rate)
     assert res.batch["flip_rate"] == pytest.approx(want, rel=1e-12)
+    assert res.batch["tie_flip_rate"] == pytest.approx(
+        sum(v["tie_flips"] for v in layers) / sum(v["tokens"] for v in layers), rel=1e-12)
     routed = {s.sample.line: sum(v["tokens"] for v in s.evaluation.divergence.flips_per_layer.values())
               for s in res.scored}
     assert res.batch["flip_rate"] == pytest.approx(flips[2] * routed[2] / sum(routed.values()), rel=1e-12)

@@ -44,6 +44,9 @@ def test_from_json_rejects_unknown_fields_wrong_schema_and_missing_seed():
         Case.from_json({"seed": 1, "batch": 3})
     with pytest.raises(CaseError, match="schema 99"):
         Case.from_json({"schema": 99, "seed": 1})
+    for not_a_schema in (2.0, True, "2"):  # the schema is a whole number: 2.0 or true is not one
+        with pytest.raises(CaseError, match="schema"):
+            Case.from_json({"schema": not_a_schema, "seed": 1})
     with pytest.raises(CaseError, match="'seed' is missing"):
         Case.from_json({"seq_lens": [1]})
     with pytest.raises(CaseError, match="must be a list"):
@@ -142,3 +145,8 @@ def test_stream_draws_are_the_same_one_row_at_a_time_and_in_blocks():
         assert torch.equal(c.token_randn(width, "w"), torch.stack(rows)), width
     g = c.seq_generator(0, "prompt")
     assert torch.equal(c.prompt_tokens(0, 50), torch.cat([torch.randint(0, 50, (1,), generator=g) for _ in range(5)]))
+
+
+def test_cases_hash_like_they_compare_params_included():
+    a, b = Case(seed=1, params={"tie_layer": 1}), Case(seed=1, params={"tie_layer": 1})
+    assert a == b and hash(a) == hash(b) and len({a, b, Case(seed=1, params={"tie_layer": 2})}) == 2

@@ -152,3 +152,11 @@ def test_an_os_error_at_the_top_is_one_paragraph_and_exit_2_not_1(monkeypatch, c
         main(["list"])
     assert e.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_bench_models_with_no_matching_pair_writes_nothing(harness_cli, tmp_path):
+    report = tmp_path / "BENCHMARKS.md"
+    report.write_text("# Benchmarks\n\n<!-- bench:models -->\nmeasured before\n<!-- /bench:models -->\n")
+    code, _, err = harness_cli("bench", "models", "linear.*", "--out", str(report))
+    assert code == 2 and "no CPU model pair matches" in err and "Traceback" not in err, err
+    assert "measured before" in report.read_text()
