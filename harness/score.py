@@ -538,8 +538,6 @@ def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path,
 def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
     import csv
 
-    from .corpus import encode_float
-
     out = res.out_dir
     out.mkdir(parents=True, exist_ok=True)
     with (out / "samples.csv").open("w", newline="") as fh:
