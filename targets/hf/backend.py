@@ -342,7 +342,35 @@ def base_model(spec: HFModel) -> Any:
             realistic_init(model, spec.init_seed, logit_std=_logit_std())
     model.eval()
     model.requires_grad_(False)
+    _smoke(model, spec)
     return model
+
+
+def _smoke(model: Any, spec: "HFModel") -> None:
+    """The model's own plain forward on 4 tokens, once per process: a config the model cannot run (a
+    DeepSeek-V3 `n_group` that does not divide its experts) is a pair that cannot run, named as such,
+    not a regression of every case written to the corpus."""
+    import torch
+
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    if vocab <= 0:
+        return
+    try:
+        with torch.inference_mode():
+            model(input_ids=torch.arange(4).remainder(vocab)[None], use_cache=False)
+    except Exception as e:  # noqa: BLE001 - whatever the model raises, its own forward does not run
+        what = f"the checkpoint {spec.path!r}" if spec.path else "the model built from this config"
+        raise UsageError(f"{what} ({type(model).__name__}) fails its own plain forward on 4 tokens, before "
+                         f"either path runs: {type(e).__name__}: {str(e).strip()[:300]}. Its config is inconsistent "
+                         "(for example a router's n_group that does not divide n_routed_experts): fix the config; "
+                         "no case of this pair can say anything about the two paths.") from None
+
+
+def _first_sentence(e: BaseException) -> str:
+    """An error's first sentence, whole (transformers' messages run on with URLs a cut would break)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    end = text.find(". ")
+    return text[:end + 1] if 0 < end < 400 else text[:400]
 
 
 @functools.lru_cache(maxsize=32)
@@ -358,9 +386,10 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
             model.set_attn_implementation(nx.attention)
         except (ValueError, ImportError) as e:  # e.g. a model class with no sdpa attention in this transformers
             raise UsageError(
-                f"{type(model).__name__} cannot run attention={nx.attention!r} here ({str(e).splitlines()[0][:200]}); "
-                "give both paths another attention, e.g. hf_pair(..., FP32.replace(attention='eager'), "
-                "BF16.replace(attention='eager')) (hf_pairs' standard set runs sdpa).") from None
+                f"{type(model).__name__} cannot run attention={nx.attention!r} here ({_first_sentence(e)}); "
+                "give both paths another attention: hf_pairs(prefix, model, base=FP32.replace(attention='eager')) "
+                "for the standard set, or hf_pair(..., FP32.replace(attention='eager'), "
+                "BF16.replace(attention='eager')).") from None
     gates = router_modules(model)
     if gates and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(nx.experts)

@@ -23,7 +23,7 @@ from harness import Axes, Outcome, RoutingAxes, TargetPair
 from harness.errors import UsageError
 
 from . import paths
-from .backend import BF16, COMPONENTS, FP32, NO_PATCH, HFModel, Numerics, as_rollout, model_from
+from .backend import COMPONENTS, FP32, NO_PATCH, HFModel, Numerics, as_rollout, model_from
 
 MAX_PROMPT = 12  # prompt tokens per sequence (fuzzed 0..MAX_PROMPT)
 MAX_RESPONSE = 16  # response tokens per sequence (every one decoded from the KV cache)
@@ -212,22 +212,33 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
     )
 
 
-def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axes | None = None) -> list[TargetPair]:
+def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axes | None = None,
+             base: Numerics = FP32) -> list[TargetPair]:
     """The standard set for one model: `<prefix>.aligned` (float32 both sides),
     `<prefix>.bf16_rollout` (float32 trainer vs bf16 engine), `<prefix>.bf16_rollout.replay` (the same
-    with router replay; MoE models only), `<prefix>.eager_vs_sdpa` (attention implementations, float32).
-    `axes`: every pair's (default: `default_axes(model)`)."""
+    with router replay; MoE models only), `<prefix>.eager_vs_sdpa` (attention implementations, float32;
+    only where `base` uses sdpa).
+    `axes`: every pair's (default: `default_axes(model)`). `base`: the float32 numerics both paths
+    start from, for a model that needs other settings: gpt-oss and Gemma 2 have no sdpa attention
+    (`FP32.replace(attention="eager")`), and a model whose packed forward leaks across sequences
+    needs `packing="per_sequence"` (the trainer's only)."""
     spec = model_from(model)
+    if not isinstance(base, Numerics):
+        raise UsageError(f"hf_pairs(base=...) must be a Numerics (e.g. FP32.replace(attention=\"eager\")), got "
+                         f"{type(base).__name__}")
+    bf16 = base.replace(body="bfloat16", router="bfloat16", lm_head="bfloat16", packing=FP32.packing)
     pairs = [
-        hf_pair(f"{prefix}.aligned", spec, FP32, FP32, expected="aligned", axes=axes,
+        hf_pair(f"{prefix}.aligned", spec, base, base.replace(packing=FP32.packing), expected="aligned", axes=axes,
                 description="float32 both sides: packed teacher-forced trainer vs KV-cache decode rollout"),
-        hf_pair(f"{prefix}.bf16_rollout", spec, FP32, BF16, expected=bf16_expected, axes=axes,
+        hf_pair(f"{prefix}.bf16_rollout", spec, base, bf16, expected=bf16_expected, axes=axes,
                 description="float32 trainer vs a bf16 engine (weights, activations, router, LM head)"),
-        hf_pair(f"{prefix}.eager_vs_sdpa", spec, FP32.replace(attention="eager"), FP32, expected="aligned", axes=axes,
-                description="eager attention (trainer) vs sdpa (rollout), float32"),
     ]
+    if base.attention == "sdpa":
+        pairs.append(hf_pair(f"{prefix}.eager_vs_sdpa", spec, base.replace(attention="eager"),
+                             base.replace(packing=FP32.packing), expected="aligned", axes=axes,
+                             description="eager attention (trainer) vs sdpa (rollout), float32"))
     if spec.moe():
-        pairs.append(hf_pair(f"{prefix}.bf16_rollout.replay", spec, FP32, BF16, replay=True,
+        pairs.append(hf_pair(f"{prefix}.bf16_rollout.replay", spec, base, bf16, replay=True,
                              expected=bf16_expected, axes=axes,
                              description="bf16 engine with router replay: flips gone, the precision gap remains"))
     return pairs

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers", reason="the HF backend needs 
 import torch  # noqa: E402
 
 from harness import REGISTRY, Case, check_pair  # noqa: E402
+from harness.errors import UsageError  # noqa: E402
 from harness.execute import run_case  # noqa: E402
 from harness.fuzz import CampaignConfig, run_campaign  # noqa: E402
 from targets.hf import BF16, FP32, hf_pair  # noqa: E402
@@ -85,6 +86,26 @@ def test_realistic_init_finds_embeddings_head_and_norms_by_identity_in_other_fam
         elif p.dim() == 1:
             assert bool((p == 1).all()), name  # LayerNorm weights: transformers' own 1
     assert float(model.get_input_embeddings().weight.std()) == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_model_that_scales_its_logits_gets_a_head_calibrated_to_peaked_outputs():
+    """GraniteMoE divides its logits by `logits_scaling` (and scales embeddings and residuals): drawn
+    like the others, its output was near-uniform (5.5 of log V 6.2 nats) and its own bf16 rollout
+    demonstration went uncaught. The head is rescaled by a measured, rounded factor."""
+    from targets.hf import hf_pairs
+    from targets.hf.backend import base_model
+
+    cfg = dict(model_type="granitemoe", vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+               max_position_embeddings=512, tie_word_embeddings=False, embedding_multiplier=12.0, logits_scaling=4.0,
+               residual_multiplier=0.22, attention_multiplier=0.0625)
+    pairs = {p.name: p for p in hf_pairs("user.granite", cfg)}
+    ev = run_case(pairs["user.granite.aligned"], rl_case(), keep_outcomes=True)
+    assert ev.symptom.value == "none" and ev.divergence.entropy < 3.0, ev.divergence.entropy
+    head = base_model(pairs["user.granite.aligned"].profiles.model).get_output_embeddings().weight
+    assert 4.0 < float(head.std()) * math.sqrt(64) < 40.0  # rescaled from 5 by a factor near logits_scaling
+    caught = [run_case(pairs["user.granite.bf16_rollout"], rl_case(seed=s)).failed for s in range(6)]
+    assert any(caught), caught
 
 
 @pytest.mark.parametrize("name", ["hf.qwen3_moe.aligned", "hf.mixtral.bf16_rollout.replay", "hf.qwen3.eager_vs_sdpa"])
@@ -179,7 +200,6 @@ def test_user_pair_from_config_dict_and_profiles_swap():
 
 
 def test_axes_past_the_models_positions_are_refused_and_wider_axes_reach_far_positions():
-    from harness.errors import UsageError
     from targets.hf import hf_pairs
     from targets.hf.pairs import default_axes
     from targets.hf.backend import model_from
@@ -328,8 +348,35 @@ def test_a_model_without_sdpa_attention_says_which_attention_to_use():
     ev = run_case(hf_pair("user.gemma2", cfg, FP32, FP32), rl_case(seed=1))
     assert ev.error is not None and ev.error["type"] == "UsageError", ev.error
     assert "attention='sdpa'" in ev.error["message"] and "attention='eager'" in ev.error["message"]
+    assert "hf_pairs(prefix, model, base=FP32.replace(attention='eager'))" in ev.error["message"]
+    assert "yet.)" in ev.error["message"] or "https://" not in ev.error["message"]  # a whole sentence, no cut URL
     eager = FP32.replace(attention="eager")
     assert run_case(hf_pair("user.gemma2.eager", cfg, eager, eager), rl_case(seed=1)).k3 < 1e-8
+    # the standard set on that base: every pair runs, and no eager-vs-sdpa pair (there is no sdpa)
+    from targets.hf import hf_pairs
+
+    std = {p.name: p for p in hf_pairs("user.gemma2.std", cfg, base=eager)}
+    assert sorted(std) == ["user.gemma2.std.aligned", "user.gemma2.std.bf16_rollout"]
+    assert run_case(std["user.gemma2.std.aligned"], rl_case(seed=1)).k3 < 1e-8
+    assert run_case(std["user.gemma2.std.bf16_rollout"], rl_case(seed=1)).error is None
+    with pytest.raises(UsageError, match="must be a Numerics"):
+        hf_pairs("user.gemma2.bad", cfg, base="eager")
+
+
+def test_a_config_its_own_model_cannot_run_is_a_pair_that_cannot_run_not_a_regression(tmp_path):
+    """DeepSeek-V3 with n_group=3 over 8 experts raises inside the router's view on every case: the
+    model's own forward fails, so the pair cannot run (a setup error), nothing goes to the corpus."""
+    cfg = dict(model_type="deepseek_v3", vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8,
+               num_experts_per_tok=2, n_group=3, topk_group=1, first_k_dense_replace=0, max_position_embeddings=256,
+               q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+               tie_word_embeddings=False)
+    pair = hf_pair("user.ds_bad_groups", cfg, FP32, FP32)
+    ev = run_case(pair, rl_case(seed=1))
+    assert ev.setup and "fails its own plain forward" in ev.error["message"], ev.error
+    result = run_campaign(CampaignConfig(pairs=[pair], seed=1, max_examples=5, corpus=tmp_path))
+    assert not list(tmp_path.rglob("*.json"))
+    assert "fails its own plain forward" in result.results[0].setup_error and not result.results[0].findings
 
 
 @pytest.mark.parametrize("groups", [1, 2])
