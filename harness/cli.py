@@ -165,6 +165,8 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
 
 @cli.command()
 @click.argument("pair_names", nargs=-1, metavar="[PAIR|GLOB]...")
+@click.option("--pairs", "pair_options", multiple=True, metavar="PAIR|GLOB",
+              help="A pair or glob to fuzz, as the arguments (repeatable; `gpucheck`'s spelling).")
 @click.option("--max-examples", type=click.IntRange(1), default=None,
               help="Hypothesis examples per pair (before shrinking); each is followed by uniform random cases "
               "(--uniform-per-example), so a pair runs about 4x this many cases on op pairs, 2x on model pairs  "
@@ -198,7 +200,8 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
               help="Uniform random cases run after each Hypothesis example [default: 3 for op pairs, 1 for model "
               "pairs]; 0 leaves the search to Hypothesis alone.")
 @plugin_option
-def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | None, seed: int | None,
+def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_examples: int | None, budget: float | None,
+         seed: int | None,
          threshold: float, device: str, corpus_dir: Path, shard: str | None, tracking_uri: str | None,
          no_tracking: bool, profile: str | None, timeouts: tuple[str, ...], no_isolation: bool, streams: int,
          uniform_per_example: int | None, plugins: tuple[str, ...]) -> None:
@@ -218,6 +221,7 @@ def fuzz(pair_names: tuple[str, ...], max_examples: int | None, budget: float | 
     memory_limits()  # ... and a mistyped HARNESS_WORKER_*_MB, not in the middle of the campaign
     load_plugins(plugins)
     dev = resolve_device(device)
+    pair_names = (*pair_names, *pair_options)
     pairs = [p for p in REGISTRY.select(pair_names) if dev in p.devices]
     if not pairs:
         raise UsageError(f"none of the selected pairs runs on {dev}; run `harness list` to see their devices.")

@@ -88,6 +88,8 @@ def test_bad_repro_files_get_a_message_and_exit_2(tmp_path, found, harness_cli, 
 def test_unknown_pair_and_broken_plugin_exit_2(tmp_path, harness_cli):
     code, _, err = harness_cli("fuzz", "no.such.pair", "--no-tracking")
     assert code == 2 and "no target pair named 'no.such.pair'" in err and "Traceback" not in err
+    code, _, err = harness_cli("fuzz", "--pairs", "no.such.pair", "--no-tracking")  # the option spelling too
+    assert code == 2 and "no target pair named 'no.such.pair'" in err and "Traceback" not in err
     broken = write(tmp_path / "broken.py", "raise ValueError('half-written plugin')\n")
     code, _, err = harness_cli("list", "--plugin", broken)
     assert code == 2 and "half-written plugin" in err and "Traceback" not in err
