@@ -57,13 +57,15 @@ def write_section(path: Path, name: str, body: str) -> None:
                          "above. Pass --out with a file in a folder you can write.") from None
 
 
-def machine() -> str:
+def machine(threads: int | None = None) -> str:
+    """The machine and software; `threads`: the torch threads the measurements ran with, where that is
+    not this process's count (a measuring subprocess's)."""
     import os
 
     import torch
 
     return (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads, python {platform.python_version()}")
+            f"{threads or torch.get_num_threads()} threads, python {platform.python_version()}")
 
 
 def _time(fn: Callable[[], Any]) -> float:

@@ -200,7 +200,7 @@ def metrics_bench(vocabs: tuple[int, ...], tokens: tuple[int, ...], device: str,
     body = "\n".join([
         "## Metrics cost (`harness bench metrics`)",
         "",
-        f"`{cmd}` on {machine()}, device {device}; {wall:.0f} s; load average {load0[0]:.1f} before, "
+        f"`{cmd}` on {machine(threads or None)}, device {device}; {wall:.0f} s; load average {load0[0]:.1f} before, "
         f"{load1[0]:.1f} after. Times: {clock}, in alternating rounds, best of each (other processes "
         "share these cores: CPU time of one thread is what survives their load best; the ratios are "
         "the figure to read).",

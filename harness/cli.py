@@ -430,6 +430,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                 line += ("\n  recorded as not deterministic (its pair gave other values on this case when it was "
                          "found): its metrics were one draw; " + (
                              "it fails the way it was recorded" if not failure else
+                             "this draw came back clean" if not ev.failed else
                              "it now fails another way (" + ", ".join(sorted(failure)) + ")"))
             elif elsewhere:
                 line += ("\n  recorded on another machine or software (" + "; ".join(elsewhere) + "): " + (
@@ -528,7 +529,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         else:
             at_default.append(f"{k} {v}")
     if at_default:  # (a pair reads only the fields its axes draw: most of these are not its axes)
-        click.echo(f"  at defaults (fields its axes do not vary; a pair reads only those its code uses): "
+        click.echo(f"  at neutral values (the defaults; a pair reads only the fields its code uses): "
                    f"{', '.join(at_default)}")
     click.echo(f"  -> {r.case.batch_size} sequence(s), {r.case.n_tokens} token(s)")
     try:

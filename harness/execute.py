@@ -97,7 +97,7 @@ def headline(metrics: Any, error: dict | None) -> str:
         k3e, kl, excl = (_num(get(k, math.nan)) for k in ("k3_expected", "kl", "kl_excluded"))
         if not math.isnan(k3e) and k3e != math.inf:
             return (f"k3=inf (a sampled token the trainer excludes: rollout mass there {excl:.3g}; "
-                    f"expected k3 {k3e:.3g}, kl {kl:.3g})")
+                    f"expected k3 {k3e:.3g} over the tokens the trainer keeps, kl {kl:.3g})")
     return f"{name}={value:.3g}"
 
 

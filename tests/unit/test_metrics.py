@@ -304,5 +304,5 @@ def test_a_finding_fired_by_one_excluded_draw_says_so_with_the_exact_means():
     m = {"k3_kl": math.inf, "k3_expected": 3.6e-4, "kl": 2e-4, "kl_excluded": 0.038, "fired": "k3",
          "nonfinite_trainer": 0, "nonfinite_rollout": 0}
     assert headline(m, None) == ("k3=inf (a sampled token the trainer excludes: rollout mass there 0.038; "
-                                 "expected k3 0.00036, kl 0.0002)")
+                                 "expected k3 0.00036 over the tokens the trainer keeps, kl 0.0002)")
     assert headline({**m, "k3_kl": 0.01, "k3_expected": 0.002}, None) == "k3=0.002"

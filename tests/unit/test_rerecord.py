@@ -298,6 +298,11 @@ def test_a_repro_recorded_as_not_deterministic_is_held_to_its_failure_only(tmp_p
     assert list(res.failure_mismatches()) == ["symptom"]
     with pytest.raises(AssertionError, match="fails another way than recorded"):
         corpus_test.check_recorded_metrics(path, load_repro(path), res)
+    # a draw that comes back clean says so (not "it now fails another way (symptom)")
+    data["symptom"], data["pair"], data["status"] = "divergence", "moe_aggregate.aligned", "open"
+    path.write_text(json.dumps(data))
+    code, out, err = harness_cli("replay", str(path))
+    assert "now clean" in out and "this draw came back clean" in out and "fails another way" not in out, out + err
 
 
 def test_a_corpus_folder_that_cannot_be_read_is_named_not_left_out(tmp_path, monkeypatch):
