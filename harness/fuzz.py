@@ -129,6 +129,9 @@ class PairResult:
     # checkpoint folder that is gone, a setting it refuses), which says nothing of its paths; the
     # one-paragraph message (`setup_message`). Not a finding: nothing is written or tracked for it.
     setup_error: str = ""
+    # what its cases did to the worker's memory: growth past the leak allowance, replacements at the
+    # cap (`Worker.memory_notes`); "" when nothing was seen
+    memory_note: str = ""
 
     @property
     def time_note(self) -> str:
@@ -767,6 +770,7 @@ class Executor:
         # a hang, or a cold start longer than the budget allows)
         self.unfinished: dict[str, float] = {}
         self.waited: dict[str, str] = {}  # pair -> the pair whose unfinished first case it waited behind
+        self._memory_notes: dict[str, str] = {}  # of workers already closed (`memory_note`)
 
     @staticmethod
     def source(pair: TargetPair) -> str:
@@ -807,7 +811,16 @@ class Executor:
 
     def _retire(self, worker: Any) -> None:
         self._restarts += worker.restarts
+        self._memory_notes.update(worker.memory_notes)
         worker.close()
+
+    def memory_note(self, pair: str) -> str:
+        """What the pair's cases did to its worker's memory, in any worker of this executor ("" if nothing)."""
+        notes = dict(self._memory_notes)
+        for w in (self.worker, *(w for _, w in self.parked.values())):
+            if w is not None:
+                notes.update(w.memory_notes)
+        return notes.get(pair, "")
 
     def _resume(self, source: str) -> None:
         """Make the parked worker of this source (the one furthest along) the current one."""
@@ -997,6 +1010,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.max_k3 = max(into.max_k3, r.max_k3)
     into.max_score = max(into.max_score, r.max_score)
     into.setup_error = into.setup_error or r.setup_error
+    into.memory_note = into.memory_note or r.memory_note
     if not rounds:  # (a further round ends when its share does, by design: not a pair cut short)
         into.streams += r.streams
         into.warmup += r.warmup
@@ -1212,6 +1226,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         result.interrupted = True
     finally:
         result.results.sort(key=lambda r: r.pair)
+        for r in result.results:
+            r.memory_note = executor.memory_note(r.pair) if cfg.isolation else ""
         result.worker_restarts = executor.restarts - restarts_before
         if own_executor:
             executor.close()
@@ -1274,7 +1290,8 @@ def summary_table(result: CampaignResult) -> str:
                                + (f"shrunk in {f.shrink_seconds:.1f}s" if f.shrink_complete else
                                   f"shrinking cut short{' by the interrupt' if f.interrupted else ''} after "
                                   f"{f.shrink_seconds:.1f}s") + f") -> {f.path or '-'}"
-                               for f in r.findings) or "-"))
+                               for f in r.findings) + ("; " if r.findings and r.memory_note else "")
+                     + r.memory_note or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for row in rows:

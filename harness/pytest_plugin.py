@@ -561,6 +561,7 @@ def _pair_result_json(r: Any) -> dict:
         "max_k3": r.max_k3, "max_score": r.max_score, "seed": r.seed,
         "examples_asked": r.examples_asked, "examples_short": r.examples_short,
         "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for, "setup_error": r.setup_error,
+        "memory_note": r.memory_note,
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
             "symptom": f.symptom.value, "status": f.status,
@@ -625,7 +626,7 @@ def _pair_result(d: dict) -> Any:
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
                       examples_asked=d.get("examples_asked", 0), examples_short=d.get("examples_short", 0),
                       seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""),
-                      setup_error=d.get("setup_error", ""))
+                      setup_error=d.get("setup_error", ""), memory_note=d.get("memory_note", ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -914,7 +915,8 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
         found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
                           + (" new" if f["new"] else "") for f in d["findings"]) or \
-            (_setup_headline(d.get("setup_error", "")) or "-")
+            _setup_headline(d.get("setup_error", ""))
+        found = "; ".join(x for x in (found, d.get("memory_note", "")) if x) or "-"
         rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), f"{rate:.1f}", _fmt(d.get("max_score", 0.0)),
                      _fmt(d["max_k3"]), d.get("worker", "main"), found))
     return rows

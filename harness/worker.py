@@ -185,6 +185,12 @@ class Worker:
         self._mem_last: tuple[str, float] | None = None  # (the pair of the last check, resident MiB then)
         self._mem_checked = 0.0
         self._mem_warned: set[str] = set()
+        # pair -> what its cases did to the worker's memory (growth, replacements at the cap), for the
+        # campaign's summary: the warnings on stderr are hidden where a pytest item passes
+        self.memory_notes: dict[str, str] = {}
+        self._grown: dict[str, float] = {}  # pair -> the largest growth counted for it (MiB)
+        self._replaced: dict[str, int] = {}  # pair -> replacements at the cap its growth caused
+        self._replace_for = ""
         self._replace = ""
         self.memory_restarts = 0
 
@@ -374,7 +380,7 @@ class Worker:
                        f"If the pair is just slow, raise it: `harness fuzz --timeout '{pair.name}=SECONDS'`, "
                        f"`pytest --harness-timeout={pair.name}=SECONDS`, or the pair's own TargetPair(timeout=SECONDS) "
                        "(a plain --timeout SECONDS does not override a pair's own)",
-            "traceback": stack, "timeout_s": float(timeout)}, threads=self.threads)
+            "traceback": stack, "timeout_s": float(timeout - cold_extra)}, threads=self.threads)  # (the per-case timeout)
 
     @property
     def replace_due(self) -> bool:
@@ -393,6 +399,9 @@ class Worker:
 
         print(f"warning: {self._replace}; it was replaced by a fresh worker process before the next case "
               "(the campaign goes on)", file=sys.stderr, flush=True)
+        name = self._replace_for
+        self._replaced[name] = self._replaced.get(name, 0) + 1
+        self.memory_notes[name] = self._memory_note(name)
         self.close_process()
         self.memory_restarts += 1
         self.restarts += 1
@@ -419,6 +428,9 @@ class Worker:
         self._mem_last = (name, rss)
         base, leak, cap = seen[0], *memory_limits()
         grown = seen[1] > max(leak, base)
+        if grown:
+            self._grown[name] = max(self._grown.get(name, 0.0), seen[1])
+            self.memory_notes[name] = self._memory_note(name)
         if grown and name not in self._mem_warned:
             import sys
 
@@ -431,6 +443,12 @@ class Worker:
         if grown and rss > cap:  # (a model larger than the cap that does not grow is left alone)
             self._replace = (f"the worker process running {name}'s cases holds {rss:.0f} MiB, above the cap of "
                              f"{cap:.0f} MiB")
+            self._replace_for = name
+
+    def _memory_note(self, name: str) -> str:
+        n = self._replaced.get(name, 0)
+        return (f"memory: the worker grew by {self._grown.get(name, 0.0):.0f} MiB over its cases (a path that keeps "
+                "memory across cases?)" + (f"; replaced at the cap {n} time(s)" if n else ""))
 
     def _wait_ready(self, wall: float | None) -> bool:
         limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))

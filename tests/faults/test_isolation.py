@@ -377,6 +377,25 @@ def test_a_leaking_path_is_named_and_its_worker_replaced_before_it_takes_the_mac
     assert err.count("warning: the worker process grew by") == 1 and "faults.leak's cases" in err, err
     assert "above the cap of 900 MiB; it was replaced by a fresh worker process" in err
     assert "faults.leak" in out and "clean" in out
+    # ... and the summary says so too (where a passing pytest item hides stderr, it is the only trace)
+    row = next(line for line in out.splitlines() if line.startswith("faults.leak"))
+    assert "memory: the worker grew by" in row and "replaced at the cap" in row, row
     code, out, err = fuzz(harness_cli, tmp_path, "faults.leak", "--max-examples", "100", "--budget", "120",
                           env={"HARNESS_WORKER_MAX_MB": "lots"})
     assert code == 2 and "$HARNESS_WORKER_MAX_MB='lots' must be a number of MiB > 0" in err and "Traceback" not in err
+
+
+def test_a_cold_case_that_hangs_records_the_per_case_timeout_not_the_cold_allowance():
+    """A first case in a fresh worker gets its imports' allowance on top of the per-case timeout; the
+    timeout finding records the per-case one (what `replay` then runs under: 0.5 s, not 1.5 s)."""
+    from harness import Case
+    from harness.pairs import REGISTRY
+    from harness.worker import Worker
+
+    REGISTRY.load_plugin(FAULTS)
+    pair = REGISTRY.get("faults.hang_always")
+    with Worker("cpu", plugins=(FAULTS,)) as worker:
+        worker.submit(pair, Case(seed=1, seq_lens=(1,)), 1e-3, timeout=1.5, cold_extra=1.0)
+        ev = worker.collect()
+    assert ev.symptom.value == "timeout" and ev.error["timeout_s"] == 0.5, ev.error
+    assert "per-case timeout of 0.5 s (+1 s for its first case" in ev.error["message"], ev.error["message"]

@@ -95,3 +95,23 @@ def test_the_polish_moves_stay_inside_the_pairs_axes():
     # and the whole polish: a failure that needs nothing but a batch of two shrinks inside them
     out, _, _ = polish(case, lambda c: c.batch_size >= 2, axes=axes)
     assert out.pad_side == "left" and out.temperature == 0.9 and out.sample_top_k == 4 and out.seq_lens == (1, 1)
+
+
+def test_polish_gives_response_tokens_to_the_prompt_for_a_bug_past_a_position():
+    """A decode position clamped at 40: a case fails once prompt + response reaches past it. Shortening
+    alone ends at some split of 41 tokens (a long response: many clean scored tokens); giving the
+    response's tokens to the prompt leaves one scored token, the one that fails."""
+    from harness import Axes
+
+    def fails(c):
+        return c.prompt_len(0) + c.seq_lens[0] > 40
+
+    axes = Axes(seq_len=(1, 64), prompt_len=(0, 64))
+    got, _, complete = polish(Case(seed=3, seq_lens=(30,), prompt_lens=(20,)), fails, axes=axes)
+    assert complete and got.seq_lens == (1,) and got.prompt_lens == (40,), got.one_line()
+    # never past the axes' prompt lengths, and not for a pair without prompts
+    got, _, _ = polish(Case(seed=3, seq_lens=(30,), prompt_lens=(20,)), fails, axes=Axes(seq_len=(1, 64),
+                                                                                       prompt_len=(0, 24)))
+    assert got.prompt_len(0) <= 24 and got.prompt_len(0) + got.seq_lens[0] == 41, got.one_line()
+    got, _, _ = polish(Case(seed=3, seq_lens=(50,)), lambda c: c.seq_lens[0] > 40, axes=Axes(seq_len=(1, 64)))
+    assert got.seq_lens == (41,) and not got.prompt_lens, got.one_line()
