@@ -268,7 +268,8 @@ class Case:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
 
     def __hash__(self) -> int:  # (the generated one hashes `params`, a dict: a case in a set or a cache key)
-        return hash(self.key())
+        # the field values as `==` compares them (1 == 1.0, and so are their hashes; `key()`'s JSON is not)
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in vars(self).values()))
 
     def one_line(self) -> str:
         """The case in one line, only the fields that differ from the defaults (`seq_ids` too: the

@@ -130,7 +130,7 @@ class PairResult:
     # one-paragraph message (`setup_message`). Not a finding: nothing is written or tracked for it.
     setup_error: str = ""
     # what its cases did to the worker's memory: growth past the leak allowance, replacements at the
-    # cap (`Worker.memory_notes`); "" when nothing was seen
+    # cap (`Worker.memory_seen`, `Executor.memory_note`); "" when nothing was seen
     memory_note: str = ""
 
     @property
@@ -770,7 +770,7 @@ class Executor:
         # a hang, or a cold start longer than the budget allows)
         self.unfinished: dict[str, float] = {}
         self.waited: dict[str, str] = {}  # pair -> the pair whose unfinished first case it waited behind
-        self._memory_notes: dict[str, str] = {}  # of workers already closed (`memory_note`)
+        self._memory_retired: list[dict] = []  # `Worker.memory_seen` of workers already closed (`memory_note`)
 
     @staticmethod
     def source(pair: TargetPair) -> str:
@@ -811,16 +811,17 @@ class Executor:
 
     def _retire(self, worker: Any) -> None:
         self._restarts += worker.restarts
-        self._memory_notes.update(worker.memory_notes)
+        self._memory_retired.append(worker.memory_seen)
         worker.close()
 
     def memory_note(self, pair: str) -> str:
-        """What the pair's cases did to its worker's memory, in any worker of this executor ("" if nothing)."""
-        notes = dict(self._memory_notes)
-        for w in (self.worker, *(w for _, w in self.parked.values())):
-            if w is not None:
-                notes.update(w.memory_notes)
-        return notes.get(pair, "")
+        """What the pair's cases did to its workers' memory, over every worker of this executor: the
+        largest growth, the replacements added up ("" if nothing was seen)."""
+        from .worker import memory_note
+
+        live = [w.memory_seen for w in (self.worker, *(w for _, w in self.parked.values())) if w is not None]
+        seen = [m[pair] for m in (*self._memory_retired, *live) if pair in m]
+        return memory_note(max(g for g, _ in seen), sum(n for _, n in seen)) if seen else ""
 
     def _resume(self, source: str) -> None:
         """Make the parked worker of this source (the one furthest along) the current one."""

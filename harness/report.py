@@ -84,12 +84,18 @@ def _campaign_metric(metrics: dict[str, float], key: str) -> float:
 def pair_cases(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     """pair -> (cases, cases/s) from a campaign run of `pytest --harness-fuzz` (`pair.<name>.cases`)."""
     out: dict[str, tuple[float, float]] = {}
+    plain: set[str] = set()  # pairs with an unprefixed count: that one (as `_campaign_metric` reads it)
     for k, v in metrics.items():
         i = k.find("pair.")  # `pair.<name>.cases`, or a shard's `shard1of4.pair.<name>.cases`
         if (i == 0 or (i > 0 and k[i - 1] == ".")) and k.endswith(".cases"):
             name, prefix = k[i + len("pair."):-len(".cases")], k[:i]
-            cases, rate = out.get(name, (0.0, 0.0))
-            out[name] = (cases + float(v), rate + float(metrics.get(f"{prefix}pair.{name}.cases_per_second", 0.0)))
+            here = (float(v), float(metrics.get(f"{prefix}pair.{name}.cases_per_second", 0.0)))
+            if i == 0:
+                out[name] = here
+                plain.add(name)
+            elif name not in plain:
+                cases, rate = out.get(name, (0.0, 0.0))
+                out[name] = (cases + here[0], rate + here[1])
     return out
 
 

@@ -131,17 +131,17 @@ def read_rows(path: Path) -> tuple[int, Iterator[tuple[int, Any]]]:
         def parquet_rows() -> Iterator[tuple[int, Any]]:
             n = 0  # rows are numbered from 1 in file order, as lines are
             for g in range(pf.num_row_groups):
-                size = pf.metadata.row_group(g).num_rows
-                try:  # one row group at a time: a damaged one is reported and the others are scored
-                    rows = [row for batch in pf.iter_batches(batch_size=256, row_groups=[g]) for row in batch.to_pylist()]
+                size, first = pf.metadata.row_group(g).num_rows, n + 1
+                try:  # one row group at a time, in batches: a damaged one is reported, the others are scored
+                    for batch in pf.iter_batches(batch_size=256, row_groups=[g]):
+                        for row in batch.to_pylist():
+                            n += 1
+                            yield n, row
                 except Exception as e:  # noqa: BLE001 - pyarrow's errors for damaged data are of many types
-                    yield n + 1, BadRow(n + 1, "(row group)", f"row group {g} (rows {n + 1} to {n + size}) could not "
-                                        f"be read ({type(e).__name__}: {str(e)[:200]}); the other row groups are scored")
-                    n += size
-                    continue
-                for row in rows:
-                    n += 1
-                    yield n, row
+                    yield n + 1, BadRow(n + 1, "(row group)", f"row group {g} (rows {n + 1} to {first + size - 1}) "
+                                        f"could not be read ({type(e).__name__}: {str(e)[:200]}); the other row groups "
+                                        "are scored")
+                    n = first + size - 1
 
         return pf.metadata.num_rows, parquet_rows()
     try:
@@ -479,6 +479,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                       "into the trainer: check how the engine records them, or score with --replay to see the effect.")
         if out_dir is not None:  # first: what was scored is never lost to a repro that cannot be written
             write_outputs(res, path, threshold)
+        written[0] = len(res.notes)
         for s in res.flagged[:max_repros]:
             try:
                 p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
@@ -489,6 +490,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             if p is not None:
                 res.repros.append(p)
 
+    written = [0]  # notes already in the first summary.json
     try:
         scored()
     except BaseException:  # no sample scored, an interrupt, a crash: the campaign run ends (KILLED), not RUNNING
@@ -496,7 +498,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             tracker.campaign_finished(SimpleNamespace(findings=[], examples=len(res.scored),
                                                       seconds=time.monotonic() - t0, interrupted=True, results=[]))
         raise
-    if out_dir is not None and (res.repros or res.unsaved):  # again: the repros and their notes, now known
+    if out_dir is not None and (res.repros or len(res.notes) > written[0]):  # again: the repros and their notes
         try:
             write_summary(res, path, threshold)
         except OSError as e:

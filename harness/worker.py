@@ -185,11 +185,10 @@ class Worker:
         self._mem_last: tuple[str, float] | None = None  # (the pair of the last check, resident MiB then)
         self._mem_checked = 0.0
         self._mem_warned: set[str] = set()
-        # pair -> what its cases did to the worker's memory (growth, replacements at the cap), for the
-        # campaign's summary: the warnings on stderr are hidden where a pytest item passes
-        self.memory_notes: dict[str, str] = {}
-        self._grown: dict[str, float] = {}  # pair -> the largest growth counted for it (MiB)
-        self._replaced: dict[str, int] = {}  # pair -> replacements at the cap its growth caused
+        # pair -> what its cases did to the worker's memory, for the campaign's summary (the warnings on
+        # stderr are hidden where a pytest item passes): [the largest growth counted for it (MiB) past the
+        # allowance, replacements at the cap its growth caused]
+        self.memory_seen: dict[str, list] = {}
         self._replace_for = ""
         self._replace = ""
         self.memory_restarts = 0
@@ -399,9 +398,7 @@ class Worker:
 
         print(f"warning: {self._replace}; it was replaced by a fresh worker process before the next case "
               "(the campaign goes on)", file=sys.stderr, flush=True)
-        name = self._replace_for
-        self._replaced[name] = self._replaced.get(name, 0) + 1
-        self.memory_notes[name] = self._memory_note(name)
+        self.memory_seen.setdefault(self._replace_for, [0.0, 0])[1] += 1
         self.close_process()
         self.memory_restarts += 1
         self.restarts += 1
@@ -429,8 +426,8 @@ class Worker:
         base, leak, cap = seen[0], *memory_limits()
         grown = seen[1] > max(leak, base)
         if grown:
-            self._grown[name] = max(self._grown.get(name, 0.0), seen[1])
-            self.memory_notes[name] = self._memory_note(name)
+            mem = self.memory_seen.setdefault(name, [0.0, 0])
+            mem[0] = max(mem[0], seen[1])
         if grown and name not in self._mem_warned:
             import sys
 
@@ -445,10 +442,6 @@ class Worker:
                              f"{cap:.0f} MiB")
             self._replace_for = name
 
-    def _memory_note(self, name: str) -> str:
-        n = self._replaced.get(name, 0)
-        return (f"memory: the worker grew by {self._grown.get(name, 0.0):.0f} MiB over its cases (a path that keeps "
-                "memory across cases?)" + (f"; replaced at the cap {n} time(s)" if n else ""))
 
     def _wait_ready(self, wall: float | None) -> bool:
         limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))
@@ -558,3 +551,9 @@ def load_pair(name: str, source: str, plugins: tuple[str, ...] = ()) -> Any:
             REGISTRY.load_plugin(spec)
     pair = REGISTRY.get_loaded(name)
     return pair if pair is not None else REGISTRY.get(name)
+
+
+def memory_note(grown: float, replaced: int) -> str:
+    """A pair's summary note on its worker's memory (`Worker.memory_seen`)."""
+    return (f"memory: the worker grew by {grown:.0f} MiB over its cases (a path that keeps memory across "
+            "cases?)" + (f"; replaced at the cap {replaced} time(s)" if replaced else ""))

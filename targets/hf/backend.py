@@ -357,7 +357,7 @@ def _smoke(model: Any, spec: "HFModel") -> None:
         return
     try:
         with torch.inference_mode():
-            model(input_ids=torch.arange(4).remainder(vocab)[None], use_cache=False)
+            model(input_ids=torch.arange(4).remainder(vocab)[None])  # (input ids only: every causal LM takes them)
     except Exception as e:  # noqa: BLE001 - whatever the model raises, its own forward does not run
         what = f"the checkpoint {spec.path!r}" if spec.path else "the model built from this config"
         raise UsageError(f"{what} ({type(model).__name__}) fails its own plain forward on 4 tokens, before "

@@ -109,7 +109,8 @@ def realistic_init(model: Any, init_seed: int, logit_std: float = LOGIT_STD, rou
     # config multipliers some families apply to the embeddings' output and to each layer's output
     # before the residual add (Granite's embedding_multiplier and residual_multiplier, MiniCPM's
     # scale_emb): drawn without them in mind, the embedding dominates the residual stream
-    embed_scale = _multiplier(cfg, "embedding_multiplier", "scale_emb")
+    # (a head tied to the embedding is that matrix too: dividing it would shrink the logits with it)
+    embed_scale = _multiplier(cfg, "embedding_multiplier", "scale_emb") if head_w is not embed_w else 1.0
     residual_scale = _multiplier(cfg, "residual_multiplier")
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -149,18 +150,24 @@ def _calibrate_head(model: Any, head_w: Any, logit_std: float, init_seed: int) -
     A model family may scale its logits or residual stream with config multipliers (GraniteMoE divides
     the logits by `logits_scaling`, multiplies embeddings by `embedding_multiplier`...): drawn as above,
     such a model's output was near-uniform (entropy 5.5 of log V 6.2 nats) and no bug was caught. One
-    forward on 32 seeded tokens measures the logits' standard deviation; the factor is rounded to two
-    significant digits, so the last bits of that forward (another machine) do not change the weights,
-    and models already within range (every built-in config) are left exactly as drawn."""
+    forward on 32 seeded tokens (eval mode, a forked generator) measures the logits' standard
+    deviation; the factor is rounded to two significant digits, so the last bits of that forward
+    (another machine, another thread count) change the weights only at a rounding boundary, and
+    models already within range (every built-in config) are left exactly as drawn."""
     import torch
 
     vocab = int(head_w.shape[0])
     n = int(min(32, getattr(model.config, "max_position_embeddings", 32) or 32))
     ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(int(init_seed) + 1))
-    try:
-        logits = model(input_ids=ids, use_cache=False).logits.float()
+    training = model.training
+    try:  # in eval mode (no dropout, no router jitter) and on a forked generator: nothing drawn from,
+        model.eval()  # or left changed in, the process's random state
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            logits = model(input_ids=ids).logits.float()
     except Exception:  # noqa: BLE001 - a model that needs other inputs: left as drawn
         return
+    finally:
+        model.train(training)
     std = float(logits.std())
     if not (math.isfinite(std) and std > 0) or 0.5 * logit_std <= std <= 2.0 * logit_std:
         return

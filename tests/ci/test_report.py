@@ -36,6 +36,8 @@ def test_campaign_counters_of_a_run_shared_by_shards_count_each_case_once():
     assert _campaign_metric(metrics, "cases") == 15
     assert pair_cases(metrics) == {"a": (12.0, 6.0), "b": (3.0, 0.0)}
     assert pair_cases({"pair.a.cases": 4, "pair.a.cases_per_second": 2}) == {"a": (4.0, 2.0)}
+    both = {"pair.a.cases": 4, "shard1of2.pair.a.cases": 4, "cases": 4, "shard1of2.cases": 4}
+    assert pair_cases(both) == {"a": (4.0, 0.0)} and _campaign_metric(both, "cases") == 4  # the unprefixed one
 
 
 def test_classify_against_the_window():

@@ -106,6 +106,25 @@ def test_a_model_that_scales_its_logits_gets_a_head_calibrated_to_peaked_outputs
     assert 4.0 < float(head.std()) * math.sqrt(64) < 40.0  # rescaled from 5 by a factor near logits_scaling
     caught = [run_case(pairs["user.granite.bf16_rollout"], rl_case(seed=s)).failed for s in range(6)]
     assert any(caught), caught
+    # the weights are a function of (config, seed): not of dropout drawn in the measuring forward, nor
+    # of the process's random state, which the calibration leaves as it was
+    from targets.hf import HFModel
+    from targets.hf.configs import realistic_init
+
+    heads = []
+    for state in (0, 1):
+        torch.manual_seed(state)
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model(**{**cfg, "attention_dropout": 0.3}))
+        before = torch.random.get_rng_state()
+        realistic_init(model, 0)
+        assert torch.equal(torch.random.get_rng_state(), before) and model.training
+        heads.append(model.get_output_embeddings().weight.clone())
+    assert torch.equal(heads[0], heads[1])
+    # a head tied to the embedding keeps the embedding's scale: peaked output, not near-uniform
+    tied = hf_pair("user.granite.tied", HFModel.from_config({**cfg, "tie_word_embeddings": True}), FP32, FP32)
+    ev = run_case(tied, rl_case(), keep_outcomes=True)
+    assert ev.divergence.entropy < 0.6 * math.log(512), ev.divergence.entropy
 
 
 @pytest.mark.parametrize("name", ["hf.qwen3_moe.aligned", "hf.mixtral.bf16_rollout.replay", "hf.qwen3.eager_vs_sdpa"])

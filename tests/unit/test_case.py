@@ -150,3 +150,5 @@ def test_stream_draws_are_the_same_one_row_at_a_time_and_in_blocks():
 def test_cases_hash_like_they_compare_params_included():
     a, b = Case(seed=1, params={"tie_layer": 1}), Case(seed=1, params={"tie_layer": 1})
     assert a == b and hash(a) == hash(b) and len({a, b, Case(seed=1, params={"tie_layer": 2})}) == 2
+    c, d = Case(seed=0, temperature=1, params={"x": 1}), Case(seed=0, temperature=1.0, params={"x": 1.0})
+    assert c == d and hash(c) == hash(d)  # equal as == says (1 == 1.0), so equal hashes

@@ -587,3 +587,19 @@ def test_the_budget_is_a_wall_for_units_not_started_yet(tmp_path):
     assert r.pair == "rmsnorm.aligned" and r.streams == 1000  # every stream accounted for, run or not
     assert r.examples_short > 0 and "ran out" in r.time_note, r.time_note  # not clean over what was asked
     assert r.examples_asked == cfg.max_examples  # the streams never started count what they were to run
+
+
+def test_a_pairs_memory_note_adds_up_its_workers():
+    """A worker retired after replacements and the current one: the note keeps the largest growth and
+    the replacements of both (not the current worker's alone)."""
+    from types import SimpleNamespace
+
+    from harness.fuzz import CampaignConfig, Executor
+
+    ex = Executor(CampaignConfig(pairs=[], seed=0))
+    ex._memory_retired.append({"p": [1500.0, 2]})
+    ex.worker = SimpleNamespace(memory_seen={"p": [900.0, 1], "q": [0.0, 0]})
+    assert ex.memory_note("p") == ("memory: the worker grew by 1500 MiB over its cases (a path that keeps memory "
+                                   "across cases?); replaced at the cap 3 time(s)")
+    assert ex.memory_note("other") == ""
+    ex.worker = None
