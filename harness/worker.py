@@ -442,7 +442,6 @@ class Worker:
                              f"{cap:.0f} MiB")
             self._replace_for = name
 
-
     def _wait_ready(self, wall: float | None) -> bool:
         limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))
         if self.conn.poll(limit):
