@@ -477,8 +477,11 @@ class Repro:
                 return None, (f"its pair {self.pair!r} comes from the module {self.loader.get('module')!r}; "
                               f"pass {flag}={self.loader.get('module')} to load it")
             if kind == "entry_point":
+                from .pairs import REGISTRY
+
+                broken = REGISTRY.broken_entry_points.get(self.loader.get("name"))
                 return None, (f"its pair {self.pair!r} comes from the entry point {self.loader.get('name')!r}; "
-                              "install the package that provides it")
+                              + (broken if broken else "install the package that provides it"))
             if kind == "builtin":
                 extra = builtin_extra_missing(self.pair)
                 if extra:

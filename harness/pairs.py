@@ -405,6 +405,9 @@ class Registry:
     def __init__(self) -> None:
         self._pairs: dict[str, TargetPair] = {}
         self._loaded_builtins = False
+        # entry point name -> why it did not load: its pairs are missing (named wherever one is asked for),
+        # the others run (one broken installed package must not stop every command)
+        self.broken_entry_points: dict[str, str] = {}
         self._loading: str = ""
         # (registering module, name) -> pair, for the module being loaded: one module giving two pairs one name
         self._names_loading: dict[tuple[int, str], TargetPair] = {}
@@ -456,11 +459,15 @@ class Registry:
                             self.register(pair)
             except PairError:
                 raise
-            except Exception as e:
-                raise UsageError(
-                    f"the plugin entry point {ep.name!r} ({ep.value}) in group {ENTRY_POINT_GROUP!r} failed to "
-                    f"load: {type(e).__name__}: {e}. Fix or uninstall the package that provides it."
-                ) from None
+            except Exception as e:  # its pairs are missing; the built-ins and other packages' pairs still run
+                why = (f"the plugin entry point {ep.name!r} ({ep.value}) in group {ENTRY_POINT_GROUP!r} failed to "
+                       f"load: {type(e).__name__}: {e}. Fix or uninstall the package that provides it")
+                self.broken_entry_points[ep.name] = why
+                print(f"warning: {why}; its pairs are not registered (the others are).", file=sys.stderr, flush=True)
+
+    def broken_note(self) -> str:
+        """" (...: its pairs are missing)" for the entry points that failed to load, else ""."""
+        return "".join(f" Also, {why}: a pair it provides is not registered." for why in self.broken_entry_points.values())
 
     @contextlib.contextmanager
     def _load(self, label: str) -> Iterator[None]:
@@ -544,7 +551,7 @@ class Registry:
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise UsageError(
                 f"no target pair named {name!r} is registered.{hint} Run `harness list` to see the registered "
-                "pairs; a pair from your own file needs `--plugin path/to/file.py`."
+                "pairs; a pair from your own file needs `--plugin path/to/file.py`." + self.broken_note()
             )
         return self._pairs[name]
 
@@ -569,7 +576,8 @@ class Registry:
             if any(c in pat for c in "*?["):
                 hits = [n for n in self._pairs if fnmatch.fnmatchcase(n, pat)]
                 if not hits:
-                    raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them (with `--plugin FILE` for a plugin's pairs).")
+                    raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them (with "
+                                     "`--plugin FILE` for a plugin's pairs)." + self.broken_note())
                 for n in hits:
                     chosen[n] = self._pairs[n]
             else:

@@ -688,7 +688,7 @@ def pytest_configure(config: pytest.Config) -> None:
         except HarnessError as e:
             raise pytest.UsageError(str(e)) from None
         _log(f"harness fuzz: campaign {session.seed_origin}; profile {session.profile_name or '-'}, "
-             f"{session.max_examples} cases and {session.budget or '-'} s per pair"
+             f"{session.max_examples} Hypothesis examples and {session.budget or '-'} s per pair"
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
         if not config.option.collectonly:  # --co lists the items: no campaign run, no summary
             import shutil

@@ -524,7 +524,7 @@ def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path,
                          "repro written")
         return None
     sig = hashlib.sha256(f"{pair.name}|recorded|{case.key()}".encode()).hexdigest()
-    finding = Finding(pair=pair.name, expected="aligned", symptom=ev.symptom, signature=sig, case=case,
+    finding = Finding(pair=pair.name, expected=pair.expected, symptom=ev.symptom, signature=sig, case=case,
                       evaluation=ev, examples=scored)
     path = record_finding(finding, corpus, threshold, 0, device)
     repro = load_repro(path)

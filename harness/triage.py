@@ -1001,6 +1001,9 @@ def write_report(t: Triage, reports: Path) -> Path:
     expected_k3 = getattr(ev.divergence, "k3_expected", float("nan"))
     judged_what = "expected over the vocabulary" if not math.isnan(expected_k3) else \
         "the recorded tokens' mean: a recorded rollout holds no distribution to take an expectation over"
+    if t.k3 == math.inf and not math.isnan(expected_k3) and expected_k3 != math.inf:  # fired by one draw
+        judged_what = (f"a sampled token the trainer excludes gives k3 = inf; expected over the tokens the trainer "
+                       f"keeps: {expected_k3:.6g}")
     lines = [f"# Triage of {r.id}: {r.pair}", "",
              f"**Verdict:** {t.verdict}", "",
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",

@@ -86,8 +86,11 @@ def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_p
     assert len(res.repros) == len(res.flagged) and not res.notes, res.notes
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())  # written again once the repros exist
     assert summary["repros"] == [str(p) for p in res.repros]
-    replayed = score(bf16_file, pair_name="hf.qwen3_moe.bf16_rollout.replay", corpus=corpus, progress=False,
-                     max_repros=0)
+    replayed = score(bf16_file, pair_name="hf.qwen3_moe.bf16_rollout.replay", corpus=tmp_path / "demo", progress=False,
+                     max_repros=1)
+    # scored with a demonstration pair (expected: diverges), a flagged sample is that pair's expected
+    # divergence, not an open regression of an aligned pair
+    assert replayed.repros and all(load_repro(p).status == "expected" for p in replayed.repros), replayed.repros
     assert replayed.batch["flip_rate"] == 0.0
     assert replayed.batch["k3_kl"] < res.batch["k3_kl"]
 

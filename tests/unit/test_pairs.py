@@ -171,6 +171,17 @@ def test_pairs_from_the_entry_point_group(tmp_path):
 
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["acme.engine"]["source"] == "entry point acme"
+    # a package whose entry point fails to load: a warning, the built-in pairs still run, and asking
+    # for one of its pairs names why it is missing
+    (site / "acme_pairs.py").write_text("raise RuntimeError('half-installed acme')\n")
+    listed = subprocess.run([sys.executable, "-m", "harness", "list", "--json"], capture_output=True, text=True,
+                            env=env)
+    assert listed.returncode == 0 and "warning: the plugin entry point 'acme'" in listed.stderr, listed.stderr
+    assert "rmsnorm.aligned" in {r["name"] for r in json.loads(listed.stdout)}
+    asked = subprocess.run([sys.executable, "-m", "harness", "fuzz", "acme.engine", "--no-tracking"],
+                           capture_output=True, text=True, env=env)
+    assert asked.returncode == 2 and "no target pair named 'acme.engine'" in asked.stderr
+    assert "half-installed acme" in asked.stderr and "Traceback" not in asked.stderr, asked.stderr
 
 
 def test_a_raised_repro_limit_admits_wider_axes_and_a_lowered_one_refuses_no_pair(monkeypatch):
