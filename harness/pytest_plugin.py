@@ -870,6 +870,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config.stash[RESULTS_KEY] = results
     fs.close_campaign(results, interrupted=interrupted)
     _write_summary(fs, results, interrupted)
+    if _broken_plugins() and session.exitstatus == pytest.ExitCode.OK:  # fewer pairs than installed: not a pass
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list[dict]:
@@ -962,6 +964,13 @@ INTERRUPTED_NOTE = ("Interrupted: this summary was written when the session stop
                     "this summary: `harness replay` the corpus folder, or rerun, for the whole picture")
 
 
+def _broken_plugins() -> list[str]:
+    """Why each installed `harness.targets` package that failed to load did (its pairs were not fuzzed)."""
+    from harness.pairs import REGISTRY
+
+    return list(REGISTRY.broken_entry_points.values())
+
+
 def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = False) -> None:
     fs.out.mkdir(parents=True, exist_ok=True)
     cases = sum(d["examples"] for d in results)
@@ -976,6 +985,7 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
                                     for f in d["findings"] if f["new"] or f["recurrence"]],
         "missed_demonstrations": sorted(d["pair"] for d in results if d["verdict"] == "MISSED"),
         "cannot_run": sorted(d["pair"] for d in results if d["verdict"] == "CANNOT RUN"),
+        "broken_plugins": _broken_plugins(),  # installed packages whose pairs were not fuzzed: not a pass
         "pairs": sorted(results, key=lambda d: d["pair"]),
     }
     summary_path(fs, "json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -995,6 +1005,8 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
     for d in results:
         if d["verdict"] == "CANNOT RUN":
             md += ["", f"**Cannot run here**: {d.get('setup_error', '')}"]
+    for why in summary["broken_plugins"]:
+        md += ["", f"**A plugin package did not load, none of its pairs was fuzzed**: {why}"]
     replays = [(d["pair"], f) for d in results for f in d["findings"] if f["new"] or f["recurrence"]]
     if replays:
         md += ["", "New findings:", ""]
@@ -1033,3 +1045,5 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     elif fs.tracking:
         tr.write_line("MLflow: no campaign run" + (f" ({fs.tracking_error})" if fs.tracking_error else ""))
     tr.write_line(f"summary: {summary_path(fs, 'md')}")
+    for why in _broken_plugins():
+        tr.write_line(f"error: {why}; none of its pairs was fuzzed (the session fails)")

@@ -27,6 +27,7 @@ import pytest
 from harness.corpus import builtin_extra_missing, iter_corpus, load_plugin_for, load_repro, replay
 from harness.env import machine_differences
 from harness.errors import CannotEvaluate
+from harness.pairs import REGISTRY
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpora"
 FILES = iter_corpus(CORPUS)
@@ -41,11 +42,12 @@ def test_replay(path):
     why = load_plugin_for(repro, flag="--harness-plugin")
     if why is not None and repro.loader.get("kind") == "builtin" and not builtin_extra_missing(repro.pair):
         pytest.fail(f"{path.relative_to(CORPUS)}: {why}")  # this checkout's own pair is gone: a skip would hide it
+    if why is not None and repro.loader.get("kind") == "entry_point" and \
+            repro.loader.get("name") in REGISTRY.broken_entry_points:  # installed, but broken: not "not here"
+        pytest.fail(f"{path.relative_to(CORPUS)}: {why}")
     if why is not None:
         pytest.skip(f"{path.relative_to(CORPUS)}: {why}")
     if repro.status == "expected":
-        from harness.pairs import REGISTRY
-
         REGISTRY.load_builtins()
         pair = REGISTRY.get_loaded(repro.pair)  # (a pair not registered: replay says so below)
         if pair is not None and pair.expected != "diverges":  # a regression of an aligned pair would pass as a demonstration

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import strategies as st
@@ -182,6 +183,23 @@ def test_pairs_from_the_entry_point_group(tmp_path):
                            capture_output=True, text=True, env=env)
     assert asked.returncode == 2 and "no target pair named 'acme.engine'" in asked.stderr
     assert "half-installed acme" in asked.stderr and "Traceback" not in asked.stderr, asked.stderr
+    # a built-in pair named runs; a campaign over a glob (a nightly's '*') that left the package out is not a pass
+    corpus = ["--no-tracking", "--max-examples", "2", "--corpus", str(tmp_path / "c")]
+    named = subprocess.run([sys.executable, "-m", "harness", "fuzz", "rmsnorm.aligned", *corpus], capture_output=True,
+                           text=True, env=env)
+    assert named.returncode == 0, named.stderr
+    assert named.stderr.count("warning: the plugin entry point 'acme'") == 1, named.stderr  # (not again per worker)
+    glob = subprocess.run([sys.executable, "-m", "harness", "fuzz", "rmsnorm.a*", *corpus], capture_output=True,
+                          text=True, env=env)
+    assert glob.returncode == 2 and "none of its pairs was fuzzed" in glob.stderr, glob.stderr
+    # the pytest plugin's session (a nightly's) fails with the reason in its summary
+    session = subprocess.run([sys.executable, "-m", "pytest", "--harness-fuzz", "--harness-pairs", "rmsnorm.aligned",
+                              "--harness-max-examples", "2", "--harness-no-tracking", f"--harness-out={tmp_path / 'o'}",
+                              f"--harness-corpus={tmp_path / 'c'}", "-p", "no:cacheprovider", "-q"],
+                             capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2])
+    assert session.returncode == 1 and "none of its pairs was fuzzed" in session.stdout, session.stdout[-2000:]
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert "half-installed acme" in summary["broken_plugins"][0]
 
 
 def test_a_raised_repro_limit_admits_wider_axes_and_a_lowered_one_refuses_no_pair(monkeypatch):
