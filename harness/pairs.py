@@ -471,8 +471,8 @@ class Registry:
                        f"load ({type(e).__name__}: {e}); fix or uninstall the package that provides it")
                 self.broken_entry_points[ep.name] = why
                 if WARN_BROKEN_ENTRY_POINTS[0]:
-                    print(f"warning: {why}. None of its pairs is registered; the others are (a campaign over them "
-                          "exits 2, and the corpus test fails its repros).", file=sys.stderr, flush=True)
+                    print(f"warning: {why}. None of its pairs is registered; the others are (a campaign over every "
+                          "pair or a glob exits 2, and the corpus test fails its repros).", file=sys.stderr, flush=True)
 
     def broken_note(self) -> str:
         """A sentence per entry point that failed to load (a pair asked for may be one of its), else ""."""
