@@ -445,6 +445,13 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                     "these differ beyond last bits (" + ", ".join(sorted(beyond)[:4]) + "): a change to look at"))
         if res.weights:
             line += f"\n  warning: {res.weights}"
+        recorded_pkg = r.loader.get("package") if r.loader.get("kind") == "entry_point" else None
+        if recorded_pkg:
+            from .corpus import entry_point_package
+
+            now_pkg = entry_point_package(r.loader.get("name", ""))
+            if now_pkg and now_pkg != recorded_pkg:  # (its pair's code changed since: a change to look at)
+                line += f"\n  note: its pair's package was {recorded_pkg} when recorded, {now_pkg} now"
         if ev.error:
             line += f"\n  {ev.error['type']}: {ev.error['message']}"
         d = ev.divergence

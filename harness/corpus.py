@@ -289,12 +289,31 @@ def builtin_extra_missing(pair: str) -> str | None:
     return None
 
 
+def entry_point_package(name: str) -> str | None:
+    """"<distribution> <version>" of the installed package providing the `harness.targets` entry point
+    `name` (which version of a backend found a bug: a repro replayed after an upgrade says so), else None."""
+    from importlib.metadata import entry_points
+
+    from .pairs import ENTRY_POINT_GROUP
+
+    try:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            dist = getattr(ep, "dist", None)
+            if ep.name == name and dist is not None:
+                return f"{dist.metadata['Name'] or dist.name} {dist.version}"
+    except Exception:  # noqa: BLE001 - a package's metadata that does not read: nothing to record
+        return None
+    return None
+
+
 def loader_of(source: str, root: Path) -> dict[str, str]:
     """What a pair's `source` (filled in by the registry) says about how to load it again."""
     if not source or source.startswith("targets.") or source == "targets":
         return {"kind": "builtin"}
     if source.startswith("entry point "):
-        return {"kind": "entry_point", "name": source[len("entry point "):]}
+        name = source[len("entry point "):]
+        package = entry_point_package(name)
+        return {"kind": "entry_point", "name": name, **({"package": package} if package else {})}
     if source.endswith(".py") or os.sep in source or "/" in source:
         path = Path(source).resolve()
         try:

@@ -172,6 +172,11 @@ def test_pairs_from_the_entry_point_group(tmp_path):
 
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["acme.engine"]["source"] == "entry point acme"
+    # a repro's loader names the package and version that provided the pair
+    probe = ("from harness.corpus import loader_of; from pathlib import Path; "
+             "print(loader_of('entry point acme', Path('.')))")
+    loader = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout
+    assert "'package': 'acme-pairs 1.0'" in loader, loader
     # a package whose entry point fails to load: a warning, the built-in pairs still run, and asking
     # for one of its pairs names why it is missing
     (site / "acme_pairs.py").write_text("raise RuntimeError('half-installed acme')\n")
