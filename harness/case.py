@@ -191,9 +191,9 @@ class Case:
         if self.row_capacity and self.row_capacity < longest:
             _fail("row_capacity", self.row_capacity,
                   f"must be 0 or at least the longest sequence ({longest}) counting prompt + response")
-        if not _finite(self.temperature) or self.temperature <= 0:
+        if not finite_number(self.temperature) or self.temperature <= 0:
             _fail("temperature", self.temperature, "must be a finite number > 0 (1.0 = neutral)")
-        if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not finite_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             _fail("top_p", self.top_p, "must be a number in (0, 1] (1.0 = off)")
         if not _int(self.sample_top_k) or self.sample_top_k < 0:
             _fail("sample_top_k", self.sample_top_k, "must be an integer >= 0 (0 = off)")
@@ -208,11 +208,11 @@ class Case:
             _fail("n_experts", self.n_experts, "must be an integer >= 1")
         if not _int(self.top_k) or not 1 <= self.top_k <= self.n_experts:
             _fail("top_k", self.top_k, f"must be an integer with 1 <= top_k <= n_experts ({self.n_experts})")
-        if not _finite(self.tie_fraction) or not 0.0 <= self.tie_fraction <= 1.0:
+        if not finite_number(self.tie_fraction) or not 0.0 <= self.tie_fraction <= 1.0:
             _fail("tie_fraction", self.tie_fraction, "must be a number in [0, 1]")
-        if not _finite(self.tie_gap) or not 0.0 <= self.tie_gap <= MAX_TIE_GAP:
+        if not finite_number(self.tie_gap) or not 0.0 <= self.tie_gap <= MAX_TIE_GAP:
             _fail("tie_gap", self.tie_gap, f"must be a number in [0, {MAX_TIE_GAP}] (0 = exact tie)")
-        if not _finite(self.logit_scale) or self.logit_scale <= 0:
+        if not finite_number(self.logit_scale) or self.logit_scale <= 0:
             _fail("logit_scale", self.logit_scale, "must be a finite number > 0")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             _fail("dtype", self.dtype, f"must be one of {DTYPES}")
@@ -431,7 +431,7 @@ def _int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _finite(x: Any) -> bool:
+def finite_number(x: Any) -> bool:
     """A finite int or float (an int too large for a float, as JSON may hold one, is not)."""
     if not isinstance(x, (int, float)) or isinstance(x, bool):
         return False

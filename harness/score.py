@@ -54,6 +54,7 @@ from typing import Any, Iterator
 
 import click
 
+from .case import finite_number
 from .errors import UsageError
 
 MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro keeps (a longer prompt: whole, + 1 response token)
@@ -179,14 +180,6 @@ def _pick(row: dict, what: str) -> tuple[str | None, Any]:
     return None, None
 
 
-def _finite_float(v: int | float) -> bool:
-    """A number a float holds, finite (a JSON integer of hundreds of digits is not)."""
-    try:
-        return math.isfinite(float(v))
-    except OverflowError:
-        return False
-
-
 def _short(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
@@ -241,7 +234,7 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
                                    "record one log-probability per response token")
     logprobs = []
     for i, v in enumerate(lps):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite_float(v):
+        if not finite_number(v):  # (not a bool, nor an integer of hundreds of digits no float holds)
             return BadRow(line, lname, f"entry {i} is {_short(v)}: log-probabilities must be finite numbers")
         if float(v) > 1e-6:
             return BadRow(line, lname, f"entry {i} is {v!r} > 0: not a log-probability")
@@ -479,7 +472,6 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                       "into the trainer: check how the engine records them, or score with --replay to see the effect.")
         if out_dir is not None:  # first: what was scored is never lost to a repro that cannot be written
             write_outputs(res, path, threshold)
-        written[0] = len(res.notes)
         for s in res.flagged[:max_repros]:
             try:
                 p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
@@ -490,7 +482,6 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             if p is not None:
                 res.repros.append(p)
 
-    written = [0]  # notes already in the first summary.json
     try:
         scored()
     except BaseException:  # no sample scored, an interrupt, a crash: the campaign run ends (KILLED), not RUNNING
@@ -498,7 +489,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             tracker.campaign_finished(SimpleNamespace(findings=[], examples=len(res.scored),
                                                       seconds=time.monotonic() - t0, interrupted=True, results=[]))
         raise
-    if out_dir is not None and (res.repros or len(res.notes) > written[0]):  # again: the repros and their notes
+    if out_dir is not None and res.flagged and max_repros:  # again, after the repros: them and their notes
         try:
             write_summary(res, path, threshold)
         except OSError as e:

@@ -368,7 +368,7 @@ def _smoke(model: Any, spec: "HFModel") -> None:
 
 def _first_sentence(e: BaseException) -> str:
     """An error's first sentence, whole (transformers' messages run on with URLs a cut would break)."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = str(e).strip().split("\n", 1)[0] or type(e).__name__
     end = text.find(". ")
     return text[:end + 1] if 0 < end < 400 else text[:400]
 

@@ -137,11 +137,10 @@ def realistic_init(model: Any, init_seed: int, logit_std: float = LOGIT_STD, rou
 
 
 def _multiplier(cfg: Any, *names: str) -> float:
-    for n in names:
-        v = getattr(cfg, n, None)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
-            return float(v)
-    return 1.0
+    """The first of the config fields `names` that is a finite number > 0, else 1."""
+    from harness.case import finite_number
+
+    return next((float(v) for v in (getattr(cfg, n, None) for n in names) if finite_number(v) and v > 0), 1.0)
 
 
 def _calibrate_head(model: Any, head_w: Any, logit_std: float, init_seed: int) -> None:
