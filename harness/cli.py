@@ -239,7 +239,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
                          profile=profile, isolation=not no_isolation, timeout=default_timeout, timeouts=per_pair,
                          plugins=tuple(plugins), streams=streams, uniform_per_example=uniform_per_example,
                          fill_budget=s.fill_budget)
-    tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err)
+    tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err, night=s.night)
 
     def announce(f: Any) -> None:
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")

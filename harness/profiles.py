@@ -82,6 +82,7 @@ def run_id_from_env(env: dict | None = None) -> tuple[str, str] | None:
 class SeedChoice:
     seed: int | None  # None: fresh (the engine draws one, prints it and stores it)
     origin: str  # one line saying where the seed came from, for the log
+    night: str | None = None  # `night_uid` of the run id the seed came from (None: not derived from one)
 
 
 def resolve_seed(profile: Profile | None, explicit: int | None = None, run_id: str | None = None,
@@ -100,7 +101,13 @@ def resolve_seed(profile: Profile | None, explicit: int | None = None, run_id: s
     rid, source = found
     seed = nightly_seed(rid)
     return SeedChoice(seed, f"seed {seed} derived from run id {rid} ({source}); rerun this night with "
-                            f"--seed {seed} or HARNESS_RUN_ID={rid}")
+                            f"--seed {seed} or HARNESS_RUN_ID={rid}", night=night_uid(rid))
+
+
+def night_uid(run_id: str) -> str:
+    """What a regression counts as seen by (MLflow's `seen_count`) in a campaign whose seed came from a
+    run id: the run, not each shard's process, so the N shards of one night count it once."""
+    return "run-" + hashlib.sha256(f"harness-night/{run_id}".encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,7 @@ class Settings:
     seed: int | None  # None: fresh
     origin: str  # where the seed came from, for the log
     fill_budget: bool = False  # spend the budget in rounds (`CampaignConfig.fill_budget`)
+    night: str | None = None  # `SeedChoice.night`
 
 
 def fills_budget(profile: Profile | None, max_examples: int | None, budget: float | None) -> bool:
@@ -137,4 +145,4 @@ def campaign_settings(profile_name: str | None, n_pairs: int, max_examples: int 
     if budget is None and profile is not None and profile.budget_per_pair is not None:
         budget = profile.budget_per_pair * max(1, n_pairs)
     choice = resolve_seed(profile, seed, run_id)
-    return Settings(max_examples, budget, choice.seed, choice.origin, fill_budget=fill)
+    return Settings(max_examples, budget, choice.seed, choice.origin, fill_budget=fill, night=choice.night)

@@ -200,6 +200,7 @@ class FuzzSession:
         self.results: list[dict] = []  # this process's pair results (serialised)
         self.campaign_run_id: str | None = None
         self.campaign_uid: str | None = None  # the controller's campaign: what a regression counts as seen by
+        self.night: str | None = None  # (the controller's, see below)
         self.tracker: Any = None
         self.tracking_error: str | None = None
         self.start = time.time()
@@ -219,6 +220,7 @@ class FuzzSession:
 
             choice = resolve_seed(self.profile, opt("harness_seed"), opt("harness_run_id"))
             self.seed = choice.seed if choice.seed is not None else fresh_seed()
+            self.night = choice.night  # (a run id's shards: one campaign for `seen_count`)
             self.seed_origin = choice.origin if choice.seed is not None else f"fresh seed {self.seed}"
 
     # -- pairs ---------------------------------------------------------------------------------
@@ -285,7 +287,7 @@ class FuzzSession:
         try:
             from harness.tracking import make_tracker
 
-            self.tracker = make_tracker(self.tracking_uri, enabled=True, log=_log)
+            self.tracker = make_tracker(self.tracking_uri, enabled=True, log=_log, night=self.night)
             pairs = self.select()
             self.tracker.campaign_started(self.campaign_config(pairs), self.seed, pairs)
             self.campaign_run_id = _campaign_run_id(self.tracker)
@@ -790,7 +792,7 @@ class _XdistController:
         s = self.session
         node.workerinput["harness"] = {"seed": s.seed, "seed_origin": s.seed_origin, "started": s.started,
                                        "campaign_run_id": s.campaign_run_id,
-                                       "campaign_uid": getattr(s.tracker, "uid", None),
+                                       "campaign_uid": getattr(s.tracker, "seen_uid", None),
                                        "tracking_uri": getattr(s.tracker, "uri", s.tracking_uri),
                                        "units": s.units()}
 

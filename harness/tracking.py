@@ -25,13 +25,14 @@ class NullTracker:
         pass
 
 
-def make_tracker(uri: str | None, enabled: bool = True, log: Any = None) -> Any:
-    """The tracker for a campaign: MLflow unless tracking is off."""
+def make_tracker(uri: str | None, enabled: bool = True, log: Any = None, night: str | None = None) -> Any:
+    """The tracker for a campaign: MLflow unless tracking is off. `night`: what its regressions count
+    as seen by, where that is more than this process (`profiles.SeedChoice.night`: a run's shards)."""
     if not enabled:
         return NullTracker()
     from .mlflow_tracking import MlflowTracker
 
-    return MlflowTracker(uri, log=log)
+    return MlflowTracker(uri, log=log, campaign_uid=night)
 
 
 def fetch_repro(run_id: str, uri: str | None = None) -> Any:

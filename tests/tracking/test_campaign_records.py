@@ -150,3 +150,26 @@ def test_workers_attached_to_one_campaign_count_a_regression_once(fresh_cwd):
     assert sync_pending(resolve_uri(None), fresh_cwd / "spool", log=lambda m: None)["seen"] == 0  # already seen live
     [reg] = Store().search("tags.`harness.kind` = 'regression'")
     assert reg.data.tags["harness.seen_count"] == "2"
+
+
+def test_the_shards_of_one_run_id_count_a_regression_once(fresh_cwd):
+    """CI shards are separate processes (separate trackers), but a nightly's shards share its run id:
+    a regression two shards find is seen once that night, and once more by the next night."""
+    from harness.mlflow_tracking import MlflowTracker, Store
+    from harness.profiles import get_profile, resolve_seed
+    from harness.tracking import make_tracker
+
+    f = make_finding(fresh_cwd)
+    cfg = CampaignConfig(pairs=[REGISTRY.get(f.pair)], seed=7)
+    for night, shards in (("1001", 2), ("1002", 1)):
+        choice = resolve_seed(get_profile("nightly"), env={"HARNESS_RUN_ID": night})
+        assert choice.night and choice.night == resolve_seed(get_profile("nightly"), run_id=night).night
+        for _ in range(shards):
+            t = make_tracker(None, log=lambda m: None, night=choice.night)
+            assert isinstance(t, MlflowTracker)
+            t.campaign_started(cfg, choice.seed, cfg.pairs)
+            t.finding(f)
+        [reg] = Store().search("tags.`harness.kind` = 'regression'")
+        assert reg.data.tags["harness.seen_count"] == {"1001": "1", "1002": "2"}[night]
+    # without a run id (a given seed, or fresh) each process is its own campaign, as before
+    assert resolve_seed(get_profile("nightly"), explicit=7).night is None

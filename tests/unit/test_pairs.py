@@ -159,10 +159,14 @@ def test_pairs_from_the_entry_point_group(tmp_path):
     (site / "acme_pairs-1.0.dist-info").mkdir(parents=True)
     (site / "acme_pairs-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-pairs\nVersion: 1.0\n")
     (site / "acme_pairs-1.0.dist-info" / "entry_points.txt").write_text("[harness.targets]\nacme = acme_pairs\n")
-    (site / "acme_pairs.py").write_text(
-        "from harness import TargetPair, Outcome, register\n"
-        "register(TargetPair(name='acme.engine', kind='op', expected='aligned', build=lambda c, d: None,\n"
-        "    trainer=lambda i: Outcome(), rollout=lambda i: Outcome()))\n")
+    (site / "acme_pairs.py").write_text(  # an engine whose temperature is off by 10%: caught on any case
+        "import torch\n"
+        "from harness import Axes, TargetPair, Outcome, register\n"
+        "def build(case, device):\n"
+        "    return case.token_randn(16, 'hidden', device=device) @ case.randn((16, 64), 'head', device=device)\n"
+        "register(TargetPair(name='acme.engine', kind='op', expected='diverges', build=build,\n"
+        "    trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)),\n"
+        "    rollout=lambda x: Outcome(logprobs=torch.log_softmax(1.1 * x, -1)), axes=Axes(n_seqs=(1, 2), seq_len=(1, 3))))\n")
     import os
 
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -177,6 +181,16 @@ def test_pairs_from_the_entry_point_group(tmp_path):
              "print(loader_of('entry point acme', Path('.')))")
     loader = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True).stdout
     assert "'package': 'acme-pairs 1.0'" in loader, loader
+    # a repro of it records that version; a replay after an upgrade of the package says so
+    found = subprocess.run([sys.executable, "-m", "harness", "fuzz", "acme.engine", "--no-tracking", "--max-examples",
+                            "3", "--corpus", str(tmp_path / "found")], capture_output=True, text=True, env=env)
+    assert found.returncode == 1, found.stderr
+    (repro,) = (tmp_path / "found" / "acme.engine").glob("*.json")
+    assert json.loads(repro.read_text())["loader"]["package"] == "acme-pairs 1.0"
+    (site / "acme_pairs-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-pairs\nVersion: 1.1\n")
+    replayed = subprocess.run([sys.executable, "-m", "harness", "replay", str(repro)], capture_output=True, text=True,
+                              env=env)
+    assert "its pair's package was acme-pairs 1.0 when recorded, acme-pairs 1.1 now" in replayed.stdout, replayed.stdout
     # a package whose entry point fails to load: a warning, the built-in pairs still run, and asking
     # for one of its pairs names why it is missing
     (site / "acme_pairs.py").write_text("raise RuntimeError('half-installed acme')\n")
