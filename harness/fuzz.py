@@ -329,7 +329,8 @@ def time_note(asked: int, short: int, cases: int) -> str:
         return ""
     if not cases:
         return f"its time share ran out before its first case finished: 0 of {asked} examples"
-    return f"its time share ran out after {asked - short} of {asked} examples"
+    # (an example's uniform cases, and a case begun when the share ran out, make the two counts differ)
+    return f"its time share ran out after {asked - short} of {asked} examples ({cases} case{'s' * (cases != 1)} run)"
 
 
 def uniform_per_example(pair: TargetPair, cfg: CampaignConfig) -> int:
