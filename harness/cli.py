@@ -373,7 +373,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     with its reason and the rest are replayed; the exit is then 2 (125 under --bisect) unless one
     still diverges. A repro recorded from a plugin file inside this repository loads that file.
     A crash or timeout repro runs in a worker process: one that still crashes or hangs exits 1."""
-    from .corpus import Skipped, load_many_tolerant, load_plugin_for, replay as do_replay
+    from .corpus import Skipped, load_many_tolerant, load_plugin_for, missing_repro, replay as do_replay
     from .env import machine_differences, resolve_device
     from .execute import headline
     from .metrics import verdict_mean
@@ -385,8 +385,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             raise UsageError("replay needs at least one repro FILE (or folder), or --run-id ID.")
         missing = [str(f) for f in files if not Path(f).exists()]
         repros, skipped = load_many_tolerant(f for f in files if Path(f).exists())
-        skipped = [Skipped(Path(m), f"repro file {m!r} does not exist; pass a repro file written by `harness "
-                                    "fuzz` (corpora/<pair>/<id>.json).") for m in missing] + skipped
+        skipped = [Skipped(Path(m), missing_repro(Path(m))) for m in missing] + skipped
         if run_id:
             from .tracking import fetch_repro
 

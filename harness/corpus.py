@@ -861,12 +861,19 @@ def validate_repro_json(data: Any, where: str) -> None:
         bad("history", hist, "must be a list of objects")
 
 
+def missing_repro(path: Path) -> str:
+    """The message for a repro path that is not there (a dangling symbolic link says so)."""
+    return f"repro file {str(path)!r} " + (
+        "is a symbolic link to nothing (a loop, or its target was moved): point it at" if path.is_symlink()
+        else "does not exist; pass") + " a repro file written by `harness fuzz` (corpora/<pair>/<id>.json)."
+
+
 def load_repro(path: str | Path) -> Repro:
     path = Path(path)
     fix = "pass a repro file written by `harness fuzz` (corpora/<pair>/<id>.json)"
     where = f"repro file {str(path)!r}"
     if not path.exists():
-        raise UsageError(f"{where} does not exist; {fix}.")
+        raise UsageError(missing_repro(path))
     if path.is_dir():
         try:
             os.listdir(path)

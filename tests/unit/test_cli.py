@@ -67,8 +67,15 @@ def write(path, text):
     return str(path)
 
 
+def loop(path):
+    if not path.is_symlink():
+        path.symlink_to(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("make,words", [
     (lambda d, f: str(d / "missing.json"), "does not exist"),
+    (lambda d, f: loop(d / "loop.json"), "symbolic link to nothing"),
     (lambda d, f: write(d / "bad.json", "{not json"), "is not valid JSON"),
     (lambda d, f: write(d / "schema.json", json.dumps({"schema": "other/9", "pair": "x"})), "has top-level \"schema\": \"other/9\""),
     (lambda d, f: write(d / "case.json", f.read_text().replace('"top_k": ', '"top_k": 99, "x": ')),
