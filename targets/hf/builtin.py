@@ -3,7 +3,7 @@
 Per tiny config (`configs.TINY`, realistic init):
 
 - `hf.<model>.aligned`: float32 both sides (packed teacher-forced trainer vs KV-cache decode).
-- `hf.<model>.bf16_rollout`: float32 trainer vs a bf16 engine (weights, activations, router, LM head).
+- `hf.<model>.bf16_rollout`: float32 trainer vs a bf16 engine (weights, activations, router (MoE models), LM head).
 - `hf.<model>.bf16_rollout.replay` (MoE): the same with router replay.
 - `hf.<model>.eager_vs_sdpa`: eager attention (trainer) vs sdpa (rollout), float32.
 - `hf.<model>.packed_cache_trap`: the trainer's packed forward leaves `use_cache` at its default,

@@ -102,6 +102,10 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
                          "have (a router, experts); this model has no experts, so both paths would run the same "
                          "numerics and the pair would test nothing. Compare a component it has (body, lm_head, "
                          "attention, patch, ...), or give it a MoE model.")
+    if not spec.moe():  # (BF16 says router bfloat16: on a dense model a component it does not have, so not a
+        # difference its description or triage should show; triage swapping body and lm_head back would
+        # otherwise leave a variant differing only there, which the check above refuses)
+        rollout = rollout.replace(**{k: trainer.as_dict()[k] for k in moe_only})
 
     axes = axes or default_axes(spec)
     max_pos = int(spec.fields().get("max_position_embeddings") or 0)
@@ -231,7 +235,8 @@ def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axe
         hf_pair(f"{prefix}.aligned", spec, base, base.replace(packing=FP32.packing), expected="aligned", axes=axes,
                 description="float32 both sides: packed teacher-forced trainer vs KV-cache decode rollout"),
         hf_pair(f"{prefix}.bf16_rollout", spec, base, bf16, expected=bf16_expected, axes=axes,
-                description="float32 trainer vs a bf16 engine (weights, activations, router, LM head)"),
+                description="float32 trainer vs a bf16 engine (weights, activations, "
+                            + ("router, " if spec.moe() else "") + "LM head)"),
     ]
     if base.attention == "sdpa":
         pairs.append(hf_pair(f"{prefix}.eager_vs_sdpa", spec, base.replace(attention="eager"),

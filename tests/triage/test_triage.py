@@ -278,6 +278,18 @@ def test_triage_on_hugging_face_models_needs_no_argument_in_their_call():
         assert "all layers" not in bf16.verdict and ", from model.layers." in bf16.verdict
 
 
+def test_a_bf16_engine_on_a_dense_model_is_triaged_by_the_components_it_has():
+    """BF16 says router bfloat16, which a dense model does not have: the pair neither shows nor swaps
+    it (a swap of body and lm_head back left a variant differing only in the router, which hf_pair
+    refuses: triage of every dense bf16 finding exited 2)."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    pair = REGISTRY.get("hf.qwen3.bf16_rollout")
+    assert "router" not in pair.description and pair.profiles.rollout["router"] == pair.profiles.trainer["router"]
+    t = triage(made_repro("hf.qwen3.bf16_rollout", Case(seed=4, seq_lens=(6, 4), prompt_lens=(3, 5))))  # (over the line)
+    assert set(t.localization.differing) == {"body", "lm_head", "packing"}, t.localization.differing  # (no router)
+    assert t.k3 > 1e-3 and t.localization.explained and "model dtype" in t.verdict, t.verdict
+
+
 def test_a_plugin_pair_with_harness_profiles_is_localized():
     """`harness.Profiles` is the whole protocol for a pair of your own: triage swaps its components
     and names the one that explains the divergence, with its label."""
