@@ -527,8 +527,12 @@ class Registry:
                 self._import(spec, label=spec)
             if spec not in self.plugins:
                 self.plugins.append(spec)
-        except (UsageError, PairError):
-            raise
+        except (UsageError, PairError) as e:
+            if spec in str(e):
+                raise
+            # raised by the plugin's own code while it registered (a checkpoint folder it names is gone):
+            # say which plugin, since the pairs it would have registered after it are missing
+            raise type(e)(f"plugin {spec!r} stopped while registering its pairs: {e}") from None
         except SystemExit as e:  # a script's `sys.exit()` at import: the harness's exit code must not be it
             raise UsageError(
                 f"plugin {spec!r} called sys.exit({e.code!r}) while being imported; a plugin module must only "

@@ -327,17 +327,34 @@ def base_model(spec: HFModel) -> Any:
     transformers.logging.disable_progress_bar()  # "Loading weights" bars in every worker's output
     from transformers import AutoModelForCausalLM
 
-    if spec.path:
-        # in the checkpoint's own dtype: each path's copy is cast to its numerics (a bf16 checkpoint
-        # upcast to float32 is exact, so the values are those of loading it in float32), and a bf16
-        # base holds half the host memory of a float32 one
-        model = AutoModelForCausalLM.from_pretrained(spec.path, local_files_only=True, dtype="auto")
-    else:
-        from .configs import make_config, realistic_init
+    from .configs import make_config, realistic_init
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(spec.init_seed)
-            model = AutoModelForCausalLM.from_config(make_config(json.loads(spec.config_json)), dtype=torch.float32)
+    try:  # a config transformers refuses (heads that do not divide the hidden size), a damaged checkpoint:
+        # a pair that cannot run (a setup error), not a regression of every case written to the corpus
+        if spec.path:
+            # in the checkpoint's own dtype: each path's copy is cast to its numerics (a bf16 checkpoint
+            # upcast to float32 is exact, so the values are those of loading it in float32), and a bf16
+            # base holds half the host memory of a float32 one
+            model = AutoModelForCausalLM.from_pretrained(spec.path, local_files_only=True, dtype="auto")
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(spec.init_seed)
+                model = AutoModelForCausalLM.from_config(make_config(json.loads(spec.config_json)),
+                                                         dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - whatever transformers raises, there is no model to run
+        inner = e
+        for _ in range(8):  # (the reason, under validation wrappers)
+            nxt = inner.__cause__ or (None if inner.__suppress_context__ else inner.__context__)
+            if nxt is None:
+                break
+            inner = nxt
+        what = f"the checkpoint {spec.path!r}" if spec.path else "the model of this config"
+        why = f"{type(e).__name__}: {_first_sentence(e).rstrip(':.')}" + (
+            f" ({type(inner).__name__}: {_first_sentence(inner).rstrip('.')})" if inner is not e else "")
+        raise UsageError(f"{what} cannot be built by transformers: {why}. Fix the "
+                         + ("checkpoint folder" if spec.path else "config") + "; no case of this pair can say anything "
+                         "about the two paths.") from None
+    if not spec.path:
         if spec.init == "realistic":
             realistic_init(model, spec.init_seed, logit_std=_logit_std())
     model.eval()

@@ -398,6 +398,19 @@ def test_a_config_its_own_model_cannot_run_is_a_pair_that_cannot_run_not_a_regre
     assert "fails its own plain forward" in result.results[0].setup_error and not result.results[0].findings
 
 
+def test_a_config_transformers_refuses_to_build_is_a_pair_that_cannot_run_naming_the_reason(tmp_path):
+    """transformers validates a config when it is built (in the worker, at the first case, so that
+    listing pairs imports no transformers): heads that do not divide the hidden size were a
+    regression of every aligned pair, with the reason only in the repro's traceback."""
+    cfg = dict(model_type="llama", vocab_size=256, hidden_size=66, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=4, num_key_value_heads=2)
+    pair = hf_pair("user.llama_bad_heads", cfg, FP32, FP32)
+    result = run_campaign(CampaignConfig(pairs=[pair], seed=1, max_examples=5, corpus=tmp_path))
+    (r,) = result.results
+    assert r.verdict == "CANNOT RUN" and not r.findings and not list(tmp_path.rglob("*.json"))
+    assert "cannot be built by transformers" in r.setup_error and "not a multiple" in r.setup_error, r.setup_error
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_near_ties_sit_at_a_sigmoid_routers_own_selection_boundary(groups):
     """DeepSeek-V3 / GLM-4.5 routers rank experts by sigmoid(logit) + a selection bias, within the

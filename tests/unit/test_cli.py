@@ -100,6 +100,11 @@ def test_unknown_pair_and_broken_plugin_exit_2(tmp_path, harness_cli):
     broken = write(tmp_path / "broken.py", "raise ValueError('half-written plugin')\n")
     code, _, err = harness_cli("list", "--plugin", broken)
     assert code == 2 and "half-written plugin" in err and "Traceback" not in err
+    gone = write(tmp_path / "gone.py", "from harness.errors import UsageError\n"  # (as hf_pairs on a gone checkpoint)
+                 "raise UsageError(\"'/ckpt' is not a checkpoint directory\")\n")
+    code, _, err = harness_cli("list", "--plugin", gone)  # a harness error of the plugin's own: which plugin
+    assert code == 2 and f"plugin {gone!r} stopped while registering its pairs: '/ckpt' is not a checkpoint" in err \
+        and "Traceback" not in err, err
     bad_pair = write(tmp_path / "badpair.py", "from harness import TargetPair, register\n"
                      "register(TargetPair(name='x.y', kind='op', expected='sometimes', build=None,"
                      " trainer=None, rollout=None))\n")
