@@ -262,10 +262,12 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
                    "it (compare their summaries)")
         missed = []
     if missed:
+        from .fuzz import missed_hint
+
+        hints = "; ".join(f"{r.pair} ({missed_hint(r, cfg.threshold)})" for r in result.results if r.pair in missed)
         click.echo(f"missed demonstration(s): {len(missed)} of {sum(r.expected == 'diverges' for r in result.results)}"
-                   f" not caught: {', '.join(missed)} (more examples or budget?)")
-        click.echo(f"warning: demonstration pair(s) not caught: {', '.join(missed)} (more examples or budget?)",
-                   err=True)
+                   f" not caught: {hints}")
+        click.echo(f"warning: demonstration pair(s) not caught: {hints}", err=True)
     unfinished = [r.pair for r in result.results if r.verdict == "UNFINISHED"]
     if unfinished:
         click.echo(f"unfinished: {', '.join(unfinished)}: a first case never came back before the budget ended (a hang, "

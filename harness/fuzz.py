@@ -333,6 +333,19 @@ def time_note(asked: int, short: int, cases: int) -> str:
     return f"its time share ran out after {asked - short} of {asked} examples ({cases} case{'s' * (cases != 1)} run)"
 
 
+NOISE_FLOOR = 1e-8  # judged means below this are float rounding (aligned float32 pairs sit near 1e-11)
+
+
+def missed_hint(r: PairResult, threshold: float) -> str:
+    """Why a demonstration may have been missed, from the largest judged mean its cases reached: at
+    float noise its two paths compute the same thing (a patch that changes nothing it runs, a bug
+    whose effect cancels out); under the line, more cases or a wider axis may reach it."""
+    if r.max_score < NOISE_FLOOR:
+        return (f"max judged {r.max_score:.2g}: its paths agreed to float rounding on every case; check that "
+                "the rollout really runs what differs")
+    return f"max judged {r.max_score:.2g} of the line {threshold:g}: more examples, budget or wider axes?"
+
+
 def uniform_per_example(pair: TargetPair, cfg: CampaignConfig) -> int:
     n = cfg.uniform_per_example
     return UNIFORM_PER_EXAMPLE.get(pair.kind, 1) if n is None else n

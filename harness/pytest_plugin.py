@@ -456,7 +456,9 @@ class FuzzSession:
         if verdict == "MISSED" and self.streams > 1:
             return  # one stream of a demonstration: the session summary judges the pair's streams together
         if verdict in ("MISSED", "BROKEN", "not run"):
-            why = {"MISSED": "demonstration not caught (give it more budget or cases)",
+            from harness.fuzz import missed_hint
+
+            why = {"MISSED": f"demonstration not caught ({missed_hint(r, self.threshold)})",
                    "BROKEN": "demonstration pair crashed or gave non-finite output: "
                              + "; ".join(_describe(f, self) for f in r.findings if f.symptom.value != "divergence"),
                    "not run": (f"it waited for the first case of {r.waited_for} (same module, same worker), which "

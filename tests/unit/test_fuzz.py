@@ -603,3 +603,14 @@ def test_a_pairs_memory_note_adds_up_its_workers():
                                    "across cases?); replaced at the cap 3 time(s)")
     assert ex.memory_note("other") == ""
     ex.worker = None
+
+
+def test_a_missed_demonstration_says_whether_its_paths_differed_at_all():
+    """A patch that changes nothing the path runs leaves the judged means at float noise: "more
+    examples or budget" would send its author the wrong way."""
+    from harness.fuzz import PairResult, missed_hint
+
+    same = missed_hint(PairResult("x.patch", "diverges", examples=300, max_score=7e-12), 1e-3)
+    assert "agreed to float rounding" in same and "more examples" not in same
+    under = missed_hint(PairResult("x.weak", "diverges", examples=300, max_score=4e-4), 1e-3)
+    assert "max judged 0.0004 of the line 0.001" in under and "more examples" in under
