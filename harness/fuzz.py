@@ -941,11 +941,9 @@ class Executor:
         self.worker, self.parked, self.done = None, {}, {}
 
 
-def spare_core_per_worker() -> bool:
-    """Whether this machine has a core for each campaign's worker besides the campaign itself: two per
-    campaign running at once (pytest-xdist workers: `PYTEST_XDIST_WORKER_COUNT`). Handing cases
-    ahead lets the worker compute while the campaign draws, which pays only with a core to spare;
-    without one the campaign and its worker compete for a core with the other campaigns' processes."""
+def cores_and_campaigns() -> tuple[int, int]:
+    """The cores this process may run on, and the campaigns running at once on them (pytest-xdist
+    workers: `PYTEST_XDIST_WORKER_COUNT`; 1 otherwise)."""
     import os
 
     try:
@@ -956,7 +954,38 @@ def spare_core_per_worker() -> bool:
         campaigns = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     except ValueError:
         campaigns = 1
+    return cores, campaigns
+
+
+def spare_core_per_worker() -> bool:
+    """Whether this machine has a core for each campaign's worker besides the campaign itself: two per
+    campaign running at once. Handing cases ahead lets the worker compute while the campaign draws,
+    which pays only with a core to spare; without one the campaign and its worker compete for a core
+    with the other campaigns' processes."""
+    cores, campaigns = cores_and_campaigns()
     return cores >= 2 * campaigns
+
+
+def share_threads_among_campaigns() -> int | None:
+    """In one of several campaigns running at once (pytest-xdist workers), give torch its share of the
+    cores, cores // campaigns threads (at least 1), unless the thread count was chosen
+    (`OMP_NUM_THREADS`, `MKL_NUM_THREADS`) or is already within the share. torch's default, a thread
+    per core in every worker, oversubscribed the machine: `pytest --harness-fuzz -n 2` on 2 cores
+    outside this repository (whose tests/conftest.py sets one thread) ran 271 cases in 34 s against
+    14 s with one thread each. Returns the count set, or None. A repro records the count it ran with
+    and replays with it (`environment.torch_threads`)."""
+    import os
+
+    cores, campaigns = cores_and_campaigns()
+    if campaigns <= 1 or any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        return None
+    import torch
+
+    share = max(1, cores // campaigns)
+    if torch.get_num_threads() <= share:
+        return None
+    torch.set_num_threads(share)
+    return share
 
 
 _SIGNALLED = [False]  # an interrupt came during this campaign (set by `_Signals._handle`)

@@ -684,6 +684,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RESULTS_KEY] = []
     if session.is_worker:
         _stop_with_the_controller()
+        from harness.fuzz import share_threads_among_campaigns
+
+        share_threads_among_campaigns()  # (xdist workers on one machine's cores: torch's share each)
     if not session.is_worker:
         from harness.errors import HarnessError
 

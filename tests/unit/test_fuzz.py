@@ -614,3 +614,32 @@ def test_a_missed_demonstration_says_whether_its_paths_differed_at_all():
     assert "agreed to float rounding" in same and "more examples" not in same
     under = missed_hint(PairResult("x.weak", "diverges", examples=300, max_score=4e-4), 1e-3)
     assert "max judged 0.0004 of the line 0.001" in under and "more examples" in under
+
+
+def test_xdist_campaigns_share_the_cores_among_their_torch_threads(monkeypatch):
+    """torch's default, a thread per core in every xdist worker, oversubscribed the machine (a run
+    2.4x slower on 2 cores); each worker gets cores // workers threads unless the count was chosen."""
+    import os
+
+    import torch
+
+    from harness.fuzz import share_threads_among_campaigns
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        torch.set_num_threads(8)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "1")
+        assert share_threads_among_campaigns() is None and torch.get_num_threads() == 8  # one campaign: its own
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+        assert share_threads_among_campaigns() == 2 and torch.get_num_threads() == 2
+        torch.set_num_threads(8)
+        monkeypatch.setenv("OMP_NUM_THREADS", "8")  # chosen: kept
+        assert share_threads_among_campaigns() is None and torch.get_num_threads() == 8
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "16")  # more workers than cores: one each
+        assert share_threads_among_campaigns() == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
