@@ -780,6 +780,9 @@ class Executor:
         self._warm_key: tuple[int, int] = (0, -1)  # (worker, its restarts) the warm set is about
         self.first_sent: dict[str, float] = {}  # pair -> when its first case (cold) was sent to a worker
         self.cold_seconds: dict[str, float] = {}  # pair -> how long its first case in a worker process took
+        # pairs whose first case timed out before any case of theirs came back: their later cold cases get
+        # the plain timeout (`allowance`)
+        self.cold_hung: set[str] = set()
         # pair -> seconds its first case had run when the campaign's wall stopped it (it never finished:
         # a hang, or a cold start longer than the budget allows)
         self.unfinished: dict[str, float] = {}
@@ -858,6 +861,8 @@ class Executor:
             sent = self.first_sent.pop(name, None)
             if sent is not None and ev.symptom is not Symptom.TIMEOUT:
                 self.cold_seconds[name] = time.monotonic() - sent
+            elif sent is not None and name not in self.cold_seconds:  # its cold case hung, none ever came back
+                self.cold_hung.add(name)
             if ev.symptom not in (Symptom.CRASH, Symptom.TIMEOUT):  # (else the process is gone)
                 self._warm(worker).add(name)
             return ev
@@ -865,11 +870,16 @@ class Executor:
         def allowance(cold: bool) -> float:
             """A case's timeout: a cold case (the pair's first in this worker process) also gets its
             imports and compilation; in a process replaced after a crash or timeout, twice what its
-            first case took before, else up to COLD_START_TIMEOUT."""
+            first case took before, else up to COLD_START_TIMEOUT, unless its first case already hung
+            through that (then the timeout alone)."""
             if not cold:
                 return timeout
             if pair.name in self.cold_seconds:
                 return timeout + 2 * self.cold_seconds[pair.name]
+            if pair.name in self.cold_hung:
+                # it hung through a whole cold allowance already: another one per shrink step, in each
+                # replacement worker, cost an always-hanging pair 300 s a step (hours of a nightly)
+                return timeout
             return max(timeout, self.COLD_START_TIMEOUT)
 
         def evaluate(case: Case) -> Evaluation:

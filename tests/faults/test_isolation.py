@@ -399,3 +399,29 @@ def test_a_cold_case_that_hangs_records_the_per_case_timeout_not_the_cold_allowa
         ev = worker.collect()
     assert ev.symptom.value == "timeout" and ev.error["timeout_s"] == 0.5, ev.error
     assert "per-case timeout of 0.5 s (+1 s for its first case" in ev.error["message"], ev.error["message"]
+
+
+def test_a_pair_whose_cold_case_hung_gets_no_further_cold_allowance(tmp_path, monkeypatch):
+    """An engine that hangs on every case: its first case (cold) gets the cold-start allowance, but
+    after it hung through that, each shrink step in a replacement worker (cold again) gets the plain
+    per-case timeout. It got the whole allowance again on every step: 300 s each, with the pair's
+    `timeout=5`, hours for a nightly."""
+    from harness.fuzz import CampaignConfig, Executor, run_campaign
+    from harness.pairs import REGISTRY
+    from harness.worker import Worker
+
+    REGISTRY.load_plugin(FAULTS)
+    monkeypatch.setattr(Executor, "COLD_START_TIMEOUT", 4.0)
+    sent: list[float] = []
+    submit = Worker.submit
+
+    def spy(self, pair, case, threshold, timeout=None, wall=None, cold_extra=0.0):
+        sent.append(cold_extra)
+        return submit(self, pair, case, threshold, timeout, wall, cold_extra=cold_extra)
+
+    monkeypatch.setattr(Worker, "submit", spy)
+    cfg = CampaignConfig(pairs=[REGISTRY.get("faults.hang_always")], seed=1, max_examples=3, corpus=tmp_path,
+                         isolation=True, timeout=0.5, plugins=(FAULTS,))
+    (r,) = run_campaign(cfg, log=lambda m: None).results
+    assert [f.symptom.value for f in r.findings] == ["timeout"]
+    assert len(sent) >= 2 and sent[0] == 3.5 and all(extra == 0.0 for extra in sent[1:]), sent
