@@ -906,7 +906,39 @@ def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list
             out[u["pair"]] = {"pair": u["pair"], "expected": u["expected"], "examples": 0, "seconds": 0.0,
                               "max_k3": 0.0, "max_score": 0.0, "seed": fs.seed, "verdict": "not run (interrupted)",
                               "unfinished": 0.0, "waited_for": "", "findings": [], "worker": "-"}
+    for d in [*results, *out.values()]:  # what the interrupted items found: their result never came back
+        extra = _found_before_the_stop(fs, d["pair"], {f["id"] for f in d["findings"]})
+        if extra:
+            d["findings"] = d["findings"] + extra
+            was = d["verdict"].split(" (", 1)[0]
+            now = ("REGRESSION" if d["expected"] == "aligned" else "caught") if was in ("not run", "clean", "MISSED") \
+                else was
+            d["verdict"] = (f"{now} (interrupted; {len(extra)} finding(s) before the stop: in "
+                            f"{new_repros_dir(fs).name}/{d['pair']}/)")
     return list(out.values())
+
+
+def _found_before_the_stop(fs: FuzzSession, pair: str, known: set[str]) -> list[dict]:
+    """The repros an interrupted session's items wrote for the pair (their copies in `new-repros`:
+    each item copies its new and recurring findings there as they are written) and that no item
+    result names: an item interrupted mid-campaign never hands its result over."""
+    folder = new_repros_dir(fs) / pair
+    found = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or path.stem in known:
+            continue
+        found.append({"id": path.stem, "signature": data.get("signature"), "symptom": data.get("symptom"),
+                      "status": data.get("status"), "case": data.get("case"), "metrics": data.get("metrics") or {},
+                      "error": data.get("error"), "examples": 0,
+                      "shrink_complete": (data.get("found") or {}).get("shrink_complete"),
+                      # (only new and recurring findings are copied there: either is tonight's)
+                      "path": str(Path(fs.corpus) / pair / path.name), "new": True, "recurrence": False,
+                      "cases_to_first": 0, "seconds_to_first": 0.0, "shrink_seconds": 0.0})
+    return found
 
 
 def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:

@@ -198,21 +198,31 @@ def test_an_xdist_worker_whose_controller_is_gone_stops_as_on_ctrl_c(tmp_path):
     assert done.exists()
 
 
-def test_an_interrupted_pair_with_some_streams_done_says_so():
-    """A demonstration one of whose four streams finished without a catch is not MISSED."""
+def test_an_interrupted_pair_with_some_streams_done_says_so(tmp_path):
+    """A demonstration one of whose four streams finished without a catch is not MISSED; a pair whose
+    interrupted item wrote a repro (its result never came back) is not "not run": what it found is
+    counted from its copy in new-repros."""
     from types import SimpleNamespace
 
     from harness.pytest_plugin import _not_run
 
     units = [{"pair": p, "expected": e, "stream": i} for p, e in (("d.demo", "diverges"), ("a.ok", "aligned"))
-             for i in range(4)] + [{"pair": "z.queued", "expected": "aligned", "stream": 0}]
-    fs = SimpleNamespace(units=lambda: units, seed=1)
+             for i in range(4)] + [{"pair": q, "expected": "aligned", "stream": 0} for q in ("y.found", "z.queued")]
+    fs = SimpleNamespace(units=lambda: units, seed=1, out=tmp_path / "out", shard=None, corpus=tmp_path / "corpus")
+    (fs.out / "new-repros" / "y.found").mkdir(parents=True)
+    (fs.out / "new-repros" / "y.found" / "abc123.json").write_text(json.dumps(
+        {"pair": "y.found", "signature": "s", "symptom": "divergence", "status": "open", "metrics": {"kl": 0.01}}))
     done = [{"pair": "d.demo", "stream": 2, "verdict": "MISSED"}] + [{"pair": "a.ok", "stream": i, "verdict": "clean"}
                                                                      for i in range(4)]
-    results = [{"pair": "d.demo", "verdict": "MISSED"}, {"pair": "a.ok", "verdict": "clean"}]
+    results = [{"pair": "d.demo", "expected": "diverges", "verdict": "MISSED", "findings": []},
+               {"pair": "a.ok", "expected": "aligned", "verdict": "clean", "findings": []}]
     added = _not_run(fs, results, done)
     assert [d["verdict"] for d in results] == ["MISSED (interrupted: 1/4 streams)", "clean"]
-    assert [(d["pair"], d["verdict"]) for d in added] == [("z.queued", "not run (interrupted)")]
+    assert [(d["pair"], d["verdict"]) for d in added] == [
+        ("y.found", "REGRESSION (interrupted; 1 finding(s) before the stop: in new-repros/y.found/)"),
+        ("z.queued", "not run (interrupted)")]
+    (f,) = added[0]["findings"]  # (summary.json's new_aligned_regressions lists new findings of aligned pairs)
+    assert f["id"] == "abc123" and f["new"] and f["path"] == str(tmp_path / "corpus" / "y.found" / "abc123.json")
 
 
 def test_collect_only_lists_the_items_and_writes_nothing(tmp_path):
