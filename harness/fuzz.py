@@ -89,6 +89,9 @@ class Finding:
     # that no longer fails, a different bug; `record_finding` then gives this one a signature of its own
     base_signature: str = ""
     deterministic: bool = True  # False when the minimal case, run again, gave other values (see run_campaign)
+    # the MLflow regression run that already held it, when the corpus here did not (a CI runner that
+    # checks out a corpus its repro was never committed to): not new to the team (`pytest_plugin`)
+    known_in_tracking: str = ""
 
     @property
     def id(self) -> str:
