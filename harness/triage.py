@@ -75,7 +75,7 @@ from typing import Any, Callable, Mapping
 
 import click
 
-from .errors import UsageError
+from .errors import HarnessError, UsageError
 from .metrics import judged_k3
 
 FLOOR_FACTOR = 10.0  # a module diverges when its error exceeds this multiple of its aligned-run error
@@ -605,6 +605,26 @@ def _profiles(pair: Any) -> Any | None:
     return p
 
 
+def _variant(pair: Any, prof: Any, trainer: Mapping[str, str], rollout: Mapping[str, str]) -> Any:
+    """The pair rebuilt with these component settings (`Profiles.make`, through `variant`); a make
+    that raises or returns something else is the pair's to fix, said in one paragraph."""
+    from .pairs import TargetPair
+
+    what = f"pair {pair.name!r}: its Profiles.make(trainer={dict(trainer)!r}, rollout={dict(rollout)!r})"
+    try:
+        out = prof.variant(trainer, rollout)
+    except HarnessError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the pair's own code
+        raise UsageError(f"{what} raised {type(e).__name__}: {e}. Triage rebuilds the pair with one component "
+                         "swapped at a time: make must accept every combination of the settings in trainer and "
+                         "rollout (the same keys) and return the TargetPair they describe.") from None
+    if not isinstance(out, TargetPair):
+        raise UsageError(f"{what} returned {type(out).__name__}, not a TargetPair: make must return the pair "
+                         "rebuilt with those settings (e.g. `lambda t, r: my_pair(name, **...)`).")
+    return out
+
+
 def ddmin(items: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
     """Zeller's ddmin: a 1-minimal subset of `items` for which `fails` holds (it holds for `items`)."""
     n = 2
@@ -643,7 +663,7 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
     def run(t: dict, r: dict) -> tuple[float, float, bool]:
         key = json.dumps([t, r], sort_keys=True)
         if key not in cache:
-            ev = run_case(prof.variant(t, r), case, device, threshold)
+            ev = run_case(_variant(pair, prof, t, r), case, device, threshold)
             d = ev.divergence
             cache[key] = (judged(ev), d.kl if d is not None else float("nan"), ev.failed)
         return cache[key]
@@ -831,7 +851,7 @@ def noise_reference(pair: Any, case: Any, device: str, registry: Any, loc: Local
     """The aligned run whose module errors are the noise floor, and what it is."""
     prof = _profiles(pair)
     if loc is not None and loc.explained:
-        return prof.variant(*loc.aligned_profiles), "the pair with every differing component aligned"
+        return _variant(pair, prof, *loc.aligned_profiles), "the pair with every differing component aligned"
     same = dict(loc.aligned_profiles[0]) if loc is not None and loc.differing else \
         (dict(prof.trainer) if prof is not None else None)
     found = aligned_reference(pair, case, device, registry, same)
@@ -860,7 +880,7 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
             t.localization = localize(pair, repro.case, device, thr, t.k3)
         reference, t.floor_from = noise_reference(pair, repro.case, device, registry, t.localization)
         loc = t.localization
-        rest = prof.variant(*loc.minimal_aligned_profiles) if loc is not None and loc.explained \
+        rest = _variant(pair, prof, *loc.minimal_aligned_profiles) if loc is not None and loc.explained \
             and set(loc.minimal) != set(loc.differing) else None
         t.modules, t.first_module, t.nonfinite, notes = per_module(pair, repro.case, device, reference, rest)
         t.notes += notes

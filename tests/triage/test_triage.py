@@ -322,6 +322,21 @@ def test_a_plugin_pair_with_harness_profiles_is_localized():
     assert t.localization.minimal == ["head"] and t.verdict.startswith("LM-head precision: expected k3 "), t.verdict
     with pytest.raises(PairError, match="differ"):
         Profiles(trainer={"a": "x"}, rollout={"b": "y"}, make=lambda t, r: None)
+    # a make that raises, or returns no pair, is the pair's to fix: one paragraph, not a traceback
+    import dataclasses
+
+    from harness.errors import UsageError
+
+    def broken(t, r):
+        raise KeyError("precision")
+
+    for bad, words in ((broken, "raised KeyError: 'precision'"), (lambda t, r: None, "returned NoneType, not a TargetPair")):
+        odd = make("profiles.bad_make", {"scale": "exact", "head": "exact"}, {"scale": "exact", "head": "quarters"})
+        odd = dataclasses.replace(odd, profiles=Profiles(trainer=odd.profiles.trainer, rollout=odd.profiles.rollout,
+                                                         make=bad))
+        with pytest.raises(UsageError, match="its Profiles.make") as e:
+            triage(made_repro(odd.name, Case(seed=2, seq_lens=(4, 3))), registry=SimpleNamespace(get=lambda n: odd))
+        assert words in str(e.value), str(e.value)
 
 
 def test_the_verdict_on_an_error_quotes_the_pairs_own_message():
