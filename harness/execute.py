@@ -140,12 +140,54 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
         raise ValueError(f"{pair.name}: {role} tokens have shape {tuple(tok.shape)}, expected ({case.n_tokens},) (or "
                          f"({case.n_tokens}, 1), (1, {case.n_tokens})): one "
                          "sampled token id per row of its logprobs, in case order (or tokens=None: the harness draws them)")
+    if out.routing is None:  # (no router: as the default, an empty dict)
+        out.routing = {}
+    if out.routing:
+        _check_routing(pair.name, role, out.routing, twin.routing if twin is not None else None)
     if twin is not None and twin.logprobs.shape[1] != out.logprobs.shape[1]:
         raise ValueError(f"{pair.name}: the trainer's logprobs have {out.logprobs.shape[1]} vocabulary entries per row "
                          f"and the rollout's {twin.logprobs.shape[1]}: both paths must score one vocabulary (an engine "
                          "that pads its vocabulary, 151936 -> 152064 say, must slice the padding off: "
                          "logprobs[:, :vocab])")
     return out
+
+
+def _check_routing(name: str, role: str, routing: Any, twin: Any) -> None:
+    """`Outcome.routing` as the flip counts read it: {layer: Routing}, experts (rows, k) integer ids
+    (a row per token in case order; a recorded rollout's include its prompt's) and scores (rows, E)
+    with E > k, and the same shape as the other path's layer of that name. (Wrong shapes otherwise
+    came out as numpy broadcast errors of the metrics, or as flip rates over the wrong tokens.)"""
+    import torch
+
+    from .pairs import Routing
+
+    if not isinstance(routing, dict):
+        raise TypeError(f"{name}: {role} routing must be a dict {{router layer name: harness.Routing(experts=..., "
+                        f"scores=...)}}, got {type(routing).__name__}")
+    for layer, r in routing.items():
+        where = f"{name}: {role} routing[{layer!r}]"
+        if not isinstance(r, Routing):
+            raise TypeError(f"{where} must be a harness.Routing, got {type(r).__name__}")
+        ex = r.experts
+        if not isinstance(ex, torch.Tensor) or ex.is_floating_point() or ex.is_complex() or ex.dtype == torch.bool:
+            raise TypeError(f"{where}.experts must be an integer torch.Tensor of expert ids, got "
+                            f"{getattr(ex, 'dtype', type(ex).__name__)}")
+        if ex.dim() != 2:
+            raise ValueError(f"{where}.experts has shape {tuple(ex.shape)}, expected (tokens, k): the k experts chosen "
+                             "for each token of the case, in case order")
+        sc = r.scores
+        if sc is not None and (not isinstance(sc, torch.Tensor) or sc.dim() != 2 or sc.shape[0] != ex.shape[0]
+                               or sc.shape[1] <= ex.shape[1]):
+            raise ValueError(f"{where}.scores has shape {tuple(getattr(sc, 'shape', ()))}, expected "
+                             f"({ex.shape[0]}, E) with E > k = {ex.shape[1]}: every expert's score for each row of "
+                             "its experts (or scores=None)")
+        other = twin.get(layer) if isinstance(twin, dict) else None
+        if isinstance(other, Routing) and isinstance(other.experts, torch.Tensor) \
+                and tuple(other.experts.shape) != tuple(ex.shape):
+            raise ValueError(f"{where}.experts has shape {tuple(ex.shape)} and the rollout's layer of that name "
+                             f"{tuple(other.experts.shape)}: both paths must route the same tokens with the same "
+                             "top-k, one row per token in case order (a layer the other path routes differently "
+                             "needs a name of its own)")
 
 
 def run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Outcome, Outcome]:

@@ -213,14 +213,15 @@ def table(summaries: list[ClassSummary], cap: int, twin_cases: int) -> list[str]
     ]
     for s in summaries:
         per = lambda attr: " / ".join(_fmt(getattr(t, attr), cap) for t in s.trials)  # noqa: E731
-        twin = "yes" if s.twin_clean else f"NO ({sum(t.twin_findings for t in s.trials)} findings)"
+        twin = ("not run" if not twin_cases else "yes" if s.twin_clean
+                else f"NO ({sum(t.twin_findings for t in s.trials)} findings)")
         lines.append(f"| {s.pc.name}{' (ties)' if s.pc.ties else ''} | {s.pc.trigger} | {per('harness')} "
                      f"| {_fmt(s.harness_median, cap)} | {per('random')} | {_fmt(s.random_median, cap)} "
                      f"| {s.ratio()} | {s.simplest}/{len(s.trials)} | {twin} |")
     return lines
 
 
-def goals(summaries: list[ClassSummary]) -> list[str]:
+def goals(summaries: list[ClassSummary], twin_cases: int = 1) -> list[str]:
     trials = [t for s in summaries for t in s.trials]
     n_simplest = sum(t.simplest for t in trials)
     missed = [s.pc.name for s in summaries if not s.found_within_goal]
@@ -243,7 +244,8 @@ def goals(summaries: list[ClassSummary]) -> list[str]:
         f"- repros that are the simplest trigger: {n_simplest}/{len(trials)} = {share:.0%} "
         f"(goal >= {GOAL_SIMPLEST:.0%}): {mark(share >= GOAL_SIMPLEST)}",
         f"- fixed twins with 0 findings: {sum(s.twin_clean for s in summaries)}/{len(summaries)}: "
-        f"{mark(not dirty)}" + (f" (findings on: {', '.join(dirty)})" if dirty else ""),
+        f"{mark(not dirty)}" + (f" (findings on: {', '.join(dirty)})" if dirty else "")
+        if twin_cases else "- fixed twins with 0 findings: not run (--twin-cases 0)",
     ]
 
 
@@ -395,7 +397,7 @@ def detection(names: tuple[str, ...] = (), seeds: int = 3, cap: int = 300, twin_
         *table(summaries, cap, twin_cases),
         "",
         "Goals:",
-        *goals(summaries),
+        *goals(summaries, twin_cases),
     ]
     odd = not_simplest(summaries)
     if odd:
@@ -437,5 +439,5 @@ def detection_command(names: tuple[str, ...], seeds: int, cap: int, twin_cases: 
                       plot_path: Path) -> None:
     summaries = detection(names, seeds, cap, twin_cases, out, plot_path,
                           log=lambda msg: click.echo(msg, err=True))
-    click.echo("\n".join(table(summaries, cap, twin_cases) + [""] + goals(summaries)))
+    click.echo("\n".join(table(summaries, cap, twin_cases) + [""] + goals(summaries, twin_cases)))
     click.echo(f"\nwritten to {out}" + (f" and {plot_path}" if plot_path else ""))

@@ -72,3 +72,14 @@ def test_censored_median_and_ratio():
     assert s.ratio() == "<0.027" and s.ratio_ok  # 8 cases against more than 300: >= 10x fewer
     slow = ClassSummary(pc, [Trial(pc.name, 1, harness=60, random=None)], cap=300)
     assert not slow.ratio_ok  # 60 x 10 > 300: not shown to be 10x better
+
+
+def test_twins_not_run_are_not_reported_clean():
+    """`--twin-cases 0` runs no fixed twin: the table and the goal say so, not "yes" and "met"."""
+    from harness.bench_detection import goals, table
+
+    pc = planted_classes(["exact_tie_order"])[0]
+    s = ClassSummary(pc, [Trial(pc.name, 1, harness=6, random=None)], cap=300)
+    assert table([s], 300, 0)[-1].endswith("| not run |")
+    assert goals([s], 0)[-1] == "- fixed twins with 0 findings: not run (--twin-cases 0)"
+    assert goals([s], 100)[-1].startswith("- fixed twins with 0 findings: 1/1: met")

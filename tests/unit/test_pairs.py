@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import strategies as st
 
 import harness
@@ -236,3 +237,36 @@ def test_the_registry_is_indexed_by_name():
     assert "rmsnorm.aligned" in REGISTRY and "no.such.pair" not in REGISTRY
     with pytest.raises(UsageError, match="Did you mean rmsnorm.aligned"):
         REGISTRY["rmsnorm.aligne"]
+
+
+@pytest.mark.parametrize("routing,words", [
+    (lambda t, k: harness.Routing(experts=torch.zeros(t, k, dtype=torch.int64)), "routing must be a dict"),
+    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, k))}, "must be an integer torch.Tensor"),
+    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t + 1, k, dtype=torch.int64))}, "route the same tokens"),
+    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, dtype=torch.int64))}, "expected (tokens, k)"),
+    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, k, dtype=torch.int64), scores=torch.zeros(t, k))},
+     "with E > k"),
+    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, k + 1, dtype=torch.int64))},
+     "the same top-k"),
+])
+def test_a_paths_routing_is_checked_with_a_message_in_the_pairs_terms(routing, words):
+    """Wrong routing shapes were numpy broadcast errors inside the metrics, or flip rates over the
+    wrong number of tokens, judged clean."""
+    from harness import Case, Outcome, TargetPair
+    from harness.execute import run_case
+
+    def build(case, device):
+        return case.token_randn(8, "x", device=device)
+
+    good = lambda x: Outcome(logprobs=torch.log_softmax(x, -1),  # noqa: E731
+                             routing={"moe": harness.Routing(experts=torch.zeros(x.shape[0], 2, dtype=torch.int64),
+                                                             scores=torch.zeros(x.shape[0], 4))})
+    bad = lambda x: Outcome(logprobs=torch.log_softmax(x, -1), routing=routing(x.shape[0], 2))  # noqa: E731
+    case = Case(seed=1, seq_lens=(2, 1))
+    twin_only = words in ("the same top-k", "route the same tokens")  # (seen when the trainer's outcome is checked)
+    for trainer, rollout in ((bad, good),) if twin_only else ((good, bad), (bad, good)):
+        pair = TargetPair(name="x.routing", kind="op", expected="aligned", build=build, trainer=trainer, rollout=rollout)
+        ev = run_case(pair, case)
+        assert ev.error is not None and words in ev.error["message"], (ev.error, words)
+    assert run_case(TargetPair(name="x.ok", kind="op", expected="aligned", build=build, trainer=good, rollout=good),
+                    case).error is None
