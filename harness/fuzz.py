@@ -92,6 +92,10 @@ class Finding:
     # the MLflow regression run that already held it, when the corpus here did not (a CI runner that
     # checks out a corpus its repro was never committed to): not new to the team (`pytest_plugin`)
     known_in_tracking: str = ""
+    # the largest judged mean (`Evaluation.score`) of the failing cases of this signature the campaign
+    # ran: how bad it got within the axes (Hypothesis's target climbs it), where the minimal case sits
+    # just over the line by construction; what MLflow's severity reads (nan: not a divergence)
+    peak: float = math.nan
 
     @property
     def id(self) -> str:
@@ -404,6 +408,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     # evaluates tens of thousands of cases; Hypothesis only needs their verdicts back on a replay)
     cache: dict[Any, Evaluation | float] = {}
     smallest: dict[str, Evaluation] = {}  # signature -> smallest failing evaluation seen so far
+    peak: dict[str, float] = {}  # signature -> the largest judged mean of its failing cases (`Finding.peak`)
     first_seen: dict[str, tuple[int, float]] = {}  # signature -> (cases run, seconds) at its first sighting
     cut = {"shrink": False}
     start = time.monotonic()
@@ -446,6 +451,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if ev.failed:
             sig = signature(pair.name, ev)
             first_seen.setdefault(sig, (result.examples, time.monotonic() - start))
+            if not math.isnan(ev.score):
+                peak[sig] = max(peak.get(sig, ev.score), ev.score)
             if sig not in smallest or _size(case) <= _size(smallest[sig].case):
                 smallest[sig] = ev
         now = time.monotonic()
@@ -545,7 +552,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             result.examples_asked, result.examples_short = asked, max(0, asked - calls[0])
     except KeyboardInterrupt:
         result.seconds = time.monotonic() - start
-        result.findings = [_seen(_finding(pair, ev, result, complete=False), first_seen, start)
+        result.findings = [_seen(_finding(pair, ev, result, complete=False, peak=peak), first_seen, start)
                            for ev in smallest.values()]
         raise _Interrupted(result) from None
     by_sig: dict[str, Evaluation] = {}
@@ -566,12 +573,12 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 cut["shrink"], evals, ev, complete = True, 0, smallest.get(sig, ev), False
             except KeyboardInterrupt:
                 result.seconds = time.monotonic() - start
-                result.findings = [_seen(_finding(pair, e, result, complete=False), first_seen, start)
+                result.findings = [_seen(_finding(pair, e, result, complete=False, peak=peak), first_seen, start)
                                    for e in by_sig.values()]
                 raise _Interrupted(result) from None
             if not complete and limit["deadline"] is not None and time.monotonic() > limit["deadline"]:
                 cut["shrink"] = True
-        f = _finding(pair, ev, result, complete=not cut["shrink"])
+        f = _finding(pair, ev, result, complete=not cut["shrink"], peak=peak)
         f.cases_to_first, f.seconds_to_first = first_seen.get(sig, (result.examples, 0.0))
         f.shrink_seconds = max(0.0, time.monotonic() - start - f.seconds_to_first)
         f.polish_evaluations = evals
@@ -632,10 +639,12 @@ def _seen(f: Finding, first_seen: dict[str, tuple[int, float]], start: float) ->
     return f
 
 
-def _finding(pair: TargetPair, ev: Evaluation, result: PairResult, complete: bool) -> Finding:
+def _finding(pair: TargetPair, ev: Evaluation, result: PairResult, complete: bool,
+             peak: dict[str, float] | None = None) -> Finding:
     sig = signature(pair.name, ev)
     return Finding(pair=pair.name, expected=pair.expected, symptom=ev.symptom, signature=sig, base_signature=sig,
-                   case=ev.case, evaluation=ev, examples=result.examples, shrink_complete=complete)
+                   case=ev.case, evaluation=ev, examples=result.examples, shrink_complete=complete,
+                   peak=(peak or {}).get(sig, math.nan))
 
 
 class _Setup(BaseException):

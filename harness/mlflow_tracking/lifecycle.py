@@ -147,6 +147,10 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
         updates["harness.last_campaign_run_id"] = parent_run_id
     if (p.get("metrics") or {}).get("fired"):
         updates["harness.fired"] = str(p["metrics"]["fired"])
+    rank = ["low", "medium", "high", "critical"]  # (a later campaign whose cases got worse raises it)
+    was = tags.get("harness.severity")
+    if p.get("severity") in rank and rank.index(p["severity"]) > (rank.index(was) if was in rank else -1):
+        updates["harness.severity"] = p["severity"]
     what = "seen"
     if p.get("corpus_recurrence"):  # the corpus file said fixed and the engine reopened it
         updates["harness.recurrence"] = "true"

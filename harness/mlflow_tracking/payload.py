@@ -96,6 +96,13 @@ def severity(symptom: str, value: float | None, threshold: float) -> str:
     return "low"
 
 
+def _worst(judged: float | None, peak: float | None) -> float | None:
+    """The larger of the minimal case's judged mean and the peak of the finding's cases (either may be
+    missing or NaN: an error, a crash)."""
+    vals = [v for v in (judged, peak) if isinstance(v, (int, float)) and not math.isnan(v)]
+    return max(vals) if vals else judged
+
+
 def flatten_case(case_json: dict[str, Any]) -> dict[str, str]:
     """The case as MLflow params: `case.<field>` (lists as JSON), `case.params.<name>`."""
     out = {}
@@ -180,7 +187,9 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
         "symptom": symptom,
         "signature": f.signature,
         "status": f.status,
-        "severity": severity(symptom, judged, threshold),
+        # by the worst its cases got (`Finding.peak`): the minimal case sits just over the line by design
+        "severity": severity(symptom, _worst(judged, getattr(f, "peak", None)), threshold),
+        "peak_judged": _worst(judged, getattr(f, "peak", None)),
         "threshold": threshold,
         "seen_at": now_iso(),
         "case": case.to_json(),
@@ -258,7 +267,11 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
     lines = [
         title, "",
         f"**What diverged.** {what}", "",
-        f"**Pair.** `{p['pair']}` is {expect}. Severity **{p['severity']}**, status **{p['status']}**.", "",
+        f"**Pair.** `{p['pair']}` is {expect}. Severity **{p['severity']}**"
+        + (f" (its cases reached {p['peak_judged']:.3g}, {p['peak_judged'] / p['threshold']:.0f}x the line; the "
+           "minimal case is the smallest still over it)" if isinstance(p.get("peak_judged"), (int, float))
+           and math.isfinite(p["peak_judged"]) and p.get("threshold") else "")
+        + f", status **{p['status']}**.", "",
         f"**Minimal case.** `{p['case_line']}`"
         + ("" if p.get("shrink_complete", True) else " (shrinking was cut short by the budget)"), "",
         "**Replay.**", "", "```",

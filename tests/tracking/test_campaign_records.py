@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 from pathlib import Path
 
 from harness import REGISTRY
@@ -173,3 +174,30 @@ def test_the_shards_of_one_run_id_count_a_regression_once(fresh_cwd):
         assert reg.data.tags["harness.seen_count"] == {"1001": "1", "1002": "2"}[night]
     # without a run id (a given seed, or fresh) each process is its own campaign, as before
     assert resolve_seed(get_profile("nightly"), explicit=7).night is None
+
+
+def test_severity_reads_the_worst_its_cases_got_not_the_minimal_case(fresh_cwd):
+    """Shrinking moves every knob toward neutral, so the minimal case sits just over the line and
+    every divergence read `low`: severity is that of the largest judged mean the finding's cases
+    reached (`Finding.peak`); a later campaign whose cases got worse raises it."""
+    from harness.mlflow_tracking import MlflowTracker, Store, severity
+
+    f = make_finding(fresh_cwd)
+    judged = f.evaluation.score
+    line = judged / 2  # (a line its minimal case is just over)
+    base = severity("divergence", judged, line)
+    f.peak = 500 * line
+    cfg = CampaignConfig(pairs=[REGISTRY.get(f.pair)], seed=7, threshold=line)
+    t = MlflowTracker(log=lambda m: None)
+    t.campaign_started(cfg, 7, cfg.pairs)
+    t.finding(f)
+    [reg] = Store().search("tags.`harness.kind` = 'regression'")
+    assert reg.data.tags["harness.severity"] == "high" and base != "high", (base, judged)
+    assert f"its cases reached {500 * line:.3g}, 500x the line" in reg.data.tags["mlflow.note.content"]
+    # a campaign's severity never lowers an earlier one
+    f.peak = math.nan
+    t2 = MlflowTracker(log=lambda m: None)
+    t2.campaign_started(cfg, 8, cfg.pairs)
+    t2.finding(f)
+    [reg] = Store().search("tags.`harness.kind` = 'regression'")
+    assert reg.data.tags["harness.severity"] == "high" and reg.data.tags["harness.seen_count"] == "2"

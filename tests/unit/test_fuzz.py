@@ -643,3 +643,16 @@ def test_xdist_campaigns_share_the_cores_among_their_torch_threads(monkeypatch):
         assert share_threads_among_campaigns() == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_finding_keeps_the_worst_judged_mean_its_cases_reached():
+    """`Finding.peak`: what severity reads; the minimal case is the smallest still over the line."""
+    import math
+
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, run_campaign
+
+    cfg = CampaignConfig(pairs=[REGISTRY.get("rmsnorm.eps_placement")], seed=3, max_examples=30, write_corpus=False,
+                         isolation=False)
+    (f,) = run_campaign(cfg, log=lambda m: None).results[0].findings
+    assert math.isfinite(f.peak) and f.peak >= f.evaluation.score > cfg.threshold, (f.peak, f.evaluation.score)
