@@ -98,7 +98,19 @@ def headline(metrics: Any, error: dict | None) -> str:
         if not math.isnan(k3e) and k3e != math.inf:
             return (f"k3=inf (a sampled token the trainer excludes: rollout mass there {excl:.3g}; "
                     f"expected k3 {k3e:.3g} over the tokens the trainer keeps, kl {kl:.3g})")
-    return f"{name}={value:.3g}"
+    return f"{name}={_shown(value)}"
+
+
+def _shown(value: float) -> str:
+    """3 significant digits, or as many as it takes (up to 6) for a value just over a round line not
+    to print as the line itself (k3 0.0010016 read `k3=0.001` against the threshold 0.001)."""
+    text = f"{value:.3g}"
+    if value > 0 and math.isfinite(value) and float(text) != value and math.log10(float(text)).is_integer():
+        for digits in (4, 5, 6):
+            text = f"{value:.{digits}g}"
+            if not math.log10(float(text)).is_integer():
+                break
+    return text
 
 
 def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcome | None = None) -> Outcome:

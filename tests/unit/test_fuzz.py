@@ -656,3 +656,11 @@ def test_a_finding_keeps_the_worst_judged_mean_its_cases_reached():
                          isolation=False)
     (f,) = run_campaign(cfg, log=lambda m: None).results[0].findings
     assert math.isfinite(f.peak) and f.peak >= f.evaluation.score > cfg.threshold, (f.peak, f.evaluation.score)
+
+
+def test_a_mean_just_over_a_round_line_does_not_print_as_the_line():
+    from harness.execute import headline
+
+    assert headline({"k3_expected": 0.0010016, "kl": 1e-4, "k3_kl": 1e-4}, None) == "k3=0.001002"
+    assert headline({"k3_expected": 0.0009999, "kl": 1e-4, "k3_kl": 1e-4}, None) == "k3=0.0009999"
+    assert headline({"k3_expected": 0.00238, "kl": 1e-4, "k3_kl": 1e-4}, None) == "k3=0.00238"
