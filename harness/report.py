@@ -153,11 +153,12 @@ def classify(regressions: list[dict], since: _dt.datetime) -> dict[str, list[dic
     out: dict[str, list[dict]] = {"new": [], "recurring": [], "fixed": []}
     for r in regressions:
         first, last, closed = _parse_iso(r["first_seen"]), _parse_iso(r["last_seen"]), _parse_iso(r.get("closed_at"))
-        if r["status"] == "fixed" and closed is not None and closed >= since:
+        fixed = r["status"] == "fixed" and closed is not None and closed >= since
+        if fixed:
             out["fixed"].append(r)
         if first is not None and first >= since:
             out["new"].append(r)
-        elif last is not None and last >= since:
+        elif last is not None and last >= since and not fixed:  # (seen, then closed: once, as fixed)
             out["recurring"].append(r)
     for rows in out.values():
         rows.sort(key=lambda r: (r["pair"], r["id"]))
@@ -261,6 +262,10 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
     if new_aligned:
         lines += [f"**{len(new_aligned)} new regression(s) of aligned pairs**: "
                   + ", ".join(f"{r['pair']} {r['id']}" for r in new_aligned), ""]
+    reopened = [r for r in groups["new"] + groups["recurring"] if r["recurrence"] and r["status"] == "open"]
+    if reopened:  # marked fixed, seen again: as loud as a new one
+        lines += [f"**{len(reopened)} regression(s) marked fixed and seen again (reopened)**: "
+                  + ", ".join(f"{r['pair']} {r['id']}" for r in reopened), ""]
     # per pair: regressions, and cases where the campaigns logged them per pair (pytest --harness-fuzz)
     per_cases: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # pair -> [cases, seconds]
     for c in window:
@@ -326,7 +331,7 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
                          f"{c['run_id'][:12]} |")
         lines += ["", "Rerun a night exactly: `harness fuzz --seed SEED --streams S` (or `pytest --harness-fuzz "
                       "--harness-seed SEED --harness-streams S --shard i/N`) with the seed, streams and shard above, "
-                      "and the same profile and pairs.", ""]
+                      "and the same profile, pairs and plugins (`--plugin`).", ""]
     else:
         lines += ["No campaign run started in this window.", ""]
     if plot_name:

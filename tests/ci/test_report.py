@@ -47,10 +47,11 @@ def test_classify_against_the_window():
     since = NOW - dt.timedelta(hours=24)
     old, recent = "2026-01-20T00:00:00+00:00", "2026-01-31T01:00:00+00:00"
     groups = classify([reg("new", recent, recent), reg("again", old, recent), reg("quiet", old, old),
-                       reg("fixed", old, old, "fixed", recent), reg("fixed_long_ago", old, old, "fixed", old)], since)
+                       reg("fixed", old, old, "fixed", recent), reg("fixed_long_ago", old, old, "fixed", old),
+                       reg("seen_then_fixed", old, recent, "fixed", recent)], since)
     assert [r["id"] for r in groups["new"]] == ["new"]
-    assert [r["id"] for r in groups["recurring"]] == ["again"]
-    assert [r["id"] for r in groups["fixed"]] == ["fixed"]
+    assert [r["id"] for r in groups["recurring"]] == ["again"]  # (seen, then closed: counted once, as fixed)
+    assert [r["id"] for r in groups["fixed"]] == ["fixed", "seen_then_fixed"]
 
 
 @pytest.mark.slow
@@ -137,3 +138,15 @@ def test_an_output_path_under_a_file_is_one_paragraph_and_exit_2(tmp_path, harne
     code, out, err = harness_cli("report", "--tracking-uri", uri, "--out", str(tmp_path / "afile" / "x.md"))
     assert code == 2 and "Traceback" not in err, err
     assert err.startswith("error: the command stopped on a file-system error: File exists") and "afile" in err
+
+
+def test_a_reopened_regression_is_a_headline_like_a_new_one():
+    """Marked fixed and seen again: the plugin fails the item on it, so the report says it up front,
+    not only as a status in the Recurring table."""
+    from harness.report import render
+
+    r = {"id": "abc", "pair": "p.aligned", "expected": "aligned", "status": "open", "recurrence": True,
+         "symptom": "divergence", "first_seen": "2026-01-20T00:00:00+00:00", "last_seen": "2026-01-31T01:00:00+00:00",
+         "seen_count": 3, "run_id": "r1", "k3": 0.01}
+    text = render([], [r], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
+    assert "**1 regression(s) marked fixed and seen again (reopened)**: p.aligned abc" in text, text
