@@ -15,12 +15,15 @@ from .store import PENDING_SCHEMA, Store, StoreUnavailable, _short, default_spoo
 # The spool
 # ---------------------------------------------------------------------------------------------
 def pending(spool_dir: str | Path | None = None) -> list[Path]:
-    """Spooled campaign folders, oldest first."""
+    """Spooled campaign folders (each holds a campaign.json), oldest first: the spool's own, and those
+    up to two folders further down (CI artifacts downloaded into it land as `<artifact>/<campaign>/`;
+    they read as an empty spool, a sync that uploaded nothing and said so with exit 0)."""
     root = Path(spool_dir).resolve() if spool_dir else default_spool()
-    if not root.exists():
+    if not root.is_dir():
         return []
-    return sorted((d for d in root.iterdir() if d.is_dir() and (d / "campaign.json").exists()),
-                  key=lambda d: (d / "campaign.json").stat().st_mtime)
+    found = [f.parent for pattern in ("*/campaign.json", "*/*/campaign.json", "*/*/*/campaign.json")
+             for f in root.glob(pattern) if f.is_file()]
+    return sorted(set(found), key=lambda d: ((d / "campaign.json").stat().st_mtime, str(d)))
 
 
 def sync_pending(uri: str | None = None, spool_dir: str | Path | None = None,

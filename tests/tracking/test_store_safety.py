@@ -127,7 +127,7 @@ def test_sync_counts_each_spooled_campaign_once_however_often_it_is_uploaded(fre
     logged(MlflowTracker(dead, log=lambda m: None), [f], seed=2)
     assert len(list(spool.iterdir())) == 2
     copy = fresh_cwd / "spool-copy"
-    shutil.copytree(spool, copy)
+    shutil.copytree(spool, copy / "artifact-shard1")  # (a CI artifact downloaded into the spool: one folder deeper)
     from harness.mlflow_tracking import resolve_uri
 
     default = resolve_uri(None)  # the spool was meant for the dead store: name the live one
