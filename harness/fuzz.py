@@ -993,9 +993,9 @@ def share_threads_among_campaigns() -> int | None:
     cores, cores // campaigns threads (at least 1), unless the thread count was chosen
     (`OMP_NUM_THREADS`, `MKL_NUM_THREADS`) or is already within the share. torch's default, a thread
     per core in every worker, oversubscribed the machine: `pytest --harness-fuzz -n 2` on 2 cores
-    outside this repository (whose tests/conftest.py sets one thread) ran 271 cases in 34 s against
-    14 s with one thread each. Returns the count set, or None. A repro records the count it ran with
-    and replays with it (`environment.torch_threads`)."""
+    outside this repository (whose tests/conftest.py sets one thread) ran 271 cases in 15.2 s against
+    11.0 s with one thread each (`reports/scripts/xdist_threads.py`). Returns the count set, or None.
+    A repro records the count it ran with and replays with it (`environment.torch_threads`)."""
     import os
 
     cores, campaigns = cores_and_campaigns()

@@ -618,7 +618,8 @@ def test_a_missed_demonstration_says_whether_its_paths_differed_at_all():
 
 def test_xdist_campaigns_share_the_cores_among_their_torch_threads(monkeypatch):
     """torch's default, a thread per core in every xdist worker, oversubscribed the machine (a run
-    2.4x slower on 2 cores); each worker gets cores // workers threads unless the count was chosen."""
+    1.4x slower on 2 cores, `reports/scripts/xdist_threads.py`); each worker gets cores // workers
+    threads unless the count was chosen."""
     import os
 
     import torch
