@@ -167,7 +167,7 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
 def _check_routing(name: str, role: str, routing: Any, twin: Any) -> None:
     """`Outcome.routing` as the flip counts read it: {layer: Routing}, experts (rows, k) integer ids
     (a row per token in case order; a recorded rollout's include its prompt's) and scores (rows, E)
-    with E > k, and the same shape as the other path's layer of that name. (Wrong shapes otherwise
+    with E >= k, and the same shape as the other path's layer of that name. (Wrong shapes otherwise
     came out as numpy broadcast errors of the metrics, or as flip rates over the wrong tokens.)"""
     import torch
 
@@ -180,21 +180,23 @@ def _check_routing(name: str, role: str, routing: Any, twin: Any) -> None:
         where = f"{name}: {role} routing[{layer!r}]"
         if not isinstance(r, Routing):
             raise TypeError(f"{where} must be a harness.Routing, got {type(r).__name__}")
-        ex = r.experts
-        if not isinstance(ex, torch.Tensor) or ex.is_floating_point() or ex.is_complex() or ex.dtype == torch.bool:
-            raise TypeError(f"{where}.experts must be an integer torch.Tensor of expert ids, got "
+        ex = r.experts  # (a torch tensor, or a numpy array: the flip counts read either)
+        kind = ("i" if not (ex.is_floating_point() or ex.is_complex() or ex.dtype == torch.bool) else "f") \
+            if isinstance(ex, torch.Tensor) else getattr(getattr(ex, "dtype", None), "kind", "")
+        if kind not in ("i", "u"):
+            raise TypeError(f"{where}.experts must be an integer tensor of expert ids, got "
                             f"{getattr(ex, 'dtype', type(ex).__name__)}")
-        if ex.dim() != 2:
+        if len(ex.shape) != 2:
             raise ValueError(f"{where}.experts has shape {tuple(ex.shape)}, expected (tokens, k): the k experts chosen "
                              "for each token of the case, in case order")
         sc = r.scores
-        if sc is not None and (not isinstance(sc, torch.Tensor) or sc.dim() != 2 or sc.shape[0] != ex.shape[0]
-                               or sc.shape[1] <= ex.shape[1]):
+        if sc is not None and (len(getattr(sc, "shape", ())) != 2 or sc.shape[0] != ex.shape[0]
+                               or sc.shape[1] < ex.shape[1]):
             raise ValueError(f"{where}.scores has shape {tuple(getattr(sc, 'shape', ()))}, expected "
-                             f"({ex.shape[0]}, E) with E > k = {ex.shape[1]}: every expert's score for each row of "
+                             f"({ex.shape[0]}, E) with E >= k = {ex.shape[1]}: every expert's score for each row of "
                              "its experts (or scores=None)")
         other = twin.get(layer) if isinstance(twin, dict) else None
-        if isinstance(other, Routing) and isinstance(other.experts, torch.Tensor) \
+        if isinstance(other, Routing) and hasattr(other.experts, "shape") \
                 and tuple(other.experts.shape) != tuple(ex.shape):
             raise ValueError(f"{where}.experts has shape {tuple(ex.shape)} and the rollout's layer of that name "
                              f"{tuple(other.experts.shape)}: both paths must route the same tokens with the same "

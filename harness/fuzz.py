@@ -347,10 +347,12 @@ def missed_hint(r: PairResult, threshold: float) -> str:
     """Why a demonstration may have been missed, from the largest judged mean its cases reached: at
     float noise its two paths compute the same thing (a patch that changes nothing it runs, a bug
     whose effect cancels out); under the line, more cases or a wider axis may reach it."""
+    from .execute import _shown
+
     if r.max_score < NOISE_FLOOR:
         return (f"max judged {r.max_score:.2g}: its paths agreed to float rounding on every case; check that "
                 "the rollout really runs what differs")
-    return f"max judged {r.max_score:.2g} of the line {threshold:g}: more examples, budget or wider axes?"
+    return f"max judged {_shown(r.max_score)} of the line {threshold:g}: more examples, budget or wider axes?"
 
 
 def uniform_per_example(pair: TargetPair, cfg: CampaignConfig) -> int:
@@ -777,6 +779,7 @@ class Executor:
     MAX_PARKED = 2
     DEFER_AFTER = 5.0  # a first case is deferred only once it has run this long (and past its share)
     COLD_START_TIMEOUT = 300.0
+    COLD_AFTER_HANG = 30.0  # a cold case's allowance once the pair's first case hung through COLD_START_TIMEOUT
     PREFETCH_DEPTH = 8  # cases a campaign may hand the worker ahead of asking for them
 
     def __init__(self, cfg: CampaignConfig) -> None:
@@ -882,16 +885,19 @@ class Executor:
         def allowance(cold: bool) -> float:
             """A case's timeout: a cold case (the pair's first in this worker process) also gets its
             imports and compilation; in a process replaced after a crash or timeout, twice what its
-            first case took before, else up to COLD_START_TIMEOUT, unless its first case already hung
-            through that (then the timeout alone)."""
+            first case took before, else up to COLD_START_TIMEOUT, or COLD_AFTER_HANG once its first
+            case hung through that."""
             if not cold:
                 return timeout
             if pair.name in self.cold_seconds:
                 return timeout + 2 * self.cold_seconds[pair.name]
             if pair.name in self.cold_hung:
                 # it hung through a whole cold allowance already: another one per shrink step, in each
-                # replacement worker, cost an always-hanging pair 300 s a step (hours of a nightly)
-                return timeout
+                # replacement worker, cost an always-hanging pair 300 s a step (hours of a nightly); a
+                # bounded one still covers a cold start (imports, a model's load) longer than the timeout
+                # of a pair that hangs on some inputs only, whose shrinking would otherwise take any cold
+                # case for a hang
+                return timeout + self.COLD_AFTER_HANG
             return max(timeout, self.COLD_START_TIMEOUT)
 
         def evaluate(case: Case) -> Evaluation:

@@ -532,7 +532,12 @@ class Registry:
                 raise
             # raised by the plugin's own code while it registered (a checkpoint folder it names is gone):
             # say which plugin, since the pairs it would have registered after it are missing
-            raise type(e)(f"plugin {spec!r} stopped while registering its pairs: {e}") from None
+            wrapped = f"plugin {spec!r} stopped while registering its pairs: {e}"
+            try:
+                err = type(e)(wrapped)
+            except Exception:  # noqa: BLE001 - a subclass of the plugin's own whose __init__ takes other arguments
+                err = UsageError(wrapped)
+            raise err from None
         except SystemExit as e:  # a script's `sys.exit()` at import: the harness's exit code must not be it
             raise UsageError(
                 f"plugin {spec!r} called sys.exit({e.code!r}) while being imported; a plugin module must only "

@@ -377,7 +377,7 @@ class FuzzSession:
         for f in r.findings:
             # new to this checkout's corpus, but an open (or wontfix) regression run held it from an
             # earlier campaign: a runner whose corpus never got the repro committed, not a new bug
-            if f.new and not f.recurrence and tracked.get(f.id, ("", ""))[1] == "seen":
+            if f.new and not f.recurrence and tracked.get(f.id, ("", ""))[1] in ("seen", "already-known"):
                 f.new, f.known_in_tracking = False, tracked[f.id][0]
         data = _pair_result_json(r)
         data["worker"] = self.config.workerinput["workerid"] if self.is_worker else "main"
@@ -924,11 +924,15 @@ def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list
         extra = _found_before_the_stop(fs, d["pair"], {f["id"] for f in d["findings"]})
         if extra:
             d["findings"] = d["findings"] + extra
-            was = d["verdict"].split(" (", 1)[0]
-            now = ("REGRESSION" if d["expected"] == "aligned" else "caught") if was in ("not run", "clean", "MISSED") \
-                else was
-            d["verdict"] = (f"{now} (interrupted; {len(extra)} finding(s) before the stop: in "
-                            f"{new_repros_dir(fs).name}/{d['pair']}/)")
+            was, _, note = d["verdict"].partition(" (")
+            note = "" if was == "not run" else note  # ("not run (interrupted)": said again below)
+            if was in ("not run", "clean", "MISSED", "caught"):  # (CANNOT RUN, UNFINISHED, ...: kept as they are)
+                diverged = any(f.get("symptom") == "divergence" for f in d["findings"])
+                broken = any(f.get("symptom") not in (None, "divergence") for f in d["findings"])
+                was = "REGRESSION" if d["expected"] == "aligned" else "BROKEN" if broken else \
+                    "caught" if diverged else was  # (as PairResult.verdict reads its findings)
+            d["verdict"] = (f"{was} (interrupted; {len(extra)} finding(s) before the stop: in "
+                            f"{new_repros_dir(fs).name}/{d['pair']}/" + (f"; {note}" if note else ")"))
     return list(out.values())
 
 

@@ -262,8 +262,9 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
     if new_aligned:
         lines += [f"**{len(new_aligned)} new regression(s) of aligned pairs**: "
                   + ", ".join(f"{r['pair']} {r['id']}" for r in new_aligned), ""]
-    reopened = [r for r in groups["new"] + groups["recurring"] if r["recurrence"] and r["status"] == "open"]
-    if reopened:  # marked fixed, seen again: as loud as a new one
+    reopened = [r for r in groups["new"] + groups["recurring"] if r["status"] == "open"
+                and (at := _parse_iso(r.get("reopened_at"))) is not None and at >= since]
+    if reopened:  # marked fixed and seen again inside the window: as loud as a new one
         lines += [f"**{len(reopened)} regression(s) marked fixed and seen again (reopened)**: "
                   + ", ".join(f"{r['pair']} {r['id']}" for r in reopened), ""]
     # per pair: regressions, and cases where the campaigns logged them per pair (pytest --harness-fuzz)

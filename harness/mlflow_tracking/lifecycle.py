@@ -67,7 +67,7 @@ def finish_campaign(store: Store, run_id: str, metrics: dict[str, float], label:
 
 
 def log_regression(store: Store, p: dict[str, Any], parent_run_id: str | None, campaign_uid: str) -> tuple[str, str]:
-    """Log one finding; returns (run id, what happened: created | seen | reopened | already)."""
+    """Log one finding; returns (run id, what happened: created | seen | reopened | already | already-known)."""
     with store.lock():
         existing = store.regressions_with_signature(p["signature"])
         if existing:
@@ -110,6 +110,7 @@ def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | Non
         "harness.corpus_path": p.get("corpus_path") or "",
         "harness.case": p["case_line"][:5000],
         "harness.last_campaign": campaign_uid,
+        "harness.first_campaign": campaign_uid,  # (what `_seen_again` tells a known regression from tonight's by)
         seen_tag(campaign_uid): p["seen_at"],
     }
     if parent_run_id:
@@ -135,7 +136,11 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
     c = store.client
     tags = run.data.tags
     if tags.get("harness.last_campaign") == campaign_uid or seen_tag(campaign_uid) in tags:
-        return "already"  # this campaign was counted already (an upload run twice, a spool restored)
+        # this campaign was counted already (another shard or stream of the night, an upload run twice,
+        # a spool restored): "already" when this campaign created the run, "already-known" when an
+        # earlier one did (a known regression, for `pytest_plugin`; runs from before the tag: "already")
+        first = tags.get("harness.first_campaign")
+        return "already-known" if first is not None and first != campaign_uid else "already"
     count = int(tags.get("harness.seen_count", "1") or 1) + 1
     updates = {
         "harness.seen_count": str(count),
@@ -154,10 +159,12 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
     what = "seen"
     if p.get("corpus_recurrence"):  # the corpus file said fixed and the engine reopened it
         updates["harness.recurrence"] = "true"
+        updates["harness.reopened_at"] = p["seen_at"]
     if tags.get("harness.status") == "fixed":
         what = "reopened"
         updates["harness.status"] = "open"
         updates["harness.recurrence"] = "true"
+        updates["harness.reopened_at"] = p["seen_at"]  # (the morning report's headline: reopened tonight)
         updates["mlflow.note.content"] = _append_note(
             tags.get("mlflow.note.content", ""),
             f"#### Recurrence {p['seen_at']}\n\nMarked fixed, seen again by campaign seed {p['campaign_seed']}: "
@@ -203,6 +210,7 @@ def regression_dict(run: Any) -> dict[str, Any]:
         "last_seen": t.get("harness.last_seen", ""),
         "seen_count": _int(t.get("harness.seen_count"), 1),
         "recurrence": t.get("harness.recurrence") == "true",
+        "reopened_at": t.get("harness.reopened_at", ""),  # when it was last marked fixed and seen again
         "case": t.get("harness.case", ""),
         "corpus_path": t.get("harness.corpus_path") or None,
         "campaign_run_id": t.get("mlflow.parentRunId"),

@@ -189,7 +189,9 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
         "status": f.status,
         # by the worst its cases got (`Finding.peak`): the minimal case sits just over the line by design
         "severity": severity(symptom, _worst(judged, getattr(f, "peak", None)), threshold),
-        "peak_judged": _worst(judged, getattr(f, "peak", None)),
+        # (finite only: the spool writes strict JSON; an inf peak, a sampled excluded token, is severity high)
+        "peak_judged": w if isinstance(w := _worst(judged, getattr(f, "peak", None)), (int, float))
+        and math.isfinite(w) else None,
         "threshold": threshold,
         "seen_at": now_iso(),
         "case": case.to_json(),

@@ -80,7 +80,7 @@ def sync_pending(uri: str | None = None, spool_dir: str | Path | None = None,
                         raise ValueError(f"{f} is not a complete spooled finding; its corpus file is "
                                          f"{p.get('corpus_path')}")
                     rid, what = log_regression(store, p, run_id, camp.get("seen_uid") or camp["uid"])
-                    summary[what] += 1
+                    summary["already" if what == "already-known" else what] += 1
                     summary["runs"].append({"id": p["id"], "run_id": rid, "what": what})
                     f.unlink()
                 except Exception as e:  # noqa: BLE001

@@ -221,6 +221,13 @@ def test_an_interrupted_pair_with_some_streams_done_says_so(tmp_path):
     assert [(d["pair"], d["verdict"]) for d in added] == [
         ("y.found", "REGRESSION (interrupted; 1 finding(s) before the stop: in new-repros/y.found/)"),
         ("z.queued", "not run (interrupted)")]
+    # a demonstration whose interrupted stream wrote a crash is BROKEN, and keeps its streams note
+    (fs.out / "new-repros" / "d.demo").mkdir(parents=True)
+    (fs.out / "new-repros" / "d.demo" / "c0ffee.json").write_text(json.dumps({"pair": "d.demo", "symptom": "crash"}))
+    results[0]["verdict"] = "MISSED"
+    _not_run(fs, results, done)
+    assert results[0]["verdict"] == ("BROKEN (interrupted; 1 finding(s) before the stop: in new-repros/d.demo/; "
+                                     "interrupted: 1/4 streams)"), results[0]["verdict"]
     (f,) = added[0]["findings"]  # (summary.json's new_aligned_regressions lists new findings of aligned pairs)
     assert f["id"] == "abc123" and f["new"] and f["path"] == str(tmp_path / "corpus" / "y.found" / "abc123.json")
 

@@ -147,6 +147,10 @@ def test_a_reopened_regression_is_a_headline_like_a_new_one():
 
     r = {"id": "abc", "pair": "p.aligned", "expected": "aligned", "status": "open", "recurrence": True,
          "symptom": "divergence", "first_seen": "2026-01-20T00:00:00+00:00", "last_seen": "2026-01-31T01:00:00+00:00",
-         "seen_count": 3, "run_id": "r1", "k3": 0.01}
+         "seen_count": 3, "run_id": "r1", "k3": 0.01, "reopened_at": "2026-01-31T01:00:00+00:00"}
     text = render([], [r], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
     assert "**1 regression(s) marked fixed and seen again (reopened)**: p.aligned abc" in text, text
+    # reopened weeks ago and seen again tonight: a recurring regression, not tonight's reopening
+    text = render([], [{**r, "reopened_at": "2026-01-10T00:00:00+00:00"}], NOW - dt.timedelta(hours=24), NOW, None,
+                  "sqlite:///x.db")
+    assert "marked fixed and seen again" not in text

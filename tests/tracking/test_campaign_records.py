@@ -172,6 +172,16 @@ def test_the_shards_of_one_run_id_count_a_regression_once(fresh_cwd):
             t.finding(f)
         [reg] = Store().search("tags.`harness.kind` = 'regression'")
         assert reg.data.tags["harness.seen_count"] == {"1001": "1", "1002": "2"}[night]
+    # a known regression (created by night 1001) logged twice by night 1003, as by a CPU and a GPU job:
+    # the second job hears "already-known", not "already" (which means this night created it)
+    night = resolve_seed(get_profile("nightly"), run_id="1003").night
+    said = []
+    for _ in range(2):
+        t = make_tracker(None, log=lambda m: None, night=night)
+        t.campaign_started(cfg, 3, cfg.pairs)
+        t.finding(f)
+        said.append(t.logged[f.id][1])
+    assert said == ["seen", "already-known"]
     # without a run id (a given seed, or fresh) each process is its own campaign, as before
     assert resolve_seed(get_profile("nightly"), explicit=7).night is None
 
@@ -201,3 +211,13 @@ def test_severity_reads_the_worst_its_cases_got_not_the_minimal_case(fresh_cwd):
     t2.finding(f)
     [reg] = Store().search("tags.`harness.kind` = 'regression'")
     assert reg.data.tags["harness.severity"] == "high" and reg.data.tags["harness.seen_count"] == "2"
+    # an inf peak (a case that sampled a token the trainer excludes) spools as strict JSON, severity high
+    from .conftest import free_port
+
+    f.peak = math.inf
+    offline = MlflowTracker(f"http://127.0.0.1:{free_port()}", log=lambda m: None, spool_dir=fresh_cwd / "spool")
+    offline.campaign_started(cfg, 9, cfg.pairs)
+    offline.finding(f)
+    (spooled,) = [p for p in offline.spooled if p.name == f"{f.id}.json"]
+    payload = json.loads(spooled.read_text())
+    assert payload["severity"] == "high" and payload["peak_judged"] is None

@@ -215,7 +215,7 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     from harness.mlflow_tracking import Store, finding_payload, log_regression
 
     payload = finding_payload(f, 1e-3, 8, "cpu")
-    assert log_regression(Store(), payload, None, t2.uid) == (run_id, "already")
+    assert log_regression(Store(), payload, None, t2.uid) == (run_id, "already-known")  # (t1 created it: for t2 a known one)
     assert log_regression(Store(), payload, None, t1.uid) == (run_id, "already")
     assert list_regressions()[0]["seen_count"] == 2
 

@@ -241,11 +241,11 @@ def test_the_registry_is_indexed_by_name():
 
 @pytest.mark.parametrize("routing,words", [
     (lambda t, k: harness.Routing(experts=torch.zeros(t, k, dtype=torch.int64)), "routing must be a dict"),
-    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, k))}, "must be an integer torch.Tensor"),
+    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, k))}, "must be an integer tensor"),
     (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t + 1, k, dtype=torch.int64))}, "route the same tokens"),
     (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, dtype=torch.int64))}, "expected (tokens, k)"),
-    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, k, dtype=torch.int64), scores=torch.zeros(t, k))},
-     "with E > k"),
+    (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, k, dtype=torch.int64),
+                                          scores=torch.zeros(t, k - 1))}, "with E >= k"),
     (lambda t, k: {"moe": harness.Routing(experts=torch.zeros(t, k + 1, dtype=torch.int64))},
      "the same top-k"),
 ])
@@ -270,3 +270,8 @@ def test_a_paths_routing_is_checked_with_a_message_in_the_pairs_terms(routing, w
         assert ev.error is not None and words in ev.error["message"], (ev.error, words)
     assert run_case(TargetPair(name="x.ok", kind="op", expected="aligned", build=build, trainer=good, rollout=good),
                     case).error is None
+    # numpy expert ids, and every expert chosen (top_k = E: scores (T, k)), are routings too
+    as_numpy = lambda x: Outcome(logprobs=torch.log_softmax(x, -1), routing={"moe": harness.Routing(  # noqa: E731
+        experts=torch.zeros(x.shape[0], 2, dtype=torch.int64).numpy(), scores=torch.zeros(x.shape[0], 2))})
+    assert run_case(TargetPair(name="x.np", kind="op", expected="aligned", build=build, trainer=as_numpy,
+                               rollout=as_numpy), case).error is None
