@@ -337,7 +337,7 @@ def time_note(asked: int, short: int, cases: int) -> str:
     if not cases:
         return f"its time share ran out before its first case finished: 0 of {asked} examples"
     # (an example's uniform cases, and a case begun when the share ran out, make the two counts differ)
-    return f"its time share ran out after {asked - short} of {asked} examples ({cases} case{'s' * (cases != 1)} run)"
+    return f"its time share ran out after {asked - short} of {asked} examples, {cases} case{'s' * (cases != 1)} run"
 
 
 NOISE_FLOOR = 1e-8  # judged means below this are float rounding (aligned float32 pairs sit near 1e-11)

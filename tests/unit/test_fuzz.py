@@ -83,7 +83,7 @@ def test_a_clean_pair_whose_time_share_ran_out_says_how_far_it_got():
     cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=100000, write_corpus=False, isolation=False)
     r = fuzz_pair(pair, cfg, seed=1, deadline=time.monotonic() + 1.0)
     assert r.verdict == "clean" and r.examples_asked == 100000 and 0 < r.examples_short < 100000
-    note = f"its time share ran out after {100000 - r.examples_short} of 100000 examples ({r.examples} cases run)"
+    note = f"its time share ran out after {100000 - r.examples_short} of 100000 examples, {r.examples} cases run"
     assert r.time_note == note
     from harness.fuzz import CampaignResult
 
@@ -94,7 +94,7 @@ def test_a_clean_pair_whose_time_share_ran_out_says_how_far_it_got():
     from harness.fuzz import time_note
 
     assert time_note(100, 99, 0) == "its time share ran out before its first case finished: 0 of 100 examples"
-    assert time_note(100, 99, 3) == "its time share ran out after 1 of 100 examples (3 cases run)"
+    assert time_note(100, 99, 3) == "its time share ran out after 1 of 100 examples, 3 cases run"
 
 
 def test_router_topk_bf16_shrinks_to_one_token_at_a_bf16_tie(tmp_path):
