@@ -98,10 +98,10 @@ def headline(metrics: Any, error: dict | None) -> str:
         if not math.isnan(k3e) and k3e != math.inf:
             return (f"k3=inf (a sampled token the trainer excludes: rollout mass there {excl:.3g}; "
                     f"expected k3 {k3e:.3g} over the tokens the trainer keeps, kl {kl:.3g})")
-    return f"{name}={_shown(value)}"
+    return f"{name}={mean_text(value)}"
 
 
-def _shown(value: float) -> str:
+def mean_text(value: float) -> str:
     """3 significant digits, or as many as it takes (up to 6) for a value just over a round line not
     to print as the line itself (k3 0.0010016 read `k3=0.001` against the threshold 0.001)."""
     text = f"{value:.3g}"

@@ -150,17 +150,8 @@ class PairResult:
 
     @property
     def verdict(self) -> str:
-        diverged = any(f.symptom is Symptom.DIVERGENCE for f in self.findings)
-        broken = any(f.symptom is not Symptom.DIVERGENCE for f in self.findings)
-        if self.setup_error and not self.findings:
-            return "CANNOT RUN"
-        if self.unfinished and not self.findings:
-            return "UNFINISHED"
-        if self.expected == "aligned":
-            return "REGRESSION" if self.findings else ("clean" if self.examples else "not run")
-        if broken:
-            return "BROKEN"
-        return "caught" if diverged else ("MISSED" if self.examples else "not run")
+        return pair_verdict(self.expected, [f.symptom.value for f in self.findings], self.examples,
+                            bool(self.setup_error), bool(self.unfinished))
 
     @property
     def rate(self) -> float:
@@ -328,6 +319,20 @@ UNIFORM_PER_EXAMPLE = {"op": 3, "model": 1}
 MAX_SIGNATURES = 16  # distinct failures one pair's campaign reports (each is shrunk and written)
 
 
+def pair_verdict(expected: str, symptoms: list[str], cases: int, setup_error: bool = False,
+                 unfinished: bool = False) -> str:
+    """A pair's verdict from its findings' symptoms (`Symptom` values) and the cases it ran."""
+    if setup_error and not symptoms:
+        return "CANNOT RUN"
+    if unfinished and not symptoms:
+        return "UNFINISHED"
+    if expected == "aligned":
+        return "REGRESSION" if symptoms else ("clean" if cases else "not run")
+    if any(s != Symptom.DIVERGENCE.value for s in symptoms):
+        return "BROKEN"
+    return "caught" if symptoms else ("MISSED" if cases else "not run")
+
+
 def time_note(asked: int, short: int, cases: int) -> str:
     """Why a pair ran fewer examples than asked: "its time share ran out after N of M examples", or
     "... before its first case finished" when no case came back (an example begun is not a case run);
@@ -347,12 +352,12 @@ def missed_hint(r: PairResult, threshold: float) -> str:
     """Why a demonstration may have been missed, from the largest judged mean its cases reached: at
     float noise its two paths compute the same thing (a patch that changes nothing it runs, a bug
     whose effect cancels out); under the line, more cases or a wider axis may reach it."""
-    from .execute import _shown
+    from .execute import mean_text
 
     if r.max_score < NOISE_FLOOR:
         return (f"max judged {r.max_score:.2g}: its paths agreed to float rounding on every case; check that "
                 "the rollout really runs what differs")
-    return f"max judged {_shown(r.max_score)} of the line {threshold:g}: more examples, budget or wider axes?"
+    return f"max judged {mean_text(r.max_score)} of the line {threshold:g}: more examples, budget or wider axes?"
 
 
 def uniform_per_example(pair: TargetPair, cfg: CampaignConfig) -> int:
@@ -796,7 +801,7 @@ class Executor:
         self.first_sent: dict[str, float] = {}  # pair -> when its first case (cold) was sent to a worker
         self.cold_seconds: dict[str, float] = {}  # pair -> how long its first case in a worker process took
         # pairs whose first case timed out before any case of theirs came back: their later cold cases get
-        # the plain timeout (`allowance`)
+        # the timeout plus COLD_AFTER_HANG (`allowance`)
         self.cold_hung: set[str] = set()
         # pair -> seconds its first case had run when the campaign's wall stopped it (it never finished:
         # a hang, or a cold start longer than the budget allows)

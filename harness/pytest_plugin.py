@@ -450,7 +450,7 @@ class FuzzSession:
                 elsewhere = [f for f in r.findings if f.known_in_tracking]
                 if elsewhere:  # (its corpus file was written by this run, but not as a new bug)
                     pytest.xfail(f"known regression(s) of {pair.name}: {listed}; "
-                                 + "; ".join(f"{f.id} is an open regression in MLflow (run {f.known_in_tracking}) "
+                                 + "; ".join(f"{f.id} is a regression in MLflow (run {f.known_in_tracking}) "
                                              f"but was not in this checkout's corpus: commit "
                                              f"{new_repros_dir(self) / f.pair / (f.id + '.json')} to "
                                              f"{self.corpus}/{f.pair}/ so that a run without the store knows it"
@@ -927,10 +927,9 @@ def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list
             was, _, note = d["verdict"].partition(" (")
             note = "" if was == "not run" else note  # ("not run (interrupted)": said again below)
             if was in ("not run", "clean", "MISSED", "caught"):  # (CANNOT RUN, UNFINISHED, ...: kept as they are)
-                diverged = any(f.get("symptom") == "divergence" for f in d["findings"])
-                broken = any(f.get("symptom") not in (None, "divergence") for f in d["findings"])
-                was = "REGRESSION" if d["expected"] == "aligned" else "BROKEN" if broken else \
-                    "caught" if diverged else was  # (as PairResult.verdict reads its findings)
+                from harness.fuzz import pair_verdict
+
+                was = pair_verdict(d["expected"], [f.get("symptom") or "" for f in d["findings"]], d["examples"])
             d["verdict"] = (f"{was} (interrupted; {len(extra)} finding(s) before the stop: in "
                             f"{new_repros_dir(fs).name}/{d['pair']}/" + (f"; {note}" if note else ")"))
     return list(out.values())

@@ -214,8 +214,8 @@ def test_an_interrupted_pair_with_some_streams_done_says_so(tmp_path):
         {"pair": "y.found", "signature": "s", "symptom": "divergence", "status": "open", "metrics": {"kl": 0.01}}))
     done = [{"pair": "d.demo", "stream": 2, "verdict": "MISSED"}] + [{"pair": "a.ok", "stream": i, "verdict": "clean"}
                                                                      for i in range(4)]
-    results = [{"pair": "d.demo", "expected": "diverges", "verdict": "MISSED", "findings": []},
-               {"pair": "a.ok", "expected": "aligned", "verdict": "clean", "findings": []}]
+    results = [{"pair": "d.demo", "expected": "diverges", "verdict": "MISSED", "findings": [], "examples": 5},
+               {"pair": "a.ok", "expected": "aligned", "verdict": "clean", "findings": [], "examples": 20}]
     added = _not_run(fs, results, done)
     assert [d["verdict"] for d in results] == ["MISSED (interrupted: 1/4 streams)", "clean"]
     assert [(d["pair"], d["verdict"]) for d in added] == [
@@ -395,7 +395,7 @@ def test_a_regression_open_in_mlflow_but_not_in_a_fresh_checkouts_corpus_is_know
     rc, out = run_pytest(args + [f"--harness-corpus={tmp_path / 'night1'}", "--harness-seed", "7"])
     assert rc == 1 and "1 new regression(s)" in out, out
     rc, out = run_pytest(args + [f"--harness-corpus={tmp_path / 'night2'}", "--harness-seed", "8"])
-    assert rc == 0 and "1 xfailed" in out and "is an open regression in MLflow" in out, out
+    assert rc == 0 and "1 xfailed" in out and "is a regression in MLflow" in out, out
     assert "but was not in this checkout's corpus: commit" in out, out
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["new_aligned_regressions"] == []
