@@ -216,9 +216,11 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     from .corpus import check_limits
 
     check_limits()  # a mistyped HARNESS_MAX_* stops here, not at the first corpus file it refuses
-    from .worker import memory_limits
+    from .worker import memory_limits, start_fork_server
 
     memory_limits()  # ... and a mistyped HARNESS_WORKER_*_MB, not in the middle of the campaign
+    if not no_isolation:
+        start_fork_server()  # (its imports run beside the target modules' below)
     load_plugins(plugins)
     dev = resolve_device(device)
     pair_names = (*pair_names, *pair_options)

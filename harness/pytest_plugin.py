@@ -679,6 +679,35 @@ RESULTS_KEY = pytest.StashKey[list]()
 # ---------------------------------------------------------------------------------------------
 # Hooks (each returns at once unless --harness-fuzz was given)
 # ---------------------------------------------------------------------------------------------
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: Any, args: list) -> None:
+    """With --harness-fuzz, before the conftest files and any other plugin's configure:
+
+    - no assertion rewriting: the session's items are campaigns, not test files (none is collected),
+      and pytest rewrites every module of each installed pytest plugin's package as it is imported
+      (Hypothesis, this harness and its targets among them). Where the rewritten bytecode is not
+      cached (PYTHONDONTWRITEBYTECODE, a read-only install) that re-compiles them in every process;
+    - in a process that runs items (an xdist worker, or the session without xdist), the campaigns'
+      fork server starts now, so its imports run beside the conftests' and the engine's.
+
+    Together about 3 s of a one-worker session's 7 s start (`reports/scripts/startup.py`)."""
+    import sys
+
+    ns = early_config.known_args_namespace
+    if not getattr(ns, "harness_fuzz", False):
+        return
+    hook = early_config.pluginmanager.rewrite_hook
+    if hook in sys.meta_path:  # (pytest's own clean-up removes it only if still there)
+        sys.meta_path.remove(hook)
+    # (xdist names its workers in the environment before their configuration is read; a controller with
+    # -n hands every item out. A guess either way costs little: an idle server, or a later start.)
+    runs_items = bool(os.environ.get("PYTEST_XDIST_WORKER")) or not getattr(ns, "numprocesses", None)
+    if runs_items and not getattr(ns, "harness_no_isolation", False) and not getattr(ns, "collectonly", False):
+        from harness.worker import start_fork_server
+
+        start_fork_server()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     from harness.worker import ENTRY_POINT

@@ -143,6 +143,22 @@ class _main_file_hidden_if_missing:
 ENTRY_POINT = [False]  # set by `harness` and the pytest plugin: the process is not a script of the user's
 
 
+def start_fork_server() -> None:
+    """Start the fork server now, without waiting for it: it imports torch and the engine (about a
+    second) while this process does its own imports, so the first `Worker.start` finds it ready
+    instead of waiting for those imports. For a process about to run a campaign isolated; one that
+    cannot start it here says nothing (`Worker.start` reports the failure when a case needs it)."""
+    import multiprocessing as mp
+    from multiprocessing import forkserver
+
+    try:
+        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+        with _main_file_hidden_if_missing():
+            forkserver.ensure_running()
+    except Exception:
+        pass
+
+
 def _main_hint() -> str:
     """A script of one's own that calls the harness at import time (no `if __name__ == "__main__":`)
     is imported again in the worker, where the call starts another process and fails: say so."""
@@ -202,7 +218,7 @@ class Worker:
 
             self.threads = torch.get_num_threads()  # the same numerics as an in-process run
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD)  # (as `start_fork_server`: a server started there is the one used)
         parent, child = ctx.Pipe()
         fd, log = tempfile.mkstemp(prefix="fault-", suffix=".log", dir=self._dir)
         os.close(fd)

@@ -16,7 +16,11 @@ PLUGINS = ROOT / "tests" / "plugins"
 
 def pytest_configure(config):
     # The pairs are small: one intra-op thread per test process. Two threads per xdist worker on a
-    # two-core machine oversubscribe it and make every case 20-50x slower.
+    # two-core machine oversubscribe it and make every case 20-50x slower. (Not in a `--harness-fuzz`
+    # session: no test runs there, and the harness gives its campaigns their threads, as in a user's
+    # repository.)
+    if config.getoption("harness_fuzz", default=False):
+        return
     import torch
 
     torch.set_num_threads(1)

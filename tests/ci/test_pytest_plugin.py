@@ -399,3 +399,47 @@ def test_a_regression_open_in_mlflow_but_not_in_a_fresh_checkouts_corpus_is_know
     assert "but was not in this checkout's corpus: commit" in out, out
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["new_aligned_regressions"] == []
+
+
+_START_PROBE = """
+import json, os, sys
+from pathlib import Path
+
+def _children():  # this process's child processes' command lines (Linux /proc)
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().split(") ")[1].split()[1] == str(os.getpid()):
+                out.append((stat.parent / "cmdline").read_bytes().replace(b"\\0", b" ").decode())
+        except (OSError, IndexError):
+            pass
+    return out
+
+Path(os.environ["PROBE_OUT"]).write_text(json.dumps({
+    "rewriting": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "AssertionRewritingHook"],
+    "fork_server": any("multiprocessing.forkserver" in c for c in _children()),
+}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads child processes from Linux /proc")
+@pytest.mark.parametrize("extra", [[], ["--harness-no-isolation"]])
+def test_a_fuzz_session_starts_the_fork_server_early_and_rewrites_no_asserts(tmp_path, extra):
+    """With --harness-fuzz no module is assertion-rewritten (no test file is collected; rewriting the
+    plugins' packages re-compiled them in every process where bytecode is not cached), and the fork
+    server is already importing when the pairs load (a plugin file is imported then), unless cases run
+    in this process. A plain session keeps pytest's rewriting."""
+    (tmp_path / "probe.py").write_text(_START_PROBE)
+    out = tmp_path / "probe.json"
+    rc, text = run_pytest(["--harness-fuzz", "--harness-plugin", str(tmp_path / "probe.py"), "--harness-pairs",
+                           "rmsnorm.aligned", "--harness-max-examples", "1", "--harness-no-tracking",
+                           f"--harness-corpus={tmp_path / 'corpus'}", f"--harness-out={tmp_path / 'out'}", *extra],
+                          cwd=tmp_path, env={"PROBE_OUT": str(out)})
+    assert rc == 0, text
+    seen = json.loads(out.read_text())
+    assert seen == {"rewriting": [], "fork_server": not extra}, seen
+    (tmp_path / "test_plain.py").write_text("import json, os\nfrom pathlib import Path\n\n"
+                                            "def test_probe():\n    exec(Path('probe.py').read_text())\n")
+    rc, text = run_pytest(["-q", str(tmp_path / "test_plain.py")], cwd=tmp_path, env={"PROBE_OUT": str(out)})
+    assert rc == 0, text
+    assert json.loads(out.read_text())["rewriting"] == ["AssertionRewritingHook"]
