@@ -208,7 +208,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     """Fuzz pairs (all registered pairs when none are named); shrink and record what diverges."""
     from .env import resolve_device
     from .fuzz import CampaignConfig, run_campaign, summary_table
-    from .pairs import REGISTRY
+    from .pairs import REGISTRY, is_glob
     from .corpus import replay_command_for
     from .tracking import make_tracker
 
@@ -279,7 +279,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
         click.echo(f"error: {r.setup_error}", err=True)
     # a campaign over every pair, or a glob, that a broken plugin package left pairs out of: as a pair
     # that cannot run, not a pass (pairs named one by one ran as asked: the warning above said it)
-    every = not pair_names or any(c in p for p in pair_names for c in "*?[")
+    every = not pair_names or any(is_glob(p) for p in pair_names)
     broken = list(REGISTRY.broken_entry_points.values()) if every else []
     for why in broken:
         click.echo(f"error: {why}; none of its pairs was fuzzed.", err=True)

@@ -93,8 +93,14 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
                f"({_day(r['first_seen'])} .. {_day(r['last_seen'])})" + ("  RECURRENCE" if r["recurrence"] else ""))
     if r["tags"].get("harness.triage_verdict"):  # `harness triage --run-id` (its report: artifacts/triage)
         click.echo(f"triage verdict (harness.triage_verdict): {r['tags']['harness.triage_verdict']}")
-    if r["tags"].get("harness.triage_note"):
-        click.echo(f"last triage note: {r['tags']['harness.triage_note']}")
+    t = r["tags"]
+    if t.get("harness.triage_note"):  # (written by `regressions close`: the note of the last close)
+        closed = f"closed {_day(t.get('harness.closed_at', ''))} by {t.get('harness.closed_by', '?')}"
+        if r["status"] in ("fixed", "wontfix"):
+            click.echo(f"{closed} as {r['status']}: {t['harness.triage_note']}")
+        else:  # seen again after it was closed: the note is history, not why it is open
+            click.echo(f"{closed}, reopened {_day(t.get('harness.reopened_at', ''))}; the close note said: "
+                       f"{t['harness.triage_note']}")
     click.echo("metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(r["metrics"].items())))
     click.echo("artifacts: " + (", ".join(r["artifacts"]) or "-"))
     if r["corpus_path"]:

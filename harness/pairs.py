@@ -63,6 +63,11 @@ NAME_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$")
 ENTRY_POINT_GROUP = "harness.targets"
 
 
+def is_glob(name: str) -> bool:
+    """A pair name pattern (`fnmatch`: `*`, `?`, `[...]`), not one pair's name."""
+    return any(c in name for c in "*?[")
+
+
 class PairError(HarnessError, ValueError):
     """A target pair breaks the contract. The message says what is wrong and how to fix it."""
 
@@ -591,7 +596,7 @@ class Registry:
             return [self._pairs[n] for n in sorted(self._pairs)]
         chosen: dict[str, TargetPair] = {}
         for pat in patterns:
-            if any(c in pat for c in "*?["):
+            if is_glob(pat):
                 hits = [n for n in self._pairs if fnmatch.fnmatchcase(n, pat)]
                 if not hits:
                     raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them (with "

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..metrics import verdict_mean
+from ..pairs import is_glob
 from .payload import _append_note, _finite_metrics, _g, flatten_case, found_metrics, regression_note
 from .plots import write_artifacts
 from .store import (CAMPAIGN, REGRESSION, REPRO_ARTIFACTS, TRIAGE_STATUSES, Store, _q, _short, now_iso, open_store,
@@ -234,7 +235,7 @@ def list_regressions(uri: str | None = None, status: str | None = None, pair: st
     flt = f"tags.`harness.kind` = '{REGRESSION}'"
     if status:
         flt += f" AND tags.`harness.status` = '{_q(status)}'"
-    glob = pair is not None and any(ch in pair for ch in "*?[")
+    glob = pair is not None and is_glob(pair)
     if pair and not glob:
         flt += f" AND tags.`harness.pair` = '{_q(pair)}'"
     rows = [regression_dict(r) for r in store.search(flt)]

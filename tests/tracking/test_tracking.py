@@ -198,6 +198,8 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     assert repro.history[-1]["run_id"] == run_id
     assert "fixed by abc123" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
 
+    code, out, err = run_cli(capsys, "regressions", "show", f.id)
+    assert code == 0 and f"by {who_closes()} as fixed: fixed by abc123" in out, out
     code, out, err = run_cli(capsys, "replay", "--run-id", run_id)
     assert code == 1 and "[fixed]" in out  # still diverges: exit 1, and the status comes from MLflow
     code, out, err = run_cli(capsys, "replay", "--run-id", f.id, "--json")
@@ -209,6 +211,9 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     assert row["status"] == "open" and row["recurrence"] and row["seen_count"] == 2
     assert row["k3"] == pytest.approx(f.k3) and row["k3_expected"] == pytest.approx(f.evaluation.divergence.k3_expected)
     assert "Recurrence" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
+    code, out, err = run_cli(capsys, "regressions", "show", f.id)  # the close note is history now, not a reason
+    assert code == 0 and "reopened " in out and "the close note said: fixed by abc123" in out, out
+    assert "as fixed:" not in out
 
     # the same campaign uploading the same finding again (a retried sync) changes nothing, nor does
     # an earlier campaign's upload repeated after a later one (a restored spool)
