@@ -171,6 +171,10 @@ class RoutingAxes:
     top_k: tuple[int, int] = (1, 4)  # experts chosen per token, inclusive (capped at n_experts - 1)
     max_gap: float = 1e-2  # largest boundary gap drawn; 0 is the exact tie
     tie_fraction: tuple[float, float] = (0.0, 1.0)  # fraction of tokens forced to the boundary
+    # smallest boundary gap drawn, where gaps shrink to (0: the exact tie). A floor for a router whose
+    # two paths compute its scores in different layouts: they flip at an exact tie on float32 rounding,
+    # which is not a bug of theirs (1e-5 is the built-in pairs' floor); it also hides what flips below it
+    min_gap: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,8 @@ class Axes:
             r = self.routing
             out["routing"] = {"n_experts": list(r.n_experts), "top_k": list(r.top_k),
                               "max_gap": r.max_gap, "tie_fraction": list(r.tie_fraction)}
+            if r.min_gap:
+                out["routing"]["min_gap"] = r.min_gap
         if self.logit_scale[0] != self.logit_scale[1]:
             out["logit_scale"] = list(self.logit_scale)
         for name in ("temperature", "top_p", "sample_top_k"):
@@ -280,6 +286,9 @@ class Axes:
                                f"experts ({r.n_experts[0] if ok_e else '?'}), so a boundary exists")
                 if not (_num(r.max_gap) and 0 <= r.max_gap <= 1.0):
                     out.append(f"axes.routing.max_gap={r.max_gap!r} must lie in [0, 1]")
+                elif not (_num(r.min_gap) and 0 <= r.min_gap <= r.max_gap):
+                    out.append(f"axes.routing.min_gap={r.min_gap!r} must lie in [0, max_gap={r.max_gap!r}] (the "
+                               "smallest boundary gap drawn; 0 reaches the exact tie)")
                 tf = r.tie_fraction
                 if not (isinstance(tf, tuple) and len(tf) == 2 and all(_num(x) for x in tf) and 0 <= tf[0] <= tf[1] <= 1):
                     out.append(f"axes.routing.tie_fraction={tf!r} must be a tuple (low, high) with 0 <= low <= high <= 1")

@@ -80,8 +80,9 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
         yield case.replace(order=())
     if case.tie_fraction > 0:
         yield case.replace(tie_fraction=0.0)
-    if case.tie_gap > 0:
-        yield case.replace(tie_gap=0.0)  # the exact tie: the simplest gap
+    low_gap = axes.routing.min_gap if axes is not None and axes.routing is not None else 0.0
+    if case.tie_gap > low_gap:
+        yield case.replace(tie_gap=float(low_gap))  # the exact tie (or the axes' floor): the simplest gap
     # the n - 2^k steps for the longest sequence only (a position bug lives there): for every sequence,
     # each length's few more moves would make the last, all-rejected round cost too much
     longest = max(range(case.batch_size), key=case.total_len) if case.batch_size else -1
@@ -111,7 +112,7 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     yield from _halfway(case, "top_p", neutral_of["top_p"])
     if low_scale is not None:
         yield from _halfway(case, "logit_scale", float(low_scale), log=True)
-    yield from _halfway(case, "tie_gap", 0.0)
+    yield from _halfway(case, "tie_gap", float(low_gap))
     # discrete knobs step down, halfway then by one: repeated, this bisects to the smallest value
     # that still fails (a bug from top_k >= 4 shrinks to top_k = 4, not to the top_k drawn)
     if case.sample_top_k > 1:  # off (or, axes without it, their low bound) was tried above; the strategy shrinks a k toward its low bound too

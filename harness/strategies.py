@@ -30,7 +30,7 @@ bounds of floats), so every axis is drawn on purpose:
 
 The near-tie gap is drawn as its own value, `gap = mantissa * max_gap * 10**(exponent - 7)`, with
 both the mantissa (toward 0.0) and the exponent (toward 1e-7 * max_gap) shrinking toward the exact
-tie. Uniform floats on [0, 1e-2] almost never land within bf16 rounding of a score; this draws
+tie (with `RoutingAxes(min_gap=g)`: `g + mantissa * (max_gap - g) * ...`, shrinking toward g). Uniform floats on [0, 1e-2] almost never land within bf16 rounding of a score; this draws
 gaps log-uniformly over seven decades, so the interesting region is hit often.
 """
 
@@ -153,7 +153,7 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
     pad_sides = st.sampled_from(axes.pad_sides) if len(axes.pad_sides) > 1 else None
     experts = st.integers(*r.n_experts) if r is not None else None
     fractions = uniform_floats(*r.tie_fraction) if r is not None else None
-    gaps = tie_gaps(r.max_gap) if r is not None else None
+    gaps = tie_gaps(r.max_gap, r.min_gap) if r is not None else None
     lo, hi = axes.logit_scale
     scales = log_uniform(lo, hi) if hi > lo else None
     temps = temperatures(*axes.temperature) if axes.temperature[0] != axes.temperature[1] else None
@@ -256,10 +256,10 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
         fields["n_experts"] = rng.randint(*r.n_experts)
         fields["top_k"] = rng.randint(r.top_k[0], min(r.top_k[1], fields["n_experts"] - 1))
         fields["tie_fraction"] = rng.uniform(*r.tie_fraction)
-        if log_gap:
-            fields["tie_gap"] = r.max_gap * 10.0 ** rng.uniform(-GAP_DECADES, 0.0)
+        if log_gap:  # (min_gap 0: exactly the values drawn before it existed)
+            fields["tie_gap"] = r.min_gap + (r.max_gap - r.min_gap) * 10.0 ** rng.uniform(-GAP_DECADES, 0.0)
         else:
-            fields["tie_gap"] = rng.uniform(0.0, r.max_gap)
+            fields["tie_gap"] = rng.uniform(r.min_gap, r.max_gap)
     fields["logit_scale"] = rng.uniform(*axes.logit_scale)
     fields["temperature"] = rng.uniform(*axes.temperature)
     fields["top_p"] = max(1e-6, rng.uniform(*axes.top_p))
@@ -270,12 +270,13 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
     return Case(**fields)
 
 
-def tie_gaps(max_gap: float) -> st.SearchStrategy[float]:
-    """Boundary gaps in [0, max_gap], log-uniform over GAP_DECADES decades, shrinking to 0."""
-    if max_gap <= 0:
-        return st.just(0.0)
+def tie_gaps(max_gap: float, min_gap: float = 0.0) -> st.SearchStrategy[float]:
+    """Boundary gaps in [min_gap, max_gap], min_gap + a log-uniform part over GAP_DECADES decades,
+    shrinking to min_gap (0: the exact tie)."""
+    if max_gap <= min_gap:
+        return st.just(float(min_gap))
     return st.builds(
-        lambda m, e: float(m * max_gap * 10.0 ** (e - GAP_DECADES)),
+        lambda m, e: min_gap + float(m * (max_gap - min_gap) * 10.0 ** (e - GAP_DECADES)),
         unit_floats(),
         st.integers(0, GAP_DECADES),
     )

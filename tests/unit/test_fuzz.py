@@ -666,3 +666,15 @@ def test_a_mean_just_over_a_round_line_does_not_print_as_the_line():
     assert headline({"k3_expected": 0.0010016, "kl": 1e-4, "k3_kl": 1e-4}, None) == "k3=0.001002"
     assert headline({"k3_expected": 0.0009999, "kl": 1e-4, "k3_kl": 1e-4}, None) == "k3=0.0009999"
     assert headline({"k3_expected": 0.00238, "kl": 1e-4, "k3_kl": 1e-4}, None) == "k3=0.00238"
+
+
+def test_a_gap_floor_keeps_an_aligned_split_k_router_clean_and_without_it_the_exact_tie_flips(tmp_path):
+    """Both paths route in float32, the rollout summing the router GEMM in two halves: at an exact tie
+    their rounding picks different experts (flagged), and `RoutingAxes(min_gap=1e-5)` keeps every
+    drawn gap above that noise (clean)."""
+    REGISTRY.load_plugin(str(PLUGINS / "gap_floor.py"))
+    result = campaign(tmp_path, ["gapfloor.*"], max_examples=150, seed=1)
+    [f] = result.findings
+    assert f.pair == "gapfloor.none" and f.symptom is Symptom.DIVERGENCE and f.case.tie_gap == 0.0
+    floor = {r.pair: r for r in result.results}["gapfloor.floor"]
+    assert floor.verdict == "clean" and floor.examples >= 150 and floor.max_score < 1e-6, floor

@@ -163,3 +163,34 @@ def test_near_ties_forced_inside_a_model_by_a_router_hook_match_across_layouts()
     gate.to(torch.float32)
     flipped = (low.topk(2, -1).indices.sort(-1).values != top_p.indices[:, :2].sort(-1).values).any(-1)
     assert flipped[forced].float().mean() > 0.3 and not flipped[~forced].any()
+
+
+def test_a_gap_floor_bounds_the_draws_and_is_where_the_gap_shrinks_to():
+    import random
+
+    from hypothesis import find
+
+    from harness.shrink import moves
+    from harness.strategies import uniform_cases
+
+    floored = Axes(n_seqs=(1, 3), seq_len=(1, 6),
+                   routing=RoutingAxes(n_experts=(4, 6), top_k=(1, 3), max_gap=1e-2, min_gap=1e-5))
+    assert find(tie_gaps(1e-2, 1e-5), lambda g: True) == 1e-5
+    assert find(tie_gaps(1e-2, 0.0), lambda g: True) == 0.0  # (the default: the exact tie)
+    rng = random.Random(0)
+    gaps = [uniform_cases(floored, rng, log_gap=log).tie_gap for log in (True, False) for _ in range(300)]
+    assert min(gaps) >= 1e-5 and max(gaps) <= 1e-2
+
+    @settings(max_examples=60, deadline=None)
+    @given(cases(floored))
+    def check(case):
+        assert 1e-5 <= case.tie_gap <= 1e-2
+
+    check()
+    case = uniform_cases(floored, rng, log_gap=True)
+    gaps_tried = {m.tie_gap for m in moves(case, floored)}
+    assert 1e-5 in gaps_tried and min(gaps_tried) >= 1e-5  # the floor, never the exact tie below it
+    assert floored.describe()["routing"]["min_gap"] == 1e-5
+    problems = Axes(routing=RoutingAxes(max_gap=1e-3, min_gap=1e-2)).problems()  # (a pair's validate raises them)
+    assert problems == ["axes.routing.min_gap=0.01 must lie in [0, max_gap=0.001] (the smallest boundary gap drawn; "
+                        "0 reaches the exact tie)"]
