@@ -99,13 +99,14 @@ def pair_cases(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     return out
 
 
-def flagged_pairs(metrics: dict[str, float], suffix: str) -> list[str]:
+def flagged_pairs(metrics: dict[str, float], suffix: str, any_value: bool = False) -> list[str]:
     """The pairs a campaign flagged with `pair.<name><suffix>` = 1 (per shard or not): `.missed`,
-    demonstration pairs it did not catch; `.cannot_run`, pairs that raised a harness error."""
+    demonstration pairs it did not catch; `.cannot_run`, pairs that raised a harness error.
+    `any_value`: the pairs with that metric at all (`.missed` is logged for every demonstration)."""
     out = set()
     for k, v in metrics.items():
         i = k.find("pair.")
-        if i >= 0 and k.endswith(suffix) and v:
+        if i >= 0 and k.endswith(suffix) and (v or any_value):
             out.add(k[i + len("pair."):-len(suffix)])
     return sorted(out)
 
@@ -135,7 +136,7 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
             "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
             "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": flagged_pairs(m, ".missed"),
-            "cannot_run": flagged_pairs(m, ".cannot_run"),
+            "cannot_run": flagged_pairs(m, ".cannot_run"), "demonstrations": flagged_pairs(m, ".missed", True),
         })
     regressions = []
     from .mlflow_tracking import REGRESSION
@@ -274,7 +275,13 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
             per_cases[name][0] += n
             per_cases[name][1] += n / rate if rate > 0 else 0.0
     pairs = sorted({r["pair"] for rows in groups.values() for r in rows} | set(per_cases))
+    # expected verdicts: a regression's own; else the campaigns' (each logs `pair.<name>.missed` for its
+    # demonstrations, so a pair it counted cases of without one is aligned: a plugin's pairs too, which
+    # this process does not load); else this checkout's registry
     expected = {r["pair"]: r["expected"] for r in regressions}
+    for c in window:
+        for name in c.get("pairs", {}):
+            expected.setdefault(name, "diverges" if name in c.get("demonstrations", ()) else "aligned")
     expected.update({p: e for p, e in _registered_expected(set(pairs) - set(expected)).items()})
     lines += ["## Per pair", ""]
     if pairs:

@@ -154,3 +154,21 @@ def test_a_reopened_regression_is_a_headline_like_a_new_one():
     text = render([], [{**r, "reopened_at": "2026-01-10T00:00:00+00:00"}], NOW - dt.timedelta(hours=24), NOW, None,
                   "sqlite:///x.db")
     assert "marked fixed and seen again" not in text
+
+
+def test_a_plugins_pairs_show_their_expected_verdict_from_the_campaign_metrics():
+    """`harness report` loads no plugin: a plugin pair's expected verdict comes from what its campaign
+    logged (`pair.<name>.missed` for each demonstration; cases alone for an aligned pair), not '-'."""
+    from harness.report import flagged_pairs, render
+
+    metrics = {"pair.mine.fast.cases": 10.0, "pair.mine.fast.cases_per_second": 5.0, "pair.mine.demo.cases": 4.0,
+               "pair.mine.demo.cases_per_second": 2.0, "pair.mine.demo.missed": 0.0}
+    assert flagged_pairs(metrics, ".missed") == [] and flagged_pairs(metrics, ".missed", True) == ["mine.demo"]
+    camp = {"run_id": "c1", "start": NOW - dt.timedelta(hours=2), "status": "FINISHED", "seed": "1",
+            "profile": "none", "shard": "none", "streams": "1", "device": "cpu", "n_pairs": "2", "git_commit": "x",
+            "cases": 14.0, "seconds": 3.0, "cases_per_second": 4.7, "findings": 0.0,
+            "pairs": {"mine.fast": (10.0, 5.0), "mine.demo": (4.0, 2.0)}, "missed": [], "cannot_run": [],
+            "demonstrations": ["mine.demo"]}
+    text = render([camp], [], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
+    assert "| mine.fast | aligned | 0 | 0 | 0 | 10 | 5.0 |" in text, text
+    assert "| mine.demo | diverges | 0 | 0 | 0 | 4 | 2.0 |" in text, text
