@@ -456,8 +456,8 @@ class FuzzSession:
                                              f"{self.corpus}/{f.pair}/ so that a run without the store knows it"
                                              for f in elsewhere))
                 if all(self._recorded_this_run(f) for f in r.findings):
-                    pytest.xfail(f"regression(s) of {pair.name} found by another stream of this run, whose item "
-                                 f"fails with it: {listed}")
+                    pytest.xfail(f"regression(s) of {pair.name} found by another stream of this run too, whose item "
+                                 f"reports it (fails for a new one, xfails for a known one): {listed}")
                 pytest.xfail(f"known regression(s) of {pair.name}, already in the corpus: {listed}")
         verdict = r.verdict
         if verdict == "CANNOT RUN":  # its own setup (a harness error), not its paths: fix it, nothing recorded
