@@ -531,6 +531,11 @@ class Registry:
                 mod_spec = importlib.util.spec_from_file_location(name, path)
                 module = importlib.util.module_from_spec(mod_spec)
                 sys.modules[name] = module
+                # its folder importable, as for `python FILE` (a helper module beside it), but after the
+                # installed packages, so that a file there never shadows one of them
+                folder = str(path.resolve().parent)
+                if folder not in sys.path:
+                    sys.path.append(folder)
                 try:
                     with self._load(str(path)):
                         mod_spec.loader.exec_module(module)

@@ -120,6 +120,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     def build(case: Any, device: str) -> paths.HFInputs:
         inp = paths.make_inputs(case, spec, device)
         expose_modules(inp, trainer, rollout)
+        same_routers(name, inp, trainer, rollout, replay)
         return inp
 
     def run_rollout(inp: paths.HFInputs) -> Outcome:
@@ -154,6 +155,39 @@ def expose_modules(inp: paths.HFInputs, trainer: Numerics, rollout: Numerics) ->
         "trainer": path_model(inp.spec, trainer.model_key, inp.device).model,
         "rollout": None if inp.recorded is not None else path_model(inp.spec, rollout.model_key, inp.device).model,
     }
+
+
+_warned_routers: set[str] = set()
+
+
+def same_routers(name: str, inp: paths.HFInputs, trainer: Numerics, rollout: Numerics, replay: bool) -> None:
+    """The near-tie nudge and the tie floor change a router's input through the hooks on it
+    (`backend.Runner`): on a path whose copy of the model has no router there to hook (a module patch
+    that fused the MoE block and dropped its `gate`), they would change the other path's input
+    alone, a divergence the harness made. Where the two copies' hooked routers differ, neither path's
+    input is changed (said once per pair); router replay then has no rollout experts to replay, an error."""
+    if inp.recorded is not None:  # (the rollout is a recording: no model of its own)
+        return
+    from .backend import path_model
+
+    t = [layer for layer, _ in path_model(inp.spec, trainer.model_key, inp.device).gates]
+    r = [layer for layer, _ in path_model(inp.spec, rollout.model_key, inp.device).gates]
+    if t == r and (t or not replay):
+        return
+    what = (f"the trainer's copy of the model has hooked routers at {', '.join(t) or 'no layer'} and the rollout's at "
+            f"{', '.join(r) or 'no layer'}")
+    if replay and not r:  # (the pair's own definition: it cannot run, it is not a finding)
+        raise UsageError(f"{name}: router replay: {what}, so the rollout records no experts to replay (a module patch "
+                         "that replaces the MoE block must keep its router as a `gate` module with `top_k` and an "
+                         "(experts, hidden) `weight` returning (logits, weights, experts)); run it without replay "
+                         "(hf_pair(..., replay=False)).")
+    inp.forced, inp.tie_layer, inp.tie_floor = None, -1, False
+    if name not in _warned_routers:
+        _warned_routers.add(name)
+        print(f"warning: {name}: {what} (a module patch replaced some): near-tie inputs and the tie floor are off on "
+              "both paths, so that neither path's router sees inputs the other's does not; flips are counted where "
+              "both record a layer. Keep a patched MoE block's router as a `gate` module (`top_k`, an (experts, "
+              "hidden) `weight`, returning (logits, weights, experts)) to have them.", file=sys.stderr, flush=True)
 
 
 _warned_fingerprints: set[tuple[str, str]] = set()

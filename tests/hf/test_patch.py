@@ -179,3 +179,55 @@ def test_a_broken_patch_is_a_pair_that_cannot_run_not_a_finding(tmp_path, body, 
         assert not list((tmp_path / "c").rglob("*.json"))
     finally:
         PATCHES.pop(name, None)
+
+
+class _FusedMoe(torch.nn.Module):
+    """Qwen3-MoE's block, the same arithmetic, its router a plain Linear named `router` (as many
+    engines have it): no `gate` module for the harness's router hooks."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.router = torch.nn.Linear(block.gate.hidden_dim, block.gate.num_experts, bias=False)
+        self.router.weight = block.gate.weight
+        self.k, self.norm, self.experts = block.gate.top_k, block.gate.norm_topk_prob, block.experts
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        top, idx = torch.topk(torch.softmax(self.router(x), dtype=torch.float, dim=-1), self.k, dim=-1)
+        if self.norm:
+            top = top / top.sum(-1, keepdim=True)
+        return self.experts(x, idx, top).reshape(b, s, h)
+
+
+def test_a_patch_that_hides_the_rollouts_routers_gets_no_one_sided_near_ties(capsys):
+    """The near-tie nudge and the tie floor act through the router hooks: with the rollout's routers
+    fused away they moved the trainer's router input alone, and an engine with the model's own
+    arithmetic was a regression (k3 1.8e-3 at tie_fraction 0.57). Now neither path's input is moved,
+    with a warning; router replay, with no rollout experts to replay, cannot run."""
+    from harness import Case
+    from harness.execute import Symptom, run_case
+    from targets.hf import hf_pair
+
+    def fuse(model):
+        for layer in model.model.layers:
+            layer.mlp = _FusedMoe(layer.mlp)
+
+    register_patch("test_fused_router", fuse)
+    try:
+        rollout = FP32.replace(patch="test_fused_router")
+        pair = hf_pair("user.fused_router", TINY["qwen3_moe"], FP32, rollout, expected="aligned")
+        cases = [Case(seed=s, seq_lens=(3, 2), prompt_lens=(2, 1), n_experts=8, top_k=2, tie_fraction=1.0,
+                      tie_gap=0.0, params={"tie_layer": s % 2}) for s in range(4)]
+        for case in cases:
+            ev = run_case(pair, case)
+            assert ev.symptom is Symptom.NONE and ev.divergence.k3_expected < 1e-9, (case, ev.headline)
+        err = capsys.readouterr().err
+        assert err.count("user.fused_router: the trainer's copy of the model has hooked routers at layers.0, "
+                         "layers.1 and the rollout's at no layer") == 1, err
+        replayed = hf_pair("user.fused_router.replay", TINY["qwen3_moe"], FP32, rollout, expected="aligned",
+                           replay=True)
+        ev = run_case(replayed, cases[0])
+        assert ev.symptom is Symptom.ERROR and ev.setup and "no experts to replay" in ev.error["message"], ev.error
+    finally:
+        PATCHES.pop("test_fused_router", None)

@@ -275,3 +275,19 @@ def test_a_paths_routing_is_checked_with_a_message_in_the_pairs_terms(routing, w
         experts=torch.zeros(x.shape[0], 2, dtype=torch.int64).numpy(), scores=torch.zeros(x.shape[0], 2))})
     assert run_case(TargetPair(name="x.np", kind="op", expected="aligned", build=build, trainer=as_numpy,
                                rollout=as_numpy), case).error is None
+
+
+def test_a_plugin_file_imports_a_module_beside_it_in_the_campaign_and_its_worker(tmp_path, harness_cli):
+    """As `python FILE` would: the plugin's folder is importable (after the installed packages), in
+    this process and in the isolated worker that loads the plugin again."""
+    (tmp_path / "sib_helper.py").write_text("import torch\n\ndef fine(inp):\n"
+                                            "    return torch.log_softmax(inp['x'], -1)\n")
+    (tmp_path / "plug.py").write_text(
+        "import sib_helper\nfrom harness import Axes, Outcome, TargetPair, register\n\n"
+        "def build(case, device):\n    return {'x': case.randn((case.n_tokens, 8), 'x', device=device)}\n\n"
+        "def path(inp):\n    return Outcome(logprobs=sib_helper.fine(inp))\n\n"
+        "register(TargetPair(name='sib.pair', kind='op', expected='aligned', build=build, trainer=path,\n"
+        "                    rollout=path, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))\n")
+    code, out, err = harness_cli("fuzz", "sib.pair", "--plugin", str(tmp_path / "plug.py"), "--max-examples", "3",
+                                 "--no-tracking", "--corpus", str(tmp_path / "corpus"), cwd=tmp_path.parent)
+    assert code == 0 and "sib.pair: clean" in out + err, out + err
