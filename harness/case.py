@@ -23,8 +23,9 @@ streams.
 What "smaller" means (why a minimal case is minimal): fewer sequences, shorter responses, shorter
 prompts, and every knob at its neutral value: temperature 1.0, top-p 1.0, top-k 0 (off), right
 padding, one packed row in the given order, no forced router ties, logit scale at its lower bound,
-the first listed dtype. `smaller_neighbours()` lists the cases one removal away; `simpler_neighbours()`
-adds one knob moved to neutral. A minimal repro diverges and none of its simpler neighbours does.
+the first listed dtype. `smaller_neighbours()` lists the cases one removal away; `simpler_neighbours(axes)`
+adds one knob moved to neutral within the pair's axes. A minimal repro diverges and none of its
+simpler neighbours does.
 """
 
 from __future__ import annotations
@@ -385,11 +386,15 @@ class Case:
                 out.append(self._with_lens(self.seq_lens, prompts if any(prompts) else ()))
         return out
 
-    def simpler_neighbours(self) -> list["Case"]:
+    def simpler_neighbours(self, axes: Any = None) -> list["Case"]:
         """`smaller_neighbours()` plus one knob moved to its neutral value (sampling off, right
-        padding, one packed row in the given order, no forced router ties)."""
+        padding, one packed row in the given order, no forced router ties). With `axes` (the pair's),
+        the neutral values its axes allow, as shrinking moves them (`shrink.neutral_within`: a pair
+        that always left-pads keeps its left padding)."""
+        from .shrink import neutral_within
+
         out = self.smaller_neighbours()
-        for name, neutral in NEUTRAL.items():
+        for name, neutral in neutral_within(axes).items():
             if getattr(self, name) != neutral:
                 out.append(self.replace(**{name: neutral}))
         if self.row_capacity:

@@ -130,6 +130,12 @@ def test_simpler_neighbours_move_one_knob_to_neutral():
     knobs = {(n.temperature, n.top_p, n.sample_top_k, n.pad_side) for n in c.simpler_neighbours()}
     assert (1.0, 0.9, 7, "left") in knobs and (0.5, 1.0, 7, "left") in knobs
     assert (0.5, 0.9, 0, "left") in knobs and (0.5, 0.9, 7, "right") in knobs
+    from harness import Axes
+
+    # a pair that always left-pads, with temperature drawn from [0.5, 0.8]: neutral within its axes
+    axes = Axes(pad_sides=("left",), temperature=(0.5, 0.8), top_p=(0.5, 1.0), sample_top_k=(0, 16))
+    knobs = {(n.temperature, n.top_p, n.sample_top_k, n.pad_side) for n in c.simpler_neighbours(axes)}
+    assert all(pad == "left" for *_, pad in knobs) and (0.8, 0.9, 7, "left") in knobs, knobs
 
 
 def test_stream_draws_are_the_same_one_row_at_a_time_and_in_blocks():
