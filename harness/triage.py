@@ -566,11 +566,18 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
                          "the correlation bar cannot be (see harness/triage.py `_match_rows`)")
     errs = module_errors(t_cap, r_cap)
     for role, cap, other in (("trainer", t_cap, r_cap), ("rollout", r_cap, t_cap)):
-        only = [n for n in cap.order if n not in errs and n not in other.rows and cap.rows.get(n)]
+        missing = [n for n in cap.order if n not in errs and n not in other.rows and cap.rows.get(n)]
+        only = [n for n in missing if n not in other.order]
         if only:
             notes.append(f"per-module table: {len(only)} module(s) only the {role} runs are not in it (nothing to "
                          f"compare them with): " + ", ".join(only[:6]) + (", ..." if len(only) > 6 else "")
                          + "; the table narrows a divergence down to the modules both paths share")
+        untied = [n for n in missing if n in other.order]
+        if untied:  # (a module called once per expert, on a different number of rows each time, say)
+            other_role = "rollout" if role == "trainer" else "trainer"
+            notes.append(f"per-module table: {len(untied)} module(s) both paths run are not in it, the {other_role}'s "
+                         "outputs of them not being tied to token rows (called on a subset of the rows, or in another "
+                         "layout): " + ", ".join(untied[:6]) + (", ..." if len(untied) > 6 else ""))
     unlike = [n for n in t_cap.order if n not in errs and n in r_cap.rows and t_cap.rows.get(n)]
     if unlike:
         notes.append(f"per-module table: {len(unlike)} module(s) both paths run give outputs of other shapes or "

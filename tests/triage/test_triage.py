@@ -443,3 +443,36 @@ def test_triage_prints_where_the_tokens_cross_the_line(tmp_path):
     assert t.first_over.startswith("first token over the line: sequence ")
     path = write_report(t, tmp_path)
     assert t.first_over in path.read_text()
+
+
+def test_a_module_both_paths_run_but_one_cannot_tie_to_token_rows_is_not_called_one_sided():
+    """A module the rollout first calls on a slice of rows (one expert's tokens, say) runs on both
+    paths: the note says its outputs could not be tied to token rows, not that only one path runs it."""
+    import copy
+
+    import torch
+
+    base = REGISTRY.get("planted.tiny_lm.block_bias")
+    engine = copy.deepcopy(base.build(Case(seed=0, seq_lens=(1,)), "cpu")["modules"]["rollout"])
+    plain = engine.forward
+
+    def sliced_first(ids: torch.Tensor) -> torch.Tensor:
+        # blocks.1 first called on one row, no token position (the first call is what triage keeps)
+        engine.blocks[1](engine.embed(ids).reshape(-1, engine.blocks[1].in_features)[:1])
+        return plain(ids)
+
+    engine.forward = sliced_first
+
+    def build(case, device):
+        inp = base.build(case, device)
+        inp["modules"] = {"trainer": inp["modules"]["trainer"], "rollout": engine}
+        return inp
+
+    from harness import TargetPair
+
+    REGISTRY.register(TargetPair(name="planted.sliced_engine", kind="model", expected="diverges", build=build,
+                                 trainer=base.trainer, rollout=base.rollout, axes=base.axes, devices=("cpu",)))
+    t = triage(made_repro("planted.sliced_engine", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    assert not any("only the trainer runs" in n and "blocks.1," in n + "," for n in t.notes), t.notes
+    assert any("module(s) both paths run are not in it, the rollout's outputs of them not being tied" in n
+               and "blocks.1" in n for n in t.notes), t.notes
