@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from .backend import BF16, FP32, HFModel, Numerics, register_patch
+from .backend import BF16, FP32, HFModel, Numerics, current_phase, register_patch
 from .pairs import default_axes, hf_pair, hf_pairs
 
 
@@ -26,4 +26,5 @@ def _available() -> bool:
 
 AVAILABLE = _available()  # transformers importable (without importing it)
 
-__all__ = ["AVAILABLE", "BF16", "FP32", "HFModel", "Numerics", "default_axes", "hf_pair", "hf_pairs", "register_patch"]
+__all__ = ["AVAILABLE", "BF16", "FP32", "HFModel", "Numerics", "current_phase", "default_axes", "hf_pair", "hf_pairs",
+           "register_patch"]

@@ -59,6 +59,7 @@ import functools
 import hashlib
 import json
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -465,7 +466,14 @@ class CallContext:
     gap: float = 0.0  # boundary gap of forced positions
     replay: dict[str, Any] | None = None  # layer -> (n_keys, k) int64 experts to impose (-1 = none recorded)
     floor: bool = False  # natural boundary gaps under TIE_FLOOR are raised to it (not for recorded rollouts)
+    # where the floor applies: None = where this path's own gap is under it (the rollout, which records
+    # them in `raised`); else {("group" | "expert", layer): keys} the rollout raised, mirrored by the
+    # trainer (each path deciding from its own gap, a gap within layout noise of the floor was raised
+    # on one path alone, its higher expert leading there: an aligned float32 pair flipped on it)
+    floor_at: dict[tuple[str, str], Any] | None = None
+    raised: dict[tuple[str, str], list] = field(default_factory=dict)  # (kind, layer) -> [keys, ...] raised here
     captured: dict[str, list] = field(default_factory=dict)  # layer -> [(keys, experts, logits), ...]
+    phase: str = ""  # "prefill", "decode" or "trainer": what `current_phase()` says during the forward
 
 
 class Runner:
@@ -476,7 +484,7 @@ class Runner:
         self.ctx = CallContext()
         self.body = _dtype(nx.body)
         for i, (layer, g) in enumerate(gates):
-            g.register_forward_pre_hook(self._router_in(i, g))
+            g.register_forward_pre_hook(self._router_in(i, layer, g))
             g.register_forward_hook(self._router_out(layer, g))
         if nx.lm_head != nx.body:
             head.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),))
@@ -486,7 +494,24 @@ class Runner:
     def vocab(self) -> int:
         return int(self.head.weight.shape[0])
 
-    def _router_in(self, i: int, gate: Any):
+    def _router_in(self, i: int, layer: str, gate: Any):
+        def floored(kind: str, under: Any) -> Any:
+            """(N,) bool: the rows to raise to the floor: this path's own gaps under it (recorded),
+            or the rows the rollout raised (`ctx.floor_at`)."""
+            ctx = self.ctx
+            valid = ctx.keys >= 0
+            if ctx.floor_at is None:
+                close = valid & under()
+                if bool(close.any()):
+                    ctx.raised.setdefault((kind, layer), []).append(ctx.keys[close].cpu())
+                return close
+            at = ctx.floor_at.get((kind, layer))
+            if at is None or at.numel() == 0:
+                return valid & False
+            import torch
+
+            return valid & torch.isin(ctx.keys, at.to(ctx.keys.device))
+
         def pre(module: Any, args: tuple) -> tuple:
             x = args[0].reshape(-1, module.weight.shape[-1])  # (N, H)
             ctx = self.ctx
@@ -504,14 +529,14 @@ class Runner:
                 # checkpoint flipped experts this way). A forced nudge often ends at one: its Newton steps
                 # on the expert boundary converge to the kink where the kept groups change. Raised to
                 # the floor, the higher group leading (a forced row may then sit off its exact gap)
-                close = (ctx.keys >= 0) & (group_gap(x, module.weight, bias, module) < TIE_FLOOR)
+                close = floored("group", lambda: group_gap(x, module.weight, bias, module) < TIE_FLOOR)
                 if bool(close.any()):
                     x = group_nudge(x, module.weight, close, TIE_FLOOR, bias, router=module)
             if ctx.floor and ctx.keys is not None:
                 # a natural near tie closer than the floor is decided by layout noise (a float32
                 # eager/sdpa pair flipped an expert this way): raised to the floor, the higher expert
                 # id leading, as forced ties are, so both paths choose alike; a bf16 router still flips
-                close = (ctx.keys >= 0) & (boundary_gap(x, module.weight, k, bias, module) < TIE_FLOOR)
+                close = floored("expert", lambda: boundary_gap(x, module.weight, k, bias, module) < TIE_FLOOR)
                 if force is not None:
                     close &= ~force
                 if bool(close.any()):
@@ -558,10 +583,23 @@ class Runner:
 
     def __call__(self, ctx: CallContext, **kwargs: Any) -> Any:
         self.ctx = ctx
+        _PHASE.name = ctx.phase
         try:
             return self.model(**kwargs)
         finally:
             self.ctx = CallContext()
+            _PHASE.name = ""
+
+
+_PHASE = threading.local()
+
+
+def current_phase() -> str:
+    """Which forward of an HF pair is running, for a module patch whose kernel differs by phase (an
+    engine's decode kernel): "prefill" (the rollout's prompt, one batched forward), "decode" (each of
+    the rollout's KV-cache steps, one token per sequence), "trainer" (the packed teacher-forced
+    forward); "" outside them. A prefill of one token is still "prefill"."""
+    return getattr(_PHASE, "name", "")
 
 
 def gate_weights(router: Any, logits: Any, idx: Any) -> Any:

@@ -145,9 +145,17 @@ def make_inputs(case: Any, spec: HFModel, device: str) -> HFInputs:
                     tie_floor=rec is None)
 
 
-def _ctx(inp: HFInputs, keys: Any, replay: dict | None = None) -> CallContext:
+def _ctx(inp: HFInputs, keys: Any, replay: dict | None = None, phase: str = "",
+         floor_at: dict | None = None) -> CallContext:
     return CallContext(keys=keys, forced=inp.forced, tie_layer=inp.tie_layer, gap=inp.gap, replay=replay,
-                       floor=inp.tie_floor)
+                       floor=inp.tie_floor, phase=phase, floor_at=floor_at)
+
+
+def _raised(parts: dict) -> dict:
+    """{(kind, layer): (n,) int64 keys} the rollout raised to the tie floor, over all its forwards."""
+    import torch
+
+    return {k: torch.cat(v) for k, v in parts.items()}
 
 
 def _routing(captured: dict, keys_wanted: Any, n_keys: int, top_k: int | None = None) -> tuple[dict, dict]:
@@ -218,11 +226,11 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
         mask[j, lp_max - len(p):] = 1
         keys[j, lp_max - len(p):] = j * inp.stride + torch.arange(len(p))
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
-    ctx = _ctx(inp, keys.reshape(-1).to(dev))
+    ctx = _ctx(inp, keys.reshape(-1).to(dev), phase="prefill")
     out = run(ctx, input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
     cache = _cache_of(out)
     logits = out.logits[:, -1].float()  # (B, V)
-    captured = ctx.captured
+    captured, raised = ctx.captured, ctx.raised
     steps = max(inp.resp_lens)
     u = [torch.rand(r, generator=seq_generator(case, j, "sample")) for j, r in enumerate(inp.resp_lens)]
     lp_rows: list[list] = [[] for _ in range(b)]
@@ -242,8 +250,8 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
         step_keys = torch.where(active, step_keys, torch.full_like(step_keys, -1))
         mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.int64)], dim=1)
         pos = torch.tensor([[lens[j] + i] for j in range(b)])
-        ctx = _ctx(inp, step_keys.to(dev))
-        ctx.captured = captured
+        ctx = _ctx(inp, step_keys.to(dev), phase="decode")
+        ctx.captured, ctx.raised = captured, raised
         out = run(ctx, input_ids=tok[:, None].to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
                   cache=cache, use_cache=True)
         cache = _cache_of(out)
@@ -251,7 +259,8 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
     logprobs = torch.stack([row for rows in lp_rows for row in rows])  # (T, V) case order
     tokens = torch.stack([t for rows in tok_rows for t in rows])  # (T,)
     routing, tables = _routing(captured, scored_keys(inp), inp.n_seqs * inp.stride)
-    return Outcome(logprobs=logprobs, tokens=tokens, routing=routing, intermediates={"route_table": tables})
+    return Outcome(logprobs=logprobs, tokens=tokens, routing=routing,
+                   intermediates={"route_table": tables, "tie_floor_at": _raised(raised)})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +305,9 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
     table = None
     if replay:
         table = {k: v.to(dev) for k, v in (rollout_outcome.intermediates.get("route_table") or {}).items()}
-    ctx = _ctx(inp, keys.reshape(-1).to(dev), table)
+    # the tie floor where the rollout applied it (its decisions, not this path's own: see CallContext)
+    floor_at = (rollout_outcome.intermediates or {}).get("tie_floor_at")
+    ctx = _ctx(inp, keys.reshape(-1).to(dev), table, phase="trainer", floor_at=floor_at)
     kwargs = {"use_cache": False} if nx.use_cache == "off" else {}
     out = run(ctx, input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=None, **kwargs)
     logits = out.logits.float()  # (rows, width, V)

@@ -559,3 +559,18 @@ def test_a_mistyped_model_type_makes_the_pair_unable_to_run_not_a_regression():
     assert ev.symptom == Symptom.ERROR and ev.setup, ev.error
     assert "config model_type 'qwen3_mo' is not a model type transformers" in ev.error["message"]
     assert "did you mean 'qwen3_moe'" in ev.error["message"]
+
+
+def test_the_trainer_raises_to_the_tie_floor_where_the_rollout_did_not_where_its_own_gap_says():
+    """A natural boundary gap within layout noise of the floor: 0.989e-5 in the rollout (raised, the
+    higher expert leading) and 1.037e-5 in the packed trainer (left, the lower leading). Each path
+    deciding from its own gap, the aligned float32 pair flipped expert 0 for 4 (k3 0.031); the trainer
+    now raises exactly the positions the rollout raised."""
+    from targets.hf.configs import TINY
+
+    pair = hf_pair("user.floor_straddle", TINY["qwen3_moe"], FP32, FP32)
+    case = Case(seed=3616330962, seq_lens=(1, 1, 1, 10), prompt_lens=(0, 0, 11, 10),
+                seq_ids=(65005, 4887, 49332, 35118), pad_side="left", n_experts=8, top_k=2,
+                temperature=0.9312812859439159, params={"tie_layer": 0})
+    ev = run_case(pair, case)
+    assert ev.k3 < 1e-9 and ev.divergence.flip_rate == 0 == ev.divergence.tie_flip_rate, (ev.headline, ev.divergence)

@@ -125,6 +125,8 @@ class _DecodeBatchKernel(torch.nn.Module):
 
 
 def _decode_batch_kernel(model):
+    from targets.hf import current_phase
+
     kernels = []
     for layer in model.model.layers:
         layer.mlp.experts = _DecodeBatchKernel(layer.mlp.experts)
@@ -132,7 +134,7 @@ def _decode_batch_kernel(model):
     forward = model.forward
 
     def patched(*args, input_ids=None, **kwargs):
-        decoding = input_ids is not None and input_ids.shape[1] == 1
+        decoding = current_phase() == "decode"  # (one token per sequence; a one-token prefill is not decode)
         for k in kernels:
             k.decode_batch = input_ids.shape[0] if decoding else 0
         return forward(*args, input_ids=input_ids, **kwargs)
@@ -231,3 +233,29 @@ def test_a_patch_that_hides_the_rollouts_routers_gets_no_one_sided_near_ties(cap
         assert ev.symptom is Symptom.ERROR and ev.setup and "no experts to replay" in ev.error["message"], ev.error
     finally:
         PATCHES.pop("test_fused_router", None)
+
+
+def test_a_patch_reads_which_forward_runs_and_a_one_token_prefill_is_not_decode():
+    from harness import Case
+    from harness.execute import run_paths
+    from targets.hf import current_phase, hf_pair
+
+    seen = []
+
+    def watch(model):
+        forward = model.forward
+
+        def patched(*args, input_ids=None, **kwargs):
+            seen.append((current_phase(), tuple(input_ids.shape)))
+            return forward(*args, input_ids=input_ids, **kwargs)
+
+        model.forward = patched
+
+    register_patch("test_phase", watch)
+    try:
+        pair = hf_pair("user.phase", TINY["qwen3"], FP32.replace(patch="test_phase"), FP32.replace(patch="test_phase"))
+        run_paths(pair, Case(seed=1, seq_lens=(3, 2)), "cpu")  # no prompt: a one-token prefill per sequence
+        assert seen == [("prefill", (2, 1)), ("decode", (2, 1)), ("decode", (2, 1)), ("trainer", (1, 7))], seen
+        assert current_phase() == ""
+    finally:
+        PATCHES.pop("test_phase", None)
