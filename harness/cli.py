@@ -474,7 +474,11 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             click.echo(line)
     if as_json:
         out += [{"file": str(s.path) if s.path else None, "skipped": s.reason} for s in skipped]
-        click.echo(json.dumps(out, indent=2, default=str))
+        from .corpus import encode_tree
+
+        # (strict JSON: an infinite k3, a sampled token the trainer excludes, is the string "inf", as in
+        # repro files and `harness score`'s summary, not a bare Infinity that JSON parsers refuse)
+        click.echo(json.dumps(encode_tree(out), indent=2, default=str, allow_nan=False))
     if skipped and not as_json and (results or len(skipped) > 1):
         echo_err(f"{len(skipped)} repro(s) skipped, {len(results)} replayed.")
     if any(res.diverges for res in results):

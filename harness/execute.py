@@ -96,6 +96,9 @@ def headline(metrics: Any, error: dict | None) -> str:
         # say so, and what those are (under the line when that draw made the finding)
         k3e, kl, excl = (_num(get(k, math.nan)) for k in ("k3_expected", "kl", "kl_excluded"))
         if not math.isnan(k3e) and k3e != math.inf:
+            if excl == 0:  # the trainer excludes nothing the rollout gives mass to: the rollout's own token
+                return (f"k3=inf (the rollout sampled a token its own reported distribution gives probability 0: "
+                        f"it samples from another distribution than it reports; expected k3 {k3e:.3g}, kl {kl:.3g})")
             return (f"k3=inf (a sampled token the trainer excludes: rollout mass there {excl:.3g}; "
                     f"expected k3 {k3e:.3g} over the tokens the trainer keeps, kl {kl:.3g})")
     return f"{name}={mean_text(value)}"

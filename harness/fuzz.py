@@ -451,7 +451,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                     limit["deadline"] = min(limit["deadline"], wall)
         cache[key] = ev if ev.failed else ev.score
         result.examples += 1
-        if math.isfinite(ev.k3):
+        if not math.isnan(ev.k3):  # (inf: a sampled token the trainer excludes, the largest there is)
             result.max_k3 = max(result.max_k3, ev.k3)
         if not math.isnan(ev.score):
             result.max_score = max(result.max_score, ev.score)

@@ -188,7 +188,8 @@ def k3_of(d: np.ndarray) -> np.ndarray:
         s = np.full_like(d, _K3_SERIES[-1])
         for c in _K3_SERIES[-2::-1]:  # Horner, over every d (T values: cheaper than selecting)
             s = s * d + c
-        return np.where(np.abs(d) < _K3_SERIES_BELOW, s * d * d, np.expm1(d) - d)
+        # (d = +inf, a sampled token its rollout reports at log 0: k3 = r - 1 - log r grows without bound)
+        return np.where(np.abs(d) < _K3_SERIES_BELOW, s * d * d, np.where(d == math.inf, math.inf, np.expm1(d) - d))
 
 
 def boundary_tie(scores: Any, k: int) -> np.ndarray:
@@ -553,7 +554,11 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
             flip_rate=0.0,
             tie_flip_rate=0.0,
             nonfinite_trainer=int((bad_t | np.isnan(lt) | (lt == math.inf)).sum()),
-            nonfinite_rollout=int((bad_r | ~np.isfinite(lr)).sum()),
+            # (-inf at its own sampled token is log 0, not a non-finite value: a sampler that drew from another
+            # distribution than it reports, and k3 = inf there judges it; with the trainer's -inf too there is
+            # no ratio at all)
+            nonfinite_rollout=int((bad_r | np.isnan(lr) | (lr == math.inf) | ((lr == -math.inf) & (lt == -math.inf))
+                                   ).sum()),
             n_tokens=n,
             per_token={
                 "sequence": seg,
@@ -566,6 +571,13 @@ def compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any =
                 "k3_expected": k3_rows,
             },
         )
+
+
+def rollout_sampled_at_zero(div: Any) -> bool:
+    """A case's k3 = inf comes from the rollout reporting log 0 (-inf) for a token it sampled (it
+    drew from another distribution than the one it reports), not from the trainer excluding it."""
+    lr = (getattr(div, "per_token", None) or {}).get("logp_rollout")
+    return lr is not None and bool(np.any(np.asarray(lr) == -math.inf))
 
 
 def _mean(a: np.ndarray) -> float:

@@ -1073,7 +1073,10 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
         "broken_plugins": _broken_plugins(),  # installed packages whose pairs were not fuzzed: not a pass
         "pairs": sorted(results, key=lambda d: d["pair"]),
     }
-    summary_path(fs, "json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    from harness.corpus import encode_tree
+
+    summary_path(fs, "json").write_text(json.dumps(encode_tree(summary), indent=2, default=str, allow_nan=False)
+                                        + "\n")  # (strict JSON: an infinite max k3 is "inf")
     rows = _rows(fs, results)
     md = [f"# harness fuzz: {len(results)} pair(s), {cases} cases, seed {fs.seed}", "",
           f"{fs.seed_origin}; profile {fs.profile_name or '-'}"

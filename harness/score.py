@@ -619,6 +619,16 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+def _not_greedy(ctx: Any, param: Any, value: float) -> float:
+    """--temperature 0, as vLLM and verl record greedy decoding, says which log-probs to score."""
+    if value == 0:
+        raise click.BadParameter(
+            "0 is greedy decoding, which has no temperature to divide by. Score what the engine reported: the "
+            "log-probs of the unprocessed distribution (vLLM's default for greedy requests) with --temperature 1, "
+            "or those of the greedy choice itself (probability 1 on the argmax) with --top-k 1.")
+    return value
+
+
 @click.command("score")
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--model", default=None, metavar="PATH", help="Score with this local checkpoint directory (float32).")
@@ -626,7 +636,7 @@ def _fmt(x: Any) -> str:
 @click.option("--replay", is_flag=True, help="Replay the recorded experts in the trainer (router replay).")
 @click.option("--threshold", type=click.FloatRange(0, min_open=True), default=1e-3, show_default=True,
               help="A sample is flagged when the mean k3 of its tokens (or the two-outcome KL) is above this.")
-@click.option("--temperature", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True,
+@click.option("--temperature", type=click.FloatRange(0), default=1.0, show_default=True, callback=_not_greedy,
               help="Sampling temperature the rollout used (its log-probs are of the processed distribution).")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Sampling top-k (0 = off).")

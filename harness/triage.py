@@ -799,9 +799,15 @@ def verdict_line(t: Triage) -> str:
                 + (f", called from {caller}" if caller else "") + "); no log-probabilities to "
                 "compare, so nothing to localize: fix what the message names (`harness show FILE` prints the "
                 "traceback)")
-    if symptom == "divergence" and t.k3 == math.inf:  # not a NaN: a sampled token the trainer excludes
+    if symptom == "divergence" and t.k3 == math.inf:  # not a NaN: a sampled token one path gives probability 0
+        from .metrics import rollout_sampled_at_zero
+
         head = ("the rollout sampled a token the trainer's distribution excludes (k3 = inf): the two paths "
                 "truncate at different boundaries (their -inf entries differ: top-k, top-p or another cut)")
+        if rollout_sampled_at_zero(ev.divergence):
+            head = ("the rollout reports probability 0 (log-prob -inf) for a token it sampled (k3 = inf): it samples "
+                    "from another distribution than the one it reports (temperature, top-k or top-p applied to the "
+                    "draw and not to the reported log-probs, or the reverse)")
         at = _at(t)
         if loc is not None and loc.explained:
             return f"{_label(loc, loc.minimal)}{', ' + at if at else ''}: {head}; aligning it gives k3 {loc.k3_minimal_aligned:.4f}"
@@ -914,7 +920,8 @@ def first_over_line(div: Any, case: Any, threshold: float) -> str:
 
     with np.errstate(invalid="ignore"):
         row = np.fmax(np.asarray(pt.get("k3_expected", pt["k3"]), dtype=float), np.asarray(pt["kl"], dtype=float))
-        over = (row > threshold) | (np.asarray(pt["k3"], dtype=float) == math.inf)
+        drawn_inf = np.asarray(pt["k3"], dtype=float) == math.inf  # its sampled token: one path gives it 0
+        over = (row > threshold) | drawn_inf
     if not over.any():  # (a mean over tokens is over the line only if some token is: nothing to point at)
         return ""
     seqs, pos = np.asarray(pt["sequence"]), np.asarray(pt["position"])
@@ -923,7 +930,9 @@ def first_over_line(div: Any, case: Any, threshold: float) -> str:
     j, p, prompt = int(seqs[i]), int(pos[i]), case.prompt_len(int(seqs[i]))
     at = f"sequence {j}, response token {p}" + (f" after a {prompt}-token prompt (offset {prompt + p})" if prompt else "")
     earlier = int((~over & (seqs == j) & (pos < p)).sum())
-    return (f"first token over the line: {at}, per-token value {row[i]:.3g}; {int(over.sum())} of {len(over)} tokens "
+    value = (f"sampled k3 inf (expected k3 / KL {row[i]:.3g})" if drawn_inf[i] and not row[i] > threshold
+             else f"per-token value {row[i]:.3g}")
+    return (f"first token over the line: {at}, {value}; {int(over.sum())} of {len(over)} tokens "
             f"over it" + (f", the {earlier} before it in that sequence under it" if earlier else ""))
 
 
@@ -1029,8 +1038,11 @@ def write_report(t: Triage, reports: Path) -> Path:
     judged_what = "expected over the vocabulary" if not math.isnan(expected_k3) else \
         "the recorded tokens' mean: a recorded rollout holds no distribution to take an expectation over"
     if t.k3 == math.inf and not math.isnan(expected_k3) and expected_k3 != math.inf:  # fired by one draw
-        judged_what = (f"a sampled token the trainer excludes gives k3 = inf; expected over the tokens the trainer "
-                       f"keeps: {expected_k3:.6g}")
+        from .metrics import rollout_sampled_at_zero
+
+        judged_what = (("a sampled token the rollout reports at probability 0" if rollout_sampled_at_zero(ev.divergence)
+                        else "a sampled token the trainer excludes")
+                       + f" gives k3 = inf; expected over the tokens the trainer keeps: {expected_k3:.6g}")
     lines = [f"# Triage of {r.id}: {r.pair}", "",
              f"**Verdict:** {t.verdict}", "",
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",

@@ -432,6 +432,10 @@ def test_the_first_token_over_the_line_is_named_by_its_offset_into_the_sequence(
                            "sequence under it"), line
     div.per_token["k3_expected"] = np.full(33, 5e-4)
     assert first_over_line(div, case, 1e-3) == ""  # no token over the line: nothing to point at
+    div.per_token["k3"] = np.where(np.arange(33) == 30, math.inf, 0.0)  # ... but one drew a token of probability 0
+    assert first_over_line(div, case, 1e-3).startswith(
+        "first token over the line: sequence 1, response token 1, sampled k3 inf (expected k3 / KL 0.0005); 1 of 33")
+    div.per_token["k3"] = np.zeros(33)
     div.per_token["k3_expected"] = div.per_token["kl"] = np.full(33, math.nan)  # (all NaN: no warning, nothing)
     assert first_over_line(div, case, 1e-3) == ""
     div.per_token["k3"] = np.where(pos == 2, math.inf, 0.0)  # a sampled token the trainer excludes

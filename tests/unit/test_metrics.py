@@ -92,7 +92,8 @@ def test_k3_is_accurate_for_tiny_and_large_log_ratios():
         want = np.array([float(mpmath.expm1(mpmath.mpf(x)) - mpmath.mpf(x)) for x in d])
     got = k3_of(d)
     assert np.all(np.abs(got - want) <= 1e-14 * np.abs(want)), np.max(np.abs(got - want) / np.maximum(want, 1e-300))
-    assert k3_of(np.array([-np.inf]))[0] == np.inf and np.isnan(k3_of(np.array([np.nan, np.inf]))).all()
+    assert k3_of(np.array([-np.inf]))[0] == np.inf and np.isnan(k3_of(np.array([np.nan]))).all()
+    assert k3_of(np.array([np.inf]))[0] == np.inf  # (r = inf: a sampled token its rollout reports at log 0)
 
 
 class _Pair:
@@ -306,3 +307,18 @@ def test_a_finding_fired_by_one_excluded_draw_says_so_with_the_exact_means():
     assert headline(m, None) == ("k3=inf (a sampled token the trainer excludes: rollout mass there 0.038; "
                                  "expected k3 0.00036 over the tokens the trainer keeps, kl 0.0002)")
     assert headline({**m, "k3_kl": 0.01, "k3_expected": 0.002}, None) == "k3=0.002"
+
+
+def test_a_rollout_that_samples_a_token_it_reports_at_log_zero_is_a_divergence_not_nonfinite():
+    """A sampler that draws from another distribution than it reports (top-k applied to the reported
+    log-probs, not to the draw): its token's own log-prob is -inf, log 0. That is k3 = inf, a
+    divergence saying so, not 'NaN/inf from the rollout' (a BROKEN demonstration)."""
+    from harness.execute import headline
+
+    trainer = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.2)]], dtype=torch.float64)
+    rollout = torch.tensor([[0.0, -math.inf, -math.inf]], dtype=torch.float64)  # reported: top-1
+    ev = judge(_Pair(), Case(seed=0, seq_lens=(1,)), Outcome(logprobs=trainer),
+               Outcome(logprobs=rollout, tokens=torch.tensor([2])))  # ... but it drew token 2
+    d = ev.divergence
+    assert d.nonfinite_rollout == 0 and d.k3_kl == math.inf and ev.symptom is Symptom.DIVERGENCE, d
+    assert "the rollout sampled a token its own reported distribution gives probability 0" in headline(d, None)
