@@ -619,6 +619,15 @@ def _fmt(x: Any) -> str:
     return str(x)
 
 
+def default_out_name(file: Path, model: str | None, pair: str | None, replay: bool, threshold: float,
+                     temperature: float, top_p: float, top_k: int) -> str:
+    """`<file name>[.replay]-<8 hex>`: the hex of the file's absolute path and the scoring settings, so
+    that a rescore with other settings (or another file of that name) never overwrites the first."""
+    key = json.dumps([str(file.resolve()), model and str(Path(model).resolve()), pair, replay, threshold,
+                      temperature, top_p, top_k])
+    return f"{file.name}{'.replay' if replay else ''}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
 def _not_greedy(ctx: Any, param: Any, value: float) -> float:
     """--temperature 0, as vLLM and verl record greedy decoding, says which log-probs to score."""
     if value == 0:
@@ -645,8 +654,8 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
               show_default=True, help="Where the worst samples are written as repros.")
 @click.option("--max-repros", type=click.IntRange(0), default=3, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for samples.csv, summary.json and k3_hist.png (default reports/score/<file name>, "
-                   "reports/score/<file name>.replay with --replay).")
+              help="Folder for samples.csv, summary.json and k3_hist.png (default reports/score/<file name>-<hex>, "
+                   "<file name>.replay-<hex> with --replay; <hex>: of the file's path and the scoring settings).")
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or the "
                                                    "embedded store).")
 @click.option("--no-tracking", is_flag=True, help="Do not log a campaign run to MLflow.")
@@ -662,8 +671,10 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
 
     try:
         load_plugins(plugins)
-        # (rollouts.jsonl and rollouts.parquet apart; a --replay run beside the plain one, not over it)
-        out = out_dir or Path("reports") / "score" / (file.name + (".replay" if replay else ""))
+        # (rollouts.jsonl and rollouts.parquet apart; a --replay run beside the plain one, not over it; the
+        # same file name in another folder, or scored with another trainer or sampling, in a folder of its own)
+        out = out_dir or Path("reports") / "score" / default_out_name(file, model, pair_name, replay, threshold,
+                                                                      temperature, top_p, top_k)
         try:  # (before scoring: a folder that cannot be made would otherwise fail after it)
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -282,8 +282,13 @@ def test_without_recorded_experts_the_cli_says_flip_rate_n_a(aligned_file, tmp_p
     code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking", "--corpus",
                                  str(tmp_path / "c"), cwd=tmp_path)
     assert code == 0 and "flip_rate n/a (no experts recorded)" in out, (out, err)
-    summary = json.loads((tmp_path / "reports" / "score" / "no_experts.jsonl" / "summary.json").read_text())
+    [folder] = (tmp_path / "reports" / "score").glob("no_experts.jsonl-*")
+    summary = json.loads((folder / "summary.json").read_text())
     assert summary["batch"]["flip_rate"] == "nan"  # (strict JSON)
+    # the same file scored with other sampling: a folder of its own, the first one kept
+    code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking", "--corpus",
+                                 str(tmp_path / "c"), "--temperature", "0.9", cwd=tmp_path)
+    assert len(list((tmp_path / "reports" / "score").glob("no_experts.jsonl-*"))) == 2 and folder.exists()
 
 
 def test_a_long_recorded_sample_fits_a_repro_and_outputs_survive_a_repro_that_fails(bf16_file, tmp_path, monkeypatch):
