@@ -700,6 +700,9 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         click.echo(f"{len(res.flagged)} sample(s) above the threshold {threshold:g}:")
         for s in res.flagged[:10]:
             head = s.evaluation.headline
+            if head == "k3=inf":  # (a recording: no expected k3 to say which side gives the token probability 0)
+                head = ("k3=inf (a recorded token the trainer gives probability 0: it cuts tokens the engine kept; "
+                        "check --top-p / --top-k / --temperature against the engine's sampling settings)")
             click.echo(f"  line {s.sample.line} (id {s.sample.id}): {head}"
                        + ("" if head.startswith("k3=") else f", k3 {s.metrics['k3_kl']:.4g}")
                        + (f", flip_rate {s.metrics['flip_rate']:.3g}" if s.sample.experts else
