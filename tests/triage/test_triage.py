@@ -378,6 +378,20 @@ def test_a_modules_entry_without_the_rollouts_module_is_named_not_ignored():
     assert any("has no 'rollout' torch module, so there is no per-module table" in n for n in t.notes), t.notes
 
 
+def _triage_with_engine(name, base, engine):
+    """Triage of `base`'s pair with `engine` as the rollout's exposed torch module (its paths unchanged)."""
+    from harness import TargetPair
+
+    def build(case, device):
+        inp = base.build(case, device)
+        inp["modules"] = {"trainer": inp["modules"]["trainer"], "rollout": engine}
+        return inp
+
+    REGISTRY.register(TargetPair(name=name, kind="model", expected="diverges", build=build, trainer=base.trainer,
+                                 rollout=base.rollout, axes=base.axes, devices=("cpu",)))
+    return triage(made_repro(name, Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+
+
 def test_modules_only_one_path_runs_are_named_in_a_note():
     """An engine that wraps a layer in its own module (`blocks.1.inner`) has modules the trainer does
     not: the table cannot compare them, and a note says which instead of leaving them out silently."""
@@ -398,17 +412,7 @@ def test_modules_only_one_path_runs_are_named_in_a_note():
             return self.inner(x)
 
     engine.blocks[1] = Wrapped(engine.blocks[1])
-
-    def build(case, device):
-        inp = base.build(case, device)
-        inp["modules"] = {"trainer": inp["modules"]["trainer"], "rollout": engine}
-        return inp
-
-    from harness import TargetPair
-
-    REGISTRY.register(TargetPair(name="planted.wrapped_engine", kind="model", expected="diverges", build=build,
-                                 trainer=base.trainer, rollout=base.rollout, axes=base.axes, devices=("cpu",)))
-    t = triage(made_repro("planted.wrapped_engine", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    t = _triage_with_engine("planted.wrapped_engine", base, engine)
     assert "blocks.1" in {m.name for m in t.modules} and "blocks.1.inner" not in {m.name for m in t.modules}
     assert any("1 module(s) only the rollout runs are not in it" in n and "blocks.1.inner" in n for n in t.notes), t.notes
 
@@ -466,17 +470,7 @@ def test_a_module_both_paths_run_but_one_cannot_tie_to_token_rows_is_not_called_
         return plain(ids)
 
     engine.forward = sliced_first
-
-    def build(case, device):
-        inp = base.build(case, device)
-        inp["modules"] = {"trainer": inp["modules"]["trainer"], "rollout": engine}
-        return inp
-
-    from harness import TargetPair
-
-    REGISTRY.register(TargetPair(name="planted.sliced_engine", kind="model", expected="diverges", build=build,
-                                 trainer=base.trainer, rollout=base.rollout, axes=base.axes, devices=("cpu",)))
-    t = triage(made_repro("planted.sliced_engine", Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    t = _triage_with_engine("planted.sliced_engine", base, engine)
     assert not any("only the trainer runs" in n and "blocks.1," in n + "," for n in t.notes), t.notes
     assert any("module(s) both paths run are not in it, the rollout's outputs of them not being tied" in n
                and "blocks.1" in n for n in t.notes), t.notes
