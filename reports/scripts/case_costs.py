@@ -4,10 +4,10 @@
 
 - the float64 readout's GEMM (`pairs.Readout`) at a typical `moe_aggregate.aligned` case: 37 tokens,
   hidden 128, vocabulary 512, as GMAC/s (this machine's float64 peak bounds it);
-- pickling and unpickling the message that carries a case to the worker;
+- sending the message that carries a case to the worker through a `multiprocessing` pipe and
+  receiving it (the serialisation and the pipe's system calls, in one process: no scheduling);
 - reading and restoring the process-wide settings around a case (`execute.process_state`).
 """
-import pickle
 import time
 
 
@@ -34,11 +34,16 @@ def main() -> None:
     print(f"readout GEMM ({t}x{h}) @ ({h}x{v}) float64: {gemm * 1e6:.1f} us, {t * h * v / gemm / 1e9:.1f} GMAC/s")
     case = Case(seed=123456789, seq_lens=(12, 7, 18), seq_ids=(1, 2, 3), n_experts=8, top_k=2, tie_fraction=0.3,
                 tie_gap=1e-4, logit_scale=3.3)
+    from multiprocessing import Pipe
+
     msg = ("case", "moe_aggregate.aligned", "targets.ops.moe_aggregate", case, 1e-3)
-    blob = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    dumps = per_call(lambda: pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), 20000)
-    loads = per_call(lambda: pickle.loads(blob), 20000)
-    print(f"case message: {len(blob)} bytes, pickle {dumps * 1e6:.1f} us + unpickle {loads * 1e6:.1f} us")
+    send, recv = Pipe()
+
+    def round_trip() -> None:
+        send.send(msg)
+        recv.recv()
+
+    print(f"case message through a pipe, sent and received: {per_call(round_trip, 20000) * 1e6:.1f} us")
     state = per_call(lambda: restore_process_state("x", process_state()), 20000)
     print(f"process state read and restored: {state * 1e6:.1f} us")
 

@@ -505,11 +505,11 @@ class Runner:
                 if bool(close.any()):
                     ctx.raised.setdefault((kind, layer), []).append(ctx.keys[close].cpu())
                 return close
-            at = ctx.floor_at.get((kind, layer))
-            if at is None or at.numel() == 0:
-                return valid & False
             import torch
 
+            at = ctx.floor_at.get((kind, layer))
+            if at is None or at.numel() == 0:
+                return torch.zeros_like(valid)
             return valid & torch.isin(ctx.keys, at.to(ctx.keys.device))
 
         def pre(module: Any, args: tuple) -> tuple:
