@@ -155,6 +155,11 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
         raise ValueError(f"{pair.name}: {role} tokens have shape {tuple(tok.shape)}, expected ({case.n_tokens},) (or "
                          f"({case.n_tokens}, 1), (1, {case.n_tokens})): one "
                          "sampled token id per row of its logprobs, in case order (or tokens=None: the harness draws them)")
+    recorded = out.recorded if twin is None else twin.recorded
+    if recorded and out.logprobs.shape[1] != 2:
+        raise ValueError(f"{pair.name}: {role} logprobs have shape {tuple(out.logprobs.shape)}, but the rollout is a "
+                         f"recording (Outcome.recorded): both paths give ({case.n_tokens}, 2) two-outcome rows, column 0 "
+                         "the recorded token's log-probability and column 1 log(1 - p) (targets.hf.paths.two_outcome)")
     if out.routing is None:  # (no router: as the default, an empty dict)
         out.routing = {}
     if out.routing:
@@ -223,9 +228,17 @@ def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
           threshold: float = DEFAULT_THRESHOLD) -> Evaluation:
     """Metrics and verdict for two finished outcomes: a divergence when the mean k3 or the mean
     exact KL(rollout || trainer) is above the threshold (`Divergence.fired` says which)."""
-    div = with_routing(compare(trainer, rollout, case.seq_lens, rollout.tokens, case=case), trainer, rollout)
-    if getattr(rollout, "recorded", False):  # the tokens are the data, not a draw: judge their mean k3
-        div.k3_expected = math.nan
+    if getattr(rollout, "recorded", False):
+        # two-outcome rows (the sampled token in column 0, everything else in column 1): the metrics
+        # read column 0, the tables show the recorded ids
+        import torch
+
+        div = compare(trainer, rollout, case.seq_lens, torch.zeros(case.n_tokens, dtype=torch.int64), case=case)
+        div.per_token["token"] = rollout.tokens.detach().cpu().to(torch.int64).reshape(-1).numpy()
+        div.k3_expected = math.nan  # the tokens are the data, not a draw: judge their mean k3
+        div = with_routing(div, trainer, rollout)
+    else:
+        div = with_routing(compare(trainer, rollout, case.seq_lens, rollout.tokens, case=case), trainer, rollout)
     div.fired = fired(div, threshold)
     if div.nonfinite:
         symptom = Symptom.NONFINITE

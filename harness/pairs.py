@@ -92,9 +92,10 @@ class Outcome:
     tokens: Any = None  # (T,) int64 token ids the rollout sampled, where it samples
     routing: dict[str, Routing] = field(default_factory=dict)  # router layer name -> decisions
     intermediates: dict[str, Any] = field(default_factory=dict)  # named tensors, for triage
-    # the rollout's logprobs are a recording's per-token values (two-outcome rows: the sampled token
-    # and everything else), not its distribution: the verdict then reads the mean k3 of the recorded
-    # tokens (there is no expectation over a vocabulary to take) and the coarsened KL
+    # the rollout's logprobs are a recording's per-token values, not its distribution: (T, 2) rows of
+    # the two-outcome coarsening (column 0 the sampled token `tokens`, column 1 everything else), on
+    # both paths; the verdict then reads the mean k3 of the recorded tokens (there is no expectation
+    # over a vocabulary to take) and the coarsened KL
     recorded: bool = False
 
 
