@@ -7,9 +7,10 @@ log-probabilities `lr = log_softmax(3 * randn(T, V))` (entropy ~2-8 nats by V) a
 `lt = log_softmax(logits + 0.01 * randn)`, both fp32. `log_softmax` runs over `lr` (fp32 logits
 like any other: the same cost). Timed in alternating rounds, best of each: the log_softmax; compare
 with the tokens given (what a model pair's rollout returns); compare drawing the tokens (what an op
-pair gets: inverse CDF on the case's uniforms); and compare with both sides truncated to the
-rollout's top 50 and renormalised (-inf at the same places: what an aligned sampling pair hands
-over). Peak memory: the rise of the peak RSS (CPU,
+pair gets: inverse CDF on the case's uniforms); compare with the trainer alone truncated to the
+rollout's top 50 and renormalised (a truncation bug: rollout mass on tokens the trainer excludes,
+in every row); and with both sides truncated (-inf at the same places: what an aligned sampling
+pair hands over). Peak memory: the rise of the peak RSS (CPU,
 `ru_maxrss`) or of `torch.cuda.max_memory_allocated` (CUDA) over the inputs' footprint, for compare
 (first) and for the log_softmax (which allocates one (T, V) output). CPU times are the measuring
 process's CPU time (one torch thread by default: on shared cores that is what survives other
@@ -120,12 +121,17 @@ def measure_one(v: int, t: int, device: str, rounds: int, threads: int) -> dict:
     for _ in range(rounds):
         for k, fn in fns.items():
             best[k] = min(best[k], timed(fn))
-    # both sides truncated to the rollout's top 50 and renormalised, in place (an aligned sampling
-    # pair: -inf at the same places; the full tensors are no longer needed)
+    # the trainer truncated to the rollout's top 50 and renormalised, in place, the rollout full (a
+    # truncation bug: every row has rollout mass on tokens the trainer excludes), then the rollout
+    # truncated the same way (an aligned sampling pair: -inf at the same places)
     for a in range(0, t, step):
         cut = process_logits(lr[a:a + step], 1.0, top_k=50) == -math.inf  # (n, V)
-        lr[a:a + step] = torch.log_softmax(lr[a:a + step].masked_fill(cut, -math.inf), -1)
         lt[a:a + step] = torch.log_softmax(lt[a:a + step].masked_fill(cut, -math.inf), -1)
+    sync()
+    best["compare_cut"] = min(timed(lambda: compare(tr, ro, seq_lens, tokens)) for _ in range(rounds))
+    for a in range(0, t, step):
+        cut = lt[a:a + step] == -math.inf
+        lr[a:a + step] = torch.log_softmax(lr[a:a + step].masked_fill(cut, -math.inf), -1)
     best["compare_topk"] = min(timed(lambda: compare(tr, ro, seq_lens, tokens)) for _ in range(rounds))
     return {"vocab": v, "tokens": t, "device": device, "threads": torch.get_num_threads(),
             "seconds": best, "peak_bytes": {"compare": mem_compare, "log_softmax": mem_ls}}
@@ -168,14 +174,15 @@ def table(rows: list[dict]) -> str:
         return f"{max(b, 0) / (1 << 20):.0f}"
 
     out = ["| V | T | log_softmax ms | compare ms | x | compare + draw ms | x | top 50 both ms | x "
-           "| peak extra MiB: compare | log_softmax | one (T,V) fp32 |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| trainer cuts to top 50 ms | x | peak extra MiB: compare | log_softmax | one (T,V) fp32 |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, m = r["seconds"], r["peak_bytes"]
         ls = s["log_softmax"]
         out.append(f"| {r['vocab']} | {r['tokens']} | {ls * 1e3:.2f} | {s['compare'] * 1e3:.2f} | "
                    f"{s['compare'] / ls:.2f} | {s['compare_draw'] * 1e3:.2f} | {s['compare_draw'] / ls:.2f} | "
-                   f"{s['compare_topk'] * 1e3:.2f} | {s['compare_topk'] / ls:.2f} | {mb(m['compare'])} | "
+                   f"{s['compare_topk'] * 1e3:.2f} | {s['compare_topk'] / ls:.2f} | "
+                   f"{s['compare_cut'] * 1e3:.2f} | {s['compare_cut'] / ls:.2f} | {mb(m['compare'])} | "
                    f"{mb(m['log_softmax'])} | {mb(4 * r['tokens'] * r['vocab'])} |")
     return "\n".join(out)
 
@@ -208,7 +215,8 @@ def metrics_bench(vocabs: tuple[int, ...], tokens: tuple[int, ...], device: str,
         "`compare` (every metric: k3, exact KL, entropy, ... in float64 where it matters) against one "
         "`torch.log_softmax` over the same (T, V) fp32 tensor on the same device. Columns: tokens given "
         "(model pairs); tokens drawn by inverse CDF (op pairs); both sides truncated to the rollout's "
-        f"top 50 (-inf elsewhere, renormalised). Goal: compare <= {GOAL:g}x the log_softmax. Peak extra "
+        "top 50 (-inf elsewhere, renormalised: an aligned sampling pair); the trainer alone truncated "
+        "to it (a truncation bug: every row has rollout mass on tokens the trainer excludes). Goal: compare <= {GOAL:g}x the log_softmax. Peak extra "
         "memory is the rise over the inputs' footprint (compare measured first; the log_softmax "
         "allocates its (T, V) output).",
         "",

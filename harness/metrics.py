@@ -39,15 +39,18 @@ trainer scores in full (an engine's default top-k) gives KL = -log(kept mass), w
 
 How it is computed. On the outcomes' device, in chunks of rows, so memory stays a small multiple of
 one (T, V) fp32 tensor whatever T is (a chunk's float64 buffers hold at most `chunk_elems` elements
-each: five of them, six when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
-exp(logp_t) (numpy's exp on a CPU: `_exp`), d = logp_r - logp_t with a trainer -inf raised to -max (so an excluded token with
-rollout mass adds > 1e8), then five sums over the vocabulary per row (sum p*d, sum p*logp_r,
-sum p, sum p_t, and sum p_t where p > 0), from which the normalised KL, the expected k3
-((sum_{p>0} p_t - sum p + sum p*d) / sum p) and the entropy follow. A chunk whose log-probabilities
-are all above e^-650 on both sides (no -inf, NaN or tiny value: the common case) skips the
-thresholds and masks; its values are the same either way. Rows whose sums are not
-finite (NaN, +inf) or that hold an excluded token are recomputed with the masked definition,
-which also gives their excluded mass.
+each: six of them, seven when it draws tokens). Per chunk, in float64: p = exp(logp_r), p_t =
+exp(logp_t) (numpy's exp on a CPU: `_exp`), d = logp_r - logp_t, then five sums over the vocabulary
+per row (sum p*d, sum p*logp_r, sum p, sum p_t, and sum p_t where p > 0), from which the normalised
+KL, the expected k3 ((sum_{p>0} p_t - (sum p - excluded) + sum p*d) / sum p) and the entropy follow.
+A chunk whose log-probabilities are all above e^-650 on both sides (no -inf, NaN or tiny value: the
+common case) skips the thresholds and masks and the fifth sum (it is sum p_t there); its values are
+the same either way. Tokens the trainer excludes (logp_t at or below -650) where the rollout has
+mass enter d as +inf -> max, so such a row's sum p*d is above 1e8: only in a chunk with a row over
+1 are those terms masked out of sum p*d and their rollout mass summed on its own (the excluded
+mass), in place, for the price of three more passes over the chunk. Rows whose sums are still not
+finite (NaN, +inf) or that have no mass are recomputed with the masked definition (`_exact_rows`),
+which says which side is not a distribution.
 Each row is summed by one thread in a fixed order (every reduction has >= 2 outputs, so torch never
 splits a row across threads): a row's value does not depend on the chunk size, the other rows or the
 number of CPU threads, so a replay is bit-for-bit whatever thread count the campaign ran with.
@@ -88,10 +91,9 @@ CHUNK_ELEMS_DEVICE = 1 << 25
 # Those entries go into the exp as _EXP_FLOOR (fast) and come out as exactly 0 (p <= _P_ZERO).
 LOG_ZERO = -650.0
 _EXP_FLOOR = -700.0  # e^-700 ~ 1e-304
-_F64_MAX = 1.7976931348623157e308
-_KL_CHECK = 1.0  # a row's KL above this may hold a token the trainer excludes (see row_stats)
-_EXCLUDED_TERM = 1e8  # ... and the term p * d of such a token is >= e^-650 * max (~9e25)
 _P_ZERO = 1e-290  # between e^-700 and e^-650
+_F64_MAX = 1.7976931348623157e308
+_KL_CHECK = 1.0  # a row's first sum above this may hold a token the trainer excludes (see row_stats)
 
 TOKEN_SALT = "tokens"  # the stream the case's tokens are drawn from when the rollout returns none
 
@@ -355,18 +357,18 @@ def _exp(x: Any, out: Any) -> None:
 
 
 def _chunk_views(rows: int, v: int, n: int, draw: bool, dev: Any) -> tuple:
-    """The views of one chunk of n rows (of at most `rows`) into the workspace: the (n, 5, V) buffer,
-    its five (n, V) slots [d, logp_r, p_r, p_t, p_t on the support], and the (n, V) cumulative sums
-    (None without a draw). On a CPU they are made once per shape and reused: a small case's metrics
-    are a few dozen tensor calls, and making views is a sixth of them."""
-    ws = _workspace(rows * v * (6 if draw else 5), dev)  # a new CPU workspace empties the cache
+    """The views of one chunk of n rows (of at most `rows`) into the workspace: the (n, 6, V) buffer,
+    its six (n, V) slots [d, logp_r, p_r, p_t, p_t on the support, p_r where the trainer excludes],
+    and the (n, V) cumulative sums (None without a draw). On a CPU they are made once per shape and
+    reused: a small case's metrics are a few dozen tensor calls, and making views is a sixth of them."""
+    ws = _workspace(rows * v * (7 if draw else 6), dev)  # a new CPU workspace empties the cache
     cache = _LOCAL.views if dev.type == "cpu" else {}
     key = (rows, v, n, draw)
     if key not in cache:
         if len(cache) > 64:
             cache.clear()
-        x = ws[:5 * rows * v].view(rows, 5, v)[:n]
-        cache[key] = (x, *x.unbind(1), ws[5 * rows * v:].view(rows, v)[:n] if draw else None)
+        x = ws[:6 * rows * v].view(rows, 6, v)[:n]
+        cache[key] = (x, *x.unbind(1), ws[6 * rows * v:].view(rows, v)[:n] if draw else None)
     return cache[key]
 
 
@@ -391,18 +393,20 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
-    # per row: [d, logp_r, p_r, p_t, p_t where p_r > 0]; d and logp_r become p*d and p*logp_r, then
-    # one reduction sums them all (>= 4 outputs per row: one thread sums a row, in order)
+    # per row: [d, logp_r, p_r, p_t, p_t where p_r > 0, p_r where the trainer excludes]; d and logp_r
+    # become p*d and p*logp_r, then one reduction sums them all (>= 4 outputs per row: one thread
+    # sums a row, in order); a plain chunk needs only the first four
     # Small inputs (one chunk) that are the same tensor values on both sides (an aligned pair whose
     # paths agree bit for bit) skip the trainer's exp: p_t = p_r, d = 0, the same values either way.
     same = n_rows <= rows and trainer_lp.dtype == rollout_lp.dtype and bool(torch.equal(trainer_lp.to(dev), rollout_lp))
+    zero = torch.zeros((), dtype=f64, device=dev)
     sums, drawn, redone = [], [], []
     all_plain = True
     for a in range(0, n_rows, rows):
         b = min(a + rows, n_rows)
         n = b - a
         lr, lt = rollout_lp[a:b], trainer_lp[a:b].to(dev)  # (n, V) each, their own dtype
-        x, d, l, p, pt, pts, cbuf = _chunk_views(rows, v, n, uniforms is not None, dev)  # (n, 5, V), (n, V) each
+        x, d, l, p, pt, pts, ex, cbuf = _chunk_views(rows, v, n, uniforms is not None, dev)  # (n, 6, V), (n, V) each
         # Plain chunks (every log-probability on both sides above e^-650: no -inf, NaN or tiny
         # value) skip the thresholds; the values are the same either way (each step is elementwise).
         plain = float(lr.amin()) > LOG_ZERO and (same or float(lt.amin()) > LOG_ZERO)  # NaN: not plain
@@ -427,16 +431,19 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
         else:
             if not direct:
                 pt.copy_(lt)
+            if not plain:
+                # a trainer log-probability at or below e^-650 (log 0: -inf, or a finite -1e4 fill) becomes
+                # -inf, so d = +inf -> max there and p*d >= e^-650*max > 1e8 where the rollout has mass
+                torch.nn.functional.threshold_(pt, LOG_ZERO, -math.inf)
             torch.sub(src_r, src_t, out=d)  # logp_r - logp_t in float64
             if not plain:
-                # a trainer -inf gives d = +inf -> max, so that p*d >= e^-650*max > 1e8 where p > 0
                 d.clamp_(max=_F64_MAX)
                 torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
             _exp(src_t, pt)  # (n, V) p_t, for its normaliser
             if not plain:
                 torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
         if not plain:
-            torch.where(p > 0, pt, torch.zeros((), dtype=f64, device=dev), out=pts)  # p_t on the rollout's support
+            torch.where(p > 0, pt, zero, out=pts)  # p_t on the rollout's support
         d.mul_(p)  # p * (logp_r - logp_t)
         torch.mul(src_r, p, out=l)  # p * logp_r
         s = np.zeros((n, 6))
@@ -444,20 +451,20 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             s[:, 0:4] = x[:, :4].sum(-1).cpu().numpy()
             s[:, 5] = s[:, 3]
         else:  # ... and the sum of p_t where p > 0
-            s[:, [0, 1, 2, 3, 5]] = x.sum(-1).cpu().numpy()
-        # s[:, 4], the excluded mass, is 0 unless the row is redone below
+            s[:, [0, 1, 2, 3, 5]] = x[:, :5].sum(-1).cpu().numpy()
+            # A token the trainer excludes where the rollout has mass adds > 1e8 to its row's first sum
+            # (the rest of a KL sum is >= -1/e for distributions; overflow: +inf), so only a chunk with
+            # a row above 1 can hold one. There such tokens' terms leave that sum and their rollout mass
+            # gets its own (the other rows have no such token: their values stay the same).
+            if bool(((s[:, 0] > _KL_CHECK) & (s[:, 0] <= math.inf)).any()):
+                cut = pt == 0  # p_t is 0 exactly where the trainer excludes
+                torch.where(cut, p, zero, out=ex)
+                d.masked_fill_(cut, 0.0)
+                s[:, [0, 4]] = x[:, ::5].sum(-1).cpu().numpy()  # slots 0 and 5: sum p*d, the excluded mass
         sums.append(s)
         finite = np.isfinite(s).all(-1) & (s[:, 2] > 0)  # (n,)
-        # A token the trainer excludes (-inf) where the rollout has mass adds > 1e8 to a row's sum
-        # (the rest of a KL sum is >= -1/e for distributions): only rows above 1 can hold one.
-        check = finite & (s[:, 0] > _KL_CHECK)
-        if check.any():
-            i = torch.from_numpy(np.flatnonzero(check)).to(dev)
-            i = i[d[i].amax(-1) >= _EXCLUDED_TERM]  # such a token's own term p*d is > 1e8
-            if i.numel():
-                finite[_np(i)] = False
         all_finite = bool(finite.all())
-        if not all_finite:  # NaN or +inf, no mass, or excluded tokens: the masked definition
+        if not all_finite:  # NaN or +inf, or no mass: the masked definition
             i = torch.from_numpy(np.flatnonzero(~finite)).to(dev)
             redone.append((a + _np(i), *_exact_rows(lt[i], lr[i])))
             p[i] = torch.nan_to_num(p[i], nan=0.0, posinf=0.0, neginf=0.0)  # not a distribution

@@ -206,6 +206,28 @@ def test_mass_on_a_token_the_trainer_excludes_does_not_offset_a_truncation_elsew
     assert d.kl == math.inf and d.kl_excluded == 1.0
 
 
+@pytest.mark.parametrize("floor", [-math.inf, -700.0, -651.0])
+def test_a_trainer_row_at_log_zero_where_the_rollout_has_mass_is_infinite_kl(floor):
+    """A probability at or below e^-650 is 0, whether the trainer writes -inf or a finite -700 (a
+    masked fill with a large negative number, as engines do): such tokens are excluded on both
+    counts. A row with every token there had KL -inf when finite (the normaliser's log 0 entered the
+    KL with the wrong sign, under the threshold: a missed divergence); it is +inf, as for -inf."""
+    v = 30
+    g = torch.Generator().manual_seed(4)
+    rollout = torch.log_softmax(torch.randn(3, v, generator=g, dtype=torch.float64) * 2, -1)
+    trainer = rollout.clone()
+    trainer[1] = floor  # the trainer gives this position nothing
+    trainer[2, :10] = floor  # ... and these tokens nothing
+    d = compare(Outcome(logprobs=trainer), Outcome(logprobs=rollout), (3,), torch.tensor([0, 0, 20]))
+    kept = float(rollout[2, 10:].exp().sum())
+    assert d.per_token["kl"][1] == math.inf and d.per_token["kl"][0] == 0.0
+    assert d.per_token["kl"][2] == pytest.approx(-math.log(kept) + math.log(float(rollout[2, 10:].exp().sum())),
+                                                 abs=1e-12)  # renormalised over the kept tokens: the same shape
+    assert d.kl_excluded == pytest.approx((1.0 + 1.0 - kept) / 3, rel=1e-12)
+    assert d.kl == math.inf and fired(d, 1e-3)
+    assert d.nonfinite_trainer == 0  # log 0 is not a non-finite value
+
+
 def test_a_token_the_rollout_gives_no_mass_is_a_nonfinite_rollout():
     lr = torch.tensor([[0.0, -math.inf]])
     d = compare(Outcome(logprobs=lr.clone()), Outcome(logprobs=lr), (1,), torch.tensor([1]))
@@ -322,3 +344,23 @@ def test_a_rollout_that_samples_a_token_it_reports_at_log_zero_is_a_divergence_n
     d = ev.divergence
     assert d.nonfinite_rollout == 0 and d.k3_kl == math.inf and ev.symptom is Symptom.DIVERGENCE, d
     assert "the rollout sampled a token its own reported distribution gives probability 0" in headline(d, None)
+
+
+def test_a_row_with_excluded_tokens_leaves_its_chunk_neighbours_values_unchanged():
+    """Excluded tokens are masked out in place over the whole chunk that holds one: the other rows'
+    values must stay those they have alone (a row's value depends on no other row)."""
+    from harness.metrics import row_stats
+
+    g = torch.Generator().manual_seed(8)
+    x = 3 * torch.randn(6, 200, generator=g, dtype=torch.float64)
+    lr = torch.log_softmax(x, -1)
+    lt = torch.log_softmax(x + 0.05 * torch.randn(6, 200, generator=g, dtype=torch.float64), -1)
+    lt[1, :50] = -math.inf  # the trainer cuts these tokens
+    lt[4, 100:] = -1e4  # ... and these, with a finite fill
+    lt[2, :20], lr[2, :20] = -math.inf, -math.inf  # both cut alike: no excluded mass
+    together = row_stats(lt, lr)
+    assert together["excluded"][1] > 0 and together["excluded"][4] > 0 and together["excluded"][2] == 0
+    for r in range(6):
+        alone = row_stats(lt[r:r + 1], lr[r:r + 1])
+        for key in ("kl", "entropy", "excluded", "k3"):
+            assert together[key][r] == alone[key][0], (r, key)
