@@ -16,6 +16,9 @@ slime's samples (`Sample.tokens` = prompt + response, `response_length`) are rea
 `tokens` and `response_length` stand in for prompt/response. verl's batches are padded tensors:
 unpad them first (`prompts[i][attention_mask[i, :P] == 1]`, `responses[i][response_mask[i] == 1]`,
 `rollout_log_probs[i][response_mask[i] == 1]`, and `routed_experts` when router replay records them).
+Rows that look padded (a prompt starting with a run of a pad id; a response ending with a run, >= 2,
+of one id recorded at exactly 0.0 or exactly -1, what verl pads log-probs with) are scored as they
+are and named in one warning, with how to unpad.
 
 The trainer is a registered Hugging Face pair (`--pair NAME`, its trainer path and numerics) or a
 local checkpoint (`--model PATH`, float32 sdpa). Each sample becomes a case carrying the recording
@@ -30,14 +33,21 @@ written as repros (`corpora/<pair>/<id>.json`; the recording lives in the case: 
 the response cut to MAX_REPRO_TOKENS tokens in all, at least one response token, which leaves the scores
 of the tokens kept unchanged because the trainer is causal; a prompt is never cut, since that would
 change what every response token is conditioned on), a histogram of per-sample k3 (`k3_hist.png`), and an
-MLflow campaign run. Bad rows (missing fields, ragged lengths, non-finite log-probs, ids out of the
-vocabulary) are reported by line and field; the rest of the file is scored.
+MLflow campaign run. `flip_rate` and `tie_flip_rate` are empty in samples.csv for a sample that recorded
+no experts (n/a on the console, NaN in the batch when none did). Bad rows (missing fields, ragged
+lengths, non-finite log-probs, ids out of the vocabulary, malformed experts, a prompt + response longer
+than the model's `max_position_embeddings`, times its RoPE scaling factor where one extends it) are
+reported by line and field, with what to do; the rest of the file is scored. A checkpoint folder with
+no weight file, or a trainer that cannot be built, is one error before anything is scored. Progress:
+a bar on a terminal from PROGRESS_FROM samples on; elsewhere (a job's log) a plain line on stderr
+every PROGRESS_EVERY seconds.
 
 A sample is flagged by the case's own verdict: the mean k3 of its recorded tokens, or the KL of the
 two-outcome coarsening (a lower bound of the exact KL), above the threshold.
 
 Exit codes: 0 every sample scored and under the threshold, 1 some above it, 2 usage or input error
-(no file, no scorer, no valid row; or bad rows beside samples that were all under the threshold).
+(no file, no scorer, a checkpoint without weights, no valid row; or bad rows beside samples that were all
+under the threshold); 3 a flagged sample's repro could not be written.
 """
 
 from __future__ import annotations
@@ -58,7 +68,12 @@ from .case import finite_number
 from .errors import UsageError
 
 MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro keeps (a longer prompt: whole, + 1 response token)
-PROGRESS_FROM = 50  # show a progress bar from this many samples on
+PROGRESS_FROM = 50  # show a progress bar from this many samples on (on a terminal)
+PROGRESS_EVERY = 20.0  # seconds between plain progress lines when stderr is not a terminal (a job's log)
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what transformers loads a checkpoint folder's weights from
+# verl pads a batch's rollout_log_probs with 0.0 (its agent loop) or -1 (its vLLM rollout): a response
+# ending in a run of one id recorded at exactly one of these is a row that was not unpadded
+PAD_LOGPROBS = (0.0, -1.0)
 
 ALIASES = {
     "prompt": ("prompt_ids", "prompt_token_ids", "prompts"),
@@ -203,8 +218,39 @@ def _int_list(line: int, name: str, value: Any, vocab: int) -> list[int] | BadRo
     return out
 
 
-def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | None) -> Sample | BadRow:
-    """A validated sample, or the first thing wrong with the row (naming line and field)."""
+def position_limit(fields: dict) -> tuple[int, str] | None:
+    """(longest prompt + response the model's positions cover, how the config says so), from its
+    `max_position_embeddings` (`n_positions` in GPT-2-style configs) and, where a RoPE scaling extends
+    it, as vLLM counts it (`rope_scaling` or transformers 5's `rope_parameters`: the factor times the
+    table, yarn's times its `original_max_position_embeddings`; llama3 and longrope already state the
+    extended length); None when the config names no limit."""
+    name = "max_position_embeddings" if fields.get("max_position_embeddings") else "n_positions"
+    try:
+        table = int(fields.get(name) or 0)
+    except (TypeError, ValueError):
+        return None
+    if table <= 0:
+        return None
+    rope = fields.get("rope_scaling") or fields.get("rope_parameters")
+    if isinstance(rope, dict) and "factor" not in rope:  # (per layer type: {"full_attention": {...}, ...})
+        rope = next((v for v in rope.values() if isinstance(v, dict) and "factor" in v), rope)
+    if isinstance(rope, dict) and "factor" in rope:
+        kind = rope.get("rope_type", rope.get("type"))
+        try:
+            factor = float(rope["factor"])
+            base = int(rope.get("original_max_position_embeddings") or table) if kind == "yarn" else table
+        except (TypeError, ValueError):
+            factor, base = 1.0, table
+        if kind not in ("default", "su", "longrope", "llama3") and int(base * factor) > table:
+            return int(base * factor), (f"positions ({int(base * factor)}: {base} x its {kind} RoPE scaling factor "
+                                        f"{factor:g})")
+    return table, f"{name} ({table})"
+
+
+def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | None,
+                 positions: tuple[int, str] | None = None) -> Sample | BadRow:
+    """A validated sample, or the first thing wrong with the row (naming line and field). `positions`:
+    the model's `position_limit` (a longer prompt + response is a bad row)."""
     if "tokens" in row and "response_length" in row and _pick(row, "prompt")[0] is None:  # slime
         toks, rl = row["tokens"], row["response_length"]
         if hasattr(toks, "tolist"):
@@ -224,6 +270,18 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
     response = _int_list(line, got["response"][0], got["response"][1], vocab)
     if isinstance(response, BadRow):
         return response
+    if positions is not None and len(prompt) + len(response) > positions[0]:
+        limit, what = positions
+        why = ("positions past it are ones the model was never built for, so the trainer's log-probs there would say "
+               "nothing about the engine")
+        if len(prompt) >= limit:  # (no response token fits: a prompt is never cut)
+            return BadRow(line, got["prompt"][0], f"the prompt alone holds {len(prompt)} tokens, which leaves no "
+                          f"position for a response token within the model's {what}: {why}; drop the sample, or score "
+                          "it with a model made for longer sequences")
+        return BadRow(line, got["response"][0], f"{len(prompt)} prompt + {len(response)} response = "
+                      f"{len(prompt) + len(response)} tokens, longer than the model's {what}: {why}; cut the "
+                      f"response (and its log-probs and experts) to its first {limit - len(prompt)} token(s), or drop "
+                      "the sample")
     lname, lps = got["logprobs"]
     if hasattr(lps, "tolist"):
         lps = lps.tolist()
@@ -265,6 +323,33 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
     return Sample(line, str(sid) if sid is not None else str(line), prompt, response, logprobs, experts)
 
 
+def padding_hint(prompt: list[int], response: list[int], logprobs: list[float], pads: set[int]) -> str | None:
+    """What makes a row look like one of a verl batch that was not unpadded, or None: a prompt that
+    starts with a run (>= 2) of a pad id (`pads`: the config's pad_token_id, and the ids found padding
+    responses), or a response that ends with a run (>= 2) of one id whose recorded log-probs are all
+    exactly 0.0, or all exactly -1 (what verl pads rollout_log_probs with). A single certain last
+    token (log-prob 0.0), or a repeated one with real log-probs, is not flagged."""
+    parts = []
+    m = next((i for i, t in enumerate(prompt) if t != prompt[0]), len(prompt))
+    if m >= 2 and prompt[0] in pads:
+        parts.append(f"the prompt starts with {m} copies of token {prompt[0]}")
+    pad = _response_pad(response, logprobs)
+    if pad is not None:
+        parts.append(f"the response ends with {pad[1]} copies of token {pad[0]} recorded at log-prob {pad[2]!r}")
+    return "; ".join(parts) or None
+
+
+def _response_pad(response: list[int], logprobs: list[float]) -> tuple[int, int, float] | None:
+    """(id, run length, log-prob) of a response's trailing run (>= 2) of one id recorded at exactly one
+    of PAD_LOGPROBS (an EOS the pad id repeats, recorded at its own log-prob, is not counted)."""
+    if len(response) < 2 or logprobs[-1] not in PAD_LOGPROBS:
+        return None
+    tail, value, n = response[-1], logprobs[-1], 0
+    while n < len(response) and response[-1 - n] == tail and logprobs[-1 - n] == value:
+        n += 1
+    return (tail, n, float(value)) if n >= 2 else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Scoring
 # ---------------------------------------------------------------------------------------------
@@ -291,6 +376,7 @@ def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tu
         from targets.hf.backend import HFModel
 
         spec = HFModel.from_pretrained(model)
+        check_weights(spec)
         if replay and not spec.moe():
             raise UsageError(f"--replay: the model at {model} has no experts (a dense model), so there is no routing "
                              "to replay; leave --replay out.")
@@ -304,7 +390,21 @@ def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tu
     if replay and not prof.replay:
         raise UsageError(f"--replay: pair {pair_name!r} does not replay routing; use its `.replay` variant "
                          "or leave --replay out.")
+    check_weights(prof.model)  # (a pair made with a checkpoint folder)
     return pair, prof.model, {}
+
+
+def check_weights(spec: Any) -> None:
+    """A checkpoint folder with a config.json but no weight file: one UsageError before anything is
+    scored (transformers would raise the same OSError for every sample)."""
+    root = Path(getattr(spec, "path", "") or "")
+    if not getattr(spec, "path", "") or not root.is_dir() or any(next(root.glob(g), None) for g in WEIGHT_FILES):
+        return
+    held = sorted(q.name for q in root.iterdir())
+    raise UsageError(f"the checkpoint folder {str(root)!r} has a config.json but no weights (no *.safetensors or "
+                     f"pytorch_model*.bin file; it holds {', '.join(held[:6])}{', ...' if len(held) > 6 else ''}), so "
+                     "there is no trained model to score with and nothing was scored: copy the weight files that "
+                     "`model.save_pretrained(...)` wrote next to its config.json, or pass the folder that holds them.")
 
 
 def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None) -> tuple[Any, bool]:
@@ -379,6 +479,7 @@ def _batch_metrics(scored: list[Scored], np: Any) -> dict[str, float]:
     }
 
 
+FLIP_RATES = ("flip_rate", "tie_flip_rate")  # per sample: empty in samples.csv when it recorded no experts
 PER_SAMPLE = ("k3_kl", "kl", "log_ppl_diff", "ppl_ratio", "chi2_token", "max_abs_dlogp", "probs_diff_max",
               "flip_rate", "tie_flip_rate", "n_tokens")
 
@@ -395,6 +496,12 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
     pair, spec, extra = resolve_scorer(model, pair_name, replay)
     sampling = dict(sampling or {})
     vocab, moe = spec.vocab, spec.moe()
+    try:  # (a model's position table: a longer sample is a bad row, not scored past it)
+        fields = spec.fields()
+        positions = position_limit(fields)
+        pad_id = fields.get("pad_token_id")
+    except (OSError, ValueError, TypeError, AttributeError):
+        positions, pad_id = None, None
     total, rows = read_rows(path)
     res = ScoreResult(out_dir=out_dir)
     if tracker is not None:
@@ -405,7 +512,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
     def scored() -> None:
         def one(item: tuple[int, Any]) -> None:
             line, row = item
-            s = row if isinstance(row, BadRow) else parse_sample(line, row, vocab, moe)
+            s = row if isinstance(row, BadRow) else parse_sample(line, row, vocab, moe, positions)
             if isinstance(s, BadRow):
                 res.bad.append(s)
                 return
@@ -413,15 +520,30 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             ev = run_case(pair, case, device, threshold)
             if ev.divergence is None:
                 err = (ev.error or {}).get("message", ev.symptom.value)
+                if getattr(ev, "setup", False) and not res.scored:  # the trainer itself cannot run (a checkpoint
+                    # transformers cannot load, a pair's setting): once, not once per line
+                    raise UsageError(f"{err.rstrip('. ')}. (Raised scoring line {line}, the first sample the trainer "
+                                     "ran: no sample was scored.)")
                 res.bad.append(BadRow(line, "(scoring)", f"the trainer failed on this sample: {err}"))
                 return
             metrics = {k: v for k, v in ev.divergence.as_dict().items() if k in PER_SAMPLE}
             res.scored.append(Scored(s, metrics, ev, case))
 
-        if progress and total >= PROGRESS_FROM:
+        if progress and total >= PROGRESS_FROM and _interactive():
             with click.progressbar(rows, length=total, label=f"scoring {path.name}", file=sys.stderr) as bar:
                 for item in bar:
                     one(item)
+        elif progress and not _interactive():  # a job's log: a plain line every PROGRESS_EVERY seconds
+            last = first = time.monotonic()
+            for n, item in enumerate(rows, 1):
+                one(item)
+                now = time.monotonic()
+                first = now if n == 1 else first  # (the rate from the second row on: the first loads the model)
+                if now - last >= PROGRESS_EVERY:
+                    last = now
+                    log(f"scoring {path.name}: {n}/{total} rows ({min(100, 100 * n // max(total, 1))}%), "
+                        f"{len(res.scored)} scored, {len(res.bad)} bad, {now - t0:.0f} s"
+                        + (f", about {(now - first) / (n - 1) * (total - n):.0f} s left" if 1 < n < total else ""))
         else:
             for item in rows:
                 one(item)
@@ -429,17 +551,19 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             why = "; ".join(str(b) for b in res.bad[:5]) or "the file holds no samples"
             raise UsageError(f"no sample of {str(path)!r} could be scored: {why}.")
         res.batch = batch_metrics(res.scored)
-        try:  # (a model's position table: a longer sample is scored past what the model was made for)
-            max_pos = int(spec.fields().get("max_position_embeddings") or 0)
-        except (OSError, ValueError, TypeError, AttributeError):
-            max_pos = 0
-        long = [sc for sc in res.scored if max_pos and len(sc.sample.prompt) + len(sc.sample.response) > max_pos]
-        if long:
-            res.notes.append(f"{len(long)} sample(s) are longer than the model's max_position_embeddings ({max_pos}) ("
-                             + ", ".join(f"line {sc.sample.line}: {len(sc.sample.prompt) + len(sc.sample.response)} "
-                                         "tokens" for sc in long[:4])
-                             + "): the trainer scored them past the positions the model was made for, so their "
-                               "log-probs may say more about the model than about the engine")
+        # rows of a verl batch that was not unpadded: scored as they are, named once
+        pads = {pad_id} if isinstance(pad_id, int) and not isinstance(pad_id, bool) else set()
+        pads |= {p[0] for p in (_response_pad(sc.sample.response, sc.sample.logprobs) for sc in res.scored) if p}
+        padded = [(sc.sample.line, h) for sc in res.scored
+                  if (h := padding_hint(sc.sample.prompt, sc.sample.response, sc.sample.logprobs, pads))]
+        if padded:
+            res.notes.append(
+                f"warning: {len(padded)} line(s) look like rows of a verl batch that was not unpadded ("
+                + "; ".join(f"line {n}: {h}" for n, h in padded[:4]) + ("; ..." if len(padded) > 4 else "")
+                + "). They were scored as they are, padding included, which makes their metrics meaningless (a pad "
+                  "token the engine never sampled is one the trainer gives a low probability). Unpad verl batches "
+                  "before writing them: prompts[i][attention_mask[i, :P] == 1], responses[i][response_mask[i] == 1], "
+                  "rollout_log_probs[i][response_mask[i] == 1] (and routed_experts to prompt + response).")
         lines_of: dict[str, list[int]] = {}
         for sc in res.scored:
             lines_of.setdefault(str(sc.sample.id), []).append(sc.sample.line)
@@ -538,8 +662,8 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
         w.writerow(["line", "id", "prompt_tokens", "response_tokens", *PER_SAMPLE, "above_threshold"])
         for s in res.scored:
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
-                        *["" if k == "flip_rate" and not s.sample.experts else s.metrics[k] for k in PER_SAMPLE],
-                        s.evaluation.failed])  # (no recorded experts: no flip rate, as the console's n/a)
+                        *["" if k in FLIP_RATES and not s.sample.experts else s.metrics[k] for k in PER_SAMPLE],
+                        s.evaluation.failed])  # (no recorded experts: no flip rates, as the console's n/a)
     write_summary(res, source, threshold)
     plot_histogram([s.metrics["k3_kl"] for s in res.scored], threshold, out / "k3_hist.png")
 
@@ -613,6 +737,14 @@ def finish_tracking(tracker: Any, res: ScoreResult, threshold: float) -> None:
 # ---------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------
+def _interactive() -> bool:
+    """Whether stderr is a terminal (a progress bar), or a job's log (plain progress lines)."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # (a replaced or closed stream)
+        return False
+
+
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
@@ -715,7 +847,10 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
     for p in res.repros:
         click.echo(f"repro: {p}  (harness replay {p}{plug})")
     for n in res.notes:
-        click.echo(f"note: {n}")
+        if n.startswith("warning: "):  # (rows that look padded: on stderr, beside the bad rows)
+            click.echo(n, err=True)
+        else:
+            click.echo(f"note: {n}")
     click.echo(f"outputs: {res.out_dir}/ (samples.csv, summary.json, k3_hist.png)")
     if res.bad:
         click.echo(f"{len(res.bad)} bad row(s) were not scored (above, by line and field): fix or drop them; the exit "

@@ -361,7 +361,9 @@ def test_recorded_experts_that_differ_only_at_prompt_positions_count_as_flips(al
     assert res.batch["flip_rate"] == pytest.approx(flips[2] * routed[2] / sum(routed.values()), rel=1e-12)
 
 
-def test_a_sample_longer_than_the_models_positions_is_noted(aligned_file, tmp_path, monkeypatch):
+def test_a_sample_longer_than_the_models_positions_is_a_bad_row(aligned_file, tmp_path, monkeypatch):
+    """Positions past max_position_embeddings are ones the model was never built for: such a sample is
+    a bad row (line, field, why, how to fix), not scored."""
     import targets.hf.backend as backend
 
     fields = backend.HFModel.fields
@@ -371,5 +373,150 @@ def test_a_sample_longer_than_the_models_positions_is_noted(aligned_file, tmp_pa
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", progress=False, max_repros=0)
     n = [len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows]
-    [note] = [x for x in res.notes if "max_position_embeddings" in x]
-    assert f"{sum(k > 16 for k in n)} sample(s) are longer than the model's max_position_embeddings (16)" in note
+    long = [i + 1 for i, k in enumerate(n) if k > 16]
+    assert long and len(long) < len(rows), n  # (some rows too long, some not)
+    assert [b.line for b in res.bad] == long and {b.field for b in res.bad} == {"response_ids"}, res.bad
+    assert all("longer than the model's max_position_embeddings (16)" in b.message and "cut the response" in b.message
+               and "drop the sample" in b.message for b in res.bad), res.bad
+    assert sorted(s.sample.line for s in res.scored) == [i + 1 for i, k in enumerate(n) if k <= 16]
+    assert not any("max_position_embeddings" in x for x in res.notes)
+
+
+def test_parse_sample_checks_positions_and_rope_scaling_extends_them():
+    from harness.score import position_limit
+
+    row = {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "rollout_logprobs": [-0.1, -0.2]}
+    four = position_limit({"max_position_embeddings": 4})
+    got = parse_sample(4, row, 16, None, four)
+    assert isinstance(got, BadRow) and (got.line, got.field) == (4, "response_ids"), got
+    assert "3 prompt + 2 response = 5 tokens, longer than the model's max_position_embeddings (4)" in got.message
+    assert "to its first 1 token(s)" in got.message, got.message
+    assert not isinstance(parse_sample(4, row, 16, None, position_limit({"max_position_embeddings": 5})), BadRow)
+    got = parse_sample(5, {**row, "prompt_ids": [1, 2, 3, 4]}, 16, None, four)
+    assert isinstance(got, BadRow) and got.field == "prompt_ids" and "the prompt alone" in got.message, got
+    # RoPE scaling (vLLM's rule): yarn scales the original table, linear / dynamic the table itself
+    assert position_limit({"max_position_embeddings": 512})[0] == 512 and position_limit({}) is None
+    assert position_limit({"n_positions": 1024}) == (1024, "n_positions (1024)")  # (GPT-2-style configs)
+    assert position_limit({"max_position_embeddings": 40960, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}})[0] == 131072
+    assert position_limit({"max_position_embeddings": 100, "rope_parameters": {"type": "linear", "factor": 2}}) \
+        == (200, "positions (200: 100 x its linear RoPE scaling factor 2)")
+    assert position_limit({"max_position_embeddings": 100, "rope_parameters": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}})[0] == 100
+    assert position_limit({"max_position_embeddings": 8192, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}})[0] == 8192
+
+
+def _no_experts(aligned_file, n):
+    return [{k: v for k, v in json.loads(x).items() if k != "routed_experts"}
+            for x in aligned_file.read_text().splitlines()[:n]]
+
+
+def test_a_checkpoint_folder_without_weights_is_one_usage_error(aligned_file, tmp_path, harness_cli):
+    """config.json and no weight file: one error up front naming the folder and the fix, exit 2,
+    nothing scored (not the same OSError once per line)."""
+    ckpt = tmp_path / "ckpt"
+    base_model(HFModel.from_config(TINY["qwen3"], init_seed=5)).save_pretrained(ckpt)
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _no_experts(aligned_file, 4)))
+    weights = ckpt / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(b"\0" * 64)  # damaged weights: the trainer cannot be built, said once
+    with pytest.raises(UsageError) as e:
+        score(path, model=str(ckpt), corpus=tmp_path / "c", out_dir=tmp_path / "o1", progress=False)
+    assert str(e.value).count("cannot be built") == 1 and "line 2" not in str(e.value), e.value
+    assert not (tmp_path / "o1" / "samples.csv").exists()
+    weights.unlink()
+    code, out, err = harness_cli("score", str(path), "--model", str(ckpt), "--no-tracking", "--corpus",
+                                 str(tmp_path / "c"), "--out", str(tmp_path / "o"))
+    assert code == 2 and "Traceback" not in err and "bad row" not in err, err
+    assert err.count(f"the checkpoint folder {str(ckpt.resolve())!r} has a config.json but no weights") == 1, err
+    assert "save_pretrained" in err and "scored" not in out and not (tmp_path / "o" / "samples.csv").exists()
+    weights.write_bytes(good)  # (the check reads the folder as it is now)
+    assert len(score(path, model=str(ckpt), corpus=tmp_path / "c", progress=False).scored) == 4
+
+
+def test_rows_of_a_padded_verl_batch_are_scored_with_one_warning(aligned_file, tmp_path):
+    """verl pads responses on the right (ids: pad, log-probs: 0.0 from its agent loop, -1 from its
+    vLLM rollout) and prompts on the left: rows not unpadded are named once, with how to unpad."""
+    from harness.score import padding_hint
+
+    rows = _no_experts(aligned_file, 5)
+    pad = 0
+    rows[1] = {**rows[1], "response_ids": rows[1]["response_ids"] + [pad] * 5,
+               "rollout_logprobs": rows[1]["rollout_logprobs"] + [0.0] * 5}
+    rows[2] = {**rows[2], "prompt_ids": [pad] * 4 + rows[2]["prompt_ids"],
+               "response_ids": rows[2]["response_ids"] + [pad] * 3,
+               "rollout_logprobs": rows[2]["rollout_logprobs"] + [-1.0] * 3}
+    rows[3] = {**rows[3], "prompt_ids": [pad] * 4 + rows[3]["prompt_ids"]}  # a left-padded prompt, no right pad
+    # legitimate data: a repeated last token with real log-probs; one certain token (log-prob 0.0)
+    rows[4] = {**rows[4], "response_ids": rows[4]["response_ids"] + [7, 7, 9],
+               "rollout_logprobs": rows[4]["rollout_logprobs"] + [-0.3, -0.2, 0.0]}
+    rows[0] = {**rows[0], "response_ids": rows[0]["response_ids"] + [5, 5],
+               "rollout_logprobs": rows[0]["rollout_logprobs"] + [-0.0, -0.5]}
+    path = tmp_path / "padded.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", progress=False, max_repros=0)
+    assert len(res.scored) == 5 and not res.bad  # scored anyway: a warning, not a bad row
+    [note] = [n for n in res.notes if "not unpadded" in n]
+    assert note.startswith("warning: 3 line(s) look like rows of a verl batch that was not unpadded"), note
+    assert "line 2: the response ends with 5 copies of token 0 recorded at log-prob 0.0" in note, note
+    assert "line 3: the prompt starts with 4 copies of token 0" in note and "line 4: the prompt" in note, note
+    assert "line 1" not in note and "line 5" not in note and "response_mask" in note, note
+    # the rule on its own: a run of >= 2 identical trailing ids, every log-prob exactly 0.0 (or -1.0)
+    assert padding_hint([1], [4, 3, 3], [-0.1, 0.0, 0.0], set()) is not None
+    assert padding_hint([1], [4, 3, 3], [-0.1, -0.1, 0.0], set()) is None
+    assert padding_hint([1], [4, 3], [-0.1, 0.0], set()) is None  # (one token: a certain last token)
+    assert padding_hint([0, 0, 1], [4], [-0.1], {0}) is not None and padding_hint([0, 0, 1], [4], [-0.1], set()) is None
+
+
+def test_progress_outside_a_terminal_is_a_plain_line_now_and_then(aligned_file, tmp_path, monkeypatch):
+    """A job's log (stderr not a TTY) gets a plain progress line every PROGRESS_EVERY seconds; the
+    clock is not asserted on: the interval is set to 0, so every row prints one."""
+    import harness.score as sc
+
+    monkeypatch.setattr(sc, "PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(sc, "_interactive", lambda: False)
+    lines = []
+    res = score(aligned_file, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", progress=True,
+                log=lines.append)
+    assert len(res.scored) == 12
+    shown = [x for x in lines if x.startswith(f"scoring {aligned_file.name}: ")]
+    assert len(shown) == 12 and "12/12 rows (100%), 12 scored, 0 bad" in shown[-1], lines
+    lines.clear()
+    monkeypatch.setattr(sc, "PROGRESS_EVERY", 1e9)  # a short file under the interval: not a line
+    score(aligned_file, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", progress=True, log=lines.append)
+    assert not [x for x in lines if x.startswith("scoring ")], lines
+
+
+def test_samples_csv_gives_both_flip_rates_or_neither(aligned_file, tmp_path):
+    import csv
+
+    rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:2]]
+    rows[1] = {k: v for k, v in rows[1].items() if k != "routed_experts"}
+    path = tmp_path / "mixed_experts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", out_dir=tmp_path / "o", progress=False)
+    with (tmp_path / "o" / "samples.csv").open() as fh:
+        got = {int(r["line"]): (r["flip_rate"], r["tie_flip_rate"]) for r in csv.DictReader(fh)}
+    assert got[2] == ("", ""), got  # no experts recorded: neither rate (the console's n/a)
+    assert all(math.isfinite(float(v)) for v in got[1]), got
+
+
+def test_show_shortens_long_recorded_params_and_the_file_keeps_them(bf16_file, tmp_path):
+    from click.testing import CliRunner
+
+    from harness.cli import cli
+
+    res = score(bf16_file, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", progress=False, max_repros=1)
+    [path] = res.repros
+    before = path.read_text()
+    params = load_repro(path).case.params
+    lps = params["rec_logprobs"].split()
+    assert len(lps) > 8
+    got = CliRunner().invoke(cli, ["show", str(path)])
+    assert got.exit_code == 0, got.output
+    assert params["rec_logprobs"] not in got.output and lps[-1] in got.output and lps[0] in got.output
+    assert f"({len(lps)} items, {len(params['rec_logprobs'])} characters in the file)" in got.output, got.output
+    assert len(max(got.output.splitlines(), key=len)) < 2000
+    assert path.read_text() == before
