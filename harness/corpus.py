@@ -21,6 +21,8 @@ the test suite runs anyway). A module, or a file elsewhere, must be given with `
 Files are written atomically (temporary file `.<name>.<pid>.<rand>.tmp` in the same folder, fsync,
 rename) with the mode the umask gives new files: a campaign killed mid-write leaves the old file or
 the new one, never half of one, and the next write there removes temporary files of dead writers.
+A corpus file that does not load where a finding is to be written is never replaced: it is moved
+aside, unchanged, with a JSON sidecar saying what it was and why (`record_finding`, `move_aside`).
 Nothing is unpickled.
 """
 
@@ -617,8 +619,12 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
 
     An existing file is left as it is, except a `fixed` one, which is reopened: its status becomes
     `open` and the recurrence, with the new minimal case, is appended to its history. An existing
-    file that does not load (edited by hand, damaged) is never replaced silently: it is moved aside
-    to `<id>.json.broken-<time>` with a warning, and the new repro written in its place.
+    file that does not load (edited by hand, damaged) is never replaced silently: it is moved aside,
+    unchanged, to `<id>.json.broken-<time>` with a JSON sidecar `<id>.json.broken-<time>.why` (its
+    original path, when and why it was moved, what could be read of it) and one warning line saying
+    where it went and how to restore it (`move_aside`); the new repro written in its place starts
+    its history with the old file's history entries that could be read and an entry naming the
+    file aside, the reason and what was read of it (its `found`, `tracking`, status, signature).
 
     A divergence (or NaN/inf) signature says only which pair and which symptom: every divergence of
     a pair shares it. With `reproduces(case)` (whether a case fails now with the finding's symptom;
@@ -630,6 +636,17 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
     finding's case when that is smaller or fully shrunk; its status and history stay.
     """
     log = log or _stderr
+    moved: list[MovedAside] = []
+    try:
+        return _record_finding(finding, corpus_dir, threshold, campaign_seed, device, log, reproduces, moved)
+    finally:  # (also when the new repro could not be written: the old file was moved all the same)
+        for m in moved:
+            log(m.line(finding.path))
+
+
+def _record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_seed: int, device: str,
+                    log: Callable[[str], None], reproduces: Callable[[Case], bool] | None,
+                    moved: list["MovedAside"]) -> Path:
     base = getattr(finding, "base_signature", "") or finding.signature
     folder = Path(corpus_dir) / finding.pair
     path = folder / f"{finding.id}.json"
@@ -644,10 +661,9 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
             blocked = True
             log(f"warning: corpus file {path} is left as it is: {e}")
         except UsageError as e:
-            aside = path.with_name(f"{path.name}.broken-{_dt.datetime.now():%Y%m%dT%H%M%S}")
-            os.replace(path, aside)
-            log(f"warning: corpus file {path} does not load ({e}); it was moved aside to {aside} (its history is "
-                "there) and the new finding written in its place. Merge the two by hand if the old one mattered.")
+            m = move_aside(path, str(e), finding.signature)
+            if m is not None:
+                moved.append(m)
     if reproduces is not None and finding.symptom in (Symptom.DIVERGENCE, Symptom.NONFINITE):
         candidates += [(p, r) for p, r in _repros_of(folder) if p != path and r.base_signature == base]
         gone, edited = [], []
@@ -684,8 +700,125 @@ def record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_se
     elif blocked:  # (no way to tell whether it is the same bug: keep both)
         path = _own_signature(finding, base, folder)
     finding.new = True
-    finding_to_repro(finding, threshold, campaign_seed, device, corpus_dir).save(path)
+    repro = finding_to_repro(finding, threshold, campaign_seed, device, corpus_dir)
+    replaced = [m for m in moved if m.original == path]  # in the place of a file moved aside: what could
+    for m in replaced:  # be read of it goes on in the new repro's history
+        repro.history = m.carried_history() + repro.history
+    repro.save(path)
+    for m in replaced:
+        m.carried = True
     return path
+
+
+ASIDE_WHY = ".why"  # `<id>.json.broken-<time>.why`: the sidecar of a file moved aside (JSON; not `.json`,
+# so that replaying a folder, or the corpus test, never takes it for a repro)
+RECOVERED_FIELDS = ("id", "pair", "symptom", "signature", "base_signature", "status", "found", "tracking")
+RECOVERED_MAX_CHARS = 65536  # a recovered field larger than this (as JSON) stays in the file aside only
+
+
+@dataclass
+class MovedAside:
+    """A corpus file that did not load, moved aside (`move_aside`)."""
+    original: Path  # where it was
+    aside: Path  # where it is now: the file as it was, byte for byte
+    sidecar: Path  # `<aside>.why`: what it was and why it was moved (JSON)
+    reason: str  # why it did not load (the loader's message)
+    at: str  # when it was moved (ISO time, UTC)
+    recovered: dict[str, Any]  # what could still be read of it (`RECOVERED_FIELDS`, `history_entries`)
+    history: list[dict[str, Any]]  # its history entries that could be read (objects only)
+    carried: bool = False  # carried into the history of the new repro written at `original`
+
+    def carried_history(self) -> list[dict[str, Any]]:
+        """Its history, then one entry saying where it went and what was read of it."""
+        return [*self.history, {"at": self.at, "event": "took the place of a corrupted file",
+                                "moved_to": self.aside.name, "reason": self.reason, "recovered": self.recovered}]
+
+    def line(self, now_at: Any) -> str:
+        """The one line that tells a person where the file went and how to restore it."""
+        n = self.recovered.get("history_entries", 0)
+        read = ", ".join(k if k != "history_entries" else f"{n} history entr{'y' if n == 1 else 'ies'}"
+                         for k in self.recovered)
+        kept = ("nothing of it could be read as a repro's JSON object" if not read else
+                f"what could be read of it ({read}) is kept in the history of the new repro written there"
+                if self.carried else f"what could be read of it: {read}")
+        taken = "over the new repro now there, " if self.carried or str(now_at) == str(self.original) else ""
+        return (f"warning: corpus file {self.original} does not load ({self.reason}); it was moved aside, unchanged, "
+                f"to {self.aside} (what it was, when and why it was moved: {self.sidecar}; {kept}). To restore it, "
+                f"fix what the reason names in that file and `mv {self.aside} {self.original}` ({taken}merging the "
+                "two by hand if both matter).")
+
+
+def _readable_parts(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """What can still be read of a repro file that does not load: its identity, triage status, `found`
+    and `tracking` (each only if small and of its type) and its history entries that are objects.
+    JSON only, within the repro size limit; a file that is not a JSON object gives nothing."""
+    try:
+        if path.stat().st_size > LIMITS["bytes"].value():
+            return {}, []
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError, UsageError):  # (UnicodeDecodeError is a ValueError)
+        return {}, []
+    if not isinstance(data, dict):
+        return {}, []
+    recovered: dict[str, Any] = {}
+    for k in RECOVERED_FIELDS:
+        v = data.get(k)
+        kind = dict if k in ("found", "tracking") else str
+        if isinstance(v, kind) and v:
+            try:
+                fits = len(json.dumps(encode_tree(v), allow_nan=False)) <= RECOVERED_MAX_CHARS
+            except (ValueError, TypeError, RecursionError):
+                fits = False
+            if fits:
+                recovered[k] = encode_tree(v)
+    hist = data.get("history")
+    history = [encode_tree(h) for h in hist if isinstance(h, dict)] if isinstance(hist, list) else []
+    if history:
+        recovered["history_entries"] = len(history)
+    return recovered, history
+
+
+def move_aside(path: Path, reason: str, replaced_by: str = "") -> MovedAside | None:
+    """Move a corpus file that does not load out of the way of a new repro, losing nothing: the file,
+    unchanged, to `<id>.json.broken-<time>` (`-2`, `-3`, ... when that name is taken: never over another),
+    and beside it a JSON sidecar `<that>.why` with its original path, when and why it was moved, what
+    could be read of it and the signature of the finding written in its place (`replaced_by`). Its
+    contents are only parsed as JSON. None when the file is gone already (another process moved it)."""
+    stamp = _dt.datetime.now().strftime("%Y%m%dT%H%M%S")
+    recovered, history = _readable_parts(path)
+    for n in range(1, 10000):
+        aside = path.with_name(f"{path.name}.broken-{stamp}" + (f"-{n}" if n > 1 else ""))
+        sidecar = aside.with_name(aside.name + ASIDE_WHY)
+        if aside.exists():
+            continue
+        try:
+            with open(sidecar, "x"):  # claims the name (another process moving a file aside takes the next)
+                pass
+        except FileExistsError:
+            continue
+        break
+    else:  # (never in practice: ten thousand files of this id moved aside within one second)
+        raise OSError(f"no free name to move {path} aside to ({path.name}.broken-{stamp}-N are all taken)")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:  # moved by another process meanwhile: its line says where
+        sidecar.unlink(missing_ok=True)
+        return None
+    except BaseException:
+        sidecar.unlink(missing_ok=True)
+        raise
+    m = MovedAside(original=path, aside=aside, sidecar=sidecar, reason=reason, at=now_iso(), recovered=recovered,
+                   history=history)
+    why = {"what": "a corpus file that did not load, moved aside (unchanged) when a finding was written to its path",
+           "original_path": str(path), "moved_to": str(aside), "moved_at": m.at, "id": path.stem,
+           "pair": path.parent.name, "reason": reason, "replaced_by": replaced_by, "recovered": recovered,
+           "restore": f"fix what the reason names in {aside}, then `mv {aside} {path}` (over any repro written "
+                      "there since: merge the two by hand if both matter)"}
+    try:
+        write_json_atomic(sidecar, why)
+    except OSError as e:  # (the file is moved all the same: the line says where, and why)
+        m.reason = f"{reason}; its sidecar could not be written: {e.strerror or e}"
+    return m
 
 
 def _legacy_error_repro(finding: Any, folder: Path) -> tuple[Path, "Repro"] | None:

@@ -15,9 +15,14 @@ targets and shrinks, each finding is written to the corpus, then tracked. What a
 - an `aligned` pair with a new finding (or a recurrence of a `fixed` one) fails, with the pair, k3,
   minimal case and replay command; one whose findings are all already in the corpus (open,
   wontfix) is an expected failure (xfail), so a known bug does not fail every night;
-- a `diverges` pair (a demonstration) passes when caught; a demonstration not caught (MISSED),
-  one that crashed or gave non-finite output (BROKEN), and any pair that ran no case are reported
-  (a warning and the summary) without failing the run.
+- a `diverges` pair (a demonstration) passes when caught; one not caught (MISSED), and any pair
+  that ran no case, are reported (a warning and the summary) without failing the run; one whose
+  cases raised, crashed, hung or gave non-finite output (BROKEN) fails: a demonstration that
+  cannot run demonstrates nothing (as `harness gpucheck` fails it, and `harness fuzz` exits 1);
+- a pair that cannot run here (CANNOT RUN: its case raised a harness error) or whose first case
+  never came back (UNFINISHED) fails. What it raised is said once, in the item's failure: its
+  captured campaign log and the terminal table point there (`summary.md` and `summary.json` keep
+  the whole message).
 
 The controller (the only process without xdist) chooses the campaign seed, opens one MLflow
 campaign run and passes both to the workers (`workerinput`); workers log regression runs under that
@@ -45,7 +50,7 @@ DEFAULT_MAX_EXAMPLES = 100  # cases per pair without a profile (as `harness fuzz
 
 
 class HarnessFuzzWarning(UserWarning):
-    """A demonstration pair not caught, a broken pair, or a pair that ran no case."""
+    """A demonstration pair not caught, or a pair that ran no case."""
 
 
 class FuzzFailure(Exception):
@@ -368,7 +373,7 @@ class FuzzSession:
 
             self.executor = Executor(cfg)  # one worker process for all of this process's items
             self.executor.prepare(None)  # its start is not charged to the first item's budget
-        result = run_campaign(cfg, tracker=_FindingsOnly(outer), log=_log, on_finding=on_finding,
+        result = run_campaign(cfg, tracker=_FindingsOnly(outer), log=_item_log(pair.name), on_finding=on_finding,
                               executor=self.executor)
         if result.interrupted:
             raise KeyboardInterrupt
@@ -467,14 +472,14 @@ class FuzzSession:
 
             timeout = self.campaign_config([pair]).timeout_for(pair.name, getattr(pair, "timeout", None))
             raise FuzzFailure(f"{pair.name}: {unfinished_note(r, timeout)}\n  rerun: {rerun}")
+        if verdict == "BROKEN":  # a demonstration that cannot run demonstrates nothing (gpucheck fails it too)
+            raise FuzzFailure(f"{broken_message(pair.name, r, self)}\n  rerun: {rerun}")
         if verdict == "MISSED" and self.streams > 1:
             return  # one stream of a demonstration: the session summary judges the pair's streams together
-        if verdict in ("MISSED", "BROKEN", "not run"):
+        if verdict in ("MISSED", "not run"):
             from harness.fuzz import missed_hint
 
             why = {"MISSED": f"demonstration not caught ({missed_hint(r, self.threshold)})",
-                   "BROKEN": "demonstration pair crashed or gave non-finite output: "
-                             + "; ".join(_describe(f, self) for f in r.findings if f.symptom.value != "divergence"),
                    "not run": (f"it waited for the first case of {r.waited_for} (same module, same worker), which "
                                "never finished" if r.waited_for else "no case ran (the budget ran out first?)")}[verdict]
             warnings.warn(HarnessFuzzWarning(f"{pair.name}: {verdict}: {why}"), stacklevel=1)
@@ -533,6 +538,46 @@ def _campaign_run_id(tracker: Any) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
+
+
+# what a demonstration's case did instead of diverging, by symptom (`Symptom` values)
+_BROKE = {"error": "raised", "crash": "killed its worker process", "timeout": "hung past its timeout",
+          "nonfinite": "gave NaN/inf"}
+
+
+def broken_message(name: str, r: Any, session: FuzzSession) -> str:
+    """One paragraph for a BROKEN demonstration: what its cases did instead of diverging, each
+    finding with its minimal case and replay command, and what to do."""
+    bad = [f for f in r.findings if f.symptom.value != "divergence"]
+    caught = any(f.symptom.value == "divergence" for f in r.findings)
+    did = sorted({_BROKE.get(f.symptom.value, f.symptom.value) for f in bad})
+    listed = "; ".join(f"{f.symptom.value} {f.evaluation.headline} (finding {f.id}, "
+                       f"{'new' if f.new else 'already in the corpus'}; minimal case {f.case.one_line()}; "
+                       f"replay: {session.replay_command(f.path)})" for f in bad)
+    stopped = ""
+    if r.setup_error:
+        from harness.fuzz import setup_headline
+
+        stopped = f" It then stopped running: {setup_headline(r.setup_error)}"
+    return (f"demonstration pair {name} is BROKEN: it is registered expected='diverges', so its cases must run "
+            f"and be caught diverging, but " + ("besides the divergence it was caught on, " if caught else "")
+            + f"its cases {' or '.join(did)} ({r.examples} case(s) run): {listed}.{stopped} A demonstration that "
+            "cannot run demonstrates nothing, so this item fails; replay the repro to see what went wrong, fix "
+            "the pair (its build or paths) so that its cases run, and run it again.")
+
+
+def _item_log(name: str) -> Any:
+    """The campaign log of one item: a pair that cannot run says what it raised in its item's failure
+    (`FuzzSession.judge`), so its log line says where to look instead of saying it a second time."""
+    said = f"{name} cannot run here: "
+
+    def log(msg: str) -> None:
+        at = msg.find(said)
+        if at > 0 and ": CANNOT RUN (" in msg[:at]:
+            msg = msg[:at] + "this item's failure message says why"
+        _log(msg)
+
+    return log
 
 
 def _describe(f: Any, session: FuzzSession) -> str:
@@ -985,7 +1030,10 @@ def _found_before_the_stop(fs: FuzzSession, pair: str, known: set[str]) -> list[
     return found
 
 
-def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
+def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -> list[tuple]:
+    """The summary table's rows; `cannot_run`, where given, is what a CANNOT RUN pair's findings
+    column says instead of what it raised (said once elsewhere: the item's failure, or below the
+    table)."""
     rows = []
     for d in sorted(results, key=lambda d: d["pair"]):
         verdict = d["verdict"]
@@ -1000,7 +1048,8 @@ def _rows(fs: FuzzSession, results: list[dict]) -> list[tuple]:
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
         found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
                           + (" new" if f["new"] else "") for f in d["findings"]) or \
-            _setup_headline(d.get("setup_error", ""))
+            (cannot_run if cannot_run is not None and d.get("setup_error") and d["verdict"] == "CANNOT RUN"
+             else _setup_headline(d.get("setup_error", "")))
         found = "; ".join(x for x in (found, d.get("memory_note", "")) if x) or "-"
         rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), f"{rate:.1f}", _fmt(d.get("max_score", 0.0)),
                      _fmt(d["max_k3"]), d.get("worker", "main"), found))
@@ -1068,6 +1117,8 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
                                     for f in d["findings"] if f["new"] or f["recurrence"]],
         "missed_demonstrations": sorted(d["pair"] for d in results if d["verdict"] == "MISSED"),
         "cannot_run": sorted(d["pair"] for d in results if d["verdict"] == "CANNOT RUN"),
+        "broken_demonstrations": sorted(d["pair"] for d in results  # (their items failed)
+                                        if d["expected"] == "diverges" and d["verdict"].startswith("BROKEN")),
         "broken_plugins": _broken_plugins(),  # installed packages whose pairs were not fuzzed: not a pass
         "pairs": sorted(results, key=lambda d: d["pair"]),
     }
@@ -1075,7 +1126,7 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
 
     summary_path(fs, "json").write_text(json.dumps(encode_tree(summary), indent=2, default=str, allow_nan=False)
                                         + "\n")  # (strict JSON: an infinite max k3 is "inf")
-    rows = _rows(fs, results)
+    rows = _rows(fs, results, cannot_run="cannot run here: see below")
     md = [f"# harness fuzz: {len(results)} pair(s), {cases} cases, seed {fs.seed}", "",
           f"{fs.seed_origin}; profile {fs.profile_name or '-'}"
           + (f"; shard {fs.shard[0]}/{fs.shard[1]}" if fs.shard else "")
@@ -1108,7 +1159,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     results = config.stash[RESULTS_KEY]
     tr = terminalreporter
     tr.write_sep("=", "harness fuzz")
-    rows = [HEADER] + _rows(fs, results)
+    rows = [HEADER] + _rows(fs, results, cannot_run="cannot run here: its failure above says why")
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
     for r in rows:
         tr.write_line("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])

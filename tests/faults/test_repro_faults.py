@@ -366,8 +366,9 @@ def test_a_hand_broken_corpus_file_is_kept_aside_not_replaced(tmp_path, capsys):
                 evaluation=ev, examples=1)
     messages = []
     record_finding(f, corpus, 1e-3, 0, "cpu", log=messages.append)
-    [aside] = list(path.parent.glob(f"{path.name}.broken-*"))
+    [aside] = [p for p in path.parent.glob(f"{path.name}.broken-*") if not p.name.endswith(".why")]
     assert aside.read_text() == broken  # nothing lost
+    assert aside.with_name(aside.name + ".why").exists()  # with what it was and why (tests/faults/test_corpus_aside.py)
     assert load_repro(path).status == "expected"  # the new finding is in place
     assert f.new  # new to the corpus (announced as such), not "already in corpus"
     assert len(messages) == 1 and str(aside) in messages[0] and "status" in messages[0]
