@@ -399,7 +399,7 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     # Small inputs (one chunk) that are the same tensor values on both sides (an aligned pair whose
     # paths agree bit for bit) skip the trainer's exp: p_t = p_r, d = 0, the same values either way.
     same = n_rows <= rows and trainer_lp.dtype == rollout_lp.dtype and bool(torch.equal(trainer_lp.to(dev), rollout_lp))
-    zero = torch.zeros((), dtype=f64, device=dev)
+    zero = None  # a float64 0 on the device, made for the first chunk that masks
     sums, drawn, redone = [], [], []
     all_plain = True
     for a in range(0, n_rows, rows):
@@ -411,6 +411,8 @@ def row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
         # value) skip the thresholds; the values are the same either way (each step is elementwise).
         plain = float(lr.amin()) > LOG_ZERO and (same or float(lt.amin()) > LOG_ZERO)  # NaN: not plain
         all_plain = all_plain and plain
+        if not plain and zero is None:
+            zero = torch.zeros((), dtype=f64, device=dev)
         # float64 inputs in a plain chunk are read in place (every step below is elementwise, so the
         # values are those of the copies); otherwise they are copied into the buffer first
         direct = plain and lr.dtype == f64 and lt.dtype == f64
