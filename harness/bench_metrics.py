@@ -216,7 +216,7 @@ def metrics_bench(vocabs: tuple[int, ...], tokens: tuple[int, ...], device: str,
         "`torch.log_softmax` over the same (T, V) fp32 tensor on the same device. Columns: tokens given "
         "(model pairs); tokens drawn by inverse CDF (op pairs); both sides truncated to the rollout's "
         "top 50 (-inf elsewhere, renormalised: an aligned sampling pair); the trainer alone truncated "
-        "to it (a truncation bug: every row has rollout mass on tokens the trainer excludes). Goal: compare <= {GOAL:g}x the log_softmax. Peak extra "
+        f"to it (a truncation bug: every row has rollout mass on tokens the trainer excludes). Goal: compare <= {GOAL:g}x the log_softmax. Peak extra "
         "memory is the rise over the inputs' footprint (compare measured first; the log_softmax "
         "allocates its (T, V) output).",
         "",
