@@ -1352,13 +1352,14 @@ def _unsaved(f: Finding, err: Exception, cfg: CampaignConfig, seed: int, log: Ca
 
 def summary_table(result: CampaignResult) -> str:
     """One row per pair; *max judged* is the largest mean the verdict read (expected k3 or exact KL),
-    *max sampled k3* the largest sampled tokens' mean k3."""
+    *max sampled k3* the largest sampled tokens' mean k3. A pair that cannot run points to the error
+    line `harness fuzz` prints after the table (`setup_error`, said there once)."""
     rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max sampled k3", "findings")]
     for r in result.results:
         verdict = r.verdict + (f" ({r.time_note})" if r.time_note and not r.findings else "")
-        if r.setup_error and not r.findings:
+        if r.setup_error and not r.findings:  # (what it raised: once, in the error line after the table)
             rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", "-", "-",
-                         setup_headline(r.setup_error)))
+                         "cannot run here: see the error below"))
             continue
         rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_score:.3g}",
                      f"{r.max_k3:.3g}",

@@ -42,10 +42,14 @@ def test_fuzz_command_says_so_and_exits_2(tmp_path, harness_cli):
     rc, out, err = harness_cli("fuzz", "--plugin", FAULTS, "faults.setup_gone", "--max-examples", "10",
                                "--seed", "1", "--corpus", str(tmp_path / "corpus"), "--no-tracking")
     assert rc == 2, (out, err)
-    assert "CANNOT RUN" in out and "faults.setup_gone cannot run here" in out
+    assert "CANNOT RUN" in out and "faults.setup_gone" in out
     assert "error: faults.setup_gone cannot run here" in err and "Traceback" not in err
     assert "no case ran" not in err  # (it is not a budget that ended too soon)
     assert not (tmp_path / "corpus").exists() or not list((tmp_path / "corpus").rglob("*.json"))
+    # what it raised: in the progress line as it happens and in the error line at the end; the table
+    # points to the error line (it said it a third time)
+    assert (out + err).count("cannot run here: its case raised") == 2, (out, err)
+    assert "cannot run here: see the error below" in out
 
 
 def test_fuzz_command_with_a_finding_too_exits_1(tmp_path, harness_cli):
