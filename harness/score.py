@@ -66,6 +66,7 @@ import click
 
 from .case import finite_number
 from .errors import UsageError
+from .metrics import LOG_ZERO
 
 MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro keeps (a longer prompt: whole, + 1 response token)
 PROGRESS_FROM = 50  # show a progress bar from this many samples on (on a terminal)
@@ -832,7 +833,12 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         click.echo(f"{len(res.flagged)} sample(s) above the threshold {threshold:g}:")
         for s in res.flagged[:10]:
             head = s.evaluation.headline
-            if head == "k3=inf":  # (a recording: no expected k3 to say which side gives the token probability 0)
+            low = min(s.sample.logprobs, default=0.0)
+            if head == "k3=inf" and low <= LOG_ZERO:  # (the recording, not the trainer, gives a sampled token 0)
+                head = (f"k3=inf (the recording gives a token the engine sampled log-probability {low:.3g}, probability "
+                        "0: the engine reports another distribution than it samples from, or wrote a fill value "
+                        "there)")
+            elif head == "k3=inf":  # (a recording: no expected k3 to say which side gives the token probability 0)
                 head = ("k3=inf (a recorded token the trainer gives probability 0: it cuts tokens the engine kept; "
                         "check --top-p / --top-k / --temperature against the engine's sampling settings)")
             click.echo(f"  line {s.sample.line} (id {s.sample.id}): {head}"

@@ -427,7 +427,8 @@ def _gather(rec: _Recorder, out: Any) -> PathCapture:
     for per_call in fitted:
         for name, got in per_call.items():
             if got is not None:
-                bad = int((~torch.isfinite(got[0])).any(-1).sum())
+                # NaN or +inf: -inf is log 0 (a top-k/top-p cut, a masked logit), not a non-finite value
+                bad = int((torch.isnan(got[0]) | torch.isposinf(got[0])).any(-1).sum())
                 if bad:
                     nonfinite[name] = nonfinite.get(name, 0) + bad
     finite_rows = int((torch.isfinite(target).sum(-1) >= 3).sum())  # rows a position can be tied to

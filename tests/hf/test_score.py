@@ -291,6 +291,22 @@ def test_without_recorded_experts_the_cli_says_flip_rate_n_a(aligned_file, tmp_p
     assert len(list((tmp_path / "reports" / "score").glob("no_experts.jsonl-*"))) == 2 and folder.exists()
 
 
+def test_a_recorded_log_prob_of_zero_probability_is_blamed_on_the_recording(aligned_file, tmp_path, harness_cli):
+    """k3 = inf where the *recording* gives its own sampled token probability 0 (-1e30: a fill value,
+    or an engine reporting another distribution than it samples): the line says so, not that the
+    trainer cuts tokens the engine kept (the other way round)."""
+    rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:2]]
+    rows[1]["rollout_logprobs"] = [-1e30] + rows[1]["rollout_logprobs"][1:]
+    path = tmp_path / "zero.jsonl"
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "routed_experts"}) + "\n" for r in rows))
+    code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking", "--corpus",
+                                 str(tmp_path / "c"), "--max-repros", "0", cwd=tmp_path)
+    assert code == 1, (out, err)
+    [line] = [x for x in out.splitlines() if x.strip().startswith("line 2 ")]
+    assert "the recording gives a token the engine sampled log-probability -1e+30" in line, line
+    assert "trainer gives probability 0" not in line, line
+
+
 def test_a_long_recorded_sample_fits_a_repro_and_outputs_survive_a_repro_that_fails(bf16_file, tmp_path, monkeypatch):
     # 1000 recorded tokens: ~25 characters of log-prob each, far above the old 1024-character limit
     import random

@@ -474,3 +474,30 @@ def test_a_module_both_paths_run_but_one_cannot_tie_to_token_rows_is_not_called_
     assert not any("only the trainer runs" in n and "blocks.1," in n + "," for n in t.notes), t.notes
     assert any("module(s) both paths run are not in it, the rollout's outputs of them not being tied" in n
                and "blocks.1" in n for n in t.notes), t.notes
+
+
+def test_a_deliberate_minus_inf_cut_is_log_zero_not_a_module_with_nan_or_inf():
+    """A rollout head that keeps its 5 largest logits (-inf elsewhere: an engine's default top-k) is
+    a divergence, not a non-finite finding: its -inf is log 0, not a non-finite value (triage had
+    named it the "first module with NaN/inf")."""
+    import copy
+
+    import torch
+
+    class TopKHead(torch.nn.Linear):
+        def forward(self, x):
+            y = super().forward(x)
+            return y.masked_fill(y < y.topk(5, -1).values[..., -1:], float("-inf"))
+
+    base = REGISTRY.get("planted.tiny_lm.aligned")
+    tiny = base.build(Case(seed=0, seq_lens=(1,)), "cpu")["modules"]["trainer"]
+    buggy = copy.deepcopy(tiny)
+    buggy.head.__class__ = TopKHead
+    name = "planted.tiny_lm.head_topk_test"
+    if name not in REGISTRY:
+        from harness import register
+
+        register(base.build.__globals__["tiny_pair"](name, "diverges", buggy, "the rollout's head keeps its top 5"))
+    t = triage(made_repro(name, Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
+    assert t.nonfinite is None, t.nonfinite
+    assert "NaN" not in t.verdict and t.verdict.startswith("expected k3 "), t.verdict
