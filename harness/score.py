@@ -40,7 +40,8 @@ than the model's `max_position_embeddings`, times its RoPE scaling factor where 
 reported by line and field, with what to do; the rest of the file is scored. A checkpoint folder with
 no weight file, or a trainer that cannot be built, is one error before anything is scored. Progress:
 a bar on a terminal from PROGRESS_FROM samples on; elsewhere (a job's log) a plain line on stderr
-every PROGRESS_EVERY seconds.
+every PROGRESS_EVERY seconds. Ctrl-C or SIGTERM writes the samples scored so far (no repro), then
+exits 130.
 
 A sample is flagged by the case's own verdict: the mean k3 of its recorded tokens, or the KL of the
 two-outcome coarsening (a lower bound of the exact KL), above the threshold.
@@ -530,24 +531,35 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             metrics = {k: v for k, v in ev.divergence.as_dict().items() if k in PER_SAMPLE}
             res.scored.append(Scored(s, metrics, ev, case))
 
-        if progress and total >= PROGRESS_FROM and _interactive():
-            with click.progressbar(rows, length=total, label=f"scoring {path.name}", file=sys.stderr) as bar:
-                for item in bar:
+        stopped = False
+        try:
+            if progress and total >= PROGRESS_FROM and _interactive():
+                with click.progressbar(rows, length=total, label=f"scoring {path.name}", file=sys.stderr) as bar:
+                    for item in bar:
+                        one(item)
+            elif progress and not _interactive():  # a job's log: a plain line every PROGRESS_EVERY seconds
+                last = first = time.monotonic()
+                for n, item in enumerate(rows, 1):
                     one(item)
-        elif progress and not _interactive():  # a job's log: a plain line every PROGRESS_EVERY seconds
-            last = first = time.monotonic()
-            for n, item in enumerate(rows, 1):
-                one(item)
-                now = time.monotonic()
-                first = now if n == 1 else first  # (the rate from the second row on: the first loads the model)
-                if now - last >= PROGRESS_EVERY:
-                    last = now
-                    log(f"scoring {path.name}: {n}/{total} rows ({min(100, 100 * n // max(total, 1))}%), "
-                        f"{len(res.scored)} scored, {len(res.bad)} bad, {now - t0:.0f} s"
-                        + (f", about {(now - first) / (n - 1) * (total - n):.0f} s left" if 1 < n < total else ""))
-        else:
-            for item in rows:
-                one(item)
+                    now = time.monotonic()
+                    first = now if n == 1 else first  # (the rate from the second row on: the first loads the model)
+                    if now - last >= PROGRESS_EVERY:
+                        last = now
+                        log(f"scoring {path.name}: {n}/{total} rows ({min(100, 100 * n // max(total, 1))}%), "
+                            f"{len(res.scored)} scored, {len(res.bad)} bad, {now - t0:.0f} s"
+                            + (f", about {(now - first) / (n - 1) * (total - n):.0f} s left" if 1 < n < total else ""))
+            else:
+                for item in rows:
+                    one(item)
+        except KeyboardInterrupt:  # Ctrl-C / SIGTERM: what was scored so far is written, then the interrupt goes on
+            if not res.scored:
+                raise
+            stopped = True
+            if out_dir is not None:
+                log(f"interrupted: the {len(res.scored)} sample(s) scored so far go to {out_dir}/ (samples.csv, "
+                    "summary.json); no repro is written")
+            res.notes.append(f"interrupted after {len(res.scored)} scored sample(s) ({len(res.scored) + len(res.bad)} of "
+                             f"{total} row(s) read): the outputs hold those; no repro was written")
         if not res.scored:
             why = "; ".join(str(b) for b in res.bad[:5]) or "the file holds no samples"
             raise UsageError(f"no sample of {str(path)!r} could be scored: {why}.")
@@ -597,6 +609,8 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                       "into the trainer: check how the engine records them, or score with --replay to see the effect.")
         if out_dir is not None:  # first: what was scored is never lost to a repro that cannot be written
             write_outputs(res, path, threshold)
+        if stopped:  # (the campaign run ends KILLED below; the command exits 130)
+            raise KeyboardInterrupt
         for s in res.flagged[:max_repros]:
             try:
                 p = write_repro(s, pair, extra, sampling, path, threshold, device, corpus, len(res.scored), tracker, res)
@@ -814,6 +828,9 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
             raise UsageError(f"the output folder {str(out)!r} cannot be made ({e.strerror or e}); pass --out with a "
                              "folder you can write.") from None
         tracker = make_tracker(tracking_uri, enabled=not no_tracking)
+        from .cli import terminate_like_ctrl_c
+
+        terminate_like_ctrl_c()  # SIGTERM (CI timeouts, Slurm) as Ctrl-C: what was scored is written, exit 130
         res = score(file, model=model, pair_name=pair_name, replay=replay, threshold=threshold, device=device,
                     corpus=corpus_dir, out_dir=out, max_repros=max_repros,
                     sampling={"temperature": temperature, "top_p": top_p, "sample_top_k": top_k}, tracker=tracker)

@@ -536,3 +536,26 @@ def test_show_shortens_long_recorded_params_and_the_file_keeps_them(bf16_file, t
     assert f"({len(lps)} items, {len(params['rec_logprobs'])} characters in the file)" in got.output, got.output
     assert len(max(got.output.splitlines(), key=len)) < 2000
     assert path.read_text() == before
+
+
+def test_an_interrupt_writes_what_was_scored_then_goes_on(aligned_file, tmp_path, monkeypatch):
+    """Ctrl-C (and SIGTERM, which the command turns into one) after two samples: samples.csv and
+    summary.json hold those two, then the interrupt goes on (the command exits 130)."""
+    import harness.execute as ex
+
+    real, calls = ex.run_case, []
+
+    def interrupted_third(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(ex, "run_case", interrupted_third)  # (score imports it from there at each call)
+    with pytest.raises(KeyboardInterrupt):
+        score(aligned_file, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", out_dir=tmp_path / "o",
+              progress=False)
+    rows = (tmp_path / "o" / "samples.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2, rows
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert any(n.startswith("interrupted after 2 scored sample(s)") for n in summary["notes"]), summary["notes"]
