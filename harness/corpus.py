@@ -585,8 +585,8 @@ def weights_note(repro: "Repro", registry: Any = None) -> str:
     if not now or now == then:
         return ""
     return (f"pair {repro.pair} now runs other weights than this repro was recorded with (fingerprint {then} then, "
-            f"{now} now: its checkpoint was overwritten?), so its values differ for that reason alone; restore "
-            "those weights to judge the repro")
+            f"{now} now: its checkpoint was overwritten, or the config it is built from changed?), so its values "
+            "differ for that reason alone; restore those weights to judge the repro")
 
 
 def found_json(finding: Any, campaign_seed: int) -> dict[str, Any]:

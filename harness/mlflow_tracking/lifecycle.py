@@ -373,6 +373,10 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> None:
                  f"still fails: {ev.symptom.value}, {ev.headline}")  # a crash, a hang, an error: no threshold
         raise UsageError(f"regression {repro.id} ({repro.pair}) {still} (`{repro.replay_command()}`). Fix "
                          "it first and close it from the fixed checkout, or close it as --status wontfix.")
+    if getattr(result, "weights", ""):  # clean, but on other weights: that says nothing of the fix
+        raise UsageError(f"regression {repro.id} replays clean here, but {result.weights}. A clean replay on other "
+                         "weights does not show the bug is fixed: close it where the pair runs the weights it was "
+                         "recorded with, or as --status wontfix.")
 
 
 def close_regression(ident: str, status: str, note: str, uri: str | None = None,

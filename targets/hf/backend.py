@@ -244,9 +244,10 @@ class HFModel:
         """16 hex digits naming a checkpoint directory's weights, for telling later whether the folder
         at this path still holds the same model: config.json, and each weight file's name, size and
         first and last MiB (reading every byte of a multi-GB checkpoint would cost more than scoring).
-        "" for a config-built model (its init seed names it)."""
+        For a config-built model, the hash of its config, init and init seed (its `key`): a repro of a
+        pair whose config was changed under the same name says so at replay, as for a checkpoint."""
         if not self.path:
-            return ""
+            return self.key.split(":", 1)[-1]
         root = Path(self.path)
         files = sorted(q for q in root.iterdir() if q.name == "config.json"
                        or q.suffix in (".safetensors", ".bin", ".pt", ".pth"))

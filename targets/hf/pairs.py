@@ -140,7 +140,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     return TargetPair(
         name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
         axes=axes, devices=devices, description=desc,
-        weights=spec.fingerprint if spec.path else None,  # (a checkpoint folder; a config's weights come from its seed)
+        weights=spec.fingerprint,  # (a checkpoint folder's files; a config-built model's config, init and seed)
         profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=labels(trainer, rollout),
                             make=remake, model=spec, replay=replay),
     )

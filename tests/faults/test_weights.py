@@ -60,7 +60,35 @@ def test_an_hf_pair_on_a_checkpoint_names_its_weights(tmp_path):
     ckpt = tmp_path / "ckpt"
     base_model(HFModel.from_config(TINY["qwen3_moe"], init_seed=5)).save_pretrained(ckpt)
     assert hf_pair("test.weights.ckpt", str(ckpt), FP32, FP32).weights() == HFModel.from_pretrained(ckpt).fingerprint()
-    assert hf_pair("test.weights.config", TINY["qwen3_moe"], FP32, FP32).weights is None  # its init seed names it
+    # a config-built model: its config, init and seed name it, so a config changed under the same pair
+    # name is other weights too (a repro of it replayed "now clean" and could be closed as fixed)
+    config = hf_pair("test.weights.config", TINY["qwen3_moe"], FP32, FP32).weights()
+    assert config == HFModel.from_config(TINY["qwen3_moe"]).fingerprint() and config
+    deeper = {**TINY["qwen3_moe"], "num_hidden_layers": TINY["qwen3_moe"]["num_hidden_layers"] + 1}
+    assert hf_pair("test.weights.config", deeper, FP32, FP32).weights() != config
+    assert hf_pair("test.weights.config", HFModel.from_config(TINY["qwen3_moe"], init_seed=1), FP32,
+                   FP32).weights() != config
+
+
+def test_a_repro_clean_only_on_other_weights_cannot_be_closed_as_fixed(tmp_path, harness_cli, monkeypatch):
+    import pytest
+
+    from harness.corpus import load_repro
+    from harness.errors import UsageError
+    from harness.mlflow_tracking.lifecycle import verify_fixed
+
+    plugin, weights = tmp_path / "weighted.py", tmp_path / "weights.txt"
+    plugin.write_text(PLUGIN.replace("weighted.engine", "weighted.close"))
+    weights.write_text("0.5")
+    env = {"WEIGHTS_FILE": str(weights)}
+    rc, out, err = harness_cli("fuzz", "--plugin", str(plugin), "weighted.close", "--max-examples", "5", "--seed", "1",
+                               "--corpus", str(tmp_path / "corpus"), "--no-tracking", cwd=tmp_path, env=env)
+    assert rc == 1, (out, err)
+    [path] = (tmp_path / "corpus").rglob("*.json")
+    weights.write_text("1.0")  # clean now, but only because the weights changed
+    monkeypatch.setenv("WEIGHTS_FILE", str(weights))
+    with pytest.raises(UsageError, match="replays clean here, but pair weighted.close now runs other weights"):
+        verify_fixed(load_repro(path), (str(plugin),))
 
 
 def test_an_hf_pair_on_a_dense_model_that_differs_only_in_moe_components_is_refused():
