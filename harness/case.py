@@ -57,6 +57,18 @@ def _fail(name: str, value: Any, rule: str) -> None:
     raise CaseError(f"case field '{name}' = {value!r} is invalid: {rule}.")
 
 
+
+def brief_value(value: Any, limit: int = 120) -> Any:
+    """A string param longer than `limit` characters (a recorded sample's params hold thousands of
+    numbers) as its first 4 and last 2 items and its counts, for display; any other value as it is."""
+    text = str(value)
+    if not isinstance(value, str) or len(text) <= limit:
+        return value
+    items = text.split()
+    if len(items) > 8:
+        return f"{' '.join(items[:4])} ... {' '.join(items[-2:])} ({len(items)} items, {len(text)} characters in the file)"
+    return f"{text[:60]}...{text[-20:]} ({len(text)} characters in the file)"
+
 @dataclass(frozen=True)
 class Case:
     # --- identity -----------------------------------------------------------------------------
@@ -272,9 +284,10 @@ class Case:
         # the field values as `==` compares them (1 == 1.0, and so are their hashes; `key()`'s JSON is not)
         return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in vars(self).values()))
 
-    def one_line(self) -> str:
+    def one_line(self, brief: bool = False) -> str:
         """The case in one line, only the fields that differ from the defaults (`seq_ids` too: the
-        sequences' streams, which every tensor is drawn from)."""
+        sequences' streams, which every tensor is drawn from). `brief`: long string params (a
+        recorded sample's thousands of numbers) cut by `brief_value`, for notes a person reads."""
         default = Case(seed=0)
         parts = [f"seed={self.seed}", f"seq_lens={list(self.seq_lens)}"]
         for f in dataclasses.fields(self):
@@ -282,6 +295,8 @@ class Case:
                 continue
             value = getattr(self, f.name)
             if value != getattr(default, f.name):
+                if brief and f.name == "params":
+                    value = {k: brief_value(v) for k, v in value.items()}
                 parts.append(f"{f.name}={list(value) if isinstance(value, tuple) else value!r}")
         return " ".join(parts)
 

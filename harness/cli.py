@@ -538,17 +538,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     click.echo("\ncase (the recorded sample):" if rec else "\ncase (edited by hand since it was recorded):"
                if r.case_edited else "\ncase (shrinking cut short: not minimal yet):"
                if found.get("shrink_complete", True) is False else "\ncase (minimal):")
-    from .case import Case
-
-    def brief(value: Any) -> Any:  # (a recorded sample's params hold thousands of numbers: shown cut, kept whole)
-        text = str(value)
-        if not isinstance(value, str) or len(text) <= 120:
-            return value
-        items = text.split()
-        if len(items) > 8:
-            return (f"{' '.join(items[:4])} ... {' '.join(items[-2:])} ({len(items)} items, {len(text)} characters "
-                    "in the file)")
-        return f"{text[:60]}...{text[-20:]} ({len(text)} characters in the file)"
+    from .case import Case, brief_value
 
     defaults = Case(seed=0).to_json()
     at_default = []
@@ -556,7 +546,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         if k == "schema":
             continue
         if k == "params" and isinstance(v, dict):
-            v = {pk: brief(pv) for pk, pv in v.items()}
+            v = {pk: brief_value(pv) for pk, pv in v.items()}  # (shown cut, kept whole in the file)
         if k in ("seed", "seq_lens") or v != defaults.get(k):
             click.echo(f"  {k:13s} {v}")
         else:

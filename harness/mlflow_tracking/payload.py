@@ -195,7 +195,7 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
         "threshold": threshold,
         "seen_at": now_iso(),
         "case": case.to_json(),
-        "case_line": case.one_line(),
+        "case_line": case.one_line(brief=True),  # (a recording's params cut: the note stays under MLflow's limit)
         "metrics": metrics,
         "flips_per_layer": (div.flips_per_layer if div is not None else {}),
         "error": {k: v for k, v in (ev.error or {}).items() if k != "traceback"} or None,

@@ -158,3 +158,18 @@ def test_cases_hash_like_they_compare_params_included():
     assert a == b and hash(a) == hash(b) and len({a, b, Case(seed=1, params={"tie_layer": 2})}) == 2
     c, d = Case(seed=0, temperature=1, params={"x": 1}), Case(seed=0, temperature=1.0, params={"x": 1.0})
     assert c == d and hash(c) == hash(d)  # equal as == says (1 == 1.0), so equal hashes
+
+
+def test_one_line_brief_cuts_a_recordings_long_params_for_notes_and_keeps_them_otherwise():
+    """A recorded sample's params hold thousands of numbers: the MLflow note's minimal case (and
+    `show`) cut them, so the note stays under MLflow's 8000-character limit with its Replay section;
+    the case itself, and its plain one-line form, keep them whole."""
+    from harness.case import brief_value
+
+    long = " ".join(f"{-0.001 * i:.6f}" for i in range(3000))
+    c = Case(seed=1, seq_lens=(3,), params={"rec_logprobs": long, "tie_layer": "0"})
+    assert long in c.one_line()
+    short = c.one_line(brief=True)
+    assert long not in short and len(short) < 300 and "(3000 items, " in short and "'tie_layer': '0'" in short
+    assert brief_value(long).startswith("-0.000000 -0.001000 -0.002000 -0.003000 ... ")
+    assert brief_value("short") == "short" and brief_value(7) == 7
