@@ -228,17 +228,16 @@ def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
           threshold: float = DEFAULT_THRESHOLD) -> Evaluation:
     """Metrics and verdict for two finished outcomes: a divergence when the mean k3 or the mean
     exact KL(rollout || trainer) is above the threshold (`Divergence.fired` says which)."""
-    if getattr(rollout, "recorded", False):
-        # two-outcome rows (the sampled token in column 0, everything else in column 1): the metrics
-        # read column 0, the tables show the recorded ids
-        import torch
+    import torch
 
-        div = compare(trainer, rollout, case.seq_lens, torch.zeros(case.n_tokens, dtype=torch.int64), case=case)
+    recorded = getattr(rollout, "recorded", False)
+    # a recording's two-outcome rows hold the sampled token in column 0 (targets.hf.paths.two_outcome)
+    tokens = torch.zeros(case.n_tokens, dtype=torch.int64) if recorded else rollout.tokens
+    div = compare(trainer, rollout, case.seq_lens, tokens, case=case)
+    if recorded:  # the tables show the recorded ids; the tokens are the data, not a draw: judge their mean k3
         div.per_token["token"] = rollout.tokens.detach().cpu().to(torch.int64).reshape(-1).numpy()
-        div.k3_expected = math.nan  # the tokens are the data, not a draw: judge their mean k3
-        div = with_routing(div, trainer, rollout)
-    else:
-        div = with_routing(compare(trainer, rollout, case.seq_lens, rollout.tokens, case=case), trainer, rollout)
+        div.k3_expected = math.nan
+    div = with_routing(div, trainer, rollout)
     div.fired = fired(div, threshold)
     if div.nonfinite:
         symptom = Symptom.NONFINITE
