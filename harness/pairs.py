@@ -129,6 +129,14 @@ def _readout_weight(width: int, vocab: int, device: str) -> Any:
     return torch.randn(width, vocab, generator=g, dtype=torch.float64).to(device)
 
 
+# The per-module table's protocol (`harness.triage`) for a root module whose vocabulary-wide output
+# is computed at some positions only (an LM head applied to the rows a path scores, not to every
+# prompt position): during the call the root module holds, under this attribute name, the (N,) int64
+# flattened positions (batch index * seq + position, of the call's (B, S) input) of its output's N
+# rows, in order; the output is then (N, V) or (1, N, V).
+KEPT_POSITIONS = "harness_kept_positions"
+
+
 @dataclass(frozen=True)
 class Profiles:
     """The triage protocol for your own pair (`TargetPair.profiles`): what each path runs, component

@@ -59,8 +59,10 @@ as `input_ids`/`inputs_embeds` or its first (B, S, ...) argument, and whose outp
 (B, S', V) tensor of the log-probabilities or logits the outcome rows are made from (tuples,
 mappings and Hugging Face `ModelOutput`s are searched). A submodule output is filed under the
 call's positions when it is (B, S, ...), (B*S, ...) (flattened tokens, e.g. router logits) or, for
-a vocabulary-wide output, (B, S', V) covering the last S' positions (`logits_to_keep`). Pairs
-without these get the rest of the report.
+a vocabulary-wide output, (B, S', V) covering the last S' positions (`logits_to_keep`), or (N, V)
+or (1, N, V) at the N positions the root module names during the call in its attribute
+`harness.pairs.KEPT_POSITIONS` (an LM head applied only to the rows a path scores). Pairs without
+these get the rest of the report.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ import click
 
 from .errors import HarnessError, UsageError
 from .metrics import judged_k3
+from .pairs import KEPT_POSITIONS
 
 FLOOR_FACTOR = 10.0  # a module diverges when its error exceeds this multiple of its aligned-run error
 MIN_FLOOR = 1e-6  # ... and this absolute relative error (float32 layout noise is ~1e-7)
@@ -257,6 +260,7 @@ class _Call:
     seq: int
     raw: dict[str, Any] = field(default_factory=dict)  # module name -> its first floating output tensor
     root: list[Any] = field(default_factory=list)  # the root's floating output tensors
+    kept: Any = None  # (N,) flattened positions of a vocabulary-wide output's rows (`KEPT_POSITIONS`), if set
 
 
 class _Recorder:
@@ -306,6 +310,8 @@ class _Recorder:
             tensors = [t for t in _tensors(out) if t.is_floating_point() and t.dim() >= 1]
             if module is self.root:
                 call.root = [t.detach() for t in tensors]
+                kept = getattr(module, KEPT_POSITIONS, None)
+                call.kept = kept.detach().reshape(-1).cpu() if isinstance(kept, torch.Tensor) else None
             if tensors:
                 call.raw[name] = tensors[0].detach().to(torch.float32, copy=True)
                 if name not in self.order:
@@ -341,16 +347,44 @@ class _Recorder:
                 self.order.append(key)
 
 
-def _fit(call: _Call, t: Any, width: int) -> tuple[Any, int] | None:
-    """t as (B, S', F) and the offset of its first position in the call, or None when it is not per
-    token: (B, S, ...); (B, S', width) covering the last S' positions (logits_to_keep); (B*S, ...)."""
+@dataclass
+class _Fit:
+    """A module output as rows, and which position of the call each row is."""
+
+    rows: Any  # (N, F)
+    index: Any  # (B, S) int64: the row of each position, -1 where the output has none
+
+    def positions(self) -> tuple[Any, Any]:
+        """(N,) batch index and (N,) position of each row."""
+        import torch
+
+        b_of = torch.full((self.rows.shape[0],), -1, dtype=torch.int64)
+        s_of = b_of.clone()
+        at = torch.nonzero(self.index >= 0)  # (n, 2)
+        rows = self.index[at[:, 0], at[:, 1]]
+        b_of[rows], s_of[rows] = at[:, 0], at[:, 1]
+        return b_of, s_of
+
+
+def _fit(call: _Call, t: Any, width: int) -> _Fit | None:
+    """t as rows of the call's positions, or None when it is not per token: (B, S, ...); (B*S, ...);
+    a vocabulary-wide (B, S', width) covering the last S' positions (logits_to_keep); a
+    vocabulary-wide (N, width) or (1, N, width) at the call's kept positions (`KEPT_POSITIONS`)."""
+    import torch
+
     b, s = call.batch, call.seq
-    if t.dim() >= 2 and t.shape[0] == b and t.shape[1] == s:
-        return t.reshape(b, s, -1), 0
+    index = torch.full((b, s), -1, dtype=torch.int64)
+    kept = call.kept
+    if (kept is not None and width > 0 and t.shape[-1] == width and t.dim() in (2, 3)
+            and t.numel() == kept.numel() * width and (t.dim() == 2 or t.shape[0] == 1)):
+        index.view(-1)[kept] = torch.arange(kept.numel())
+        return _Fit(t.reshape(-1, width), index)
+    if t.dim() >= 2 and ((t.shape[0] == b and t.shape[1] == s) or t.shape[0] == b * s):
+        return _Fit(t.reshape(b * s, -1), torch.arange(b * s).view(b, s))
     if t.dim() == 3 and t.shape[0] == b and t.shape[1] < s and t.shape[-1] == width:
-        return t, s - int(t.shape[1])
-    if t.dim() >= 2 and t.shape[0] == b * s:
-        return t.reshape(b, s, -1), 0
+        kept_s = int(t.shape[1])
+        index[:, s - kept_s:] = torch.arange(b * kept_s).view(b, kept_s)
+        return _Fit(t.reshape(b * kept_s, width), index)
     return None
 
 
@@ -381,9 +415,8 @@ def _match_rows(calls: list[_Call], target: Any) -> dict[int, tuple[int, int, in
         head = next((f for f in (_fit(call, t, width) for t in call.root if t.shape[-1] == width) if f), None)
         if head is None:
             continue
-        h, off = head
-        b, s2 = h.shape[0], h.shape[1]
-        flat = h.reshape(b * s2, width).to(device=dev, dtype=torch.float32)  # (N, W)
+        flat = head.rows.to(device=dev, dtype=torch.float32)  # (N, W)
+        b_of, s_of = head.positions()
         chunk = max(1, 4_000_000 // max(1, flat.shape[0] * m))
         for lo in range(0, y.shape[0], chunk):
             sl = slice(lo, lo + chunk)
@@ -395,7 +428,7 @@ def _match_rows(calls: list[_Call], target: Any) -> dict[int, tuple[int, int, in
             top, pos = corr.max(0)  # (t,)
             better = top > best[sl]
             best[sl] = torch.where(better, top, best[sl])
-            cand = torch.stack([torch.full_like(pos, ci), pos // s2, pos % s2 + off], -1)  # (t, 3)
+            cand = torch.stack([torch.full_like(pos, ci), b_of.to(dev)[pos], s_of.to(dev)[pos]], -1)  # (t, 3)
             where[sl] = torch.where(better[:, None], cand, where[sl])
     ok = (best >= MATCH_MIN_CORR) & (w.sum(-1) >= 3)
     return {int(j): (int(where[j, 0]), int(where[j, 1]), int(where[j, 2])) for j in torch.nonzero(ok).flatten()}
@@ -421,14 +454,14 @@ def _gather(rec: _Recorder, out: Any) -> PathCapture:
     rows: dict[str, dict[int, Any]] = {}
     for j, (ci, b, s) in where.items():
         for name, got in fitted[ci].items():
-            if got is not None and s - got[1] >= 0:
-                rows.setdefault(name, {})[j] = got[0][b, s - got[1]]
+            if got is not None and int(got.index[b, s]) >= 0:
+                rows.setdefault(name, {})[j] = got.rows[int(got.index[b, s])]
     nonfinite: dict[str, int] = {}
     for per_call in fitted:
         for name, got in per_call.items():
             if got is not None:
                 # NaN or +inf: -inf is log 0 (a top-k/top-p cut, a masked logit), not a non-finite value
-                bad = int((torch.isnan(got[0]) | torch.isposinf(got[0])).any(-1).sum())
+                bad = int((torch.isnan(got.rows) | torch.isposinf(got.rows)).any(-1).sum())
                 if bad:
                     nonfinite[name] = nonfinite.get(name, 0) + bad
     finite_rows = int((torch.isfinite(target).sum(-1) >= 3).sum())  # rows a position can be tied to

@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from harness.errors import UsageError
+from harness.pairs import KEPT_POSITIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("eager", "sdpa")
@@ -475,6 +476,11 @@ class CallContext:
     raised: dict[tuple[str, str], list] = field(default_factory=dict)  # (kind, layer) -> [keys, ...] raised here
     captured: dict[str, list] = field(default_factory=dict)  # layer -> [(keys, experts, logits), ...]
     phase: str = ""  # "prefill", "decode" or "trainer": what `current_phase()` says during the forward
+    # the rows the LM head computes: None = every position; else an int64 index into the forward's
+    # flattened (batch * seq) positions, whose shape + (hidden,) is what the head is given (prompt
+    # positions of a long prefill or packed row cost (positions, V) logits nobody reads)
+    keep: Any = None
+    kept: bool = False  # the head was given `keep`'s rows (set by its hook; else the model bypassed it)
 
 
 class Runner:
@@ -487,6 +493,7 @@ class Runner:
         for i, (layer, g) in enumerate(gates):
             g.register_forward_pre_hook(self._router_in(i, layer, g))
             g.register_forward_hook(self._router_out(layer, g))
+        head.register_forward_pre_hook(self._keep_rows)  # (first: the cast below then casts the kept rows only)
         if nx.lm_head != nx.body:
             head.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),))
             head.register_forward_hook(lambda m, args, out: out.float())
@@ -494,6 +501,19 @@ class Runner:
     @property
     def vocab(self) -> int:
         return int(self.head.weight.shape[0])
+
+    def _keep_rows(self, module: Any, args: tuple) -> tuple | None:
+        """The head's input cut to `ctx.keep`'s rows, once per forward, when it is the forward's
+        (B, S, hidden) hidden states; the model's own code after the head (a logit scale, a soft cap)
+        then runs on those rows alone. Triage reads which positions they are (`KEPT_POSITIONS`)."""
+        ctx = self.ctx
+        h = args[0] if args else None
+        if ctx.keep is None or ctx.kept or h is None or h.dim() != 3 or h.shape[0] * h.shape[1] != ctx.keys.numel():
+            return None
+        ctx.kept = True
+        keep = ctx.keep.to(h.device)
+        setattr(self.model, KEPT_POSITIONS, keep.reshape(-1))
+        return (h.reshape(-1, h.shape[-1])[keep], *args[1:])
 
     def _router_in(self, i: int, layer: str, gate: Any):
         def floored(kind: str, under: Any) -> Any:
@@ -588,6 +608,8 @@ class Runner:
         try:
             return self.model(**kwargs)
         finally:
+            if KEPT_POSITIONS in self.model.__dict__:
+                delattr(self.model, KEPT_POSITIONS)
             self.ctx = CallContext()
             _PHASE.name = ""
 

@@ -227,6 +227,7 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
         keys[j, lp_max - len(p):] = j * inp.stride + torch.arange(len(p))
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     ctx = _ctx(inp, keys.reshape(-1).to(dev), phase="prefill")
+    ctx.keep = torch.arange(b)[:, None] * lp_max + lp_max - 1  # (B, 1): the head at each prompt's last position
     out = run(ctx, input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
     cache = _cache_of(out)
     logits = out.logits[:, -1].float()  # (B, V)
@@ -307,28 +308,30 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
         table = {k: v.to(dev) for k, v in (rollout_outcome.intermediates.get("route_table") or {}).items()}
     # the tie floor where the rollout applied it (its decisions, not this path's own: see CallContext)
     floor_at = (rollout_outcome.intermediates or {}).get("tie_floor_at")
-    ctx = _ctx(inp, keys.reshape(-1).to(dev), table, phase="trainer", floor_at=floor_at)
-    kwargs = {"use_cache": False} if nx.use_cache == "off" else {}
-    out = run(ctx, input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=None, **kwargs)
-    logits = out.logits.float()  # (rows, width, V)
     sel_r, sel_c = [], []
     for j, (p, rlen) in enumerate(zip(inp.prompts, inp.resp_lens)):
         r, o = at[j]
         sel_r += [r] * rlen
         sel_c += list(range(o + len(p) - 1, o + len(p) - 1 + rlen))
+    sel_r, sel_c = torch.tensor(sel_r, dtype=torch.int64), torch.tensor(sel_c, dtype=torch.int64)
+    ctx = _ctx(inp, keys.reshape(-1).to(dev), table, phase="trainer", floor_at=floor_at)
+    ctx.keep = (sel_r * width + sel_c)[None]  # (1, T): the head at the positions that score the response tokens
+    kwargs = {"use_cache": False} if nx.use_cache == "off" else {}
+    out = run(ctx, input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=None, **kwargs)
+    # (T, V) in case order; a model that bypasses its output-embeddings module computed every position
+    logits = (out.logits[0] if ctx.kept else out.logits[sel_r, sel_c]).float()
     del out
     temp, top_k, top_p = sampling(case)
-    sel_r, sel_c = torch.tensor(sel_r), torch.tensor(sel_c)
     routing, _ = _routing(ctx.captured, routed_keys(inp), inp.n_seqs * inp.stride)
     if inp.recorded is not None:
         # only the recorded tokens' log-probabilities are kept: rows are processed a chunk at a time, so
         # a long recording costs one chunk of (rows, V) beyond the model's logits, not (T, V) twice
         step = max(1, RECORDED_CHUNK_ELEMS // logits.shape[-1])
-        lp_token = torch.cat([process_logits(logits[sel_r[a:a + step], sel_c[a:a + step]], temp, top_k, top_p)
+        lp_token = torch.cat([process_logits(logits[a:a + step], temp, top_k, top_p)
                               .gather(1, tokens[a:a + step, None].to(logits.device)).squeeze(1).cpu()
-                              for a in range(0, len(sel_r), step)])
+                              for a in range(0, len(logits), step)])
         return Outcome(logprobs=two_outcome(lp_token), routing=routing)
-    logprobs = process_logits(logits[sel_r, sel_c], temp, top_k, top_p)  # (T, V)
+    logprobs = process_logits(logits, temp, top_k, top_p)  # (T, V)
     return Outcome(logprobs=logprobs, routing=routing)
 
 

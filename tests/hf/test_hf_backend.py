@@ -574,3 +574,44 @@ def test_the_trainer_raises_to_the_tie_floor_where_the_rollout_did_not_where_its
                 temperature=0.9312812859439159, params={"tie_layer": 0})
     ev = run_case(pair, case)
     assert ev.k3 < 1e-9 and ev.divergence.flip_rate == 0 == ev.divergence.tie_flip_rate, (ev.headline, ev.divergence)
+
+
+def test_the_head_computes_only_the_rows_each_path_scores():
+    """The LM head runs at the positions whose outputs are read: each prompt's last position in the
+    rollout's prefill ((B, 1), as in each decode step) and the response-scoring positions of the
+    trainer's packed forward ((1, T)), not every prompt position; the values are those of the head
+    over every position, rows picked after (float32 noise of another GEMM shape apart), and a model
+    that bypasses its output-embeddings module still gets its rows picked."""
+    from targets.hf.backend import current_phase
+    from targets.hf.paths import make_inputs, rollout, trainer
+
+    cfg = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+               num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
+    pair = hf_pair("user.rows", cfg, FP32, FP32)
+    case = rl_case(seed=5, seq_lens=(3, 6, 2), prompt_lens=(20, 0, 11))
+    run = path_model(pair.profiles.model, FP32.model_key, "cpu")
+    seen = []
+    spy = run.head.register_forward_hook(lambda m, args, out: seen.append((current_phase(), tuple(args[0].shape[:-1]))))
+    try:
+        inp = make_inputs(case, pair.profiles.model, "cpu")
+        ro = rollout(inp, FP32)
+        kept = trainer(inp, ro, FP32)
+    finally:
+        spy.remove()
+    assert seen[0] == ("prefill", (3, 1)) and set(seen[1:-1]) == {("decode", (3, 1))}, seen
+    assert seen[-1] == ("trainer", (1, case.n_tokens)), seen
+    # the same trainer with the head's row cut taken out (a model whose forward bypasses its
+    # output-embeddings module): every position computed, the rows picked from them
+    hooks = run.head._forward_pre_hooks
+    key = next(k for k, h in hooks.items() if getattr(h, "__func__", None) is type(run)._keep_rows)
+    cut = hooks.pop(key)
+    try:
+        full = trainer(inp, ro, FP32)
+    finally:
+        hooks[key] = cut
+        hooks.move_to_end(key, last=False)
+    assert kept.logprobs.shape == full.logprobs.shape == (case.n_tokens, 256)
+    assert (kept.logprobs - full.logprobs).abs().max() < 1e-5
+    ev = run_case(pair, case)
+    assert ev.error is None and not ev.failed and ev.k3 < 1e-9, (ev.error, ev.k3)
