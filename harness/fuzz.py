@@ -139,11 +139,16 @@ class PairResult:
     # what its cases did to the worker's memory: growth past the leak allowance, replacements at the
     # cap (`Worker.memory_seen`, `Executor.memory_note`); "" when nothing was seen
     memory_note: str = ""
+    interrupted: bool = False  # Ctrl-C / SIGTERM came while it ran, or before it started
 
     @property
     def time_note(self) -> str:
         """"its time share ran out after N of M examples", or "" when it ran them all; for a pair
-        that never ran a case of its own, waiting behind another's first case, says that."""
+        that never ran a case of its own, waiting behind another's first case, says that; for one the
+        interrupt cut, says how far it got."""
+        if self.interrupted:
+            return (f"interrupted after {self.examples} case{'s' * (self.examples != 1)}" if self.examples else
+                    "the interrupt came before its first case")
         if self.waited_for and not self.examples:
             return f"it waited behind {self.waited_for}'s first case, which never finished: 0 cases of its own"
         return time_note(self.examples_asked, self.examples_short, self.examples)
@@ -558,7 +563,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if not smallest:
             result.examples_asked, result.examples_short = asked, max(0, asked - calls[0])
     except KeyboardInterrupt:
-        result.seconds = time.monotonic() - start
+        result.seconds, result.interrupted = time.monotonic() - start, True
         result.findings = [_seen(_finding(pair, ev, result, complete=False, peak=peak), first_seen, start)
                            for ev in smallest.values()]
         raise _Interrupted(result) from None
@@ -579,7 +584,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 result.setup_error = setup_message(e.evaluation)
                 cut["shrink"], evals, ev, complete = True, 0, smallest.get(sig, ev), False
             except KeyboardInterrupt:
-                result.seconds = time.monotonic() - start
+                result.seconds, result.interrupted = time.monotonic() - start, True
                 result.findings = [_seen(_finding(pair, e, result, complete=False, peak=peak), first_seen, start)
                                    for e in by_sig.values()]
                 raise _Interrupted(result) from None
@@ -1088,6 +1093,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.max_score = max(into.max_score, r.max_score)
     into.setup_error = into.setup_error or r.setup_error
     into.memory_note = into.memory_note or r.memory_note
+    into.interrupted = into.interrupted or r.interrupted
     if not rounds:  # (a further round ends when its share does, by design: not a pair cut short)
         into.streams += r.streams
         into.warmup += r.warmup
@@ -1301,6 +1307,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                         + (f", {len(r.findings)} finding(s)" if r.findings else ""))
     except KeyboardInterrupt:
         result.interrupted = True
+        for u in queue:  # the units it came before: each pair asked for has its row ("not run", or cut short)
+            add(PairResult(pair=u.pair.name, expected=u.pair.expected,
+                           seed=stream_seed(seed, u.pair.name, u.stream, u.streams), interrupted=True))
     finally:
         result.results.sort(key=lambda r: r.pair)
         for r in result.results:

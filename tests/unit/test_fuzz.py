@@ -9,7 +9,7 @@ import torch
 from harness import REGISTRY, Case
 from harness.corpus import iter_corpus, load_repro, replay
 from harness.execute import Symptom, run_case
-from harness.fuzz import CampaignConfig, run_campaign
+from harness.fuzz import CampaignConfig, run_campaign, summary_table
 from harness.tracking import NullTracker
 
 from ..conftest import PLUGINS
@@ -186,7 +186,13 @@ register(TargetPair(name="aaa.interrupted", kind="op", expected="aligned", build
 ''')
     REGISTRY.load_plugin(str(plugin))
     result = campaign(tmp_path, ["aaa.interrupted", "moe_aggregate.aligned"], max_examples=100, seed=1)
-    assert result.interrupted and [r.pair for r in result.results] == ["aaa.interrupted"]
+    assert result.interrupted and [r.pair for r in result.results] == ["aaa.interrupted", "moe_aggregate.aligned"]
+    cut, later = result.results
+    assert cut.interrupted and cut.findings and cut.verdict == "REGRESSION"
+    # the pair the interrupt came before keeps its row in the table: not run, and why
+    assert later.interrupted and later.examples == 0 and later.verdict == "not run"
+    row = next(line for line in summary_table(result).splitlines() if line.startswith("moe_aggregate.aligned"))
+    assert "not run (the interrupt came before its first case)" in row, row
     [f] = result.findings
     assert not f.shrink_complete and f.path.exists()
     assert json.loads(f.path.read_text())["found"]["shrink_complete"] is False
