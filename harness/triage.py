@@ -493,15 +493,21 @@ def capture(pair: Any, case: Any, device: str, why: list[str] | None = None
 
 
 def _rel_error(a: list[Any], b: list[Any]) -> float:
-    """||A - B|| / ||B|| over rows (float64 accumulation, a few rows at a time)."""
+    """||A - B|| / ||B|| over rows (float64 accumulation, a few rows at a time), over the entries
+    finite on both paths; inf when an entry is non-finite on one path only, or NaN on either (a
+    logit cut to -inf on one path, log 0 there and not on the other, is as far apart as values get;
+    the same -inf on both is the same cut)."""
     import torch
 
     num = den = 0.0
     for lo in range(0, len(a), 64):
         ta = torch.stack(a[lo:lo + 64]).to(torch.float64)
         tb = torch.stack(b[lo:lo + 64]).to(torch.float64)
-        num += float((ta - tb).pow(2).sum())
-        den += float(tb.pow(2).sum())
+        both = torch.isfinite(ta) & torch.isfinite(tb)
+        if not bool(both.all()) and bool((~both & (ta != tb)).any()):  # (NaN != NaN: NaN counts too)
+            return math.inf
+        num += float((ta - tb).where(both, 0.0).pow(2).sum())
+        den += float(tb.where(both, 0.0).pow(2).sum())
     return math.sqrt(num / den) if den > 0 else math.sqrt(num)
 
 
@@ -630,6 +636,11 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
     rows = [ModuleRow(name, err, max(MIN_FLOOR, FLOOR_FACTOR * floors.get(name, 0.0)), n,
                       others.get(name, float("nan"))) for name, (err, n) in errs.items()]
     first = next((r.name for r in rows if r.starts), None)
+    cut = [r.name for r in rows if r.error == math.inf]
+    if cut:
+        notes.append("per-module table: an error of inf is an output non-finite on one path where the other's is "
+                     "finite (-inf: log 0, a logit cut or masked on that path only; or NaN): "
+                     + ", ".join(cut[:6]) + (", ..." if len(cut) > 6 else ""))
     return rows, first, first_nonfinite(t_cap, r_cap), notes
 
 
@@ -1001,7 +1012,8 @@ def _plots(t: Triage, folder: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(9, max(3, 0.22 * len(t.modules))))
         names = [m.name for m in t.modules]
         y = np.arange(len(names))
-        ax.barh(y, [max(m.error, 1e-18) for m in t.modules],
+        top = max([m.error for m in t.modules if math.isfinite(m.error)] + [1.0]) * 10  # (inf: drawn past the rest)
+        ax.barh(y, [min(max(m.error, 1e-18), top) for m in t.modules],
                 color=["tab:red" if m.exceeds else "tab:gray" for m in t.modules])
         ax.scatter([m.floor for m in t.modules], y, marker="|", color="black", s=60, label="noise floor")
         ax.set_yticks(y, names, fontsize=7)

@@ -278,6 +278,39 @@ def test_triage_on_hugging_face_models_needs_no_argument_in_their_call():
         assert "all layers" not in bf16.verdict and ", from model.layers." in bf16.verdict
 
 
+def test_a_head_cut_to_top_k_on_one_path_is_where_the_divergence_starts():
+    """A rollout whose LM head cuts its logits to the top 5 (-inf elsewhere) differs from the trainer
+    only where one path is -inf: their finite entries agree. That is an error of inf (log 0 on one
+    path only), not NaN, which no floor exceeds (no module had been named)."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    import torch
+
+    from targets.hf import FP32, hf_pair, register_patch
+    from targets.hf.backend import PATCHES
+    from targets.hf.configs import TINY
+
+    class TopFive(torch.nn.Module):
+        def __init__(self, head: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = head
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.inner(x)
+            return y.masked_fill(y < y.topk(5, dim=-1).values[..., -1:], float("-inf"))
+
+    register_patch("test_head_top5", lambda model: setattr(model, "lm_head", TopFive(model.lm_head)))
+    try:
+        pair = hf_pair("user.head_top5", TINY["qwen3"], FP32, FP32.replace(patch="test_head_top5"), expected="diverges")
+        reg = type("R", (), {"get": staticmethod(lambda name: pair)})()
+        t = triage(made_repro(pair.name, Case(seed=0, seq_lens=(6, 4), prompt_lens=(3, 5))), registry=reg)
+    finally:
+        PATCHES.pop("test_head_top5", None)
+    rows = {m.name: m for m in t.modules}
+    assert t.k3 > 1e-3 and rows["lm_head"].error == math.inf and rows["lm_head"].exceeds, t.modules
+    assert t.first_module == "lm_head" and all(rows[n].error < 1e-4 for n in rows if n.startswith("model.")), t.modules
+    assert any("error of inf" in n and "lm_head" in n for n in t.notes), t.notes
+
+
 def test_a_bf16_engine_on_a_dense_model_is_triaged_by_the_components_it_has():
     """BF16 says router bfloat16, which a dense model does not have: the pair neither shows nor swaps
     it (a swap of body and lm_head back left a variant differing only in the router, which hf_pair
