@@ -32,7 +32,8 @@ Output: per-sample metrics (`samples.csv`), batch metrics under verl's rollout-c
 written as repros (`corpora/<pair>/<id>.json`; the recording lives in the case: the whole prompt and
 the response cut to MAX_REPRO_TOKENS tokens in all, at least one response token, which leaves the scores
 of the tokens kept unchanged because the trainer is causal; a prompt is never cut, since that would
-change what every response token is conditioned on), a histogram of per-sample k3 (`k3_hist.png`), and an
+change what every response token is conditioned on; when the divergence lies past the cut, the repro
+scores the worst token alone with the response before it moved into the prompt), a histogram of per-sample k3 (`k3_hist.png`), and an
 MLflow campaign run. `flip_rate` and `tie_flip_rate` are empty in samples.csv for a sample that recorded
 no experts (n/a on the console, NaN in the batch when none did). Bad rows (missing fields, ragged
 lengths, non-finite log-probs, ids out of the vocabulary, malformed experts, a prompt + response longer
@@ -53,6 +54,8 @@ under the threshold); 3 a flagged sample's repro could not be written.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import json
 import math
@@ -69,7 +72,8 @@ from .case import finite_number
 from .errors import UsageError
 from .metrics import LOG_ZERO
 
-MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro keeps (a longer prompt: whole, + 1 response token)
+MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro keeps (a longer prompt: whole, + 1 response token;
+# a divergence past them: its worst token, the response before it as prompt, `write_repro`)
 PROGRESS_FROM = 50  # show a progress bar from this many samples on (on a terminal)
 PROGRESS_EVERY = 20.0  # seconds between plain progress lines when stderr is not a terminal (a job's log)
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what transformers loads a checkpoint folder's weights from
@@ -409,6 +413,28 @@ def check_weights(spec: Any) -> None:
                      "`model.save_pretrained(...)` wrote next to its config.json, or pass the folder that holds them.")
 
 
+def worst_token(ev: Any) -> int | None:
+    """The response token (0-based) a flagged sample's verdict reads most of: the largest per-token
+    value of the first metric over the threshold (k3: the expected k3, the sampled k3 where that is
+    inf; kl: the exact KL). Alone, it is over the line whenever the sample's mean is; None without
+    per-token values."""
+    import numpy as np
+
+    div = getattr(ev, "divergence", None)
+    pt = getattr(div, "per_token", None) or {}
+    fired = (getattr(div, "fired", "") or "k3").split("+")[0]
+    if fired == "kl":
+        v = pt.get("kl")
+    else:
+        k3, v = pt.get("k3"), pt.get("k3_expected")
+        if k3 is not None and (v is None or np.isinf(np.asarray(k3)).any() or np.isnan(np.asarray(v)).all()):
+            v = k3
+    if v is None or not len(v):
+        return None
+    v = np.nan_to_num(np.asarray(v, dtype=np.float64), nan=-np.inf)
+    return int(np.argmax(v))
+
+
 def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None) -> tuple[Any, bool]:
     """The case carrying a recorded sample (response cut to `limit` total tokens when given, keeping at
     least one response token: a prompt is never cut)."""
@@ -648,11 +674,28 @@ def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path,
 
     case, cut = sample_case(s.sample, extra, sampling, MAX_REPRO_TOKENS)
     ev = s.evaluation if not cut else run_case(pair, case, device, threshold)
+    scored_from = None
     if not ev.failed:  # only a cut response can pass: the uncut case is the one that was flagged
+        # its divergence lies past the tokens a repro carries: the repro scores the worst token alone,
+        # the response before it moved into the prompt (the same tokens at the same positions: the
+        # trainer is causal, so that token's score is the flagged one, float32 noise of the shorter
+        # forward apart), longer than MAX_REPRO_TOKENS as a long prompt is
+        worst = worst_token(s.evaluation)
+        if worst is not None:
+            smp = s.sample
+            one = dataclasses.replace(smp, prompt=smp.prompt + smp.response[:worst], response=smp.response[worst:worst + 1],
+                                      logprobs=smp.logprobs[worst:worst + 1],
+                                      experts=None if smp.experts is None else smp.experts[:len(smp.prompt) + worst + 1])
+            case, _ = sample_case(one, extra, sampling)
+            ev = run_case(pair, case, device, threshold)
+            scored_from = worst
+        if not ev.failed:
+            res.notes.append(f"line {s.sample.line}: its divergence lies past the first {MAX_REPRO_TOKENS} tokens a "
+                             f"repro may carry, and its worst token alone is under the line; no repro written")
+            return None
         res.notes.append(f"line {s.sample.line}: its divergence lies past the first {MAX_REPRO_TOKENS} tokens a repro "
-                         f"may carry ({case.seq_lens[0]} of its {len(s.sample.response)} response tokens kept); no "
-                         "repro written")
-        return None
+                         f"carries in full: the repro scores its worst token (response token {worst}) alone, the "
+                         f"{worst} response tokens before it moved into the prompt")
     sig = hashlib.sha256(f"{pair.name}|recorded|{case.key()}".encode()).hexdigest()
     finding = Finding(pair=pair.name, expected=pair.expected, symptom=ev.symptom, signature=sig, case=case,
                       evaluation=ev, examples=scored)
@@ -660,7 +703,9 @@ def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path,
     repro = load_repro(path)
     if "recorded" not in repro.found:
         repro.found["recorded"] = {"file": str(source), "line": s.sample.line, "sample_id": s.sample.id,
-                                   "response_cut_to": case.seq_lens[0] if cut else None}
+                                   "response_cut_to": case.seq_lens[0] if cut and scored_from is None else None,
+                                   # (response tokens moved into the prompt: the repro scores the one after them)
+                                   "scored_from": scored_from}
         repro.save(path)
     if tracker is not None:
         tracker.finding(finding)

@@ -333,6 +333,30 @@ def test_a_long_recorded_sample_fits_a_repro_and_outputs_survive_a_repro_that_fa
     assert (tmp_path / "o" / "samples.csv").stat().st_size > 0  # what was scored is kept
 
 
+def test_a_divergence_past_the_tokens_a_repro_carries_gets_a_repro_of_its_worst_token(aligned_file, tmp_path,
+                                                                                        monkeypatch):
+    """Flagged by a token past MAX_REPRO_TOKENS: the cut response passes, so the repro scores the
+    worst token alone with the response before it moved into the prompt (no repro was written)."""
+    import harness.score as sc
+
+    row = json.loads(aligned_file.read_text().splitlines()[0])
+    lps = row["rollout_logprobs"]
+    row["rollout_logprobs"] = lps[:-2] + [lps[-2] - 4.0, lps[-1]]  # the engine's second-to-last token is off
+    path = tmp_path / "late.jsonl"
+    path.write_text(json.dumps({k: v for k, v in row.items() if k != "routed_experts"}) + "\n")
+    n_prompt, n_resp = len(row["prompt_ids"]), len(row["response_ids"])
+    monkeypatch.setattr(sc, "MAX_REPRO_TOKENS", n_prompt + 4)  # a cut keeps 4 response tokens, all clean
+    res = score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", out_dir=tmp_path / "o", progress=False)
+    assert res.flagged and len(res.repros) == 1, res.notes
+    assert any(f"worst token (response token {n_resp - 2})" in n for n in res.notes), res.notes
+    repro = load_repro(res.repros[0])
+    assert repro.case.seq_lens == (1,) and repro.case.prompt_lens == (n_prompt + n_resp - 2,)
+    assert repro.found["recorded"]["scored_from"] == n_resp - 2
+    again = replay(repro)
+    assert again.diverges and again.bit_for_bit, again.mismatches
+    assert again.evaluation.k3 > res.flagged[0].metrics["k3_kl"]  # (one token: the mean of the bad one alone)
+
+
 def test_repeated_ids_are_noted_and_a_zero_probability_token_keeps_the_summary_strict_json(aligned_file, tmp_path):
     rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:2]]
     zero = {**rows[1], "id": "z", "rollout_logprobs": [-1e30] + rows[1]["rollout_logprobs"][1:]}  # p = 0 recorded
