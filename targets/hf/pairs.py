@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from harness import Axes, Outcome, RoutingAxes, TargetPair
@@ -81,6 +82,35 @@ def labels(trainer: Numerics, rollout: Numerics) -> dict[str, str]:
     return out
 
 
+_warned_missing: set[str] = set()
+
+
+def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", description: str = "",
+                        devices: tuple[str, ...] = ("cpu", "cuda")) -> TargetPair | None:
+    """For a checkpoint folder that is not there (a nightly whose checkpoint mount is missing, a step
+    an RL run deleted): a pair of that name whose every case cannot run, saying why, so the plugin's
+    other pairs still run and this one is CANNOT RUN in the table; None when `model` is no such path."""
+    if not isinstance(model, (str, Path)):
+        return None
+    try:
+        HFModel.from_pretrained(model)
+        return None
+    except UsageError as e:
+        err = e
+    if str(model) not in _warned_missing:
+        _warned_missing.add(str(model))
+        print(f"warning: {err} Its pairs ({name}...) are registered, and each case of them cannot run until it is "
+              "there.", file=sys.stderr)
+
+    def build(case: Any, device: str) -> Any:
+        raise UsageError(str(err))
+
+    return TargetPair(name=name, kind="model", expected=expected, build=build,
+                      trainer=lambda inp, rollout_outcome: Outcome(), rollout=lambda inp: Outcome(),
+                      axes=Axes(n_seqs=(1, 1), seq_len=(1, 1)), devices=devices,
+                      description=f"cannot run: no checkpoint at {str(model)!r}" + (f" ({description})" if description else ""))
+
+
 def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics = FP32, *,
             expected: str = "aligned", replay: bool = False, description: str = "", axes: Axes | None = None,
             devices: tuple[str, ...] = ("cpu", "cuda")) -> TargetPair:
@@ -90,6 +120,9 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     transformers config; built with `realistic_init`). trainer / rollout: each path's `Numerics`.
     replay: the trainer reuses the rollout's experts at every position (router replay).
     """
+    gone = _missing_checkpoint(name, model, expected, description, devices)
+    if gone is not None:
+        return gone
     spec = model_from(model)
     rollout = as_rollout(rollout)
     if replay and not spec.moe():
@@ -260,6 +293,10 @@ def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axe
     start from, for a model that needs other settings: gpt-oss and Gemma 2 have no sdpa attention
     (`FP32.replace(attention="eager")`), and a model whose packed forward leaks across sequences
     needs `packing="per_sequence"` (the trainer's only)."""
+    if _missing_checkpoint(prefix, model) is not None:  # (the names every model gets; MoE-ness unknown)
+        names = ["aligned", "bf16_rollout"] + (["eager_vs_sdpa"] if base.attention == "sdpa" else [])
+        return [_missing_checkpoint(f"{prefix}.{n}", model, "aligned" if n != "bf16_rollout" else bf16_expected)
+                for n in names]
     spec = model_from(model)
     if not isinstance(base, Numerics):
         raise UsageError(f"hf_pairs(base=...) must be a Numerics (e.g. FP32.replace(attention=\"eager\")), got "

@@ -615,3 +615,22 @@ def test_the_head_computes_only_the_rows_each_path_scores():
     assert (kept.logprobs - full.logprobs).abs().max() < 1e-5
     ev = run_case(pair, case)
     assert ev.error is None and not ev.failed and ev.k3 < 1e-9, (ev.error, ev.k3)
+
+
+def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_path, capsys):
+    """A plugin naming a checkpoint that is gone (a nightly whose mount is missing) registers its
+    pairs, each case of which cannot run and says why (a setup error: CANNOT RUN, nothing recorded),
+    so the plugin's other pairs still run; it had stopped the plugin at import."""
+    from targets.hf import hf_pairs
+
+    gone = tmp_path / "step-100"
+    pairs = hf_pairs("user.gone", str(gone)) + [hf_pair("user.gone_one", gone, expected="diverges")]
+    assert [p.name for p in pairs] == ["user.gone.aligned", "user.gone.bf16_rollout", "user.gone.eager_vs_sdpa",
+                                       "user.gone_one"]
+    assert [p.expected for p in pairs] == ["aligned", "diverges", "aligned", "diverges"]
+    err = capsys.readouterr().err
+    assert err.count("is not a checkpoint directory") == 1, err  # once per folder
+    for p in pairs:
+        ev = run_case(p, Case(seed=0, seq_lens=(1,)))
+        assert ev.setup and "is not a checkpoint directory" in ev.error["message"], ev.error
+    assert "cannot run: no checkpoint at" in pairs[-1].description

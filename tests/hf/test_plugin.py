@@ -50,5 +50,12 @@ def test_plugin_fuzzes_a_saved_checkpoint(tmp_path, harness_cli):
     assert "caught" in lines["mine.bf16_rollout"] and "clean" in lines["mine.aligned"], out
     [repro] = (tmp_path / "corpus" / "mine.bf16_rollout").glob("*.json")
     assert json.loads(repro.read_text())["pair"] == "mine.bf16_rollout"
-    code, _, err = harness_cli("list", "--plugin", str(PLUGIN), env={"MY_CHECKPOINT": str(tmp_path / "none")})
-    assert code == 2 and "not a checkpoint directory" in err and "Traceback" not in err
+    # a checkpoint that is not there: its pairs are listed (one warning), and each cannot run (exit 2)
+    gone = {"MY_CHECKPOINT": str(tmp_path / "none")}
+    code, out, err = harness_cli("list", "--plugin", str(PLUGIN), env=gone)
+    assert code == 0 and "mine.aligned" in out and err.count("not a checkpoint directory") == 1, err
+    code, out, err = harness_cli("fuzz", "mine.aligned", "--plugin", str(PLUGIN), "--max-examples", "5",
+                                 "--no-tracking", "--corpus", str(tmp_path / "corpus2"), env=gone)
+    assert code == 2 and "CANNOT RUN" in out and "not a checkpoint directory" in err and "Traceback" not in err, \
+        out + err
+    assert not (tmp_path / "corpus2").exists() or not any((tmp_path / "corpus2").rglob("*.json"))
