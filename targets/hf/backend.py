@@ -475,7 +475,7 @@ class CallContext:
     floor_at: dict[tuple[str, str], Any] | None = None
     raised: dict[tuple[str, str], list] = field(default_factory=dict)  # (kind, layer) -> [keys, ...] raised here
     captured: dict[str, list] = field(default_factory=dict)  # layer -> [(keys, experts, logits), ...]
-    phase: str = ""  # "prefill", "decode" or "trainer": what `current_phase()` says during the forward
+    phase: str = ""  # "prefill", "decode", "trainer" or "check": what `current_phase()` says during the forward
     # the rows the LM head computes: None = every position; else an int64 index into the forward's
     # flattened (batch * seq) positions, whose shape + (hidden,) is what the head is given (prompt
     # positions of a long prefill or packed row cost (positions, V) logits nobody reads)
@@ -493,10 +493,47 @@ class Runner:
         for i, (layer, g) in enumerate(gates):
             g.register_forward_pre_hook(self._router_in(i, layer, g))
             g.register_forward_hook(self._router_out(layer, g))
+        self.keeps = True  # the head may be given only the rows a path reads (`_keep_rows`; see `_check_keep`)
         head.register_forward_pre_hook(self._keep_rows)  # (first: the cast below then casts the kept rows only)
         if nx.lm_head != nx.body:
             head.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),))
             head.register_forward_hook(lambda m, args, out: out.float())
+        self.keeps = self._check_keep()
+
+    def _check_keep(self) -> bool:
+        """Whether the model's forward takes the head's rows cut (`_keep_rows`): a forward of 6 tokens
+        with 2 rows kept must give those rows of the forward with none cut (to the noise of another
+        GEMM shape in the path's dtype). Code after the head that reshapes its output to (B, S, V), in
+        a model or a module patch, fails that (or raises): such a path computes every position, and
+        the rows are picked after, as for a model whose forward bypasses its output embeddings."""
+        import torch
+
+        embed = self.model.get_input_embeddings()
+        weight = getattr(embed, "weight", None)
+        if weight is None:
+            return True  # (no (vocab, hidden) embedding to draw ids for: the cases will tell)
+        ids = torch.arange(6, device=weight.device).remainder(weight.shape[0])[None]
+        keys = torch.arange(6, device=weight.device)
+        try:
+            with torch.inference_mode():
+                full = self(CallContext(keys=keys, phase="check"), input_ids=ids, use_cache=False).logits.float()
+        except Exception:  # noqa: BLE001 - its plain forward fails here: the cases will say so, not this check
+            return True
+        ctx = CallContext(keys=keys, keep=torch.tensor([[2, 5]]), phase="check")
+        try:
+            with torch.inference_mode():
+                part = self(ctx, input_ids=ids, use_cache=False).logits.float()
+        except Exception:  # noqa: BLE001 - its forward fails with the rows cut
+            return False
+        if not ctx.kept:
+            return True  # (the head was bypassed: the rows are picked after anyway)
+        want = full[0, [2, 5]]
+        if part.numel() != want.numel():
+            return False
+        part, fin = part.reshape(want.shape), torch.isfinite(want)
+        if not torch.equal(torch.isfinite(part), fin) or not bool(fin.any()):  # (a head that cuts to -inf: alike)
+            return False
+        return bool((part[fin] - want[fin]).abs().max() <= 0.05 * want[fin].abs().max() + 1e-3)
 
     @property
     def vocab(self) -> int:
@@ -508,7 +545,8 @@ class Runner:
         then runs on those rows alone. Triage reads which positions they are (`KEPT_POSITIONS`)."""
         ctx = self.ctx
         h = args[0] if args else None
-        if ctx.keep is None or ctx.kept or h is None or h.dim() != 3 or h.shape[0] * h.shape[1] != ctx.keys.numel():
+        if (not self.keeps or ctx.keep is None or ctx.kept or h is None or h.dim() != 3 or ctx.keys is None
+                or h.shape[0] * h.shape[1] != ctx.keys.numel()):
             return None
         ctx.kept = True
         keep = ctx.keep.to(h.device)
@@ -621,7 +659,8 @@ def current_phase() -> str:
     """Which forward of an HF pair is running, for a module patch whose kernel differs by phase (an
     engine's decode kernel): "prefill" (the rollout's prompt, one batched forward), "decode" (each of
     the rollout's KV-cache steps, one token per sequence), "trainer" (the packed teacher-forced
-    forward); "" outside them. A prefill of one token is still "prefill"."""
+    forward); "check" (two forwards of 6 tokens when a path's model is built, `Runner._check_keep`);
+    "" outside them. A prefill of one token is still "prefill"."""
     return getattr(_PHASE, "name", "")
 
 

@@ -634,3 +634,34 @@ def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_p
         ev = run_case(p, Case(seed=0, seq_lens=(1,)))
         assert ev.setup and "is not a checkpoint directory" in ev.error["message"], ev.error
     assert "cannot run: no checkpoint at" in pairs[-1].description
+
+
+def test_a_forward_that_reshapes_the_head_output_to_every_position_keeps_them_all():
+    """Code after the head that reshapes its output to (B, S, V) (a model's own, or a module patch's)
+    cannot take the rows cut: the path's model is checked once when built, and such a path computes
+    every position, its rows picked after; the pair runs as before, with no error of its own."""
+    from targets.hf import register_patch
+    from targets.hf.backend import PATCHES
+
+    def reshaping(model):
+        forward = model.forward
+
+        def patched(*args, input_ids=None, **kwargs):
+            out = forward(*args, input_ids=input_ids, **kwargs)
+            out.logits = out.logits.reshape(input_ids.shape[0], input_ids.shape[1], -1)  # (fails on cut rows)
+            return out
+
+        model.forward = patched
+
+    register_patch("test_reshaping_forward", reshaping)
+    try:
+        cfg = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+        patched = FP32.replace(patch="test_reshaping_forward")
+        pair = hf_pair("user.reshaping", cfg, FP32, patched)
+        ev = run_case(pair, rl_case(seed=1))
+        assert ev.error is None and not ev.failed and ev.k3 < 1e-9, (ev.error, ev.k3)
+        assert not path_model(pair.profiles.model, patched.model_key, "cpu").keeps
+        assert path_model(pair.profiles.model, FP32.model_key, "cpu").keeps
+    finally:
+        PATCHES.pop("test_reshaping_forward", None)

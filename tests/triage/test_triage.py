@@ -303,6 +303,10 @@ def test_a_head_cut_to_top_k_on_one_path_is_where_the_divergence_starts():
         pair = hf_pair("user.head_top5", TINY["qwen3"], FP32, FP32.replace(patch="test_head_top5"), expected="diverges")
         reg = type("R", (), {"get": staticmethod(lambda name: pair)})()
         t = triage(made_repro(pair.name, Case(seed=0, seq_lens=(6, 4), prompt_lens=(3, 5))), registry=reg)
+        from targets.hf.backend import path_model
+
+        rollout = path_model(pair.profiles.model, FP32.replace(patch="test_head_top5").model_key, "cpu")
+        assert rollout.keeps  # (a head that cuts to -inf takes the rows cut too)
     finally:
         PATCHES.pop("test_head_top5", None)
     rows = {m.name: m for m in t.modules}
