@@ -329,17 +329,19 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
     return Sample(line, str(sid) if sid is not None else str(line), prompt, response, logprobs, experts)
 
 
-def padding_hint(prompt: list[int], response: list[int], logprobs: list[float], pads: set[int]) -> str | None:
+def padding_hint(prompt: list[int], response: list[int], logprobs: list[float], pads: set[int],
+                 pad: Any = ...) -> str | None:
     """What makes a row look like one of a verl batch that was not unpadded, or None: a prompt that
     starts with a run (>= 2) of a pad id (`pads`: the config's pad_token_id, and the ids found padding
     responses), or a response that ends with a run (>= 2) of one id whose recorded log-probs are all
     exactly 0.0, or all exactly -1 (what verl pads rollout_log_probs with). A single certain last
-    token (log-prob 0.0), or a repeated one with real log-probs, is not flagged."""
+    token (log-prob 0.0), or a repeated one with real log-probs, is not flagged. `pad`: the response's
+    `_response_pad`, when already computed."""
     parts = []
     m = next((i for i, t in enumerate(prompt) if t != prompt[0]), len(prompt))
     if m >= 2 and prompt[0] in pads:
         parts.append(f"the prompt starts with {m} copies of token {prompt[0]}")
-    pad = _response_pad(response, logprobs)
+    pad = _response_pad(response, logprobs) if pad is ... else pad
     if pad is not None:
         parts.append(f"the response ends with {pad[1]} copies of token {pad[0]} recorded at log-prob {pad[2]!r}")
     return "; ".join(parts) or None
@@ -592,9 +594,10 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         res.batch = batch_metrics(res.scored)
         # rows of a verl batch that was not unpadded: scored as they are, named once
         pads = {pad_id} if isinstance(pad_id, int) and not isinstance(pad_id, bool) else set()
-        pads |= {p[0] for p in (_response_pad(sc.sample.response, sc.sample.logprobs) for sc in res.scored) if p}
-        padded = [(sc.sample.line, h) for sc in res.scored
-                  if (h := padding_hint(sc.sample.prompt, sc.sample.response, sc.sample.logprobs, pads))]
+        runs = [_response_pad(sc.sample.response, sc.sample.logprobs) for sc in res.scored]
+        pads |= {p[0] for p in runs if p}
+        padded = [(sc.sample.line, h) for sc, run in zip(res.scored, runs)
+                  if (h := padding_hint(sc.sample.prompt, sc.sample.response, sc.sample.logprobs, pads, run))]
         if padded:
             res.notes.append(
                 f"warning: {len(padded)} line(s) look like rows of a verl batch that was not unpadded ("
