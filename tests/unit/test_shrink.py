@@ -115,3 +115,16 @@ def test_polish_gives_response_tokens_to_the_prompt_for_a_bug_past_a_position():
     assert got.prompt_len(0) <= 24 and got.prompt_len(0) + got.seq_lens[0] == 41, got.one_line()
     got, _, _ = polish(Case(seed=3, seq_lens=(50,)), lambda c: c.seq_lens[0] > 40, axes=Axes(seq_len=(1, 64)))
     assert got.seq_lens == (41,) and not got.prompt_lens, got.one_line()
+
+
+def test_polish_gives_response_tokens_to_the_prompt_of_a_sequence_that_is_not_the_longest():
+    """The same bug in the second of two sequences, while the first stays the longest (the bug needs
+    it whole): the second's response still goes to its prompt, down to the one token that fails."""
+    from harness import Axes
+
+    def fails(c):
+        return c.batch_size == 2 and c.seq_lens[0] == 40 and c.prompt_len(1) + c.seq_lens[1] > 20
+
+    axes = Axes(n_seqs=(2, 2), seq_len=(1, 64), prompt_len=(0, 64))
+    got, _, complete = polish(Case(seed=3, seq_lens=(40, 12), prompt_lens=(0, 10)), fails, axes=axes)
+    assert complete and got.seq_lens[1] == 1 and got.prompt_len(1) == 20, got.one_line()
