@@ -7,10 +7,11 @@ against an earlier revision, side by side.
 Builds a small Qwen3-MoE from a config (hidden 64, 2 layers, 8 experts top-2, the given vocabulary)
 and runs one case of its aligned float32 pair (`hf_pair(..., FP32, FP32)`: KV-cache decode against the
 packed (or per-sequence) teacher-forced trainer) with `seqs` sequences of `prompt` prompt and
-`response` response tokens, in a fresh process per harness: the harness of a `git worktree` at REV
-(default HEAD~1), then this checkout's. Prints each run's peak resident memory (`ru_maxrss` from
-`os.wait4`), wall time and the judged mean (the same case on both harnesses: the figures should agree
-to float32 noise).
+`response` response tokens, in a fresh process per run: the harness of a `git worktree` at REV
+(default HEAD~1), then this checkout's with the trainer's LM head at every position (`head_rows`
+"all", the default) and at the scored rows only ("scored"). Prints each run's peak resident memory
+(`ru_maxrss` from `os.wait4`), wall time and the judged mean (the same case in every run: the
+figures should agree to float32 noise).
 """
 import argparse
 import json
@@ -34,15 +35,17 @@ cfg = dict(model_type="qwen3_moe", vocab_size=a["vocab"], hidden_size=64, interm
            moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
            num_experts=8, num_experts_per_tok=2, max_position_embeddings=8192, tie_word_embeddings=False)
 nx = FP32.replace(packing=a["packing"])
-pair = hf_pair("mem.case", cfg, nx, nx)
+trainer = nx.replace(head_rows=a["head_rows"]) if a["head_rows"] else nx
+pair = hf_pair("mem.case", cfg, trainer, nx)
 case = Case(seed=1, seq_lens=(a["response"],) * a["seqs"], prompt_lens=(a["prompt"],) * a["seqs"])
 ev = run_case(pair, case)
 print(json.dumps({"score": ev.score, "error": ev.error}))
 """
 
 
-def run(checkout: Path, args: argparse.Namespace) -> tuple[float, float, dict]:
-    spec = json.dumps({k: getattr(args, k) for k in ("vocab", "seqs", "prompt", "response", "packing")})
+def run(checkout: Path, args: argparse.Namespace, head_rows: str | None) -> tuple[float, float, dict]:
+    spec = json.dumps({**{k: getattr(args, k) for k in ("vocab", "seqs", "prompt", "response", "packing")},
+                       "head_rows": head_rows})
     env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", CHILD, spec], cwd=checkout, env=env, stdout=subprocess.PIPE,
@@ -74,8 +77,9 @@ def main() -> None:
             print(f"one case of an aligned float32 HF pair ({args.packing} trainer): {args.seqs} sequences of "
                   f"{args.prompt} + {args.response} tokens, vocab {args.vocab}, Qwen3-MoE hidden 64 (torch threads 1)")
             print("| harness | peak RSS GiB | wall s | judged mean |\n|---|---:|---:|---:|")
-            for name, checkout in ((rev, base), ("this checkout", ROOT)):
-                rss, wall, res = run(checkout, args)
+            for name, checkout, rows in ((rev, base, None), ("this checkout, trainer head_rows all", ROOT, "all"),
+                                         ("this checkout, trainer head_rows scored", ROOT, "scored")):
+                rss, wall, res = run(checkout, args, rows)
                 score = f"{res['score']:.3e}" if res["error"] is None else f"error: {res['error']}"
                 print(f"| {name} | {rss:.2f} | {wall:.1f} | {score} |", flush=True)
         finally:

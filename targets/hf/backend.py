@@ -72,6 +72,7 @@ ATTENTION = ("eager", "sdpa")
 EXPERTS = ("eager", "grouped_mm", "batched_mm")
 USE_CACHE = ("off", "default")
 PACKING = ("packed", "per_sequence")
+HEAD_ROWS = ("all", "scored")
 TIE_FLOOR = 1e-5  # smallest near-tie gap: below it fp32 layout noise breaks ties differently on each path
 RECORDED_KEYS = ("rec_prompt", "rec_response", "rec_logprobs")  # case params holding a recorded sample
 
@@ -88,6 +89,7 @@ COMPONENTS = {
     "experts": "experts implementation",
     "use_cache": "use_cache in the packed trainer forward (block-diagonal mask)",
     "packing": "trainer packing (sequences packed into shared rows, or one sequence per row)",
+    "head_rows": "LM-head rows (every position of the forward, or only those that score response tokens)",
     "patch": "module patch (modules of your own swapped in: register_patch)",
 }
 
@@ -148,10 +150,16 @@ class Numerics:
     use_cache: str = "off"  # trainer only: "off" passes use_cache=False; "default" leaves it (the packed-mask trap)
     patch: str = NO_PATCH  # a module patch registered with `register_patch`, applied to this path's model copy
     packing: str = "packed"  # trainer only: "packed" (the case's packed rows) or "per_sequence" (one sequence per row)
+    # the rows the LM head runs on: "all" (every position of the forward, as a trainer that computes the
+    # whole packed batch's logits; a head kernel that changes with the row count is tested), or
+    # "scored" (only the positions whose outputs are read, as an engine's prefill, or a trainer with a
+    # fused head: (positions, V) logits of long prompts never exist). A rollout is always "scored".
+    head_rows: str = "all"
 
     def __post_init__(self) -> None:
         for name, allowed in (("body", DTYPES), ("router", DTYPES), ("lm_head", DTYPES), ("attention", ATTENTION),
-                              ("experts", EXPERTS), ("use_cache", USE_CACHE), ("packing", PACKING)):
+                              ("experts", EXPERTS), ("use_cache", USE_CACHE), ("packing", PACKING),
+                              ("head_rows", HEAD_ROWS)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"Numerics.{name}={getattr(self, name)!r} is not one of {allowed}; pick one of those.")
         if self.patch != NO_PATCH and self.patch not in PATCHES:
@@ -168,7 +176,7 @@ class Numerics:
 
     @property
     def model_key(self) -> tuple:
-        """The fields that change the model object (use_cache and packing only change the call)."""
+        """The fields that change the model object (use_cache, packing and head_rows only change the call)."""
         return tuple(getattr(self, f) for f in MODEL_FIELDS)
 
     @classmethod
@@ -181,8 +189,10 @@ MODEL_FIELDS = ("body", "router", "lm_head", "attention", "experts", "patch")  #
 
 def as_rollout(nx: Numerics) -> Numerics:
     """A rollout's profile: it runs every sequence in a row of its own (a left-padded batch, KV-cache
-    decode), and its profile says so, so the trainer's packing is a difference triage can swap."""
-    return nx.replace(packing="per_sequence")
+    decode) and its LM head only where it samples (each prompt's last position in the prefill, as
+    engines do), and its profile says so, so the trainer's packing and head rows are differences
+    triage can swap."""
+    return nx.replace(packing="per_sequence", head_rows="scored")
 
 
 FP32 = Numerics()
@@ -436,7 +446,13 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
         model = model if patched is None else patched
         model.eval()
         model.requires_grad_(False)
-        gates, head = router_modules(model), model.get_output_embeddings()
+        head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+        if not isinstance(head, torch.nn.Module):
+            raise UsageError(f"module patch {nx.patch!r} ({_where(fn)}) returned a {type(model).__name__} whose "
+                             "get_output_embeddings() gives no LM head module: the harness hooks the head (its dtype, "
+                             "the rows it runs on). Change the model in place and return None, or return a "
+                             "transformers model (a PreTrainedModel) whose get_output_embeddings() is its head.")
+        gates = router_modules(model)
     return Runner(model, gates, head, nx)
 
 
@@ -495,8 +511,9 @@ class Runner:
             g.register_forward_hook(self._router_out(layer, g))
         self.keeps = True  # the head may be given only the rows a path reads (`_keep_rows`; see `_check_keep`)
         head.register_forward_pre_hook(self._keep_rows)  # (first: the cast below then casts the kept rows only)
-        if nx.lm_head != nx.body:
-            head.register_forward_pre_hook(lambda m, args: (args[0].to(m.weight.dtype),))
+        if nx.lm_head != nx.body:  # (the dtype by name: a head a module patch wrapped has no `weight` of its own)
+            head_dtype = _dtype(nx.lm_head)
+            head.register_forward_pre_hook(lambda m, args: (args[0].to(head_dtype), *args[1:]))
             head.register_forward_hook(lambda m, args, out: out.float())
         self.keeps = self._check_keep()
 
@@ -519,6 +536,8 @@ class Runner:
                 full = self(CallContext(keys=keys, phase="check"), input_ids=ids, use_cache=False).logits.float()
         except Exception:  # noqa: BLE001 - its plain forward fails here: the cases will say so, not this check
             return True
+        if full.dim() != 3 or tuple(full.shape[:2]) != (1, 6):
+            return False  # (not a logit row per position, e.g. the last position's only: nothing to compare with)
         ctx = CallContext(keys=keys, keep=torch.tensor([[2, 5]]), phase="check")
         try:
             with torch.inference_mode():
@@ -534,10 +553,6 @@ class Runner:
         if not torch.equal(torch.isfinite(part), fin) or not bool(fin.any()):  # (a head that cuts to -inf: alike)
             return False
         return bool((part[fin] - want[fin]).abs().max() <= 0.05 * want[fin].abs().max() + 1e-3)
-
-    @property
-    def vocab(self) -> int:
-        return int(self.head.weight.shape[0])
 
     def _keep_rows(self, module: Any, args: tuple) -> tuple | None:
         """The head's input cut to `ctx.keep`'s rows, once per forward, when it is the forward's

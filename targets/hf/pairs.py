@@ -33,12 +33,18 @@ MAX_RESPONSE = 16  # response tokens per sequence (every one decoded from the KV
 MAX_SEQS = 16
 
 
-def default_axes(model: HFModel, max_seqs: int = MAX_SEQS, max_prompt: int = MAX_PROMPT,
+def default_axes(model: Any, max_seqs: int = MAX_SEQS, max_prompt: int = MAX_PROMPT,
                  max_response: int = MAX_RESPONSE) -> Axes:
-    """Batch, prompt and response lengths, packing, sampling and (MoE) near-tie axes for a model."""
+    """Batch, prompt and response lengths, packing, sampling and (MoE) near-tie axes for a model (an
+    `HFModel`, a checkpoint directory or a config, as `hf_pair` takes). A checkpoint directory that is
+    not there gets the axes of a model without experts: its pairs cannot run until it is (see
+    `hf_pair`), and a plugin widening their axes still registers them."""
     from hypothesis import strategies as st
 
-    moe = model.moe()
+    if _missing_checkpoint("", model, warn=False) is not None:
+        moe = None
+    else:
+        moe = model_from(model).moe()
     kw: dict[str, Any] = dict(
         n_seqs=(1, max_seqs), seq_len=(1, max_response), packing=True,
         logit_scale=(1.0, 1.0),  # peakedness comes from the model (realistic init or a trained checkpoint)
@@ -86,7 +92,7 @@ _warned_missing: set[str] = set()
 
 
 def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", description: str = "",
-                        devices: tuple[str, ...] = ("cpu", "cuda")) -> TargetPair | None:
+                        devices: tuple[str, ...] = ("cpu", "cuda"), warn: bool = True) -> TargetPair | None:
     """For a checkpoint folder that is not there (a nightly whose checkpoint mount is missing, a step
     an RL run deleted): a pair of that name whose every case cannot run, saying why, so the plugin's
     other pairs still run and this one is CANNOT RUN in the table; None when `model` is no such path."""
@@ -97,7 +103,10 @@ def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", descri
         return None
     except UsageError as e:
         err = e
-    if str(model) not in _warned_missing:
+    from harness.pairs import WARN_BROKEN_ENTRY_POINTS
+
+    # (once per folder, by the campaign's process: its workers import the plugin too, silently)
+    if warn and WARN_BROKEN_ENTRY_POINTS[0] and str(model) not in _warned_missing:
         _warned_missing.add(str(model))
         print(f"warning: {err} Its pairs ({name}...) are registered, and each case of them cannot run until it is "
               "there.", file=sys.stderr)
@@ -240,10 +249,13 @@ def _check_fingerprint(spec: HFModel, recorded: Any) -> None:
               file=sys.stderr, flush=True)
 
 
-def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay: bool = False) -> TargetPair:
+def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32.replace(head_rows="scored"),
+                  replay: bool = False) -> TargetPair:
     """The pair `harness score --model PATH` scores with: the checkpoint is named by each case
     (`params.rec_model`), the rollout side is the recording the case carries, the trainer runs
-    `trainer` numerics (with router replay of the recorded experts when `replay`).
+    `trainer` numerics (with router replay of the recorded experts when `replay`): by default
+    transformers' float32 forward with the LM head at the scored rows only (a recording's prompt of
+    thousands of tokens costs no (positions, V) logits; the reference has no row-count kernel to test).
 
     Fuzzed (a case without a recording), it records `fallback`'s float32 rollout of the case and
     scores that: the record -> score round trip must stay clean (aligned)."""
@@ -260,7 +272,7 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
         # (no near-tie nudges: a recording is scored as it is, by the model alone)
         inp = paths.make_inputs(case.replace(tie_fraction=0.0), fallback, device)
         inp.tie_floor = False
-        recs = paths.records(inp, paths.rollout(inp, FP32))
+        recs = paths.records(inp, paths.rollout(inp, as_rollout(FP32)))
         recorded = case.replace(params={**case.params, **paths.encode_recorded(recs)})
         inp = paths.make_inputs(recorded, fallback, device)
         expose_modules(inp, trainer, FP32)
@@ -274,7 +286,7 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32, replay
 
     return TargetPair(
         name=name, kind="model", expected="aligned", build=build, trainer=run_trainer,
-        rollout=lambda inp: paths.rollout(inp, FP32),
+        rollout=lambda inp: paths.rollout(inp, as_rollout(FP32)),
         axes=dataclasses.replace(default_axes(fallback), routing=None, params={}), devices=("cpu", "cuda"),
         description="recorded rollouts (harness score --model PATH): the checkpoint's float32 trainer scores them"
                     + (" with the recorded experts replayed" if replay else ""),

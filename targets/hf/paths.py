@@ -227,7 +227,8 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
         keys[j, lp_max - len(p):] = j * inp.stride + torch.arange(len(p))
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     ctx = _ctx(inp, keys.reshape(-1).to(dev), phase="prefill")
-    ctx.keep = torch.arange(b)[:, None] * lp_max + lp_max - 1  # (B, 1): the head at each prompt's last position
+    if nx.head_rows == "scored":  # (B, 1): the head at each prompt's last position (`as_rollout` says so)
+        ctx.keep = torch.arange(b)[:, None] * lp_max + lp_max - 1
     out = run(ctx, input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
     cache = _cache_of(out)
     logits = out.logits[:, -1].float()  # (B, V)
@@ -315,10 +316,12 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
         sel_c += list(range(o + len(p) - 1, o + len(p) - 1 + rlen))
     sel_r, sel_c = torch.tensor(sel_r, dtype=torch.int64), torch.tensor(sel_c, dtype=torch.int64)
     ctx = _ctx(inp, keys.reshape(-1).to(dev), table, phase="trainer", floor_at=floor_at)
-    ctx.keep = (sel_r * width + sel_c)[None]  # (1, T): the head at the positions that score the response tokens
+    if nx.head_rows == "scored":  # (1, T): the head at the positions that score the response tokens only
+        ctx.keep = (sel_r * width + sel_c)[None]
     kwargs = {"use_cache": False} if nx.use_cache == "off" else {}
     out = run(ctx, input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=None, **kwargs)
-    # (T, V) in case order; a model that bypasses its output-embeddings module computed every position
+    # (T, V) in case order (rows cut by the head, or picked from every position: head_rows "all", or a
+    # model that bypasses its output-embeddings module)
     logits = (out.logits[0] if ctx.kept else out.logits[sel_r, sel_c]).float()
     del out
     temp, top_k, top_p = sampling(case)

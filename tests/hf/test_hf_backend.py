@@ -21,7 +21,7 @@ from harness.errors import UsageError  # noqa: E402
 from harness.execute import run_case  # noqa: E402
 from harness.fuzz import CampaignConfig, run_campaign  # noqa: E402
 from targets.hf import BF16, FP32, hf_pair  # noqa: E402
-from targets.hf.backend import path_model  # noqa: E402
+from targets.hf.backend import model_from, path_model  # noqa: E402
 from targets.hf.builtin import MODELS  # noqa: E402
 from targets.hf.paths import CallContext  # noqa: E402
 
@@ -577,44 +577,52 @@ def test_the_trainer_raises_to_the_tie_floor_where_the_rollout_did_not_where_its
 
 
 def test_the_head_computes_only_the_rows_each_path_scores():
-    """The LM head runs at the positions whose outputs are read: each prompt's last position in the
-    rollout's prefill ((B, 1), as in each decode step) and the response-scoring positions of the
-    trainer's packed forward ((1, T)), not every prompt position; the values are those of the head
-    over every position, rows picked after (float32 noise of another GEMM shape apart), and a model
+    """The rollout's LM head runs where it samples: each prompt's last position in the prefill ((B, 1),
+    as in each decode step), as engines do. The trainer's runs at every position of its packed
+    forward (head_rows "all", the default: a head kernel that changes with the row count is tested),
+    or at the response-scoring positions only ((1, T), head_rows "scored": no (positions, V) logits
+    for long prompts); the values are alike (float32 noise of another GEMM shape apart), and a model
     that bypasses its output-embeddings module still gets its rows picked."""
-    from targets.hf.backend import current_phase
+    from targets.hf.backend import as_rollout, current_phase
     from targets.hf.paths import make_inputs, rollout, trainer
 
     cfg = dict(model_type="qwen3_moe", vocab_size=256, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
                num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
-    pair = hf_pair("user.rows", cfg, FP32, FP32)
+    scored = FP32.replace(head_rows="scored")
+    pair = hf_pair("user.rows", cfg, scored, FP32)
     case = rl_case(seed=5, seq_lens=(3, 6, 2), prompt_lens=(20, 0, 11))
     run = path_model(pair.profiles.model, FP32.model_key, "cpu")
     seen = []
     spy = run.head.register_forward_hook(lambda m, args, out: seen.append((current_phase(), tuple(args[0].shape[:-1]))))
     try:
         inp = make_inputs(case, pair.profiles.model, "cpu")
-        ro = rollout(inp, FP32)
-        kept = trainer(inp, ro, FP32)
+        ro = rollout(inp, as_rollout(FP32))
+        cut = trainer(inp, ro, scored)
+        whole = trainer(inp, ro, FP32)
     finally:
         spy.remove()
-    assert seen[0] == ("prefill", (3, 1)) and set(seen[1:-1]) == {("decode", (3, 1))}, seen
-    assert seen[-1] == ("trainer", (1, case.n_tokens)), seen
+    seen = [s for s in seen if s[0] != "check"]
+    rows = case.packed_rows()
+    width = max(sum(1 + case.prompt_len(j) + case.seq_lens[j] for j in row) for row in rows)
+    assert seen[0] == ("prefill", (3, 1)) and set(seen[1:-2]) == {("decode", (3, 1))}, seen
+    assert seen[-2:] == [("trainer", (1, case.n_tokens)), ("trainer", (len(rows), width))], seen
     # the same trainer with the head's row cut taken out (a model whose forward bypasses its
     # output-embeddings module): every position computed, the rows picked from them
     hooks = run.head._forward_pre_hooks
     key = next(k for k, h in hooks.items() if getattr(h, "__func__", None) is type(run)._keep_rows)
-    cut = hooks.pop(key)
+    hook = hooks.pop(key)
     try:
-        full = trainer(inp, ro, FP32)
+        bypassed = trainer(inp, ro, scored)
     finally:
-        hooks[key] = cut
+        hooks[key] = hook
         hooks.move_to_end(key, last=False)
-    assert kept.logprobs.shape == full.logprobs.shape == (case.n_tokens, 256)
-    assert (kept.logprobs - full.logprobs).abs().max() < 1e-5
+    assert cut.logprobs.shape == whole.logprobs.shape == bypassed.logprobs.shape == (case.n_tokens, 256)
+    assert (cut.logprobs - whole.logprobs).abs().max() < 1e-5 and torch.equal(whole.logprobs, bypassed.logprobs)
     ev = run_case(pair, case)
     assert ev.error is None and not ev.failed and ev.k3 < 1e-9, (ev.error, ev.k3)
+    assert pair.profiles.trainer["head_rows"] == "scored" and pair.profiles.rollout["head_rows"] == "scored"
+    assert hf_pair("user.rows2", cfg).profiles.trainer["head_rows"] == "all"  # (the default)
 
 
 def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_path, capsys):
@@ -624,7 +632,11 @@ def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_p
     from targets.hf import hf_pairs
 
     gone = tmp_path / "step-100"
-    pairs = hf_pairs("user.gone", str(gone)) + [hf_pair("user.gone_one", gone, expected="diverges")]
+    from targets.hf.pairs import default_axes
+
+    wide = default_axes(gone, max_prompt=96, max_response=64)  # (a plugin widening its pairs' axes)
+    assert wide.prompt_len == (0, 96) and wide.routing is None
+    pairs = hf_pairs("user.gone", str(gone), axes=wide) + [hf_pair("user.gone_one", gone, expected="diverges")]
     assert [p.name for p in pairs] == ["user.gone.aligned", "user.gone.bf16_rollout", "user.gone.eager_vs_sdpa",
                                        "user.gone_one"]
     assert [p.expected for p in pairs] == ["aligned", "diverges", "aligned", "diverges"]
@@ -665,3 +677,62 @@ def test_a_forward_that_reshapes_the_head_output_to_every_position_keeps_them_al
         assert path_model(pair.profiles.model, FP32.model_key, "cpu").keeps
     finally:
         PATCHES.pop("test_reshaping_forward", None)
+
+
+def test_a_trainer_head_kernel_that_changes_with_the_row_count_is_tested_with_every_position():
+    """A trainer's head that takes another code path above 64 rows (a chunked large-batch kernel, here
+    one that rounds its logits to bf16): with head_rows "all" (the default) the packed forward's every
+    position reaches it and the case diverges; with "scored" the head sees only the scored rows and
+    the same case is clean: the choice is the pair's to make, and its profile names it."""
+    from targets.hf import register_patch
+    from targets.hf.backend import PATCHES
+
+    class RowCountHead(torch.nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.inner = head
+
+        def forward(self, x):
+            y = self.inner(x)
+            return y.bfloat16().float() * 1.05 if x.shape[:-1].numel() > 64 else y
+
+    register_patch("test_row_count_head", lambda model: setattr(model, "lm_head", RowCountHead(model.lm_head)))
+    try:
+        cfg = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+        case = rl_case(seed=2, seq_lens=(6, 5), prompt_lens=(40, 30))  # 83 positions, 11 of them scored
+        trainer = FP32.replace(patch="test_row_count_head")
+        every = run_case(hf_pair("user.rowcount", cfg, trainer, FP32, expected="diverges"), case)
+        scored = run_case(hf_pair("user.rowcount_scored", cfg, trainer.replace(head_rows="scored"), FP32,
+                                  expected="diverges"), case)
+        assert every.error is None and every.failed, (every.error, every.score)
+        assert scored.error is None and not scored.failed and scored.k3 < 1e-9, (scored.error, scored.k3)
+    finally:
+        PATCHES.pop("test_row_count_head", None)
+
+
+def test_a_head_a_patch_wrapped_runs_in_its_own_dtype():
+    """A module patch that wraps the LM head in a module of its own (no `weight` attribute) on a path
+    whose head dtype differs from its body's: the cast goes by the dtype's name, not the module's
+    weight (an AttributeError inside the harness had been recorded as the engine's error)."""
+    from targets.hf import register_patch
+    from targets.hf.backend import PATCHES
+
+    class SoftCap(torch.nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.inner = head
+
+        def forward(self, x):
+            return 30.0 * torch.tanh(self.inner(x) / 30.0)
+
+    register_patch("test_wrapped_head", lambda model: setattr(model, "lm_head", SoftCap(model.lm_head)))
+    try:
+        cfg = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+        rollout = FP32.replace(lm_head="bfloat16", patch="test_wrapped_head")
+        ev = run_case(hf_pair("user.wrapped_head", cfg, FP32, rollout, expected="diverges"), rl_case(seed=1))
+        assert ev.error is None and math.isfinite(ev.k3) and ev.k3 > 0, ev.error
+        assert path_model(model_from(cfg), rollout.model_key, "cpu").keeps
+    finally:
+        PATCHES.pop("test_wrapped_head", None)

@@ -163,6 +163,9 @@ def test_a_decode_batch_bug_in_a_real_models_rollout_is_found_at_nine_sequences(
 @pytest.mark.parametrize("body,words", [
     ("    model.model.layers[0].block_sparse_moe.gate = None\n", "raised AttributeError"),
     ("    return {'not': 'a module'}\n", "returned a dict; a patch changes the model in place"),
+    # a replacement module that is no transformers model: no get_output_embeddings() to hook
+    ("    import torch\n    return torch.nn.Sequential(model.model, model.lm_head)\n",
+     "whose get_output_embeddings() gives no LM head module"),
 ])
 def test_a_broken_patch_is_a_pair_that_cannot_run_not_a_finding(tmp_path, body, words):
     from harness.fuzz import CampaignConfig, run_campaign

@@ -58,4 +58,5 @@ def test_plugin_fuzzes_a_saved_checkpoint(tmp_path, harness_cli):
                                  "--no-tracking", "--corpus", str(tmp_path / "corpus2"), env=gone)
     assert code == 2 and "CANNOT RUN" in out and "not a checkpoint directory" in err and "Traceback" not in err, \
         out + err
+    assert err.count("are registered, and each case of them cannot run") == 1, err  # (not again by the worker)
     assert not (tmp_path / "corpus2").exists() or not any((tmp_path / "corpus2").rglob("*.json"))

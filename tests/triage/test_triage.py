@@ -323,7 +323,7 @@ def test_a_bf16_engine_on_a_dense_model_is_triaged_by_the_components_it_has():
     pair = REGISTRY.get("hf.qwen3.bf16_rollout")
     assert "router" not in pair.description and pair.profiles.rollout["router"] == pair.profiles.trainer["router"]
     t = triage(made_repro("hf.qwen3.bf16_rollout", Case(seed=4, seq_lens=(6, 4), prompt_lens=(3, 5))))  # (over the line)
-    assert set(t.localization.differing) == {"body", "lm_head", "packing"}, t.localization.differing  # (no router)
+    assert set(t.localization.differing) == {"body", "lm_head", "packing", "head_rows"}, t.localization.differing  # (no router)
     assert t.k3 > 1e-3 and t.localization.explained and "model dtype" in t.verdict, t.verdict
 
 
