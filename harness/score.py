@@ -35,7 +35,7 @@ of the tokens kept unchanged because the trainer is causal; a prompt is never cu
 change what every response token is conditioned on; when the divergence lies past the cut, the repro
 scores the worst token alone with the response before it moved into the prompt), a histogram of per-sample k3 (`k3_hist.png`), and an
 MLflow campaign run. `flip_rate` and `tie_flip_rate` are empty in samples.csv for a sample that recorded
-no experts (n/a on the console, NaN in the batch when none did). Bad rows (missing fields, ragged
+no experts (n/a on the console, NaN in the batch when none did). Bad rows (missing fields, an empty prompt, ragged
 lengths, non-finite log-probs, ids out of the vocabulary, malformed experts, a prompt + response longer
 than the model's `max_position_embeddings`, times its RoPE scaling factor where one extends it) are
 reported by line and field, with what to do; the rest of the file is scored. A checkpoint folder with
@@ -210,6 +210,10 @@ def _int_list(line: int, name: str, value: Any, vocab: int) -> list[int] | BadRo
     if hasattr(value, "tolist"):
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not value:
+        if isinstance(value, (list, tuple)) and name in ALIASES["prompt"]:
+            return BadRow(line, name, "is empty: the first response token is scored from the last prompt position, so a "
+                          "prompt needs at least one token; record the prompt ids the engine prefilled (its BOS or chat "
+                          "template included)")
         return BadRow(line, name, "must be a non-empty list of token ids")
     out = []
     for i, v in enumerate(value):
@@ -677,7 +681,7 @@ def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path,
 
     case, cut = sample_case(s.sample, extra, sampling, MAX_REPRO_TOKENS)
     ev = s.evaluation if not cut else run_case(pair, case, device, threshold)
-    scored_from = None
+    scored_from, case_cut_to = None, case.seq_lens[0]
     if not ev.failed:  # only a cut response can pass: the uncut case is the one that was flagged
         # its divergence lies past the tokens a repro carries: the repro scores the worst token alone,
         # the response before it moved into the prompt (the same tokens at the same positions: the
@@ -692,13 +696,14 @@ def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path,
             case, _ = sample_case(one, extra, sampling)
             ev = run_case(pair, case, device, threshold)
             scored_from = worst
+        why = (f"line {s.sample.line}: its {len(s.sample.prompt)} prompt + {len(s.sample.response)} response tokens "
+               f"are more than the {MAX_REPRO_TOKENS} a repro carries in full, and its response cut to "
+               f"{case_cut_to} token(s) is under the line")
         if not ev.failed:
-            res.notes.append(f"line {s.sample.line}: its divergence lies past the first {MAX_REPRO_TOKENS} tokens a "
-                             f"repro may carry, and its worst token alone is under the line; no repro written")
+            res.notes.append(f"{why}{', as is its worst token alone' if worst is not None else ''}; no repro written")
             return None
-        res.notes.append(f"line {s.sample.line}: its divergence lies past the first {MAX_REPRO_TOKENS} tokens a repro "
-                         f"carries in full: the repro scores its worst token (response token {worst}) alone, the "
-                         f"{worst} response tokens before it moved into the prompt")
+        res.notes.append(f"{why}: the repro scores its worst token (response token {worst}) alone, the {worst} "
+                         "response tokens before it moved into the prompt")
     sig = hashlib.sha256(f"{pair.name}|recorded|{case.key()}".encode()).hexdigest()
     finding = Finding(pair=pair.name, expected=pair.expected, symptom=ev.symptom, signature=sig, case=case,
                       evaluation=ev, examples=scored)

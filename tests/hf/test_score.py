@@ -189,6 +189,8 @@ def test_parse_sample_slime_layout_and_expert_shapes():
     assert isinstance(got, BadRow) and got.line == 7 and got.field == "routed_experts" and "9" in got.message
     got = parse_sample(8, {**row, "routed_experts": [[[0, 1]], [[3, 3]]]}, 16, (8, 2, 1))
     assert isinstance(got, BadRow) and "position 1, layer 0: expert ids [3, 3] repeat" in got.message
+    got = parse_sample(9, {**row, "prompt_ids": [], "routed_experts": None}, 16, None)  # says why, and what to record
+    assert isinstance(got, BadRow) and got.field == "prompt_ids" and "scored from the last prompt position" in got.message
 
 
 def test_recorded_experts_the_trainer_disagrees_with_are_noted(aligned_file, tmp_path):
