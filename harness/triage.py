@@ -927,6 +927,9 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
     pair = registry.get(repro.pair)
     thr = threshold if threshold is not None else repro.threshold
     ev = run_case(pair, repro.case, device, thr, keep_outcomes=True)
+    if ev.setup:  # (a harness error: its checkpoint folder is gone, say; as `replay`, not an empty report)
+        raise UsageError(f"repro {repro.path or repro.id} cannot be triaged here: its pair {repro.pair!r} could not run: "
+                         f"{ev.error['type']}: {ev.error['message']}")
     t = Triage(repro=repro, pair=pair, k3=judged(ev), threshold=thr, evaluation=ev)
     if ev.error:
         t.notes.append(f"the pair raised {ev.error['type']}: {ev.error['message']}")

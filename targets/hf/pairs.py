@@ -137,8 +137,9 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     if replay and not spec.moe():
         raise UsageError(f"hf_pair {name!r}: replay=True needs a MoE model; this config has no experts.")
     moe_only = ("router", "experts")  # components a model without experts does not have
-    # (packing always differs: the trainer packs, the rollout runs a row per sequence)
-    differ = [k for k in COMPONENTS if k != "packing" and trainer.as_dict()[k] != rollout.as_dict()[k]]
+    # (packing and head rows differ by construction: the trainer packs and computes every position's
+    # logits, the rollout runs a row per sequence and its head where it samples)
+    differ = [k for k in COMPONENTS if k not in ("packing", "head_rows") and trainer.as_dict()[k] != rollout.as_dict()[k]]
     if differ and not spec.moe() and all(k in moe_only for k in differ):
         raise UsageError(f"hf_pair {name!r}: trainer and rollout differ only in {', '.join(differ)}, which MoE models "
                          "have (a router, experts); this model has no experts, so both paths would run the same "

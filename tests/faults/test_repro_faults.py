@@ -344,6 +344,10 @@ def test_a_pair_that_cannot_run_here_is_not_a_repro_that_still_fails(repro, tmp_
     assert_clean_error(code, err, 2, "could not run: UsageError: /ckpt/step-100 is not a checkpoint directory")
     code, _, err = run_cli(capsys, "replay", "--bisect", "--plugin", str(plugin), str(repro))
     assert code == 125, err
+    code, _, err = run_cli(capsys, "triage", "--plugin", str(plugin), str(repro), "--no-tracking", "--reports",
+                           str(tmp_path / "reports"))  # (not an empty report, exit 0)
+    assert_clean_error(code, err, 2, "cannot be triaged here: its pair 'gone.ckpt' could not run: UsageError: "
+                       "/ckpt/step-100 is not a checkpoint directory")
 
 
 def test_a_repro_with_a_path_escaping_the_repository_is_not_loaded(repro):
