@@ -5,14 +5,15 @@ Mixtral-style and a dense Qwen3/Llama-style model) when transformers is installe
 itself is imported only when a pair first runs a case, so `harness list` stays fast.
 
 Public API for your own model (a checkpoint directory or a config): `hf_pairs`, `hf_pair`,
-`HFModel`, `Numerics`, `FP32`, `BF16`, `register_patch` (your own modules in a path). See `backend.py` for what the paths do.
+`HFModel`, `Numerics`, `FP32`, `BF16`, `register_patch` (your own modules in a path),
+`current_phase` / `current_sampling` (what a patch's forward is part of). See `backend.py` for what the paths do.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-from .backend import BF16, FP32, HFModel, Numerics, current_phase, register_patch
+from .backend import BF16, FP32, HFModel, Numerics, Sampling, current_phase, current_sampling, register_patch
 from .pairs import default_axes, hf_pair, hf_pairs
 
 
@@ -26,5 +27,5 @@ def _available() -> bool:
 
 AVAILABLE = _available()  # transformers importable (without importing it)
 
-__all__ = ["AVAILABLE", "BF16", "FP32", "HFModel", "Numerics", "current_phase", "default_axes", "hf_pair", "hf_pairs",
-           "register_patch"]
+__all__ = ["AVAILABLE", "BF16", "FP32", "HFModel", "Numerics", "Sampling", "current_phase", "current_sampling",
+           "default_axes", "hf_pair", "hf_pairs", "register_patch"]

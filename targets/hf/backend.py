@@ -497,6 +497,7 @@ class CallContext:
     # positions of a long prefill or packed row cost (positions, V) logits nobody reads)
     keep: Any = None
     kept: bool = False  # the head was given `keep`'s rows (set by its hook; else the model bypassed it)
+    sampling: "Sampling | None" = None  # the case's sampling parameters: what `current_sampling()` says
 
 
 class Runner:
@@ -533,12 +534,13 @@ class Runner:
         keys = torch.arange(6, device=weight.device)
         try:
             with torch.inference_mode():
-                full = self(CallContext(keys=keys, phase="check"), input_ids=ids, use_cache=False).logits.float()
+                full = self(CallContext(keys=keys, phase="check", sampling=NEUTRAL_SAMPLING), input_ids=ids,
+                            use_cache=False).logits.float()
         except Exception:  # noqa: BLE001 - its plain forward fails here: the cases will say so, not this check
             return True
         if full.dim() != 3 or tuple(full.shape[:2]) != (1, 6):
             return False  # (not a logit row per position, e.g. the last position's only: nothing to compare with)
-        ctx = CallContext(keys=keys, keep=torch.tensor([[2, 5]]), phase="check")
+        ctx = CallContext(keys=keys, keep=torch.tensor([[2, 5]]), phase="check", sampling=NEUTRAL_SAMPLING)
         try:
             with torch.inference_mode():
                 part = self(ctx, input_ids=ids, use_cache=False).logits.float()
@@ -657,17 +659,39 @@ class Runner:
 
     def __call__(self, ctx: CallContext, **kwargs: Any) -> Any:
         self.ctx = ctx
-        _PHASE.name = ctx.phase
+        _PHASE.name, _PHASE.sampling = ctx.phase, ctx.sampling
         try:
             return self.model(**kwargs)
         finally:
             if KEPT_POSITIONS in self.model.__dict__:
                 delattr(self.model, KEPT_POSITIONS)
             self.ctx = CallContext()
-            _PHASE.name = ""
+            _PHASE.name, _PHASE.sampling = "", None
 
 
 _PHASE = threading.local()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A case's sampling parameters (`current_sampling()`): what the rollout samples with, after the
+    forward (temperature first, then top-k, then top-p; `harness.sampling.process_logits`)."""
+
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+
+
+NEUTRAL_SAMPLING = Sampling(1.0, 0, 1.0)  # (the head check's forwards: no case)
+
+
+def current_sampling() -> Sampling | None:
+    """The sampling parameters of the case whose forward is running (every phase, trainer included:
+    it scores the distribution the rollout sampled from; neutral ones in the "check" forwards), None
+    outside one; for a module patch that
+    plants a sampler's bug in the model (a head that divides by the temperature, which the sampler
+    then applies again)."""
+    return getattr(_PHASE, "sampling", None)
 
 
 def current_phase() -> str:

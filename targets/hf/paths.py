@@ -13,7 +13,7 @@ from typing import Any
 
 from harness import Outcome, Routing
 
-from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, ReplayError, path_model, \
+from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, ReplayError, Sampling, path_model, \
     process_logits, sample_rows
 
 
@@ -148,7 +148,7 @@ def make_inputs(case: Any, spec: HFModel, device: str) -> HFInputs:
 def _ctx(inp: HFInputs, keys: Any, replay: dict | None = None, phase: str = "",
          floor_at: dict | None = None) -> CallContext:
     return CallContext(keys=keys, forced=inp.forced, tie_layer=inp.tie_layer, gap=inp.gap, replay=replay,
-                       floor=inp.tie_floor, phase=phase, floor_at=floor_at)
+                       floor=inp.tie_floor, phase=phase, floor_at=floor_at, sampling=Sampling(*sampling(inp.case)))
 
 
 def _raised(parts: dict) -> dict:

@@ -264,3 +264,38 @@ def test_a_patch_reads_which_forward_runs_and_a_one_token_prefill_is_not_decode(
         assert current_phase() == ""
     finally:
         PATCHES.pop("test_phase", None)
+
+
+def test_a_patch_reads_the_cases_sampling_and_a_temperature_applied_twice_is_caught():
+    """`current_sampling()` gives a module patch the case's temperature / top-k / top-p during each
+    forward: a rollout head that divides its logits by the temperature, which the sampler then
+    applies again (temperature twice), diverges at T = 0.7 and is clean at T = 1."""
+    from harness import Case
+    from harness.execute import run_case
+    from targets.hf import current_sampling, hf_pair
+
+    seen = []
+
+    class TwiceHead(torch.nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.inner = head
+
+        def forward(self, x):
+            s = current_sampling()
+            seen.append(s)
+            return self.inner(x) / s.temperature
+
+    register_patch("test_temperature_twice", lambda model: setattr(model, "lm_head", TwiceHead(model.lm_head)))
+    try:
+        pair = hf_pair("user.twice", TINY["qwen3"], FP32, FP32.replace(patch="test_temperature_twice"),
+                       expected="diverges")
+        hot = run_case(pair, Case(seed=1, seq_lens=(6, 4), prompt_lens=(3, 2), temperature=0.7))
+        assert hot.error is None and hot.failed, (hot.error, hot.score)
+        assert {(s.temperature, s.top_k, s.top_p) for s in seen} == {(0.7, 0, 1.0), (1.0, 0, 1.0)}  # (and the check's)
+        assert path_model(pair.profiles.model, FP32.replace(patch="test_temperature_twice").model_key, "cpu").keeps
+        plain = run_case(pair, Case(seed=1, seq_lens=(6, 4), prompt_lens=(3, 2), temperature=1.0))
+        assert plain.error is None and not plain.failed, plain.score
+        assert current_sampling() is None
+    finally:
+        PATCHES.pop("test_temperature_twice", None)
