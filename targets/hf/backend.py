@@ -59,6 +59,7 @@ import functools
 import hashlib
 import json
 import math
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -520,10 +521,12 @@ class Runner:
 
     def _check_keep(self) -> bool:
         """Whether the model's forward takes the head's rows cut (`_keep_rows`): a forward of 6 tokens
-        with 2 rows kept must give those rows of the forward with none cut (to the noise of another
-        GEMM shape in the path's dtype). Code after the head that reshapes its output to (B, S, V), in
-        a model or a module patch, fails that (or raises): such a path computes every position, and
-        the rows are picked after, as for a model whose forward bypasses its output embeddings."""
+        with 2 rows kept must run and give 2 rows of logits. Code after the head that reshapes its
+        output to (B, S, V) or slices positions from it, in a model or a module patch, fails that (or
+        raises): such a path computes every position, with a warning, and the rows are picked after,
+        as for a model whose forward bypasses its output embeddings. (Shapes only: the values of 2
+        rows may rightly differ from those of 6 in a head whose kernel depends on the row count,
+        which is what the cut is there to show.)"""
         import torch
 
         embed = self.model.get_input_embeddings()
@@ -532,29 +535,25 @@ class Runner:
             return True  # (no (vocab, hidden) embedding to draw ids for: the cases will tell)
         ids = torch.arange(6, device=weight.device).remainder(weight.shape[0])[None]
         keys = torch.arange(6, device=weight.device)
-        try:
-            with torch.inference_mode():
-                full = self(CallContext(keys=keys, phase="check", sampling=NEUTRAL_SAMPLING), input_ids=ids,
-                            use_cache=False).logits.float()
-        except Exception:  # noqa: BLE001 - its plain forward fails here: the cases will say so, not this check
-            return True
-        if full.dim() != 3 or tuple(full.shape[:2]) != (1, 6):
-            return False  # (not a logit row per position, e.g. the last position's only: nothing to compare with)
         ctx = CallContext(keys=keys, keep=torch.tensor([[2, 5]]), phase="check", sampling=NEUTRAL_SAMPLING)
         try:
             with torch.inference_mode():
-                part = self(ctx, input_ids=ids, use_cache=False).logits.float()
-        except Exception:  # noqa: BLE001 - its forward fails with the rows cut
-            return False
-        if not ctx.kept:
-            return True  # (the head was bypassed: the rows are picked after anyway)
-        want = full[0, [2, 5]]
-        if part.numel() != want.numel():
-            return False
-        part, fin = part.reshape(want.shape), torch.isfinite(want)
-        if not torch.equal(torch.isfinite(part), fin) or not bool(fin.any()):  # (a head that cuts to -inf: alike)
-            return False
-        return bool((part[fin] - want[fin]).abs().max() <= 0.05 * want[fin].abs().max() + 1e-3)
+                part = self(ctx, input_ids=ids, use_cache=False).logits
+            ok = not ctx.kept or part.shape[:-1].numel() == 2
+            why = f"its forward returns logits of shape {tuple(part.shape)} for 2 rows kept of 6"
+        except Exception as e:  # noqa: BLE001 - its forward fails with the rows cut ...
+            try:
+                with torch.inference_mode():
+                    self(CallContext(keys=keys, phase="check", sampling=NEUTRAL_SAMPLING), input_ids=ids,
+                         use_cache=False)
+            except Exception:  # noqa: BLE001 - ... or without: not this check's to say (the cases will)
+                return True
+            ok, why = False, f"its forward raised {type(e).__name__} with 2 rows kept of 6"
+        if not ok:
+            print(f"warning: the LM head of this path ({type(self.model).__name__}, patch {self.nx.patch!r}) cannot "
+                  f"be given only the rows read ({why}): it computes every position, and its rows are picked "
+                  "after (head_rows 'scored' does not cut its memory).", file=sys.stderr, flush=True)
+        return ok
 
     def _keep_rows(self, module: Any, args: tuple) -> tuple | None:
         """The head's input cut to `ctx.keep`'s rows, once per forward, when it is the forward's
@@ -698,7 +697,7 @@ def current_phase() -> str:
     """Which forward of an HF pair is running, for a module patch whose kernel differs by phase (an
     engine's decode kernel): "prefill" (the rollout's prompt, one batched forward), "decode" (each of
     the rollout's KV-cache steps, one token per sequence), "trainer" (the packed teacher-forced
-    forward); "check" (two forwards of 6 tokens when a path's model is built, `Runner._check_keep`);
+    forward); "check" (a forward of 6 tokens when a path's model is built, `Runner._check_keep`);
     "" outside them. A prefill of one token is still "prefill"."""
     return getattr(_PHASE, "name", "")
 

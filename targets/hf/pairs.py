@@ -92,7 +92,8 @@ _warned_missing: set[str] = set()
 
 
 def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", description: str = "",
-                        devices: tuple[str, ...] = ("cpu", "cuda"), warn: bool = True) -> TargetPair | None:
+                        devices: tuple[str, ...] = ("cpu", "cuda"), warn: bool = True,
+                        axes: Axes | None = None) -> TargetPair | None:
     """For a checkpoint folder that is not there (a nightly whose checkpoint mount is missing, a step
     an RL run deleted): a pair of that name whose every case cannot run, saying why, so the plugin's
     other pairs still run and this one is CANNOT RUN in the table; None when `model` is no such path."""
@@ -116,7 +117,7 @@ def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", descri
 
     return TargetPair(name=name, kind="model", expected=expected, build=build,
                       trainer=lambda inp, rollout_outcome: Outcome(), rollout=lambda inp: Outcome(),
-                      axes=Axes(n_seqs=(1, 1), seq_len=(1, 1)), devices=devices,
+                      axes=axes or Axes(n_seqs=(1, 1), seq_len=(1, 1)), devices=devices,
                       description=f"cannot run: no checkpoint at {str(model)!r}" + (f" ({description})" if description else ""))
 
 
@@ -129,7 +130,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     transformers config; built with `realistic_init`). trainer / rollout: each path's `Numerics`.
     replay: the trainer reuses the rollout's experts at every position (router replay).
     """
-    gone = _missing_checkpoint(name, model, expected, description, devices)
+    gone = _missing_checkpoint(name, model, expected, description, devices, axes=axes)
     if gone is not None:
         return gone
     spec = model_from(model)
@@ -306,10 +307,12 @@ def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axe
     start from, for a model that needs other settings: gpt-oss and Gemma 2 have no sdpa attention
     (`FP32.replace(attention="eager")`), and a model whose packed forward leaks across sequences
     needs `packing="per_sequence"` (the trainer's only)."""
-    if _missing_checkpoint(prefix, model) is not None:  # (the names every model gets; MoE-ness unknown)
-        names = ["aligned", "bf16_rollout"] + (["eager_vs_sdpa"] if base.attention == "sdpa" else [])
-        return [_missing_checkpoint(f"{prefix}.{n}", model, "aligned" if n != "bf16_rollout" else bf16_expected)
-                for n in names]
+    if _missing_checkpoint(prefix, model) is not None:
+        # (MoE-ness unknown: the replay pair too, so a MoE model's repros of it say its folder is gone)
+        names = ["aligned", "bf16_rollout", "bf16_rollout.replay"] + (["eager_vs_sdpa"] if base.attention == "sdpa"
+                                                                      else [])
+        return [_missing_checkpoint(f"{prefix}.{n}", model, "aligned" if n in ("aligned", "eager_vs_sdpa") else
+                                    bf16_expected, axes=axes) for n in names]
     spec = model_from(model)
     if not isinstance(base, Numerics):
         raise UsageError(f"hf_pairs(base=...) must be a Numerics (e.g. FP32.replace(attention=\"eager\")), got "

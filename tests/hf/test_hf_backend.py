@@ -637,9 +637,10 @@ def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_p
     wide = default_axes(gone, max_prompt=96, max_response=64)  # (a plugin widening its pairs' axes)
     assert wide.prompt_len == (0, 96) and wide.routing is None
     pairs = hf_pairs("user.gone", str(gone), axes=wide) + [hf_pair("user.gone_one", gone, expected="diverges")]
-    assert [p.name for p in pairs] == ["user.gone.aligned", "user.gone.bf16_rollout", "user.gone.eager_vs_sdpa",
-                                       "user.gone_one"]
-    assert [p.expected for p in pairs] == ["aligned", "diverges", "aligned", "diverges"]
+    assert [p.name for p in pairs] == ["user.gone.aligned", "user.gone.bf16_rollout", "user.gone.bf16_rollout.replay",
+                                       "user.gone.eager_vs_sdpa", "user.gone_one"]
+    assert [p.expected for p in pairs] == ["aligned", "diverges", "diverges", "aligned", "diverges"]
+    assert pairs[0].axes is wide  # (its axes as given: `harness list` shows them)
     err = capsys.readouterr().err
     assert err.count("is not a checkpoint directory") == 1, err  # once per folder
     for p in pairs:
@@ -648,7 +649,7 @@ def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_p
     assert "cannot run: no checkpoint at" in pairs[-1].description
 
 
-def test_a_forward_that_reshapes_the_head_output_to_every_position_keeps_them_all():
+def test_a_forward_that_reshapes_the_head_output_to_every_position_keeps_them_all(capsys):
     """Code after the head that reshapes its output to (B, S, V) (a model's own, or a module patch's)
     cannot take the rows cut: the path's model is checked once when built, and such a path computes
     every position, its rows picked after; the pair runs as before, with no error of its own."""
@@ -674,6 +675,7 @@ def test_a_forward_that_reshapes_the_head_output_to_every_position_keeps_them_al
         ev = run_case(pair, rl_case(seed=1))
         assert ev.error is None and not ev.failed and ev.k3 < 1e-9, (ev.error, ev.k3)
         assert not path_model(pair.profiles.model, patched.model_key, "cpu").keeps
+        assert "cannot be given only the rows read" in capsys.readouterr().err  # (said, once, when built)
         assert path_model(pair.profiles.model, FP32.model_key, "cpu").keeps
     finally:
         PATCHES.pop("test_reshaping_forward", None)
@@ -694,9 +696,16 @@ def test_a_trainer_head_kernel_that_changes_with_the_row_count_is_tested_with_ev
 
         def forward(self, x):
             y = self.inner(x)
-            return y.bfloat16().float() * 1.05 if x.shape[:-1].numel() > 64 else y
+            return y.bfloat16().float() * self.scale if x.shape[:-1].numel() > self.rows else y
 
-    register_patch("test_row_count_head", lambda model: setattr(model, "lm_head", RowCountHead(model.lm_head)))
+    def patch(rows, scale):
+        def apply(model):
+            model.lm_head = RowCountHead(model.lm_head)
+            model.lm_head.rows, model.lm_head.scale = rows, scale
+        return apply
+
+    register_patch("test_row_count_head", patch(64, 1.05))
+    register_patch("test_row_count_head4", patch(4, 1.5))
     try:
         cfg = dict(model_type="qwen3", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
@@ -707,8 +716,16 @@ def test_a_trainer_head_kernel_that_changes_with_the_row_count_is_tested_with_ev
                                   expected="diverges"), case)
         assert every.error is None and every.failed, (every.error, every.score)
         assert scored.error is None and not scored.failed and scored.k3 < 1e-9, (scored.error, scored.k3)
+        # the rollout's head sees a row per sequence: with one sequence a kernel above 4 rows never runs
+        # there (the check when its model is built compares shapes, not values: such a kernel keeps its cut)
+        rollout = FP32.replace(patch="test_row_count_head4")
+        one = run_case(hf_pair("user.rowcount_rollout", cfg, FP32, rollout), rl_case(seed=2, seq_lens=(5,),
+                                                                                      prompt_lens=(4,)))
+        assert one.error is None and not one.failed and one.k3 < 1e-9, (one.error, one.k3)
+        assert path_model(model_from(cfg), rollout.model_key, "cpu").keeps
     finally:
         PATCHES.pop("test_row_count_head", None)
+        PATCHES.pop("test_row_count_head4", None)
 
 
 def test_a_head_a_patch_wrapped_runs_in_its_own_dtype():

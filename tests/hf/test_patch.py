@@ -258,9 +258,9 @@ def test_a_patch_reads_which_forward_runs_and_a_one_token_prefill_is_not_decode(
     try:
         pair = hf_pair("user.phase", TINY["qwen3"], FP32.replace(patch="test_phase"), FP32.replace(patch="test_phase"))
         run_paths(pair, Case(seed=1, seq_lens=(3, 2)), "cpu")  # no prompt: a one-token prefill per sequence
-        # (the two forwards that check, when the path's model is built, that its head may be given cut rows)
-        assert seen[:2] == [("check", (1, 6))] * 2, seen
-        assert seen[2:] == [("prefill", (2, 1)), ("decode", (2, 1)), ("decode", (2, 1)), ("trainer", (1, 7))], seen
+        # (the forward that checks, when the path's model is built, that its head may be given cut rows)
+        assert seen[:1] == [("check", (1, 6))], seen
+        assert seen[1:] == [("prefill", (2, 1)), ("decode", (2, 1)), ("decode", (2, 1)), ("trainer", (1, 7))], seen
         assert current_phase() == ""
     finally:
         PATCHES.pop("test_phase", None)
