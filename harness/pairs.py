@@ -129,7 +129,14 @@ def _readout_weight(width: int, vocab: int, device: str) -> Any:
     return torch.randn(width, vocab, generator=g, dtype=torch.float64).to(device)
 
 
-# The per-module table's protocol (`harness.triage`) for a root module whose vocabulary-wide output
+# The per-module table's protocol (`harness.triage`): a path that knows which position of which of
+# its root module's calls produced each outcome row names them in `Outcome.intermediates[ROW_POSITIONS]`,
+# a (T, 3) int64 tensor of (call index, in the order of its root calls in this path's run; batch row;
+# position) per row, in case order; triage then files the rows by it, where it would otherwise tie
+# each row to a position by correlating its largest values (which a row cut to top-2 does not allow).
+ROW_POSITIONS = "row_positions"
+
+# ... and for a root module whose vocabulary-wide output
 # is computed at some positions only (an LM head applied to the rows a path scores, not to every
 # prompt position): during the call the root module holds, under this attribute name, the (N,) int64
 # flattened positions (batch index * seq + position, of the call's (B, S) input) of its output's N

@@ -61,8 +61,11 @@ mappings and Hugging Face `ModelOutput`s are searched). A submodule output is fi
 call's positions when it is (B, S, ...), (B*S, ...) (flattened tokens, e.g. router logits) or, for
 a vocabulary-wide output, (B, S', V) covering the last S' positions (`logits_to_keep`), or (N, V)
 or (1, N, V) at the N positions the root module names during the call in its attribute
-`harness.pairs.KEPT_POSITIONS` (an LM head applied only to the rows a path scores). Pairs without
-these get the rest of the report.
+`harness.pairs.KEPT_POSITIONS` (an LM head applied only to the rows a path scores). Each outcome
+row is tied to the position that produced it by correlating its largest values with every
+position's root output, or, where the path names them (`Outcome.intermediates[ROW_POSITIONS]`: (T,
+3) int64 (call, batch row, position) per row), by that: a row cut to top-2 has too few finite
+values to be tied by correlation. Pairs without these get the rest of the report.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ import click
 
 from .errors import HarnessError, UsageError
 from .metrics import judged_k3
-from .pairs import KEPT_POSITIONS
+from .pairs import KEPT_POSITIONS, ROW_POSITIONS
 
 FLOOR_FACTOR = 10.0  # a module diverges when its error exceeds this multiple of its aligned-run error
 MIN_FLOOR = 1e-6  # ... and this absolute relative error (float32 layout noise is ~1e-7)
@@ -388,6 +391,22 @@ def _fit(call: _Call, t: Any, width: int) -> _Fit | None:
     return None
 
 
+def _named_rows(calls: list[_Call], named: Any, rows: int) -> dict[int, tuple[int, int, int]] | None:
+    """Case-order row -> (call, b, s) as the path named them (`harness.pairs.ROW_POSITIONS`), or None
+    when it named none, or named them otherwise than the calls recorded (then rows are tied by
+    correlation, `_match_rows`)."""
+    import torch
+
+    if not isinstance(named, torch.Tensor) or named.dim() != 2 or tuple(named.shape) != (rows, 3):
+        return None
+    out = {}
+    for j, (ci, b, s) in enumerate(named.to(torch.int64).cpu().tolist()):
+        if not (0 <= ci < len(calls) and 0 <= b < calls[ci].batch and 0 <= s < calls[ci].seq):
+            return None
+        out[j] = (ci, b, s)
+    return out
+
+
 def _match_rows(calls: list[_Call], target: Any) -> dict[int, tuple[int, int, int]]:
     """Case-order row -> (call, b, s) of the position whose root output produced it.
 
@@ -440,7 +459,8 @@ class PathCapture:
     order: list[str]  # module names in execution order
     nonfinite: dict[str, int]  # module name -> positions with NaN/inf (every call, every position)
     matched: int  # outcome rows tied to a position
-    tokens: int  # outcome rows with at least 3 finite values (the rows a position can be tied to)
+    tokens: int  # outcome rows a position can be tied to (named by the path, or with at least 3 finite values)
+    n_rows: int = 0  # outcome rows
 
 
 def _gather(rec: _Recorder, out: Any) -> PathCapture:
@@ -450,7 +470,8 @@ def _gather(rec: _Recorder, out: Any) -> PathCapture:
     target = out.logprobs if out.hidden is None else out.hidden  # what the root's output became
     width = int(target.shape[-1])
     fitted = [{name: _fit(call, t, width) for name, t in call.raw.items()} for call in rec.calls]
-    where = _match_rows(rec.calls, target)
+    named = _named_rows(rec.calls, (out.intermediates or {}).get(ROW_POSITIONS), int(target.shape[0]))
+    where = named if named is not None else _match_rows(rec.calls, target)
     rows: dict[str, dict[int, Any]] = {}
     for j, (ci, b, s) in where.items():
         for name, got in fitted[ci].items():
@@ -464,8 +485,9 @@ def _gather(rec: _Recorder, out: Any) -> PathCapture:
                 bad = int((torch.isnan(got.rows) | torch.isposinf(got.rows)).any(-1).sum())
                 if bad:
                     nonfinite[name] = nonfinite.get(name, 0) + bad
-    finite_rows = int((torch.isfinite(target).sum(-1) >= 3).sum())  # rows a position can be tied to
-    return PathCapture(rows, list(rec.order), nonfinite, len(where), finite_rows)
+    # the rows a position can be tied to: every one the path named, else those with 3 finite values
+    tiable = len(named) if named is not None else int((torch.isfinite(target).sum(-1) >= 3).sum())
+    return PathCapture(rows, list(rec.order), nonfinite, len(where), tiable, int(target.shape[0]))
 
 
 def capture(pair: Any, case: Any, device: str, why: list[str] | None = None
@@ -598,6 +620,12 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
         return [], None, None, notes
     t_cap, r_cap = got
     for role, cap in (("trainer", t_cap), ("rollout", r_cap)):
+        if cap.tokens < cap.n_rows:
+            notes.append(f"per-module table: {cap.n_rows - cap.tokens} of the {role}'s {cap.n_rows} token rows have fewer "
+                         "than 3 finite values (cut to a top-k under 3, or a top-p that keeps 1-2 tokens), so they "
+                         "cannot be tied to a position of its root module's output by their values, and the table "
+                         f"covers the other rows{' (none)' if not cap.tokens else ''}: a path that names each row's "
+                         f"position (`Outcome.intermediates[{ROW_POSITIONS!r}]`, harness/pairs.py) has them all")
         if cap.matched < cap.tokens:
             notes.append(f"per-module table: {cap.tokens - cap.matched} of the {role}'s {cap.tokens} token rows "
                          "could not be tied to a position of its root module's output, so the table covers the "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness import Outcome, Routing
+from harness.pairs import ROW_POSITIONS
 
 from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, ReplayError, Sampling, path_model, \
     process_logits, sample_rows
@@ -261,8 +262,11 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
     logprobs = torch.stack([row for rows in lp_rows for row in rows])  # (T, V) case order
     tokens = torch.stack([t for rows in tok_rows for t in rows])  # (T,)
     routing, tables = _routing(captured, scored_keys(inp), inp.n_seqs * inp.stride)
+    # which forward (the prefill, then decode step i), batch row and position produced each row (triage)
+    where = torch.tensor([(i, j, lp_max - 1 if i == 0 else 0) for j, r in enumerate(inp.resp_lens) for i in range(r)],
+                         dtype=torch.int64).reshape(-1, 3)
     return Outcome(logprobs=logprobs, tokens=tokens, routing=routing,
-                   intermediates={"route_table": tables, "tie_floor_at": _raised(raised)})
+                   intermediates={"route_table": tables, "tie_floor_at": _raised(raised), ROW_POSITIONS: where})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,7 +339,8 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
                               for a in range(0, len(logits), step)])
         return Outcome(logprobs=two_outcome(lp_token), routing=routing)
     logprobs = process_logits(logits, temp, top_k, top_p)  # (T, V)
-    return Outcome(logprobs=logprobs, routing=routing)
+    where = torch.stack([torch.zeros_like(sel_r), sel_r, sel_c], -1)  # (its one forward; for triage)
+    return Outcome(logprobs=logprobs, routing=routing, intermediates={ROW_POSITIONS: where})
 
 
 # ---------------------------------------------------------------------------------------------

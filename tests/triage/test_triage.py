@@ -278,10 +278,13 @@ def test_triage_on_hugging_face_models_needs_no_argument_in_their_call():
         assert "all layers" not in bf16.verdict and ", from model.layers." in bf16.verdict
 
 
-def test_a_head_cut_to_top_k_on_one_path_is_where_the_divergence_starts():
-    """A rollout whose LM head cuts its logits to the top 5 (-inf elsewhere) differs from the trainer
+@pytest.mark.parametrize("k", [5, 2])
+def test_a_head_cut_to_top_k_on_one_path_is_where_the_divergence_starts(k):
+    """A rollout whose LM head cuts its logits to the top k (-inf elsewhere) differs from the trainer
     only where one path is -inf: their finite entries agree. That is an error of inf (log 0 on one
-    path only), not NaN, which no floor exceeds (no module had been named)."""
+    path only), not NaN, which no floor exceeds (no module had been named). At k = 2 a row has too
+    few finite values to be tied to its position by them: the HF paths name each row's position
+    (`ROW_POSITIONS`), so the table has every row (it had none)."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     import torch
 
@@ -296,22 +299,23 @@ def test_a_head_cut_to_top_k_on_one_path_is_where_the_divergence_starts():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = self.inner(x)
-            return y.masked_fill(y < y.topk(5, dim=-1).values[..., -1:], float("-inf"))
+            return y.masked_fill(y < y.topk(k, dim=-1).values[..., -1:], float("-inf"))
 
-    register_patch("test_head_top5", lambda model: setattr(model, "lm_head", TopFive(model.lm_head)))
+    register_patch(f"test_head_top{k}", lambda model: setattr(model, "lm_head", TopFive(model.lm_head)))
     try:
-        pair = hf_pair("user.head_top5", TINY["qwen3"], FP32, FP32.replace(patch="test_head_top5"), expected="diverges")
+        pair = hf_pair(f"user.head_top{k}", TINY["qwen3"], FP32, FP32.replace(patch=f"test_head_top{k}"), expected="diverges")
         reg = type("R", (), {"get": staticmethod(lambda name: pair)})()
         t = triage(made_repro(pair.name, Case(seed=0, seq_lens=(6, 4), prompt_lens=(3, 5))), registry=reg)
         from targets.hf.backend import path_model
 
-        rollout = path_model(pair.profiles.model, FP32.replace(patch="test_head_top5").model_key, "cpu")
+        rollout = path_model(pair.profiles.model, FP32.replace(patch=f"test_head_top{k}").model_key, "cpu")
         assert rollout.keeps  # (a head that cuts to -inf takes the rows cut too)
     finally:
-        PATCHES.pop("test_head_top5", None)
+        PATCHES.pop(f"test_head_top{k}", None)
     rows = {m.name: m for m in t.modules}
     assert t.k3 > 1e-3 and rows["lm_head"].error == math.inf and rows["lm_head"].exceeds, t.modules
     assert t.first_module == "lm_head" and all(rows[n].error < 1e-4 for n in rows if n.startswith("model.")), t.modules
+    assert rows["lm_head"].tokens == 10 and not any("could not be tied" in n for n in t.notes), t.notes
     assert any("error of inf" in n and "lm_head" in n for n in t.notes), t.notes
 
 
@@ -538,3 +542,17 @@ def test_a_deliberate_minus_inf_cut_is_log_zero_not_a_module_with_nan_or_inf():
     t = triage(made_repro(name, Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)))
     assert t.nonfinite is None, t.nonfinite
     assert "NaN" not in t.verdict and t.verdict.startswith("expected k3 "), t.verdict
+
+
+def test_rows_a_path_names_are_filed_where_it_says_and_a_bad_naming_falls_back_to_correlation():
+    import torch
+
+    from harness.triage import _Call, _named_rows
+
+    calls = [_Call(batch=2, seq=4), _Call(batch=2, seq=1)]
+    named = torch.tensor([[0, 1, 3], [1, 0, 0]])
+    assert _named_rows(calls, named, 2) == {0: (0, 1, 3), 1: (1, 0, 0)}
+    assert _named_rows(calls, named, 3) is None  # (not one per row)
+    assert _named_rows(calls, torch.tensor([[0, 1, 4], [1, 0, 0]]), 2) is None  # (a position past the call's)
+    assert _named_rows(calls, torch.tensor([[2, 0, 0], [1, 0, 0]]), 2) is None  # (a call it did not make)
+    assert _named_rows(calls, None, 2) is None
