@@ -755,13 +755,23 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
         k, kl, _ = run(t, r)
         return max(k, kl) if math.isfinite(k) and math.isfinite(kl) else float("inf")
 
-    swaps = []
+    def possible(t: dict, r: dict) -> bool:
+        """Whether the pair rebuilt with these settings runs them: a path may keep its own for a
+        component (an HF rollout always runs a row per sequence and its head where it samples), and
+        such a swap changes nothing."""
+        got = _profiles(_variant(pair, prof, t, r))
+        return got is None or (dict(got.trainer) == t and dict(got.rollout) == r)
+
+    swaps, nan = [], float("nan")
+    fixed = set()  # components the rollout cannot take from the trainer (aligned the other way only)
     for c in differing:
         to_trainer, to_rollout = (t0, {**r0, c: t0[c]}), ({**t0, c: r0[c]}, r0)
-        swaps.append(Swap(c, labels.get(c, c), str(t0[c]), str(r0[c]), k3(*to_trainer), k3(*to_rollout),
-                          run(*to_trainer)[1], run(*to_rollout)[1]))
-    direction = {c: ("trainer" if score({**t0, c: r0[c]}, r0) < score(t0, {**r0, c: t0[c]}) else "rollout")
-                 for c in differing}
+        if not possible(*to_trainer):
+            fixed.add(c)
+        swaps.append(Swap(c, labels.get(c, c), str(t0[c]), str(r0[c]), nan if c in fixed else k3(*to_trainer),
+                          k3(*to_rollout), nan if c in fixed else run(*to_trainer)[1], run(*to_rollout)[1]))
+    direction = {c: ("trainer" if c in fixed or score({**t0, c: r0[c]}, r0) < score(t0, {**r0, c: t0[c]})
+                     else "rollout") for c in differing}
 
     def aligned(comps: list[str]) -> tuple[dict, dict]:
         t, r = dict(t0), dict(r0)
@@ -1150,9 +1160,16 @@ def write_report(t: Triage, reports: Path) -> Path:
                   "| component | trainer | rollout | k3, rollout takes trainer's | k3, trainer takes rollout's "
                   "| KL, rollout takes trainer's | KL, trainer takes rollout's |",
                   "|---|---|---|---:|---:|---:|---:|"]
-        lines += [f"| {s.label} (`{s.component}`) | {s.trainer} | {s.rollout} | {s.k3_rollout_aligned:.6g} | "
-                  f"{s.k3_trainer_aligned:.6g} | {s.kl_rollout_aligned:.6g} | {s.kl_trainer_aligned:.6g} |"
+        def cell(v: float) -> str:  # (nan: a swap the pair does not run, its rollout keeping its own setting)
+            return "n/a" if v != v else f"{v:.6g}"
+
+        lines += [f"| {s.label} (`{s.component}`) | {s.trainer} | {s.rollout} | {cell(s.k3_rollout_aligned)} | "
+                  f"{cell(s.k3_trainer_aligned)} | {cell(s.kl_rollout_aligned)} | {cell(s.kl_trainer_aligned)} |"
                   for s in loc.swaps]
+        if any(s.k3_rollout_aligned != s.k3_rollout_aligned for s in loc.swaps):
+            lines += ["", "n/a: the pair rebuilt with the rollout taking the trainer's setting still runs its own "
+                      "(an HF rollout always runs a row per sequence and its LM head where it samples); that "
+                      "component is aligned by the trainer taking the rollout's."]
         lines.append("")
     if t.nonfinite is not None:
         nf = t.nonfinite

@@ -80,6 +80,10 @@ class HFProfiles:
 def labels(trainer: Numerics, rollout: Numerics) -> dict[str, str]:
     """The triage labels of a pair's components; a module patch is named as the paths have it."""
     out = dict(COMPONENTS)
+    rows = {"all": "every position", "scored": "the scored positions only"}
+    if trainer.head_rows != rollout.head_rows:
+        out["head_rows"] = (f"LM-head rows ({rows[trainer.head_rows]} on the trainer, {rows[rollout.head_rows]} on "
+                            "the rollout)")
     t, r = trainer.as_dict()["patch"], rollout.as_dict()["patch"]
     if t != r:
         out["patch"] = f"module patch {r!r} on the rollout vs {t!r} on the trainer (register_patch)"

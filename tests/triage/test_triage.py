@@ -556,3 +556,18 @@ def test_rows_a_path_names_are_filed_where_it_says_and_a_bad_naming_falls_back_t
     assert _named_rows(calls, torch.tensor([[0, 1, 4], [1, 0, 0]]), 2) is None  # (a position past the call's)
     assert _named_rows(calls, torch.tensor([[2, 0, 0], [1, 0, 0]]), 2) is None  # (a call it did not make)
     assert _named_rows(calls, None, 2) is None
+
+
+def test_a_swap_the_rollout_cannot_take_is_shown_as_such(tmp_path):
+    """An HF rollout always runs a row per sequence and its LM head where it samples: the swaps where
+    it would take the trainer's packing or head rows change nothing, so the table says n/a there and
+    those components are aligned by the trainer taking the rollout's; the head-rows label says which
+    side runs what."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    t = triage(made_repro("hf.qwen3.packed_cache_trap", Case(seed=0, seq_lens=(6, 4), prompt_lens=(3, 5))))
+    swaps = {s.component: s for s in t.localization.swaps}
+    for c in ("packing", "head_rows"):
+        assert math.isnan(swaps[c].k3_rollout_aligned) and math.isfinite(swaps[c].k3_trainer_aligned), swaps[c]
+    assert swaps["head_rows"].label == "LM-head rows (every position on the trainer, the scored positions only on the rollout)"
+    write_report(t, tmp_path)
+    assert "| n/a |" in t.report.read_text() and t.localization.explained, t.verdict
