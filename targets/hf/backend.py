@@ -686,10 +686,9 @@ NEUTRAL_SAMPLING = Sampling(1.0, 0, 1.0)  # (the head check's forwards: no case)
 
 def current_sampling() -> Sampling | None:
     """The sampling parameters of the case whose forward is running (every phase, trainer included:
-    it scores the distribution the rollout sampled from; neutral ones in the "check" forwards), None
-    outside one; for a module patch that
-    plants a sampler's bug in the model (a head that divides by the temperature, which the sampler
-    then applies again)."""
+    it scores the distribution the rollout sampled from; neutral ones in the "check" forward), None
+    outside one: for a module patch that plants a sampler's bug in the model (a head that divides by
+    the temperature, which the sampler then applies again)."""
     return getattr(_PHASE, "sampling", None)
 
 
