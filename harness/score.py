@@ -42,7 +42,8 @@ reported by line and field, with what to do; the rest of the file is scored. A c
 no weight file, or a trainer that cannot be built, is one error before anything is scored. Progress:
 a bar on a terminal from PROGRESS_FROM samples on; elsewhere (a job's log) a plain line on stderr
 every PROGRESS_EVERY seconds. Ctrl-C or SIGTERM writes the samples scored so far (no repro), then
-exits 130.
+exits 130. A sample under the line with tokens whose probability ratio is outside [1/2, 2] (where a
+rollout-correction token mask acts) is named in a note (`ratio_outliers`).
 
 A sample is flagged by the case's own verdict: the mean k3 of its recorded tokens, or the KL of the
 two-outcome coarsening (a lower bound of the exact KL), above the threshold.
@@ -419,6 +420,22 @@ def check_weights(spec: Any) -> None:
                      "`model.save_pretrained(...)` wrote next to its config.json, or pass the folder that holds them.")
 
 
+def ratio_outliers(ev: Any) -> tuple[int, float, int] | None:
+    """(tokens whose |log-prob difference| trainer vs recording exceeds log 2, the largest difference,
+    the response token it is at), or None when there are none (or no per-token values)."""
+    import numpy as np
+
+    pt = getattr(getattr(ev, "divergence", None), "per_token", None) or {}
+    lt, lr = pt.get("logp_trainer"), pt.get("logp_rollout")
+    if lt is None or lr is None or not len(lt):
+        return None
+    with np.errstate(invalid="ignore"):
+        d = np.abs(np.asarray(lt, dtype=np.float64) - np.asarray(lr, dtype=np.float64))
+    d = np.where(np.isnan(d), 0.0, d)  # (log 0 on both sides: no ratio to act on; inf: log 0 on one side)
+    n = int((d > math.log(2)).sum())
+    return (n, float(d.max()), int(np.argmax(d))) if n else None
+
+
 def worst_token(ev: Any) -> int | None:
     """The response token (0-based) a flagged sample's verdict reads most of: the largest per-token
     value of the first metric over the threshold (k3: the expected k3, the sampled k3 where that is
@@ -623,6 +640,15 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         # bound of the exact KL, above the threshold), so every flagged sample's repro fails as it did
         res.flagged = sorted((s for s in res.scored if s.evaluation.failed),
                              key=lambda s: -verdict_mean(s.evaluation.divergence)[1])
+        masked = [(s.sample.line, *m) for s in res.scored if not s.evaluation.failed
+                  and (m := ratio_outliers(s.evaluation)) is not None]
+        if masked:  # (a long sample's mean hides one token far off: what RL's token-level correction acts on)
+            res.notes.append(
+                f"{len(masked)} sample(s) under the line hold tokens whose trainer/rollout probability ratio is "
+                f"outside [1/2, 2] (|log-prob difference| > log 2, where a rollout-correction token mask or "
+                "truncated importance weight acts; one such token among hundreds leaves the mean k3 under the "
+                "line): " + "; ".join(f"line {n}: {k} token(s), the largest difference {d:.3g} at response token {t}"
+                                      for n, k, d, t in masked[:4]) + ("; ..." if len(masked) > 4 else ""))
         replays = replay or bool(getattr(getattr(pair, "profiles", None), "replay", False))
         if replays and not any(s.sample.experts for s in res.scored):
             res.notes.append("router replay: no scored sample records routed experts (routed_experts / "

@@ -585,3 +585,20 @@ def test_an_interrupt_writes_what_was_scored_then_goes_on(aligned_file, tmp_path
     assert len(rows) == 1 + 2, rows
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert any(n.startswith("interrupted after 2 scored sample(s)") for n in summary["notes"]), summary["notes"]
+
+
+def test_a_token_far_off_in_a_long_sample_under_the_line_is_named(tmp_path):
+    """One token 0.8 nat off among 500 leaves the sample's mean k3 under the line (the verdict), but a
+    rollout-correction mask at ratio 2 would act on it: a note names the sample, the token and how far."""
+    path = tmp_path / "long.jsonl"
+    pair = REGISTRY.get("hf.qwen3_moe.aligned")
+    inp = pair.build(Case(seed=5, seq_lens=(500,), prompt_lens=(4,)), "cpu")
+    [row] = records(inp, pair.rollout(inp))
+    lps = list(row["rollout_logprobs"])
+    lps[321] -= 0.8
+    path.write_text(json.dumps({"id": "long", **{k: v for k, v in row.items() if k != "routed_experts"},
+                                "rollout_logprobs": lps}) + "\n")
+    res = score(path, pair_name="hf.qwen3_moe.aligned", corpus=tmp_path / "c", out_dir=tmp_path / "o", progress=False)
+    assert not res.flagged and res.scored[0].metrics["k3_kl"] < 1e-3, res.scored[0].metrics["k3_kl"]
+    [note] = [n for n in res.notes if "outside [1/2, 2]" in n]
+    assert "line 1: 1 token(s), the largest difference 0.8 at response token 321" in note, note
