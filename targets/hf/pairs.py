@@ -41,10 +41,7 @@ def default_axes(model: Any, max_seqs: int = MAX_SEQS, max_prompt: int = MAX_PRO
     `hf_pair`), and a plugin widening their axes still registers them."""
     from hypothesis import strategies as st
 
-    if _missing_checkpoint("", model, warn=False) is not None:
-        moe = None
-    else:
-        moe = model_from(model).moe()
+    moe = None if _checkpoint_gone(model) else model_from(model).moe()
     kw: dict[str, Any] = dict(
         n_seqs=(1, max_seqs), seq_len=(1, max_response), packing=True,
         logit_scale=(1.0, 1.0),  # peakedness comes from the model (realistic init or a trained checkpoint)
@@ -95,23 +92,30 @@ def labels(trainer: Numerics, rollout: Numerics) -> dict[str, str]:
 _warned_missing: set[str] = set()
 
 
-def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", description: str = "",
-                        devices: tuple[str, ...] = ("cpu", "cuda"), warn: bool = True,
-                        axes: Axes | None = None) -> TargetPair | None:
-    """For a checkpoint folder that is not there (a nightly whose checkpoint mount is missing, a step
-    an RL run deleted): a pair of that name whose every case cannot run, saying why, so the plugin's
-    other pairs still run and this one is CANNOT RUN in the table; None when `model` is no such path."""
+def _checkpoint_gone(model: Any) -> UsageError | None:
+    """Why `model`, a checkpoint path, is no checkpoint directory; None for one that is, or a model
+    given otherwise (an `HFModel`, a config)."""
     if not isinstance(model, (str, Path)):
         return None
     try:
         HFModel.from_pretrained(model)
-        return None
     except UsageError as e:
-        err = e
+        return e
+    return None
+
+
+def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", description: str = "",
+                        devices: tuple[str, ...] = ("cpu", "cuda"), axes: Axes | None = None) -> TargetPair | None:
+    """For a checkpoint folder that is not there (a nightly whose checkpoint mount is missing, a step
+    an RL run deleted): a pair of that name whose every case cannot run, saying why, so the plugin's
+    other pairs still run and this one is CANNOT RUN in the table; None when `model` is no such path."""
+    err = _checkpoint_gone(model)
+    if err is None:
+        return None
     from harness.pairs import WARN_BROKEN_ENTRY_POINTS
 
     # (once per folder, by the campaign's process: its workers import the plugin too, silently)
-    if warn and WARN_BROKEN_ENTRY_POINTS[0] and str(model) not in _warned_missing:
+    if WARN_BROKEN_ENTRY_POINTS[0] and str(model) not in _warned_missing:
         _warned_missing.add(str(model))
         print(f"warning: {err} Its pairs ({name}...) are registered, and each case of them cannot run until it is "
               "there.", file=sys.stderr)
@@ -311,7 +315,7 @@ def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axe
     start from, for a model that needs other settings: gpt-oss and Gemma 2 have no sdpa attention
     (`FP32.replace(attention="eager")`), and a model whose packed forward leaks across sequences
     needs `packing="per_sequence"` (the trainer's only)."""
-    if _missing_checkpoint(prefix, model) is not None:
+    if _checkpoint_gone(model) is not None:
         # (MoE-ness unknown: the replay pair too, so a MoE model's repros of it say its folder is gone)
         names = ["aligned", "bf16_rollout", "bf16_rollout.replay"] + (["eager_vs_sdpa"] if base.attention == "sdpa"
                                                                       else [])
