@@ -601,6 +601,18 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
         )
 
 
+def per_token_judged(div: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each token's value as a verdict reads it, from a case's `per_token` table: the larger of its
+    expected k3 (its sampled k3 where there is no expectation) and its exact KL, and whether its
+    sampled k3 is +inf (a drawn token one path gives probability 0); None without the table."""
+    pt = getattr(div, "per_token", None) or {}
+    if "k3" not in pt or "kl" not in pt or not len(pt["k3"]):
+        return None
+    with np.errstate(invalid="ignore"):
+        row = np.fmax(np.asarray(pt.get("k3_expected", pt["k3"]), dtype=float), np.asarray(pt["kl"], dtype=float))
+        return row, np.asarray(pt["k3"], dtype=float) == math.inf
+
+
 def rollout_sampled_at_zero(div: Any) -> bool:
     """A case's k3 = inf comes from the rollout reporting log 0 (-inf) for a token it sampled (it
     drew from another distribution than the one it reports), not from the trainer excluding it."""

@@ -437,25 +437,18 @@ def ratio_outliers(ev: Any) -> tuple[int, float, int] | None:
 
 
 def worst_token(ev: Any) -> int | None:
-    """The response token (0-based) a flagged sample's verdict reads most of: the largest per-token
-    value of the first metric over the threshold (k3: the expected k3, the sampled k3 where that is
-    inf; kl: the exact KL). Alone, it is over the line whenever the sample's mean is; None without
-    per-token values."""
+    """The response token (0-based) a flagged sample's verdict reads most of (`metrics.per_token_judged`:
+    the larger of its expected k3 and exact KL, a drawn token at probability 0 first). Alone, it is
+    over the line whenever the sample's mean is; None without per-token values."""
     import numpy as np
 
-    div = getattr(ev, "divergence", None)
-    pt = getattr(div, "per_token", None) or {}
-    fired = (getattr(div, "fired", "") or "k3").split("+")[0]
-    if fired == "kl":
-        v = pt.get("kl")
-    else:
-        k3, v = pt.get("k3"), pt.get("k3_expected")
-        if k3 is not None and (v is None or np.isinf(np.asarray(k3)).any() or np.isnan(np.asarray(v)).all()):
-            v = k3
-    if v is None or not len(v):
+    from .metrics import per_token_judged
+
+    got = per_token_judged(getattr(ev, "divergence", None))
+    if got is None:
         return None
-    v = np.nan_to_num(np.asarray(v, dtype=np.float64), nan=-np.inf)
-    return int(np.argmax(v))
+    row, drawn_inf = got
+    return int(np.argmax(np.where(drawn_inf, np.inf, np.where(np.isnan(row), -np.inf, row))))
 
 
 def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None) -> tuple[Any, bool]:

@@ -999,14 +999,16 @@ def first_over_line(div: Any, case: Any, threshold: float) -> str:
     `threshold` (or whose sampled k3 is +inf), and how many are ("" when none is). A bug from position
     48 shows as offset 48 even when the minimal case keeps clean tokens before it (the verdict is a
     mean over tokens)."""
+    from .metrics import per_token_judged
+
     pt = getattr(div, "per_token", None) or {}
-    if "sequence" not in pt or not len(pt["sequence"]):
+    judged_rows = per_token_judged(div)
+    if "sequence" not in pt or judged_rows is None:
         return ""
     import numpy as np
 
+    row, drawn_inf = judged_rows  # (drawn_inf: its sampled token, one path gives it 0)
     with np.errstate(invalid="ignore"):
-        row = np.fmax(np.asarray(pt.get("k3_expected", pt["k3"]), dtype=float), np.asarray(pt["kl"], dtype=float))
-        drawn_inf = np.asarray(pt["k3"], dtype=float) == math.inf  # its sampled token: one path gives it 0
         over = (row > threshold) | drawn_inf
     if not over.any():  # (a mean over tokens is over the line only if some token is: nothing to point at)
         return ""
