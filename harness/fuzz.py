@@ -120,6 +120,10 @@ class PairResult:
     seconds: float = 0.0
     max_k3: float = 0.0  # the largest sampled tokens' mean k3 (what an RL dashboard logs)
     max_score: float = 0.0  # the largest judged mean (`Evaluation.score`: expected k3 or exact KL)
+    # the rollout's mean entropy (nats) summed over the cases that had metrics, and their count: a
+    # near-deterministic model (entropy ~0) hides precision differences (`missed_hint` says so)
+    entropy_sum: float = 0.0
+    entropy_cases: int = 0
     findings: list[Finding] = field(default_factory=list)
     seed: int = 0
     streams: int = 1  # Hypothesis streams merged into this result
@@ -351,17 +355,27 @@ def time_note(asked: int, short: int, cases: int) -> str:
 
 
 NOISE_FLOOR = 1e-8  # judged means below this are float rounding (aligned float32 pairs sit near 1e-11)
+LOW_ENTROPY = 0.3  # nats: a rollout whose mean entropy stays below this is near-deterministic
 
 
 def missed_hint(r: PairResult, threshold: float) -> str:
     """Why a demonstration may have been missed, from the largest judged mean its cases reached: at
     float noise its two paths compute the same thing (a patch that changes nothing it runs, a bug
-    whose effect cancels out); under the line, more cases or a wider axis may reach it."""
+    whose effect cancels out); over a near-deterministic rollout (mean entropy under LOW_ENTROPY
+    nats) a precision difference hardly moves a distribution that is almost one-hot (k3 shrinks with
+    the entropy), whatever the number of cases; otherwise more cases or a wider axis may reach it."""
     from .execute import mean_text
 
     if r.max_score < NOISE_FLOOR:
         return (f"max judged {r.max_score:.2g}: its paths agreed to float rounding on every case; check that "
                 "the rollout really runs what differs")
+    entropy = r.entropy_sum / r.entropy_cases if r.entropy_cases else math.nan
+    if entropy < LOW_ENTROPY:
+        return (f"max judged {mean_text(r.max_score)} of the line {threshold:g}, over a near-deterministic rollout "
+                f"(mean entropy {entropy:.2g} nats over {r.entropy_cases} case{'s' * (r.entropy_cases != 1)}): a "
+                "precision difference hardly moves an almost one-hot distribution, and more cases will not change "
+                "that; test a model whose outputs are not (a trained checkpoint; a random model with its LM head "
+                "tied to its embedding repeats its last token)")
     return f"max judged {mean_text(r.max_score)} of the line {threshold:g}: more examples, budget or wider axes?"
 
 
@@ -460,6 +474,9 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             result.max_k3 = max(result.max_k3, ev.k3)
         if not math.isnan(ev.score):
             result.max_score = max(result.max_score, ev.score)
+        if ev.divergence is not None and math.isfinite(ev.divergence.entropy):
+            result.entropy_sum += ev.divergence.entropy
+            result.entropy_cases += 1
         if ev.failed:
             sig = signature(pair.name, ev)
             first_seen.setdefault(sig, (result.examples, time.monotonic() - start))
@@ -1091,6 +1108,8 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.seconds += r.seconds
     into.max_k3 = max(into.max_k3, r.max_k3)
     into.max_score = max(into.max_score, r.max_score)
+    into.entropy_sum += r.entropy_sum
+    into.entropy_cases += r.entropy_cases
     into.setup_error = into.setup_error or r.setup_error
     into.memory_note = into.memory_note or r.memory_note
     into.interrupted = into.interrupted or r.interrupted

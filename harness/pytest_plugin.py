@@ -622,6 +622,7 @@ def _pair_result_json(r: Any) -> dict:
     return {
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
         "max_k3": r.max_k3, "max_score": r.max_score, "seed": r.seed,
+        "entropy_sum": r.entropy_sum, "entropy_cases": r.entropy_cases,
         "examples_asked": r.examples_asked, "examples_short": r.examples_short,
         "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for, "setup_error": r.setup_error,
         "memory_note": r.memory_note,
@@ -687,6 +688,7 @@ def _pair_result(d: dict) -> Any:
                                 shrink_seconds=fd.get("shrink_seconds", 0.0)))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
+                      entropy_sum=d.get("entropy_sum", 0.0), entropy_cases=d.get("entropy_cases", 0),
                       examples_asked=d.get("examples_asked", 0), examples_short=d.get("examples_short", 0),
                       seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""),
                       setup_error=d.get("setup_error", ""), memory_note=d.get("memory_note", ""))

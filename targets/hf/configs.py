@@ -30,7 +30,9 @@ gives a random model that shape of output:
   standard deviation, measured on one forward (`_calibrate_head`); config multipliers of the
   embeddings' output (`embedding_multiplier`, `scale_emb`) and of each layer's output before the
   residual add (`residual_multiplier`) are divided out of the embedding's and the output
-  projections' standard deviations, so the layers still dominate the residual stream.
+  projections' standard deviations, so the layers still dominate the residual stream;
+- a head tied to the embedding is that matrix drawn at the head's scale, and the output projections
+  are raised until the model stops predicting the token it is given (`_calibrate_tied`).
 
 Weights are drawn from a fixed generator seeded by `init_seed`, so a model is a pure function of
 (config, init_seed), like a checkpoint.
@@ -119,7 +121,7 @@ def realistic_init(model: Any, init_seed: int, logit_std: float = LOGIT_STD, rou
                 if name.endswith("bias"):
                     p.zero_()
                 continue
-            if p is embed_w:
+            if p is embed_w and p is not head_w:
                 std = 1.0 / embed_scale  # (the model multiplies its embeddings back by that factor)
             elif p is head_w:
                 std = logit_std / math.sqrt(hidden)
@@ -131,8 +133,10 @@ def realistic_init(model: Any, init_seed: int, logit_std: float = LOGIT_STD, rou
                 if any(k in name for k in _OUT_PROJ):
                     std *= OUT_GAIN / math.sqrt(2 * layers) / residual_scale
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * std)
-        if head_w is not None and head_w is not embed_w and head_w.dim() == 2:
+        if head_w is not None and head_w.dim() == 2:
             _calibrate_head(model, head_w, logit_std, init_seed)
+            if head_w is embed_w:
+                _calibrate_tied(model, init_seed)
     return model
 
 
@@ -143,8 +147,83 @@ def _multiplier(cfg: Any, *names: str) -> float:
     return next((float(v) for v in (getattr(cfg, n, None) for n in names) if finite_number(v) and v > 0), 1.0)
 
 
+def _probe_logits(model: Any, ids: Any) -> Any:
+    """(n, V) float32 logits of one forward on `ids` ((n,) token ids, `_probe_ids`), in
+    eval mode and on a forked generator (nothing drawn from, or left changed in, the process's random
+    state); None for a model that needs other inputs."""
+    import torch
+
+    training = model.training
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            return model(input_ids=ids[None]).logits.float()[0]
+    except Exception:  # noqa: BLE001 - a model that needs other inputs: left as drawn
+        return None
+    finally:
+        model.train(training)
+
+
+def _probe_ids(model: Any, init_seed: int, vocab: int | None = None) -> Any:
+    """(32,) seeded token ids below `vocab` (default: the config's vocab_size), fewer for a model of fewer positions."""
+    import torch
+
+    vocab = int(vocab or model.config.vocab_size)
+    n = int(min(32, getattr(model.config, "max_position_embeddings", 32) or 32))
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(int(init_seed) + 1))
+
+
+TIED_MIN_ENTROPY = 0.8  # nats: a tied model's probe forward below it gets its layers' outputs scaled up ...
+TIED_MAX_OWN = 0.05  # ... as does one that predicts the token it was given at more than this share of positions
+
+
+def _calibrate_tied(model: Any, init_seed: int) -> None:
+    """Raise the output projections of a model whose LM head is its input embedding until its
+    output is no longer near-deterministic.
+
+    With a tied head, the embedding of the current token is in the residual stream and is also its
+    own row of the head: after the final norm it scores itself by |e|^2 * sqrt(hidden) / |residual|,
+    so a random model repeats its last token (mean entropy 0.08 nats on a 2-layer Llama, 0.001 on
+    Gemma 2, which multiplies its embeddings by sqrt(hidden)) and a bf16 rollout of it stays under
+    the line. A trained model has learned not to; here the layers' outputs (the output projections)
+    are doubled until a probe forward on 32 seeded tokens has a mean entropy of TIED_MIN_ENTROPY or
+    more and predicts its input token at no more than TIED_MAX_OWN of the positions (at most 8
+    times: 256x), so the current token's embedding no longer dominates the final residual (on
+    random input tokens the entropy alone looks fine: it is the model's own continuation that falls
+    into repeating). Factors are powers of two: the weights stay exact multiples of the drawn ones.
+    A model still there after that warns: one whose output projections are not found by name, or
+    whose layers normalise their outputs before the residual add (Gemma 2's post-norms), where
+    their scale changes nothing."""
+    import warnings
+
+    import torch
+
+    outs = [p for n, p in model.named_parameters() if p.dim() >= 2 and any(k in n for k in _OUT_PROJ)]
+    entropy = None
+    ids = _probe_ids(model, init_seed, vocab=int(model.get_output_embeddings().weight.shape[0]))
+    for step in range(9):
+        logits = _probe_logits(model, ids)
+        if logits is None:
+            return
+        lp = torch.log_softmax(logits.double(), -1)
+        entropy = float(-(lp.exp() * lp).nan_to_num().sum(-1).mean())
+        own = float((logits.argmax(-1) == ids).double().mean())
+        done = entropy >= TIED_MIN_ENTROPY and own <= TIED_MAX_OWN
+        if not math.isfinite(entropy) or done or not outs or step == 8:
+            break
+        with torch.no_grad():
+            for p in outs:
+                p.mul_(2.0)
+    if entropy is not None and math.isfinite(entropy) and not done:
+        warnings.warn(f"{type(model).__name__}: with its LM head tied to the input embedding this random model "
+                      f"predicts the token it is given at {own:.0%} of a probe's positions (mean entropy {entropy:.3g} "
+                      "nats): its sampled continuations repeat a token near-deterministically, a precision difference "
+                      "between the paths hardly moves them, and bugs go unseen. Build the test model with "
+                      "tie_word_embeddings=False, or test a trained checkpoint.", stacklevel=3)
+
+
 def _calibrate_head(model: Any, head_w: Any, logit_std: float, init_seed: int) -> None:
-    """Rescale an untied LM head whose logits come out far from `logit_std` (outside half to twice it).
+    """Rescale an LM head whose logits come out far from `logit_std` (outside half to twice it).
 
     A model family may scale its logits or residual stream with config multipliers (GraniteMoE divides
     the logits by `logits_scaling`, multiplies embeddings by `embedding_multiplier`...): drawn as above,
@@ -153,20 +232,9 @@ def _calibrate_head(model: Any, head_w: Any, logit_std: float, init_seed: int) -
     deviation; the factor is rounded to two significant digits, so the last bits of that forward
     (another machine, another thread count) change the weights only at a rounding boundary, and
     models already within range (every built-in config) are left exactly as drawn."""
-    import torch
-
-    vocab = int(head_w.shape[0])
-    n = int(min(32, getattr(model.config, "max_position_embeddings", 32) or 32))
-    ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(int(init_seed) + 1))
-    training = model.training
-    try:  # in eval mode (no dropout, no router jitter) and on a forked generator: nothing drawn from,
-        model.eval()  # or left changed in, the process's random state
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            logits = model(input_ids=ids).logits.float()
-    except Exception:  # noqa: BLE001 - a model that needs other inputs: left as drawn
+    logits = _probe_logits(model, _probe_ids(model, init_seed, vocab=int(head_w.shape[0])))
+    if logits is None:
         return
-    finally:
-        model.train(training)
     std = float(logits.std())
     if not (math.isfinite(std) and std > 0) or 0.5 * logit_std <= std <= 2.0 * logit_std:
         return

@@ -623,6 +623,41 @@ def test_a_missed_demonstration_says_whether_its_paths_differed_at_all():
     assert "max judged 0.0004 of the line 0.001" in under and "more examples" in under
 
 
+def test_a_demonstration_missed_over_a_near_deterministic_rollout_says_so_not_more_examples(tmp_path):
+    """A random model whose LM head is tied to its embedding repeats its last token (mean entropy
+    0.08 nats): its bf16 rollout stayed under the line, and "more examples" sent its user the wrong
+    way. The campaign keeps the rollout's mean entropy and the hint names it."""
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+
+    def build(case, device):
+        x = case.randn((case.n_tokens, 64), "x")
+        x[:, 0] += 9.0  # one token takes almost all the mass: entropy ~0.05 nats
+        return x
+
+    peaked = TargetPair(name="demo.peaked", kind="op", expected="diverges", build=build,
+                        trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)),
+                        rollout=lambda x: Outcome(logprobs=torch.log_softmax(x.bfloat16().float(), -1)),
+                        axes=Axes(n_seqs=(1, 3), seq_len=(1, 8)))
+    result = run_campaign(CampaignConfig(pairs=[peaked], corpus=tmp_path / "c", max_examples=20, seed=1),
+                          NullTracker(), log=lambda m: None)
+    r = result.results[0]
+    assert r.verdict == "MISSED" and r.entropy_cases == r.examples > 0, r
+    hint = missed_hint_of(r)
+    assert "near-deterministic rollout (mean entropy" in hint and "more examples" not in hint, hint
+    # ... and a rollout that is not near-deterministic keeps the plain hint
+    from harness.fuzz import PairResult
+    plain = missed_hint_of(PairResult("x.weak", "diverges", examples=3, max_score=4e-4, entropy_sum=3.0, entropy_cases=3))
+    assert "more examples" in plain and "near-deterministic" not in plain
+
+
+def missed_hint_of(r):
+    from harness.fuzz import missed_hint
+
+    return missed_hint(r, 1e-3)
+
+
 def test_xdist_campaigns_share_the_cores_among_their_torch_threads(monkeypatch):
     """torch's default, a thread per core in every xdist worker, oversubscribed the machine (a run
     1.4x slower on 2 cores, `reports/scripts/xdist_threads.py`); each worker gets cores // workers
