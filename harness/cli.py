@@ -209,7 +209,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     from .env import resolve_device
     from .fuzz import CampaignConfig, run_campaign, summary_table
     from .pairs import REGISTRY, is_glob
-    from .corpus import replay_command_for
+    from .corpus import replay_command_for, shrink_command_for
     from .tracking import make_tracker
 
     terminate_like_ctrl_c()
@@ -247,7 +247,8 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
         notes = ("" if f.shrink_complete else
                  f" (shrinking cut short by the {'interrupt' if getattr(f, 'interrupted', False) else 'budget'}" +
-                 (f": `harness shrink {f.path}` goes on)" if f.path and f.new else ")")) + \
+                 (f": `{shrink_command_for(f.pair, f.path, None if no_tracking else tracking_uri)}` goes on)"
+                  if f.path and f.new else ")")) + \
             ("" if f.deterministic else " (not deterministic: may not replay)")
         echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, {f.evaluation.headline}, minimal case "
                  f"{f.case.one_line()}{notes}\n    replay: "
@@ -499,7 +500,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     """Print a repro for a person: case, tensor shapes, metrics, and the command that replays it."""
     import math
 
-    from .corpus import load_plugin_for, load_repro
+    from .corpus import load_plugin_for, load_repro, shrink_command_for
     from .env import resolve_device
     from .metrics import judged_k3
     from .pairs import REGISTRY
@@ -532,7 +533,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                 f", {last['cases_tried']} cases tried" if isinstance(last.get("cases_tried"), int) else "")
             head += (f"; then shrunk further {len(shrunk)} time(s), last {last.get('at', '?')} by {by}{spent}")
         click.echo(head + ("" if found.get("shrink_complete", True) is not False else
-                           f" (shrinking was cut short: `harness shrink {file}` goes on)")
+                           f" (shrinking was cut short: `{shrink_command_for(r.pair, file, r.tracking.get('uri'))}` goes on)")
                    + (" (NOT DETERMINISTIC: its case gave other values when run again; it may not replay)"
                       if found.get("deterministic") is False else ""))
     click.echo("\ncase (the recorded sample):" if rec else "\ncase (edited by hand since it was recorded):"

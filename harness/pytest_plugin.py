@@ -765,6 +765,11 @@ def pytest_configure(config: pytest.Config) -> None:
         if given:  # (else the whole test suite runs, unsharded, and says nothing)
             raise pytest.UsageError(f"{' and '.join(given)} choose(s) what a fuzz campaign runs: add --harness-fuzz "
                                     "(without it pytest runs the test suite, which these options do not split).")
+        corpus = config.getoption("harness_corpus")
+        if corpus != "corpora" and not Path(corpus).expanduser().is_dir():  # (tests/test_corpus.py replays it)
+            raise pytest.UsageError(f"--harness-corpus={corpus}: no such folder, so there is no corpus to replay; give "
+                                    "the folder your campaigns write repros to (the one `harness fuzz --corpus` or "
+                                    "`pytest --harness-fuzz --harness-corpus` was given).")
         _load_plugins(config)
         return
     session = FuzzSession(config)

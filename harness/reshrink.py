@@ -232,7 +232,11 @@ def _tell_mlflow(repro: Any, old_line: str, headline: str, tracking: bool, uri: 
     except StoreUnavailable as e:
         if uri or os.environ.get("MLFLOW_TRACKING_URI"):  # a store named by the user: say it was not updated
             return f"  warning: the MLflow regression run of {repro.id} was not updated ({e}); {holds}"
-        return ""  # no embedded store here: nothing to update
+        # no store named and no embedded one here: a campaign that logged to another store (its
+        # --tracking-uri) has a regression run showing the old case; say how to update it
+        return (f"  MLflow: no store named and no reports/mlflow.db here, so no regression run was updated; if the "
+                f"campaign logged {repro.id} to a store of its own, run again with --tracking-uri URI (its run "
+                "shows the case before this shrink)")
     except Exception as e:  # noqa: BLE001 - the corpus file is written; MLflow is a copy
         return (f"  warning: the MLflow regression run of {repro.id} was not updated ({type(e).__name__}: "
                 f"{str(e)[:200]}); {holds}")

@@ -12,6 +12,8 @@ elsewhere within last-bit noise: the same symptom and error, metrics within 1% (
 not deterministic, `found.deterministic: false`, is held to its symptom and error only: its metrics,
 and which mean fired, were one draw); a repro whose case
 was edited by hand since it was recorded fails until it is rerecorded or restored.
+`pytest tests/test_corpus.py --harness-corpus=DIR` replays the corpus in DIR instead (a nightly's
+own corpus, kept outside this repository; a folder that is not there is an error, not an empty run).
 A repro of a plugin's pair loads that plugin when it is a file inside this repository; a plugin kept
 elsewhere is loaded with `pytest --harness-plugin=PATH` (repeatable). One whose pair cannot be
 loaded here (a module not given, an uninstalled entry point, a file that is gone) is skipped with
@@ -26,27 +28,48 @@ import pytest
 
 from harness.corpus import builtin_extra_missing, iter_corpus, load_plugin_for, load_repro, replay
 from harness.env import machine_differences
-from harness.errors import CannotEvaluate
+from harness.errors import CannotEvaluate, HarnessError
 from harness.pairs import REGISTRY
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpora"
-FILES = iter_corpus(CORPUS)
 
 
-@pytest.mark.parametrize("path", FILES, ids=[str(p.relative_to(CORPUS)) for p in FILES])
-def test_replay(path):
-    repro = load_repro(path)
+def corpus_root(config) -> Path:
+    """The corpus these tests replay: `--harness-corpus=DIR` when given, else this repository's corpora/."""
+    given = config.getoption("harness_corpus", default="corpora")
+    if given in (None, "corpora"):
+        return CORPUS
+    return Path(given).expanduser().resolve()  # (the harness's pytest plugin refused a folder that is not there)
+
+
+def pytest_generate_tests(metafunc):
+    if "path" in metafunc.fixturenames:
+        root = corpus_root(metafunc.config)
+        files = iter_corpus(root)
+        metafunc.parametrize("path", files, ids=[str(p.relative_to(root)) for p in files])
+
+
+@pytest.fixture
+def root(request) -> Path:
+    return corpus_root(request.config)
+
+
+def test_replay(path, root):
+    try:
+        repro = load_repro(path)
+    except HarnessError as e:  # a damaged file: its message says what is wrong and how to fix it
+        pytest.fail(str(e), pytrace=False)
     if repro.case_edited:  # a committed repro whose metrics are another case's: not a regression test
         pytest.fail(f"{path}: its case was edited by hand since it was recorded (case_fingerprint); rerecord it "
                     f"(`harness rerecord {path}`) or restore its case from git")
     why = load_plugin_for(repro, flag="--harness-plugin")
     if why is not None and repro.loader.get("kind") == "builtin" and not builtin_extra_missing(repro.pair):
-        pytest.fail(f"{path.relative_to(CORPUS)}: {why}")  # this checkout's own pair is gone: a skip would hide it
+        pytest.fail(f"{path.relative_to(root)}: {why}")  # this checkout's own pair is gone: a skip would hide it
     if why is not None and repro.loader.get("kind") == "entry_point" and \
             repro.loader.get("name") in REGISTRY.broken_entry_points:  # installed, but broken: not "not here"
-        pytest.fail(f"{path.relative_to(CORPUS)}: {why}")
+        pytest.fail(f"{path.relative_to(root)}: {why}")
     if why is not None:
-        pytest.skip(f"{path.relative_to(CORPUS)}: {why}")
+        pytest.skip(f"{path.relative_to(root)}: {why}")
     if repro.status == "expected":
         REGISTRY.load_builtins()
         pair = REGISTRY.get_loaded(repro.pair)  # (a pair not registered: replay says so below)
@@ -58,12 +81,12 @@ def test_replay(path):
     try:
         result = replay(repro)
     except CannotEvaluate as e:  # its pair could not run here (a recorded rollout's checkpoint is elsewhere)
-        pytest.skip(f"{path.relative_to(CORPUS)}: {e}")
+        pytest.skip(f"{path.relative_to(root)}: {e}")
     ev = result.evaluation
-    if repro.status == "fixed":
-        assert not ev.failed, f"{path}: fixed regression is back: {ev.symptom.value} {ev.headline}"
-    elif repro.status == "expected":
-        assert ev.failed, f"{path}: demonstration no longer diverges ({ev.headline}): detection power lost"
+    if repro.status == "fixed" and ev.failed:
+        pytest.fail(f"{path}: fixed regression is back: {ev.symptom.value} {ev.headline}", pytrace=False)
+    elif repro.status == "expected" and not ev.failed:
+        pytest.fail(f"{path}: demonstration no longer diverges ({ev.headline}): detection power lost", pytrace=False)
     elif repro.status == "open" and not ev.failed:
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline}): close it as fixed")
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
@@ -92,7 +115,10 @@ def check_recorded_metrics(path, repro, result) -> None:
                             "is expected, `harness rerecord --accept-changes` rewrites them")
 
 
-def test_corpus_files_are_named_by_signature():
-    for path in FILES:
-        repro = load_repro(path)
+def test_corpus_files_are_named_by_signature(request):
+    for path in iter_corpus(corpus_root(request.config)):
+        try:
+            repro = load_repro(path)
+        except HarnessError:  # (test_replay fails that file with its message)
+            continue
         assert path.parent.name == repro.pair and path.stem == repro.signature[:12]

@@ -123,7 +123,7 @@ def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | Non
     params = [Param(k, v[:6000]) for k, v in flatten_case(p["case"]).items()]
     params.append(Param("threshold", str(p["threshold"])))
     c.log_batch(run_id, metrics=metrics, params=params)
-    c.set_tag(run_id, "mlflow.note.content", regression_note(p, run_id))
+    c.set_tag(run_id, "mlflow.note.content", regression_note(p, run_id, store.uri))
     with tempfile.TemporaryDirectory(prefix="harness-artifacts-") as tmp:
         for artifact_dir, path in write_artifacts(p, Path(tmp)).items():
             c.log_artifact(run_id, str(path), artifact_dir)

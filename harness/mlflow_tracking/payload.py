@@ -234,7 +234,24 @@ def _display_path(p: str | None) -> str | None:
         return p
 
 
-def regression_note(p: dict[str, Any], run_id: str | None) -> str:
+def store_flag(uri: str | None) -> str:
+    """` --tracking-uri URI` for a command that reads the store `uri`, when that is not the one a
+    command run here finds by default (MLFLOW_TRACKING_URI, else ./reports/mlflow.db); "" otherwise."""
+    import shlex
+
+    from .store import resolve_uri
+
+    if not uri:
+        return ""
+    try:
+        if resolve_uri(uri) == resolve_uri(None):
+            return ""
+    except Exception:  # noqa: BLE001 - (a scheme the check refuses: say it as given)
+        pass
+    return f" --tracking-uri {shlex.quote(uri)}"
+
+
+def regression_note(p: dict[str, Any], run_id: str | None, uri: str | None = None) -> str:
     m = {k: v for k, v in p["metrics"].items()}
     sym = p["symptom"]
     title = f"### {p['pair']}: {sym}"
@@ -275,15 +292,16 @@ def regression_note(p: dict[str, Any], run_id: str | None) -> str:
            and math.isfinite(p["peak_judged"]) and p.get("threshold") else "")
         + f", status **{p['status']}**.", "",
         f"**Minimal case.** `{p['case_line']}`"
-        + ("" if p.get("shrink_complete", True) else " (shrinking was cut short by the budget)"), "",
+        + ("" if p.get("shrink_complete", True) else " (shrinking was cut short, by the budget or an interrupt: "
+                                                       "`harness shrink` of its corpus file goes on)"), "",
         "**Replay.**", "", "```",
     ]
     if run_id:
-        lines.append(f"harness replay{plugin} --run-id {run_id}")
+        lines.append(f"harness replay{plugin}{store_flag(uri)} --run-id {run_id}")
     if corpus:
         lines.append(f"harness replay{plugin} {corpus}")
     lines += ["```", "",
-              f"**Triage.** `harness triage --run-id {run_id or p['id']}{plugin}` localizes it (its report is "
+              f"**Triage.** `harness triage --run-id {run_id or p['id']}{plugin}{store_flag(uri)}` localizes it (its report is "
               f"attached here); `harness regressions close {p['id']} --status fixed|wontfix --note \"...\"`. "
               f"Artifacts: `repro/{p['id']}.json`"
               + (f", `per_token/{p['id']}.csv`, `plots/{p['id']}_k3.png`" if (p.get("per_token") or {}).get("k3")

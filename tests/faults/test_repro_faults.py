@@ -271,6 +271,12 @@ def test_a_plugin_repro_records_its_loader_and_replays_in_a_fresh_process(tmp_pa
     assert code == 1 and "pair example.lm_head_bf16" in out and "bit-for-bit yes" in out, err
     code, out, err = harness_cli("show", str(path))
     assert code == 0 and f"replay: harness replay --plugin {PLUGIN} {path}" in out, err
+    # a repro whose shrinking was cut short: the command that goes on names the plugin too (it had
+    # printed `harness shrink FILE`, which skips a plugin's repro), and the store of its regression run
+    from harness.corpus import shrink_command_for
+
+    assert shrink_command_for("example.lm_head_bf16", path, "sqlite:////elsewhere/mlflow.db") == \
+        f"harness shrink --plugin {PLUGIN} --tracking-uri sqlite:////elsewhere/mlflow.db {path}"
     # a module plugin is never imported on the repro's say-so: skipped with the fix, the rest go on
     mod = Path(shutil.copy(path, path.with_name("dddddddddddd.json")))
     edit(mod, loader={"kind": "module", "module": "antigravity"}, pair="example.other")
@@ -307,6 +313,20 @@ def test_the_corpus_tests_replay_a_repro_of_a_plugin_kept_outside_the_repository
         replayed.stdout + replayed.stderr
     broken = corpus_tests(f"--harness-plugin={outside / 'missing.py'}")
     assert broken.returncode != 0 and "does not exist" in broken.stderr and "Traceback" not in broken.stderr
+    # a nightly's corpus kept outside the repository: --harness-corpus replays it (it had replayed
+    # the repository's corpora/ alone, green over nothing of the nightly's)
+    shutil.move(str(proj / "corpora"), str(outside / "corpus"))
+    moved = corpus_tests(f"--harness-plugin={plugin}", f"--harness-corpus={outside / 'corpus'}")
+    assert moved.returncode == 0 and "2 passed" in moved.stdout, moved.stdout + moved.stderr
+    gone = corpus_tests(f"--harness-corpus={outside / 'nowhere'}")
+    said = gone.stdout + gone.stderr
+    assert gone.returncode == 4 and "no such folder" in said and "corpus_root" not in said, said
+    # a damaged repro fails its own test with what is wrong, not the harness's source around a raise
+    damaged = next((outside / "corpus").rglob("*.json"))
+    damaged.write_text(damaged.read_text()[:300])
+    res = corpus_tests(f"--harness-plugin={plugin}", f"--harness-corpus={outside / 'corpus'}", "-k", "test_replay")
+    assert res.returncode == 1 and "1 failed" in res.stdout and "not valid JSON" in res.stdout, res.stdout
+    assert "raise UsageError" not in res.stdout, res.stdout
 
 
 def test_the_corpus_tests_refuse_a_demonstration_status_on_a_pair_registered_aligned(tmp_path):

@@ -11,6 +11,7 @@ from harness import Case
 from harness.corpus import load_repro, replay
 from harness.env import machine_differences, recorded_threads
 from harness.reshrink import shrink_file
+from harness.tracking import NullTracker
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG = Case(seed=3, seq_lens=(5, 7, 3, 6))  # attention.mask_leak diverges on it (k3 ~0.5)
@@ -210,6 +211,29 @@ def test_the_regression_run_in_mlflow_gets_the_shrunk_case(tmp_path):
     reg = show_regression(repro.id, uri)
     assert client.get_run(reg["run_id"]).data.tags["harness.shrink_complete"] == "true"
     assert "Shrink completed" in reg["note"] and fetch_repro(repro.id, uri).found["shrink_complete"] is True
+    # the note's commands read this store, which is not the default one: they name it
+    assert f"--tracking-uri {uri} --run-id {reg['run_id']}" in reg["note"], reg["note"]
+
+
+def test_shrink_without_a_store_says_no_regression_run_was_updated(tmp_path, monkeypatch):
+    """A campaign run with --tracking-uri, then `harness shrink FILE` without it: the regression run
+    kept the cut-short case and shrink said nothing. It says so now, with the option that updates it."""
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, run_campaign
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # (no reports/mlflow.db here: the default store does not exist)
+    cfg = CampaignConfig(pairs=[REGISTRY.get("attention.mask_leak")], seed=1, max_examples=30,
+                         corpus=tmp_path / "corpus")
+    assert run_campaign(cfg, NullTracker(), log=lambda m: None).findings
+    [path] = (tmp_path / "corpus").rglob("*.json")
+    data = json.loads(path.read_text())
+    data["case"], data["found"]["shrink_complete"] = BIG.to_json(), False
+    data.pop("case_fingerprint")
+    path.write_text(json.dumps(data))
+    lines: list[str] = []
+    assert shrink_file(path, budget=300, max_evals=500, log=lines.append) == "shrunk"
+    assert "no regression run was updated" in lines[-1] and "--tracking-uri URI" in lines[-1], lines
 
 
 def test_a_timeout_repro_is_judged_at_its_recorded_timeout(tmp_path):
