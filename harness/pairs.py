@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import math
@@ -544,7 +545,10 @@ class Registry:
                 name = "harness_plugin_" + re.sub(r"\W", "_", str(path.resolve()))
                 if name in sys.modules:
                     return
-                mod_spec = importlib.util.spec_from_file_location(name, path)
+                # (an explicit source loader: a plugin file whose name does not end in .py loads too; the
+                # default finder gives no spec for it, and the import failed with "'NoneType' ... loader")
+                mod_spec = importlib.util.spec_from_file_location(
+                    name, path, loader=importlib.machinery.SourceFileLoader(name, str(path)))
                 module = importlib.util.module_from_spec(mod_spec)
                 sys.modules[name] = module
                 # its folder importable, as for `python FILE` (a helper module beside it), but after the

@@ -352,6 +352,22 @@ def padding_hint(prompt: list[int], response: list[int], logprobs: list[float], 
     return "; ".join(parts) or None
 
 
+def _trainer_agrees(sc: Any, run: tuple[int, int, float] | None) -> bool:
+    """A response's trailing run recorded at log-prob 0.0 that the trainer also finds near certain
+    (every one of its tokens above probability 1/2): a confident model repeating a token (a bf16
+    engine rounds such log-probs to 0.0), not padding, which the trainer gives a low probability."""
+    if run is None or run[2] != 0.0:
+        return False
+    div = getattr(sc.evaluation, "divergence", None)
+    lt = (getattr(div, "per_token", None) or {}).get("logp_trainer")
+    n = run[1]
+    if lt is None or len(lt) < n or len(lt) != len(sc.sample.response):  # (a response cut short: not known)
+        return False
+    import numpy as np
+
+    return bool((np.asarray(lt[-n:], dtype=np.float64) > -math.log(2)).all())
+
+
 def _response_pad(response: list[int], logprobs: list[float]) -> tuple[int, int, float] | None:
     """(id, run length, log-prob) of a response's trailing run (>= 2) of one id recorded at exactly one
     of PAD_LOGPROBS (an EOS the pad id repeats, recorded at its own log-prob, is not counted)."""
@@ -397,6 +413,8 @@ def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tu
         return pair, spec, {"rec_model": spec.path, "rec_model_id": spec.fingerprint()}
     pair = REGISTRY.get(pair_name)
     prof = getattr(pair, "profiles", None)
+    if getattr(pair, "cannot_run", None):  # an HF pair whose checkpoint folder is not there
+        raise UsageError(f"pair {pair_name!r} cannot score here: {pair.cannot_run}")
     if not isinstance(prof, hfp.HFProfiles) or prof.model is None:
         raise UsageError(f"pair {pair_name!r} cannot score recorded rollouts: only Hugging Face pairs (hf.*, or made "
                          "with targets.hf.hf_pair) take token ids; pass --model PATH or one of those.")
@@ -608,7 +626,8 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         res.batch = batch_metrics(res.scored)
         # rows of a verl batch that was not unpadded: scored as they are, named once
         pads = {pad_id} if isinstance(pad_id, int) and not isinstance(pad_id, bool) else set()
-        runs = [_response_pad(sc.sample.response, sc.sample.logprobs) for sc in res.scored]
+        runs = [None if _trainer_agrees(sc, run) else run
+                for sc, run in ((sc, _response_pad(sc.sample.response, sc.sample.logprobs)) for sc in res.scored)]
         pads |= {p[0] for p in runs if p}
         padded = [(sc.sample.line, h) for sc, run in zip(res.scored, runs)
                   if (h := padding_hint(sc.sample.prompt, sc.sample.response, sc.sample.logprobs, pads, run))]

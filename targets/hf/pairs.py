@@ -123,10 +123,27 @@ def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", descri
     def build(case: Any, device: str) -> Any:
         raise UsageError(str(err))
 
-    return TargetPair(name=name, kind="model", expected=expected, build=build,
+    pair = TargetPair(name=name, kind="model", expected=expected, build=build,
                       trainer=lambda inp, rollout_outcome: Outcome(), rollout=lambda inp: Outcome(),
                       axes=axes or Axes(n_seqs=(1, 1), seq_len=(1, 1)), devices=devices,
                       description=f"cannot run: no checkpoint at {str(model)!r}" + (f" ({description})" if description else ""))
+    object.__setattr__(pair, "cannot_run", str(err))  # (`harness score --pair` says why, not "not a HF pair")
+    return pair
+
+
+def _check_positions(name: str, case: Any, max_pos: int) -> None:
+    """A case (a repro edited by hand, a plugin's own draw) whose longest sequence (a first token,
+    its prompt and response) is past the model's max_position_embeddings: a setup error, as the axes
+    are refused at registration; it had run positions the model was never built for."""
+    if not max_pos:
+        return
+    prompts = case.prompt_lens or (0,) * len(case.seq_lens)
+    longest = max((1 + p + s for p, s in zip(prompts, case.seq_lens)), default=0)
+    if longest > max_pos:
+        raise UsageError(f"{name}: this case has a sequence of {longest} tokens (a first token, its prompt and "
+                         f"response), past the model's max_position_embeddings ({max_pos}): positions beyond it test "
+                         "what the model was never built for. Give the case shorter prompt_lens / seq_lens (a repro "
+                         "edited by hand?), or raise max_position_embeddings in the config.")
 
 
 def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics = FP32, *,
@@ -170,6 +187,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
                          "max_position_embeddings in the config.")
 
     def build(case: Any, device: str) -> paths.HFInputs:
+        _check_positions(name, case, max_pos)
         inp = paths.make_inputs(case, spec, device)
         expose_modules(inp, trainer, rollout)
         same_routers(name, inp, trainer, rollout, replay)

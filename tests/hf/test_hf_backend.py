@@ -256,6 +256,10 @@ def test_axes_past_the_models_positions_are_refused_and_wider_axes_reach_far_pos
     wide = default_axes(model_from(cfg), max_prompt=40, max_response=23)  # 1 + 40 + 23 = 64: allowed
     pairs = hf_pairs("user.wide", cfg, axes=wide)
     assert all(p.axes is wide for p in pairs)
+    # a case past them (a repro edited by hand) cannot run, saying why; it had run positions up to 601
+    ev = run_case(pairs[0], Case(seed=0, seq_lens=(4, 2), prompt_lens=(60, 1)))
+    assert ev.setup and "this case has a sequence of 65 tokens" in ev.error["message"], ev.error
+    assert not run_case(pairs[0], Case(seed=0, seq_lens=(3, 2), prompt_lens=(60, 1))).failed  # 1 + 60 + 3 = 64
 
 
 def test_tied_embeddings_keep_the_body_dtype_when_only_the_head_differs():
@@ -651,7 +655,7 @@ def test_the_head_computes_only_the_rows_each_path_scores():
     assert hf_pair("user.rows2", cfg).profiles.trainer["head_rows"] == "all"  # (the default)
 
 
-def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_path, capsys):
+def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_path, capsys, monkeypatch):
     """A plugin naming a checkpoint that is gone (a nightly whose mount is missing) registers its
     pairs, each case of which cannot run and says why (a setup error: CANNOT RUN, nothing recorded),
     so the plugin's other pairs still run; it had stopped the plugin at import."""
@@ -673,6 +677,13 @@ def test_a_checkpoint_folder_that_is_not_there_makes_pairs_that_cannot_run(tmp_p
         ev = run_case(p, Case(seed=0, seq_lens=(1,)))
         assert ev.setup and "is not a checkpoint directory" in ev.error["message"], ev.error
     assert "cannot run: no checkpoint at" in pairs[-1].description
+    # `harness score --pair` on one says why it cannot run (it had said "only Hugging Face pairs")
+    from harness.errors import UsageError
+    from harness.score import resolve_scorer
+
+    monkeypatch.setattr(REGISTRY, "get", {pairs[0].name: pairs[0]}.__getitem__)  # (as a plugin registers it)
+    with pytest.raises(UsageError, match="cannot score here: .*is not a checkpoint directory"):
+        resolve_scorer(None, pairs[0].name, False)
 
 
 def test_a_forward_that_reshapes_the_head_output_to_every_position_keeps_them_all(capsys):

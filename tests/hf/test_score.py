@@ -512,6 +512,29 @@ def test_rows_of_a_padded_verl_batch_are_scored_with_one_warning(aligned_file, t
     assert padding_hint([0, 0, 1], [4], [-0.1], {0}) is not None and padding_hint([0, 0, 1], [4], [-0.1], set()) is None
 
 
+def test_a_confident_repeat_the_trainer_agrees_with_is_not_called_padding():
+    """A confident model repeating a token, recorded at log-prob 0.0 (a bf16 engine rounds it there),
+    was warned about as verl padding "which makes the metrics meaningless" on a clean, genuine file.
+    Padding is a token the trainer gives a low probability; a run it finds near certain is not."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from harness.score import _response_pad, _trainer_agrees
+
+    def scored(response, lt):
+        return SimpleNamespace(sample=SimpleNamespace(response=response), evaluation=SimpleNamespace(
+            divergence=SimpleNamespace(per_token={"logp_trainer": np.asarray(lt, dtype=np.float64)})))
+
+    response, recorded = [4, 23, 23, 23], [-0.7, 0.0, 0.0, 0.0]
+    run = _response_pad(response, recorded)
+    assert run == (23, 3, 0.0)
+    assert _trainer_agrees(scored(response, [-0.7, -1e-6, -2e-7, -1e-7]), run)  # the model's own repeat
+    assert not _trainer_agrees(scored(response, [-0.7, -9.1, -8.7, -9.4]), run)  # pad ids the trainer finds unlikely
+    assert not _trainer_agrees(scored(response, [-1e-6, -1e-6]), run)  # (a response cut short: not known)
+    assert not _trainer_agrees(scored(response, [-0.7, 0.0, 0.0, 0.0]), (23, 3, -1.0))  # verl's -1 fill: always padding
+
+
 def test_progress_outside_a_terminal_is_a_plain_line_now_and_then(aligned_file, tmp_path, monkeypatch):
     """A job's log (stderr not a TTY) gets a plain progress line every PROGRESS_EVERY seconds; the
     clock is not asserted on: the interval is set to 0, so every row prints one."""

@@ -102,6 +102,12 @@ def test_plugin_from_file_and_bad_plugins(tmp_path):
         REGISTRY.load_plugin("no_such_package.pairs")
     with pytest.raises(UsageError, match=r"is a folder; pass the Python file in it .* \(broken.py, my_pairs.py are"):
         REGISTRY.load_plugin(str(tmp_path))
+    # a plugin file whose name does not end in .py is Python source all the same (it had failed with
+    # "'NoneType' object has no attribute 'loader'", and advice to run a file that runs fine)
+    (tmp_path / "pairs_noext").write_text("from harness import REGISTRY\nREGISTRY.noext_loaded = True\n")
+    REGISTRY.load_plugin(str(tmp_path / "pairs_noext"))
+    assert getattr(REGISTRY, "noext_loaded", False)
+    del REGISTRY.noext_loaded
     # a module that exists but imports something missing: its own error, and how to see it in full
     (tmp_path / "pkg_with_missing_dep.py").write_text("import not_a_module_anywhere\n")
     import sys
