@@ -207,7 +207,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
          uniform_per_example: int | None, plugins: tuple[str, ...]) -> None:
     """Fuzz pairs (all registered pairs when none are named); shrink and record what diverges."""
     from .env import resolve_device
-    from .fuzz import CampaignConfig, run_campaign, summary_table
+    from .fuzz import CampaignConfig, run_campaign, setup_reason, summary_table
     from .pairs import REGISTRY, is_glob
     from .corpus import replay_command_for, shrink_command_for
     from .tracking import make_tracker
@@ -276,8 +276,13 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
         click.echo(f"unfinished: {', '.join(unfinished)}: a first case never came back before the budget ended (a hang, "
                    "or a cold start longer than the budget allows; see the lines above); exit 1 as for a finding")
     cannot = [r for r in result.results if r.verdict == "CANNOT RUN"]
+    reasons: dict[str, list[str]] = {}  # (pairs of one broken checkpoint: one paragraph, naming them all)
     for r in cannot:
-        click.echo(f"error: {r.setup_error}", err=True)
+        reasons.setdefault(setup_reason(r.pair, r.setup_error), []).append(r.pair)
+    for why, names in reasons.items():
+        click.echo(f"error: {names[0]} cannot run here: {why}" if len(names) == 1 else
+                   f"error: {len(names)} pairs cannot run here ({', '.join(names)}), each for the same reason: {why}",
+                   err=True)
     # a campaign over every pair, or a glob, that a broken plugin package left pairs out of: as a pair
     # that cannot run, not a pass (pairs named one by one ran as asked: the warning above said it)
     every = not pair_names or any(is_glob(p) for p in pair_names)
@@ -412,7 +417,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             skipped.append(Skipped(r.path, f"repro {r.path or r.id} cannot be replayed here: {why}."))
             continue
         try:
-            results.append(do_replay(r, dev, threshold, timeout=timeout, plugins=plugins))
+            results.append(do_replay(r, dev, threshold, timeout=timeout, plugins=plugins, warn=as_json))
         except HarnessError as e:
             skipped.append(Skipped(r.path, str(e)))
     if len(skipped) == 1 and not results:  # one repro asked for, and it cannot be replayed

@@ -1200,8 +1200,9 @@ def recorded_timeout(repro: Repro) -> float | None:
 
 def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, registry: Any = None,
            keep_outcomes: bool = False, timeout: float | None = None,
-           plugins: tuple[str, ...] | list[str] = ()) -> ReplayResult:
-    """Replay a repro and compare it with what was recorded.
+           plugins: tuple[str, ...] | list[str] = (), warn: bool = True) -> ReplayResult:
+    """Replay a repro and compare it with what was recorded (`warn`: print the weights warning,
+    `ReplayResult.weights`, to stderr; a caller that prints the result itself says False).
 
     A `crash` or `timeout` repro runs in a supervised worker process (`harness.worker`), as the
     campaign ran it: a case that kills its process or hangs comes back as a `crash` or `timeout`
@@ -1240,7 +1241,7 @@ def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, re
         raise CannotEvaluate(f"repro {repro.path or repro.id} cannot be evaluated here: its pair {repro.pair!r} could "
                              f"not run: {ev.error['type']}: {ev.error['message']}")
     note = weights_note(repro, registry)
-    if note:
+    if note and warn:
         _stderr(f"warning: {note}")
     return ReplayResult(repro, ev, compare_metrics(repro, ev), weights=note)
 

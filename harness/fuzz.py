@@ -693,6 +693,19 @@ def setup_headline(message: str) -> str:
     return message.split(_SETUP_TAIL)[0]
 
 
+def setup_reason(pair: str, message: str) -> str:
+    """A `setup_message` without its pair's name: what pairs failing for one reason share."""
+    head = f"{pair} cannot run here: "
+    return message[len(head):] if message.startswith(head) else message
+
+
+def _setup_said(said: dict[str, str], pair: str, label: str, message: str) -> str:
+    """A progress line's setup error: its headline the first time, then which unit raised it first
+    (a checkpoint that does not load makes every pair of the model say the same paragraph)."""
+    first = said.setdefault(setup_reason(pair, message), label)
+    return setup_headline(message) if first == label else f"the same error as {first}"
+
+
 def setup_message(ev: Evaluation) -> str:
     """What to say of a pair that raised a harness error on a case (`Evaluation.setup`)."""
     err = ev.error or {}
@@ -1222,6 +1235,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             return list(r.findings)
         return _merge(by_pair[r.pair], r, rounds=rounds)
 
+    setup_said: dict[str, str] = {}  # a setup error's text (pair name left out) -> the first unit that raised it
+
     def examples_of(unit: Any) -> int:
         return stream_examples(cfg.max_examples, unit.stream, unit.streams)
 
@@ -1300,7 +1315,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "")
                     + (f"; {r.time_note}" if r.time_note else "") + ")"
-                    + (f": {setup_headline(r.setup_error)}" if r.setup_error else ""))
+                    + (f": {_setup_said(setup_said, unit.pair.name, unit.label, r.setup_error)}" if r.setup_error else ""))
                 if r.unfinished or r.waited_for:
                     log(f"  {unit.label}: {unfinished_note(r, cfg.timeout_for(pair.name, getattr(pair, 'timeout', None)))}")
             # Filling, once every unit has run its examples: the time left goes to the clean units, in

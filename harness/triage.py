@@ -1184,7 +1184,7 @@ def write_report(t: Triage, reports: Path) -> Path:
         minimal = ", ".join(t.localization.minimal) if t.localization else ""
         lines += ["## Divergence per module", "",
                   f"Where the divergence starts: **{t.first_module or 'none'}**"
-                  + (f" (layer {t.first_layer})" if t.first_module else "")
+                  + (f" (layer {t.first_layer})" if t.first_module and t.first_layer != t.first_module else "")
                   + f". Noise floor = {FLOOR_FACTOR:g} x the module's error in an aligned run of the same modules "
                   f"({floor_from}), at least {MIN_FLOOR:g}"
                   + (f"; the start is the first module also over {FLOOR_FACTOR:g} x its error with only {minimal} "
@@ -1300,7 +1300,8 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
     else:
         if t.first_module:
             click.echo(f"first divergent module: {module_label(t.first_module)}"
-                       + (f" (layer {t.first_layer})" if t.first_module != ROOT else ""))
+                       + (f" (layer {t.first_layer})" if t.first_module != ROOT and t.first_layer != t.first_module
+                          else ""))
         if t.nonfinite:
             click.echo(f"first module with NaN/inf: {t.nonfinite.module} ({' and '.join(t.nonfinite.paths)})")
         if t.flips:

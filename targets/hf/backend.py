@@ -247,6 +247,9 @@ class HFModel:
     def from_pretrained(cls, path: str | Path) -> "HFModel":
         """A local checkpoint directory (config.json + weights). Checked now, loaded on first use."""
         p = Path(path).expanduser()
+        if p.is_file() and (p.parent / "config.json").is_file():
+            raise UsageError(f"{str(path)!r} is a file of a checkpoint; pass its folder, {str(p.parent)!r} (the folder "
+                             "`model.save_pretrained(...)` wrote: config.json with the weights beside it).")
         if not (p / "config.json").is_file():
             raise UsageError(f"{str(path)!r} is not a checkpoint directory (no config.json there); pass a folder "
                              "written by `model.save_pretrained(...)` (nothing is downloaded).")
@@ -377,24 +380,43 @@ def base_model(spec: HFModel) -> Any:
     return model
 
 
+CAUSAL_TOL = 1e-4  # relative change of earlier positions' logits a causal model's own forward may show
+
+
 def _smoke(model: Any, spec: "HFModel") -> None:
-    """The model's own plain forward on 4 tokens, once per process: a config the model cannot run (a
-    DeepSeek-V3 `n_group` that does not divide its experts) is a pair that cannot run, named as such,
-    not a regression of every case written to the corpus."""
+    """The model's own plain forward on 4 tokens, once per process, twice (the last token changed): a
+    config the model cannot run (a DeepSeek-V3 `n_group` that does not divide its experts) or a model
+    that is not causal (an encoder) is a pair that cannot run, named as such, not a regression of
+    every case written to the corpus. (The base model, before any path's patch: a rollout patch that
+    leaks attention is a finding, not this.)"""
     import torch
 
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     if vocab <= 0:
         return
+    what = f"the checkpoint {spec.path!r}" if spec.path else "the model built from this config"
+    ids = torch.arange(4).remainder(vocab)[None]  # (input ids only: every causal LM takes them)
     try:
         with torch.inference_mode():
-            model(input_ids=torch.arange(4).remainder(vocab)[None])  # (input ids only: every causal LM takes them)
+            first = model(input_ids=ids).logits[0, :3].float()
+            later = model(input_ids=torch.cat([ids[:, :3], (ids[:, 3:] + 1) % vocab], 1)).logits[0, :3].float()
     except Exception as e:  # noqa: BLE001 - whatever the model raises, its own forward does not run
-        what = f"the checkpoint {spec.path!r}" if spec.path else "the model built from this config"
         raise UsageError(f"{what} ({type(model).__name__}) fails its own plain forward on 4 tokens, before "
                          f"either path runs: {type(e).__name__}: {str(e).strip()[:300]}. Its config is inconsistent "
                          "(for example a router's n_group that does not divide n_routed_experts): fix the config; "
                          "no case of this pair can say anything about the two paths.") from None
+    # Causal: the first three positions' logits do not depend on the fourth token. An encoder that
+    # transformers also builds as a causal LM (BERT's BertLMHeadModel without is_decoder) attends to
+    # later tokens; a rollout path would then differ from the trainer on every case by construction.
+    moved = float((first - later).abs().max())
+    if not moved <= CAUSAL_TOL * (1.0 + float(first.abs().max())):
+        arch = getattr(model.config, "model_type", "?")
+        raise UsageError(f"{what} ({type(model).__name__}, model_type {arch!r}) is not a causal language model: "
+                         f"changing the 4th token of its own plain forward moved the logits of the first three "
+                         f"positions by up to {moved:.3g}, so its tokens attend to later ones (an encoder such as "
+                         "BERT; a decoder config with is_decoder=False). A rollout generates left to right, so "
+                         "every case would diverge by construction: use a decoder-only model (or set "
+                         "is_decoder=True in its config if it is meant as one).")
 
 
 def _first_sentence(e: BaseException) -> str:

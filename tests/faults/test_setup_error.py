@@ -52,6 +52,20 @@ def test_fuzz_command_says_so_and_exits_2(tmp_path, harness_cli):
     assert "cannot run here: see the error below" in out
 
 
+def test_pairs_of_one_broken_checkpoint_say_its_error_once(tmp_path, harness_cli):
+    """Every pair of a checkpoint that does not load raises the same error: the progress lines name the
+    first pair that said it, the error line after the table names them all, once."""
+    rc, out, err = harness_cli("fuzz", "--plugin", FAULTS, "faults.setup_gone", "faults.setup_gone_too",
+                               "faults.setup_batches", "--max-examples", "10", "--seed", "1", "--corpus",
+                               str(tmp_path / "corpus"), "--no-tracking")
+    assert rc == 2, (out, err)
+    assert "faults.setup_gone_too: CANNOT RUN" in err and "the same error as faults.setup_gone" in err, err
+    assert "error: 2 pairs cannot run here (faults.setup_gone, faults.setup_gone_too), each for the same reason: " \
+           "its case raised UsageError: the checkpoint folder /nonexistent/faults-ckpt is gone" in err, err
+    assert "error: faults.setup_batches cannot run here" in err  # (another reason: a paragraph of its own)
+    assert (out + err).count("/nonexistent/faults-ckpt is gone") == 2, (out, err)  # progress line + error line
+
+
 def test_fuzz_command_with_a_finding_too_exits_1(tmp_path, harness_cli):
     rc, out, err = harness_cli("fuzz", "--plugin", FAULTS, "faults.setup_gone",
                                "faults.diverges", "--max-examples", "10", "--seed", "1", "--corpus",

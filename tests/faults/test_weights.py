@@ -47,6 +47,9 @@ def test_a_repro_replayed_against_other_weights_says_so(tmp_path, harness_cli):
     assert "pair weighted.engine now runs other weights than this repro was recorded with (fingerprint 0.5 then, " \
            "1.0 now" in err
     assert json.loads(out)[0]["weights_changed"] is True
+    rc, out, err = harness_cli("replay", "--plugin", str(plugin), str(repro), cwd=tmp_path, env=env)
+    assert rc == 0 and (out + err).count("now runs other weights") == 1, (out, err)  # once, on its replay line
+    assert "  warning: pair weighted.engine now runs other weights" in out
 
 
 def test_an_hf_pair_on_a_checkpoint_names_its_weights(tmp_path):

@@ -428,6 +428,24 @@ def test_a_config_its_own_model_cannot_run_is_a_pair_that_cannot_run_not_a_regre
     assert "fails its own plain forward" in result.results[0].setup_error and not result.results[0].findings
 
 
+def test_an_encoder_is_a_pair_that_cannot_run_not_a_regression(tmp_path):
+    """transformers builds BERT as a causal LM (BertLMHeadModel) whose tokens attend to later ones: every
+    case would diverge by construction. The base model's causality probe says so (a setup error); the
+    same config as a decoder (is_decoder=True) runs, aligned."""
+    cfg = dict(model_type="bert", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+               num_attention_heads=2, max_position_embeddings=256)
+    pair = hf_pair("user.bert_encoder", cfg, FP32, FP32)
+    ev = run_case(pair, rl_case(seed=1))
+    assert ev.setup and "is not a causal language model" in ev.error["message"], ev.error
+    assert "is_decoder=True" in ev.error["message"]
+    result = run_campaign(CampaignConfig(pairs=[pair], seed=1, max_examples=5, corpus=tmp_path))
+    assert not list(tmp_path.rglob("*.json"))
+    assert "not a causal language model" in result.results[0].setup_error and not result.results[0].findings
+    decoder = hf_pair("user.bert_decoder", {**cfg, "is_decoder": True}, FP32, FP32)
+    ev = run_case(decoder, rl_case(seed=1))
+    assert not ev.setup, ev.error
+
+
 def test_a_config_transformers_refuses_to_build_is_a_pair_that_cannot_run_naming_the_reason(tmp_path):
     """transformers validates a config when it is built (in the worker, at the first case, so that
     listing pairs imports no transformers): heads that do not divide the hidden size were a

@@ -240,6 +240,29 @@ def test_score_a_checkpoint_directory_jsonl_and_parquet(tmp_path, harness_cli):
     assert code == 2 and "not a checkpoint directory" in err and "Traceback" not in err
 
 
+def test_samples_of_another_model_are_named_as_such(tmp_path, harness_cli):
+    """Samples scored against the wrong checkpoint: a gap of nats per token says so (not a precision
+    finding); every id past the vocabulary says so too; a config.json given for its folder is named."""
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    base_model(HFModel.from_config(TINY["qwen3"], init_seed=5)).save_pretrained(ckpt)
+    base_model(HFModel.from_config(TINY["qwen3"], init_seed=6)).save_pretrained(other)
+    rows = record(hf_pair("test.wrong.aligned", HFModel.from_pretrained(ckpt), FP32, FP32), range(2),
+                  tmp_path / "s.jsonl")
+    own = score(tmp_path / "s.jsonl", model=str(ckpt), corpus=tmp_path / "c", progress=False)
+    assert not any("another model" in n for n in own.notes), own.notes
+    res = score(tmp_path / "s.jsonl", model=str(other), corpus=tmp_path / "c", progress=False)
+    assert res.batch["log_ppl_diff"] < -2, res.batch
+    assert any("another model" in n and "--model" in n for n in res.notes), res.notes
+    vocab = TINY["qwen3"]["vocab_size"]
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({**r, "response_ids": [vocab + i for i in r["response_ids"]]})
+                                                + "\n" for r in rows * 2))
+    code, _, err = harness_cli("score", str(tmp_path / "big.jsonl"), "--model", str(ckpt), "--no-tracking")
+    assert code == 2 and "another model" in err and f"and {len(rows) * 2 - 5} more bad row(s)" in err, err
+    code, _, err = harness_cli("score", str(tmp_path / "s.jsonl"), "--model", str(ckpt / "config.json"),
+                               "--no-tracking")
+    assert code == 2 and "pass its folder" in err and "Traceback" not in err, err
+
+
 def test_a_repro_names_its_checkpoint_by_weights_and_replay_says_when_they_changed_or_went(tmp_path, harness_cli):
     """RL runs overwrite checkpoints: a repro replayed against other weights says so; against a
     folder that is gone it cannot be evaluated (exit 2), it does not 'still diverge'."""

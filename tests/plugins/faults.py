@@ -103,5 +103,7 @@ def build_refusing_batches(case, device):  # an engine setting that refuses batc
 
 register(TargetPair(name="faults.setup_gone", kind="op", expected="aligned", build=build_from_a_gone_checkpoint,
                     trainer=fine, rollout=fine, axes=AX, description="fault injection: its checkpoint is gone"))
+register(TargetPair(name="faults.setup_gone_too", kind="op", expected="aligned", build=build_from_a_gone_checkpoint,
+                    trainer=fine, rollout=fine, axes=AX, description="fault injection: another pair of that checkpoint"))
 register(TargetPair(name="faults.setup_batches", kind="op", expected="aligned", build=build_refusing_batches,
                     trainer=fine, rollout=fine, axes=AX, description="fault injection: refuses batches"))

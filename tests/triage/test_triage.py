@@ -100,7 +100,7 @@ def test_triage_names_positions_for_the_packing_bug():
     assert t.first_module is not None and t.first_module.startswith("layers.0.attn")
 
 
-def test_swapping_explains_each_single_component_pair():
+def test_swapping_explains_each_single_component_pair(tmp_path):
     """Generic check over the model registry: a pair whose profiles differ in one component is
     localized to exactly that component on a case that diverges; the LM head of every decoded token
     is in the module table."""
@@ -116,6 +116,8 @@ def test_swapping_explains_each_single_component_pair():
     assert t.localization.minimal == ["lm_head"]
     assert t.first_module == "lm_head" and t.first_layer == "lm_head"
     assert t.verdict.startswith("LM-head precision, at lm_head (first divergent module): expected k3 ")
+    report = write_report(t, tmp_path).read_text()
+    assert "starts: **lm_head**." in report and "(layer lm_head)" not in report  # (not a numbered layer)
     rows = {m.name: m for m in t.modules}
     assert rows["lm_head"].tokens == c.n_tokens  # the prefill's row and every decode step's
     assert all(m.tokens == c.n_tokens for m in t.modules)
