@@ -131,6 +131,8 @@ class PairResult:
     # seconds its first case had run when the campaign's budget ended, never having come back (a hang,
     # or a cold start longer than the budget allows); 0 when it came back or never started
     unfinished: float = 0.0
+    # where that first case was when stopped, had it run past its per-case timeout (faulthandler's dump)
+    unfinished_stack: str = ""
     waited_for: str = ""  # not run: the pair from the same module whose unfinished first case it waited for
     # Hypothesis examples asked for, and how many of them its time share ran out before (0: all ran,
     # or something was found): a pair cut short by the budget is not clean over what was asked
@@ -842,6 +844,7 @@ class Executor:
         # a hang, or a cold start longer than the budget allows)
         self.unfinished: dict[str, float] = {}
         self.waited: dict[str, str] = {}  # pair -> the pair whose unfinished first case it waited behind
+        self.unfinished_stack: dict[str, str] = {}  # pair -> its unfinished first case's stacks (if read)
         self._memory_retired: list[dict] = []  # `Worker.memory_seen` of workers already closed (`memory_note`)
 
     @staticmethod
@@ -972,9 +975,11 @@ class Executor:
                         raise Deferred
                 else:
                     ev = worker.collect(wall)
-            except OutOfTime:
+            except OutOfTime as e:
                 if waiting in self.first_sent:  # a first case that never came back
                     self.unfinished[waiting] = time.monotonic() - self.first_sent.pop(waiting)
+                    if e.stack:
+                        self.unfinished_stack[waiting] = e.stack
                     if waiting != pair.name:
                         self.waited[pair.name] = waiting
                 raise
@@ -1301,6 +1306,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     raise KeyboardInterrupt from None
                 if not r.examples:  # a first case the budget's end stopped, or one it waited behind
                     r.unfinished = executor.unfinished.get(pair.name, 0.0)
+                    r.unfinished_stack = executor.unfinished_stack.get(pair.name, "")
                     r.waited_for = executor.waited.get(pair.name, "")
                 for f in add(r):
                     record(f)
@@ -1356,6 +1362,15 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     return result
 
 
+def stack_where(stack: str, frames: int = 4) -> str:
+    """The innermost frames of the thread a faulthandler dump was written from (the worker's main
+    thread: where its case was), innermost first, on one line."""
+    blocks = stack.split("\n\n")
+    block = next((b for b in blocks if b.lstrip().startswith("Current thread")), blocks[0] if blocks else "")
+    lines = [ln.strip() for ln in block.splitlines()[1:] if ln.strip().startswith("File ")]
+    return " <- ".join(lines[:frames]) + (" <- ..." if len(lines) > frames else "") if lines else stack.strip()[:300]
+
+
 def unfinished_note(r: PairResult, timeout: float) -> str:
     """Why a pair has no result: its first case never came back before the budget ended, or it waited
     behind another pair's that did not (pairs of one module share a worker: the same imports)."""
@@ -1363,7 +1378,9 @@ def unfinished_note(r: PairResult, timeout: float) -> str:
         return (f"its first case was still running after {r.unfinished:.0f} s when the budget ended (per-case "
                 f"timeout {timeout:g} s; a first case may take up to {Executor.COLD_START_TIMEOUT:g} s for imports and "
                 "compilation): a hang, or a cold start longer than the budget allows. Without --budget it becomes a "
-                "timeout finding once past that; or give the pair more budget")
+                "timeout finding once past that; or give the pair more budget"
+                + (f". It had run past its per-case timeout; where it was when stopped: {stack_where(r.unfinished_stack)}"
+                   if r.unfinished_stack else ""))
     if r.waited_for:
         return (f"not run: it waited for the first case of {r.waited_for} (same module, same worker), which never "
                 "finished before the budget ended")

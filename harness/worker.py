@@ -106,7 +106,13 @@ class WorkerError(HarnessError):
 
 
 class OutOfTime(Exception):
-    """The campaign's hard wall came while a case was running; the worker was stopped."""
+    """The campaign's hard wall came while a case was running; the worker was stopped. `stack`: the
+    worker's Python stacks (faulthandler's dump) when the case had already run past its per-case
+    timeout (a first case in its cold-start allowance that may be a hang), else ""."""
+
+    def __init__(self, stack: str = "") -> None:
+        super().__init__("the campaign's budget ended while a case was running")
+        self.stack = stack
 
 
 def _signal_name(code: int | None) -> str:
@@ -370,7 +376,10 @@ class Worker:
             return None  # still running; the caller may come back for it
         out_of_wall = wall_at <= hang_at
         stack = ""
-        if not out_of_wall:
+        # stopped by the budget past its per-case timeout (a first case inside its cold-start allowance):
+        # perhaps a hang, so its stacks are read as for a timeout
+        dump = not out_of_wall or time.monotonic() - max(sent, self._last_done) >= timeout - cold_extra
+        if dump:
             try:
                 os.kill(self.proc.pid, signal.SIGUSR1)  # the worker's faulthandler writes its stacks
             except (OSError, TypeError):
@@ -378,14 +387,14 @@ class Worker:
         prev = None
         for _ in range(40):  # until the dump stops growing: faulthandler writes it in many small writes
             stack = self._read_log()
-            if out_of_wall or (stack and stack == prev):
+            if not dump or (stack and stack == prev):
                 break
             prev = stack
             time.sleep(0.025)
         self.kill()
         self.restarts += 1
         if out_of_wall:
-            raise OutOfTime
+            raise OutOfTime(stack if dump else "")
         return Evaluation(pair.name, case, Symptom.TIMEOUT, error={
             "type": "Timeout", "where": "worker",
             "message": f"the case ran longer than the per-case timeout of {timeout - cold_extra:g} s"

@@ -285,6 +285,9 @@ def test_a_first_case_that_never_returns_is_unfinished_not_a_silent_not_run(tmp_
     assert rows["faults.hang_always"][2] == "UNFINISHED", out
     assert "faults.hang_always: its first case was still running after" in err
     assert "a hang, or a cold start longer than the budget allows" in err
+    # it ran past its 1 s timeout (inside its cold-start allowance): the stacks say where it hung
+    where = err.split("where it was when stopped: ", 1)[1].splitlines()[0]
+    assert where.startswith('File "') and "in hangs_always" in where.split(" <- ")[0], where
     assert rows["faults.diverges"][2] in ("not run", "caught"), out
     if rows["faults.diverges"][2] == "not run":
         assert "faults.diverges: not run: it waited for the first case of faults.hang_always" in err
