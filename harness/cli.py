@@ -247,7 +247,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
         state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
         notes = ("" if f.shrink_complete else
                  f" (shrinking cut short by the {'interrupt' if getattr(f, 'interrupted', False) else 'budget'}" +
-                 (f": `{shrink_command_for(f.pair, f.path, None if no_tracking else tracking_uri)}` goes on)"
+                 (f": `{shrink_command_for(f.pair, f.path, tracking_uri, tracking=not no_tracking)}` goes on)"
                   if f.path and f.new else ")")) + \
             ("" if f.deterministic else " (not deterministic: may not replay)")
         echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, {f.evaluation.headline}, minimal case "

@@ -390,14 +390,17 @@ def replay_command_for(pair_name: str, path: str | Path | None, registry: Any = 
     return format_replay(plugin_spec_of(loader, path), path)
 
 
-def shrink_command_for(pair_name: str, path: str | Path, tracking_uri: str | None = None) -> str:
+def shrink_command_for(pair_name: str, path: str | Path, tracking_uri: str | None = None,
+                       tracking: bool = True) -> str:
     """`harness shrink` of a corpus file of `pair_name`, with the `--plugin` its pair needs and the
     `--tracking-uri` of a store other than the one a command finds by default (its regression run
-    gets the shrunk case)."""
+    gets the shrunk case), or `--no-tracking` for a finding of a campaign that ran without MLflow
+    (the default store may hold a run of the same bug, found into another corpus)."""
     from .mlflow_tracking.payload import store_flag
 
     spec = plugin_spec_of(pair_loader(pair_name, repo_root(path)), path)
-    return f"harness shrink{f' --plugin {spec}' if spec else ''}{store_flag(tracking_uri)} {_display(Path(path))}"
+    store = store_flag(tracking_uri) if tracking else " --no-tracking"
+    return f"harness shrink{f' --plugin {spec}' if spec else ''}{store} {_display(Path(path))}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -545,6 +545,11 @@ class Registry:
                 name = "harness_plugin_" + re.sub(r"\W", "_", str(path.resolve()))
                 if name in sys.modules:
                     return
+                if _module_of_file(path) is not None:  # imported already, by another plugin beside it: its
+                    # pairs are registered (running the file again would register them a second time)
+                    if spec not in self.plugins:
+                        self.plugins.append(spec)
+                    return
                 # (an explicit source loader: a plugin file whose name does not end in .py loads too; the
                 # default finder gives no spec for it, and the import failed with "'NoneType' ... loader")
                 mod_spec = importlib.util.spec_from_file_location(
@@ -556,11 +561,20 @@ class Registry:
                 folder = str(path.resolve().parent)
                 if folder not in sys.path:
                     sys.path.append(folder)
+                # a plugin beside it that imports it by its own name (`import tiny_engine`) gets this
+                # module, not a second run of the file registering the same pairs again
+                alias = path.stem if path.suffix == ".py" and path.stem.isidentifier() else None
+                if alias is not None and (alias in sys.modules or not _resolves_to(alias, path)):
+                    alias = None
+                if alias is not None:
+                    sys.modules[alias] = module
                 try:
                     with self._load(str(path)):
                         mod_spec.loader.exec_module(module)
                 except BaseException:
                     sys.modules.pop(name, None)
+                    if alias is not None and sys.modules.get(alias) is module:
+                        sys.modules.pop(alias, None)
                     raise
             else:
                 self._import(spec, label=spec)
@@ -655,6 +669,33 @@ class Registry:
     def __contains__(self, name: object) -> bool:
         self.load_builtins()
         return name in self._pairs
+
+
+def _module_of_file(path: Path) -> Any:
+    """A module already imported from this file (under any name), or None."""
+    target = str(path.resolve())
+    for mod in list(sys.modules.values()):
+        f = getattr(mod, "__file__", None)
+        if f and f.endswith(path.name):
+            try:
+                if str(Path(f).resolve()) == target:
+                    return mod
+            except OSError:
+                continue
+    return None
+
+
+def _resolves_to(name: str, path: Path) -> bool:
+    """`import name` would import this file (its folder is on sys.path and nothing earlier has it)."""
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(found, "origin", None)
+    try:
+        return bool(origin) and Path(origin).resolve() == path.resolve()
+    except OSError:
+        return False
 
 
 def _registering_module() -> int:

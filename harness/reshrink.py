@@ -225,10 +225,12 @@ def _tell_mlflow(repro: Any, old_line: str, headline: str, tracking: bool, uri: 
 
     from .mlflow_tracking.store import StoreUnavailable
 
-    try:
-        from .mlflow_tracking.lifecycle import note_shrunk
+    from .mlflow_tracking.lifecycle import OtherRun, note_shrunk
 
+    try:
         run_id = note_shrunk(repro, old_line, headline, uri, shrunk=shrunk)
+    except OtherRun as e:
+        return f"  MLflow: {e}; {holds}"
     except StoreUnavailable as e:
         if uri or os.environ.get("MLFLOW_TRACKING_URI"):  # a store named by the user: say it was not updated
             return f"  warning: the MLflow regression run of {repro.id} was not updated ({e}); {holds}"

@@ -287,6 +287,43 @@ def fetch_repro(run_id: str, uri: str | None = None) -> Any:
     return repro
 
 
+class OtherRun(Exception):
+    """The store's regression run of a repro's finding holds another corpus file's case (the same bug,
+    found into another corpus): `harness shrink` of this file leaves it alone. The message says why."""
+
+
+def _case_size(line: str) -> tuple[int, int] | None:
+    """(tokens, sequences) of a case from its `one_line` (its `seq_lens=[...]`), None if not there."""
+    import re
+
+    m = re.search(r"seq_lens=\[([0-9, ]*)\]", line or "")
+    if m is None:
+        return None
+    lens = [int(x) for x in m.group(1).replace(" ", "").split(",") if x]
+    return sum(lens), len(lens)
+
+
+def _other_run(run: Any, repro: Any, old_case_line: str) -> str:
+    """Why the regression run is not this corpus file's ("" when it is, or may be): it names another
+    corpus file that exists here, or (its file is not here to tell) it holds neither the case this
+    shrink started from nor a larger one (a run left behind by an earlier shrink with --no-tracking
+    holds a larger case)."""
+    tags = run.data.tags
+    recorded = tags.get("harness.corpus_path") or ""
+    if recorded and repro.path is not None and Path(recorded).exists():
+        try:
+            same = Path(recorded).samefile(repro.path)
+        except OSError:
+            same = False
+        return "" if same else f"it records the corpus file {recorded}, not {repro.path}"
+    held, new = _case_size(tags.get("harness.case", "")), _case_size(repro.case.one_line())
+    if held is not None and new is not None and held <= new and tags.get("harness.case") not in (
+            old_case_line[:5000], repro.case.one_line()[:5000]):
+        return (f"it holds a case of {held[0]} token(s) in {held[1]} sequence(s), no larger than this shrink's "
+                f"{new[0]} in {new[1]} (the same bug found into another corpus?)")
+    return ""
+
+
 def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None = None, shrunk: bool = True) -> str | None:
     """A repro `harness shrink` worked on: its regression run gets the new case (tag, note, metrics,
     the repro artifact replaced) or, with `shrunk=False` (its case was already minimal), the
@@ -303,6 +340,9 @@ def note_shrunk(repro: Any, old_case_line: str, headline: str, uri: str | None =
     except UsageError:
         return None
     tags = run.data.tags
+    other = _other_run(run, repro, old_case_line)
+    if other:
+        raise OtherRun(f"the MLflow regression run {run.info.run_id} of {repro.id} was left as it is: {other}")
     at = now_iso()
     if shrunk:
         note = (f"#### Shrunk further {at}\n\n`harness shrink`: `{old_case_line}` -> `{repro.case.one_line()}`, now "

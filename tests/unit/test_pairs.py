@@ -147,6 +147,24 @@ def test_one_plugin_registering_a_name_twice_is_an_error(tmp_path):
     assert out.returncode == 0 and "plug.selfimp" in out.stdout, out.stderr
 
 
+def test_a_plugin_that_imports_another_plugin_beside_it_loads_with_it_in_either_order(tmp_path):
+    """`--plugin engine.py --plugin more.py` where more.py does `import engine` (kept beside it): one
+    module, its pairs registered once (it was run twice, as two modules, and its pairs "clashed")."""
+    (tmp_path / "engine.py").write_text(
+        "from harness import TargetPair, Outcome, register\n"
+        "def make(name):\n"
+        "    return TargetPair(name=name, kind='op', expected='aligned', build=lambda c, d: None,\n"
+        "        trainer=lambda i: Outcome(), rollout=lambda i: Outcome())\n"
+        "register(make('engine.base'))\n")
+    (tmp_path / "more.py").write_text("import engine\nfrom harness import register\n"
+                                       "register(engine.make('engine.more'))\n")
+    for order in (["engine.py", "more.py"], ["more.py", "engine.py"]):
+        args = [a for f in order for a in ("--plugin", str(tmp_path / f))]
+        out = subprocess.run([sys.executable, "-m", "harness", "list", *args], capture_output=True, text=True)
+        assert out.returncode == 0, (order, out.stderr)
+        assert "engine.base" in out.stdout and "engine.more" in out.stdout
+
+
 def test_import_harness_is_light():
     code = ("import sys, harness, harness.cli, harness.fuzz, harness.corpus, harness.execute; "
             "bad = [m for m in ('mlflow', 'onnxruntime', 'onnx') if m in sys.modules]; "

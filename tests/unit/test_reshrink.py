@@ -215,6 +215,40 @@ def test_the_regression_run_in_mlflow_gets_the_shrunk_case(tmp_path):
     assert f"--tracking-uri {uri} --run-id {reg['run_id']}" in reg["note"], reg["note"]
 
 
+def test_shrinking_another_corpus_copy_of_a_bug_leaves_its_regression_run_alone(tmp_path):
+    """The same bug found by a tracked campaign (its minimal case in the run) and again into another
+    corpus with --no-tracking, cut short: shrinking that copy with the store named must not give the
+    run a larger case (a trial's run said 7 tokens in its header and 9 in its metrics)."""
+    from harness import REGISTRY
+    from harness.fuzz import CampaignConfig, run_campaign
+    from harness.mlflow_tracking.lifecycle import show_regression
+    from harness.tracking import make_tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = CampaignConfig(pairs=[REGISTRY.get("attention.mask_leak")], seed=1, max_examples=30,
+                         corpus=tmp_path / "corpus")
+    assert run_campaign(cfg, make_tracker(uri), log=lambda m: None).findings
+    [tracked] = (tmp_path / "corpus").rglob("*.json")
+    before = show_regression(load_repro(tracked).id, uri)
+    copy = tmp_path / "nightly" / tracked.parent.name / tracked.name  # the --no-tracking campaign's corpus
+    copy.parent.mkdir(parents=True)
+    data = json.loads(tracked.read_text())
+    data["case"], data["found"]["shrink_complete"] = BIG.to_json(), False
+    data.pop("case_fingerprint")
+    copy.write_text(json.dumps(data))
+    for gone in (False, True):  # the run names the other file (here), then a file this machine does not have
+        if gone:
+            tracked.rename(tmp_path / "moved.json")
+            copy.write_text(json.dumps(data))
+        lines: list[str] = []
+        assert shrink_file(copy, budget=300, max_evals=4, log=lines.append, tracking_uri=uri) == "cut short"
+        assert load_repro(copy).case.n_tokens > load_repro(tmp_path / "moved.json" if gone else tracked).case.n_tokens
+        assert "was left as it is" in lines[-1], lines
+        assert ("no larger than this shrink's" if gone else f"it records the corpus file {tracked}") in lines[-1]
+        after = show_regression(before["run_id"], uri)
+        assert after["case"] == before["case"] and "Shrunk further" not in after["note"]
+
+
 def test_shrink_without_a_store_says_no_regression_run_was_updated(tmp_path, monkeypatch):
     """A campaign run with --tracking-uri, then `harness shrink FILE` without it: the regression run
     kept the cut-short case and shrink said nothing. It says so now, with the option that updates it."""
