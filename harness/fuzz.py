@@ -1371,14 +1371,14 @@ def stack_where(stack: str, frames: int = 4) -> str:
     return " <- ".join(lines[:frames]) + (" <- ..." if len(lines) > frames else "") if lines else stack.strip()[:300]
 
 
-def unfinished_note(r: PairResult, timeout: float) -> str:
+def unfinished_note(r: PairResult, timeout: float, budget_flag: str = "--budget") -> str:
     """Why a pair has no result: its first case never came back before the budget ended, or it waited
     behind another pair's that did not (pairs of one module share a worker: the same imports)."""
     if r.unfinished:
         return (f"its first case was still running after {r.unfinished:.0f} s when the budget ended (per-case "
                 f"timeout {timeout:g} s; a first case may take up to {Executor.COLD_START_TIMEOUT:g} s for imports and "
-                "compilation): a hang, or a cold start longer than the budget allows. Without --budget it becomes a "
-                "timeout finding once past that; or give the pair more budget"
+                f"compilation): a hang, or a cold start longer than the budget allows. Without {budget_flag} it "
+                "becomes a timeout finding once past that; or give the pair more budget"
                 + (f". It had run past its per-case timeout; where it was when stopped: {stack_where(r.unfinished_stack)}"
                    if r.unfinished_stack else ""))
     if r.waited_for:

@@ -447,6 +447,8 @@ class Registry:
         # (registering module, name) -> pair, for the module being loaded: one module giving two pairs one name
         self._names_loading: dict[tuple[int, str], TargetPair] = {}
         self.plugins: list[str] = []  # plugin specs loaded (load_plugin), in order
+        # how the command at hand names its plugin option, for messages (the pytest plugin: --harness-plugin=)
+        self.plugin_flag = "--plugin "
 
     def register(self, pair: TargetPair) -> TargetPair:
         if not isinstance(pair, TargetPair):
@@ -622,7 +624,7 @@ class Registry:
             hint = f" Did you mean {', '.join(close)}?" if close else ""
             raise UsageError(
                 f"no target pair named {name!r} is registered.{hint} Run `harness list` to see the registered "
-                "pairs; a pair from your own file needs `--plugin path/to/file.py`." + self.broken_note()
+                f"pairs; {self.plugins_note()}" + self.broken_note()
             )
         return self._pairs[name]
 
@@ -633,6 +635,20 @@ class Registry:
     def get_loaded(self, name: str) -> TargetPair | None:
         """The pair `name` if it is registered already, else None (loads nothing: no built-ins, no plugin)."""
         return self._pairs.get(name)
+
+    def plugins_note(self) -> str:
+        """Where a pair that is not registered could come from: the plugins loaded and what each
+        registered (one that registered none is named), else the option that loads one."""
+        if not self.plugins:
+            return f"a pair from your own file needs `{self.plugin_flag}path/to/file.py`."
+        counts = {spec: sum(p.source in (spec, str(Path(spec))) for p in self._pairs.values()) for spec in self.plugins}
+        empty = [spec for spec, n in counts.items() if not n]
+        if empty:
+            return (f"plugin {', '.join(map(repr, empty))} loaded but registered no pair: it must call "
+                    "harness.register(TargetPair(...)) when imported (not only under `if __name__ == \"__main__\":`"
+                    ", nor in a function nobody calls).")
+        return ("the plugin(s) loaded register " + ", ".join(f"{n} pair(s) from {spec}" for spec, n in counts.items())
+                + f", not this one; another file needs its own `{self.plugin_flag}FILE`.")
 
     def select(self, patterns: Iterable[str] = ()) -> list[TargetPair]:
         """Pairs matching any glob pattern (all pairs when none are given), sorted by name."""
@@ -647,8 +663,8 @@ class Registry:
             if is_glob(pat):
                 hits = [n for n in self._pairs if fnmatch.fnmatchcase(n, pat)]
                 if not hits:
-                    raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them (with "
-                                     "`--plugin FILE` for a plugin's pairs)." + self.broken_note())
+                    raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them; "
+                                     f"{self.plugins_note()}" + self.broken_note())
                 for n in hits:
                     chosen[n] = self._pairs[n]
             else:

@@ -239,6 +239,7 @@ class FuzzSession:
         from harness.pairs import REGISTRY
 
         REGISTRY.load_builtins()
+        REGISTRY.plugin_flag = "--harness-plugin="  # (how its messages name the option, here)
         for spec in self.plugins:
             REGISTRY.load_plugin(spec)
         dev = self.device()
@@ -471,7 +472,7 @@ class FuzzSession:
             from harness.fuzz import unfinished_note
 
             timeout = self.campaign_config([pair]).timeout_for(pair.name, getattr(pair, "timeout", None))
-            raise FuzzFailure(f"{pair.name}: {unfinished_note(r, timeout)}\n  rerun: {rerun}")
+            raise FuzzFailure(f"{pair.name}: {unfinished_note(r, timeout, '--harness-budget')}\n  rerun: {rerun}")
         if verdict == "BROKEN":  # a demonstration that cannot run demonstrates nothing (gpucheck fails it too)
             raise FuzzFailure(f"{broken_message(pair.name, r, self)}\n  rerun: {rerun}")
         if verdict == "MISSED" and self.streams > 1:

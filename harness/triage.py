@@ -1267,10 +1267,14 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         # process would take triage with it. What there is to know is in the repro (the signal or
         # the hung worker's stack) and in an isolated replay.
         err = repro.error or {}
-        where = f"{err.get('type', '?')}: {str(err.get('message', ''))[:300]}".strip()
+        lines = str(err.get("message", "")).strip().splitlines()  # (its headline: the fix below it is another story)
+        where = f"{err.get('type', '?')}: {lines[0][:300] if lines else ''}".strip().rstrip(":")
+        spec = repro.plugin_spec()
+        show = f"harness show{f' --plugin {spec}' if spec else ''} {file}" if file else \
+            f"harness regressions show {run_id}"
         raise UsageError(f"repro {file or run_id} is a `{repro.symptom}` finding ({where}); triage localizes "
                          f"numerical divergences by running the pair in-process, which such a case would kill or "
-                         f"hang. Its recorded traceback/stack is in the file (`harness show {file or run_id}`); "
+                         f"hang. Its recorded traceback/stack is in the {'file' if file else 'run'} (`{show}`); "
                          f"check it still {'crashes' if repro.symptom == 'crash' else 'hangs'} in a worker with "
                          f"`{repro.replay_command()}`.")
     load_plugins(plugins)

@@ -58,7 +58,11 @@ def test_replay(path, root):
     try:
         repro = load_repro(path)
     except HarnessError as e:  # a damaged file: its message says what is wrong and how to fix it
-        pytest.fail(str(e), pytrace=False)
+        damaged = str(e)
+    else:
+        damaged = None
+    if damaged is not None:  # (failed outside the except: the message once, not again as its context)
+        pytest.fail(damaged, pytrace=False)
     if repro.case_edited:  # a committed repro whose metrics are another case's: not a regression test
         pytest.fail(f"{path}: its case was edited by hand since it was recorded (case_fingerprint); rerecord it "
                     f"(`harness rerecord {path}`) or restore its case from git")

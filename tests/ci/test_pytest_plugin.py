@@ -443,3 +443,10 @@ def test_a_fuzz_session_starts_the_fork_server_early_and_rewrites_no_asserts(tmp
     rc, text = run_pytest(["-q", str(tmp_path / "test_plain.py")], cwd=tmp_path, env={"PROBE_OUT": str(out)})
     assert rc == 0, text
     assert json.loads(out.read_text())["rewriting"] == ["AssertionRewritingHook"]
+
+
+def test_an_unknown_pair_names_the_pytest_option_that_loads_a_plugin(tmp_path):
+    rc, out = run_pytest(["--harness-fuzz", "--harness-pairs", "mine.aligned", "--harness-no-tracking",
+                          "--harness-out", str(tmp_path / "out"), "--harness-corpus", str(tmp_path / "c"), "-q"])
+    assert rc != 0 and "no target pair named 'mine.aligned'" in out, out
+    assert "`--harness-plugin=path/to/file.py`" in out and "`--plugin path" not in out, out

@@ -65,3 +65,17 @@ def test_the_command_line_replays_a_crash_with_exit_1(tmp_path, harness_cli):
     code, out, err = harness_cli("replay", str(repro.path), "--timeout", "30")
     assert code == 1, err
     assert "recorded crash" in out and "now crash" in out and "bit-for-bit yes" in out and "SIGSEGV" in out
+
+
+def test_triage_of_a_timeout_repro_says_why_not_in_one_clean_paragraph(tmp_path, harness_cli):
+    """triage runs pairs in-process, so it refuses a hang: with the recorded message's headline (not
+    its fix paragraph cut mid-sentence) and commands that load the repro's plugin."""
+    repro = recorded(tmp_path, "faults.hang", Symptom.TIMEOUT,
+                     {"type": "Timeout", "message": "the case ran longer than the per-case timeout of 1 s\nIf the "
+                      "pair is just slow, raise it: `harness fuzz --timeout 'faults.hang=SECONDS'`, and more",
+                      "timeout_s": 1.0})
+    code, out, err = harness_cli("triage", "--plugin", FAULTS, str(repro.path), "--no-tracking")
+    assert code == 2 and "Traceback" not in err, err
+    assert "(Timeout: the case ran longer than the per-case timeout of 1 s); triage localizes" in err, err
+    assert "If the pair is just slow" not in err
+    assert "`harness show --plugin " in err and "faults.py " in err.split("`harness show --plugin ", 1)[1], err

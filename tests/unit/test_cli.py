@@ -97,6 +97,16 @@ def test_unknown_pair_and_broken_plugin_exit_2(tmp_path, harness_cli):
     assert code == 2 and "no target pair named 'no.such.pair'" in err and "Traceback" not in err
     code, _, err = harness_cli("fuzz", "--pairs", "no.such.pair", "--no-tracking")  # the option spelling too
     assert code == 2 and "no target pair named 'no.such.pair'" in err and "Traceback" not in err
+    assert "a pair from your own file needs `--plugin path/to/file.py`" in err
+    # a plugin loaded that registers nothing (a forgotten register call): named, not "pass --plugin"
+    empty = write(tmp_path / "empty.py", "from harness import TargetPair\n")
+    code, _, err = harness_cli("fuzz", "--plugin", empty, "mine.aligned", "--no-tracking")
+    assert code == 2 and f"plugin {empty!r} loaded but registered no pair" in err, err
+    mine = write(tmp_path / "mine.py", "from harness import TargetPair, Outcome, register\n"
+                 "register(TargetPair(name='mine.aligned', kind='op', expected='aligned', build=lambda c, d: None,"
+                 " trainer=lambda i: Outcome(), rollout=lambda i: Outcome()))\n")
+    code, _, err = harness_cli("fuzz", "--plugin", mine, "mine.alignd", "--no-tracking")  # a typo
+    assert code == 2 and "Did you mean mine.aligned" in err and f"register 1 pair(s) from {mine}, not this one" in err
     broken = write(tmp_path / "broken.py", "raise ValueError('half-written plugin')\n")
     code, _, err = harness_cli("list", "--plugin", broken)
     assert code == 2 and "half-written plugin" in err and "Traceback" not in err

@@ -719,3 +719,16 @@ def test_a_gap_floor_keeps_an_aligned_split_k_router_clean_and_without_it_the_ex
     assert f.pair == "gapfloor.none" and f.symptom is Symptom.DIVERGENCE and f.case.tie_gap == 0.0
     floor = {r.pair: r for r in result.results}["gapfloor.floor"]
     assert floor.verdict == "clean" and floor.examples >= 150 and floor.max_score < 1e-6, floor
+
+
+def test_an_unfinished_note_names_the_budget_option_of_its_command_and_where_the_case_was():
+    from harness.fuzz import PairResult, unfinished_note
+
+    stack = ('Thread 0x01 (most recent call first):\n  File "/x/threading.py", line 1 in wait\n\n'
+             'Current thread 0x02 (most recent call first):\n  File "/p/engine.py", line 44 in decode\n'
+             '  File "/h/execute.py", line 221 in run_paths\n')
+    r = PairResult(pair="p.x", expected="aligned", unfinished=61.0, unfinished_stack=stack)
+    cli, pytest_note = unfinished_note(r, 5.0), unfinished_note(r, 5.0, "--harness-budget")
+    assert "Without --budget it becomes" in cli and "Without --harness-budget it becomes" in pytest_note
+    assert cli.endswith('where it was when stopped: File "/p/engine.py", line 44 in decode <- '
+                        'File "/h/execute.py", line 221 in run_paths'), cli
