@@ -462,7 +462,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             ev = evaluate(case)
         except OutOfTime:
             raise _OutOfTime from None
-        if ev.setup:
+        if ev.setup or (result.examples == 0 and breaks_contract(ev)):
             raise _Setup(ev)
         if result.examples == 0:  # the cold start: charged to everyone's remaining time, not this share
             result.warmup = time.monotonic() - began
@@ -708,10 +708,31 @@ def _setup_said(said: dict[str, str], pair: str, label: str, message: str) -> st
     return setup_headline(message) if first == label else f"the same error as {first}"
 
 
+# where the harness checks what a path returned (`execute.finalize`): an error raised there is the pair
+# breaking the contract (a wrong shape, dtype or type), not its computation
+CONTRACT_CHECKS = ("execute.py:finalize", "execute.py:_check_routing")
+
+
+def breaks_contract(ev: Evaluation) -> bool:
+    """The case failed the harness's check of what a path returned. On a pair's first case (the
+    simplest a campaign draws) it is the pair's own adapter that is wrong, not a divergence: the
+    pair cannot run (a campaign recorded it as an open regression, which the corpus tests then
+    expected to fail, green, forever). On a later case it is a finding like any error: an engine
+    that returns a wrong shape for some batches only."""
+    err = ev.error or {}
+    return ev.symptom is Symptom.ERROR and err.get("where") in CONTRACT_CHECKS
+
+
 def setup_message(ev: Evaluation) -> str:
-    """What to say of a pair that raised a harness error on a case (`Evaluation.setup`)."""
+    """What to say of a pair that raised a harness error on a case (`Evaluation.setup`), or broke the
+    contract on its first case (`breaks_contract`)."""
     err = ev.error or {}
     lines = str(err.get("message", "")).strip().splitlines()
+    if not ev.setup and breaks_contract(ev):
+        return (f"{ev.pair} cannot run here: its first case, the simplest, raised {err.get('type', 'Error')}: "
+                f"{lines[0] if lines else ''}" + _SETUP_TAIL + " code (what its paths return breaks the harness's "
+                "contract on the simplest case, so no case can be judged), not a divergence of its paths, so "
+                "nothing was recorded for it; fix the pair's paths as the message says and run it again.")
     return (f"{ev.pair} cannot run here: its case raised {err.get('type', 'HarnessError')}: "
             f"{lines[0] if lines else ''} (at {err.get('where', '?')})." + _SETUP_TAIL + " (a harness "
             "error: a checkpoint that is gone, a setting it refuses), not a divergence of its paths, so nothing was "

@@ -38,6 +38,28 @@ def test_a_pair_that_cannot_run_is_not_a_finding(tmp_path, isolation):
     assert written == ["faults.diverges"], written
 
 
+@pytest.mark.parametrize("isolation", [False, True], ids=["in-process", "isolated"])
+def test_a_pair_breaking_the_contract_on_its_first_case_cannot_run_and_on_later_ones_is_a_finding(tmp_path,
+                                                                                                  isolation):
+    """A rollout that returns a row too few on every case (its adapter slices wrong) was recorded as an
+    open regression, which the corpus tests then xfailed, green, forever: it cannot run. One that
+    does so on batches only (an engine that loses a token when it batches) is a finding."""
+    REGISTRY.load_plugin(FAULTS)
+    pairs = [REGISTRY.get("faults.wrong_shape"), REGISTRY.get("faults.wrong_shape_batches")]
+    cfg = CampaignConfig(pairs=pairs, seed=3, max_examples=12, corpus=tmp_path / "corpus", isolation=isolation,
+                         plugins=(FAULTS,))
+    by = {r.pair: r for r in run_campaign(cfg, log=lambda msg: None).results}
+    always, batches = by["faults.wrong_shape"], by["faults.wrong_shape_batches"]
+    assert always.verdict == "CANNOT RUN" and not always.findings, always
+    assert "faults.wrong_shape cannot run here: its first case, the simplest, raised ValueError: " \
+           "faults.wrong_shape: rollout logprobs have shape" in always.setup_error
+    assert "fix the pair's paths" in always.setup_error
+    assert batches.verdict == "REGRESSION" and [f.symptom.value for f in batches.findings] == ["error"]
+    assert batches.findings[0].case.batch_size == 2  # shrunk to the smallest batch that loses a row
+    written = sorted(p.parent.name for p in (tmp_path / "corpus").rglob("*.json"))
+    assert written == ["faults.wrong_shape_batches"], written
+
+
 def test_fuzz_command_says_so_and_exits_2(tmp_path, harness_cli):
     rc, out, err = harness_cli("fuzz", "--plugin", FAULTS, "faults.setup_gone", "--max-examples", "10",
                                "--seed", "1", "--corpus", str(tmp_path / "corpus"), "--no-tracking")

@@ -1,7 +1,8 @@
 """Pairs that misbehave on purpose, for the fault-injection tests (tests/faults/): a hang, a segfault,
 an abort, a hang on every case, a slow start in every process then a segfault, a cheap
-demonstration that always diverges (slowly, on request), and two that cannot run here (a harness
-error from their own setup: on every case, or on batches of 2+ sequences)."""
+demonstration that always diverges (slowly, on request), two that cannot run here (a harness
+error from their own setup: on every case, or on batches of 2+ sequences), and two whose rollout
+returns a row too few (on every case: it cannot run; on batches of 2+: a finding)."""
 import os
 import signal
 import time
@@ -79,7 +80,17 @@ def flattened(inp):  # a different temperature: diverges on every case
     return Outcome(logprobs=torch.log_softmax(inp["x"] * 0.5, -1))
 
 
+def drops_a_row(inp):  # an adapter that slices off one row too many: the contract broken on every case
+    return Outcome(logprobs=fine(inp).logprobs[:-1])
+
+
+def drops_a_row_on_batches(inp):  # an engine that loses a token when it batches: a finding
+    return Outcome(logprobs=fine(inp).logprobs[:-1]) if inp["n"] >= 2 else fine(inp)
+
+
 for name, rollout, expected in (("faults.hang", hangs_on_batches, "aligned"),
+                                ("faults.wrong_shape", drops_a_row, "aligned"),
+                                ("faults.wrong_shape_batches", drops_a_row_on_batches, "aligned"),
                                 ("faults.segfault", segfaults_on_batches, "aligned"),
                                 ("faults.abort", aborts_on_batches, "aligned"),
                                 ("faults.hang_always", hangs_always, "aligned"),
