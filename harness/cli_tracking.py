@@ -38,7 +38,7 @@ def _day(iso: str) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("id", "pair", "symptom", "k3 / kl", "first seen", "last seen", "count", "status", "severity")
+    head = ("id", "pair", "symptom", "k3 / kl", "first seen", "last seen", "count", "status", "severity (worst seen)")
     body = [(r["id"], r["pair"], r["symptom"], _fmt_mean(r), _day(r["first_seen"]), _day(r["last_seen"]),
              str(r["seen_count"]), r["status"] + (" (recurrence)" if r["recurrence"] else ""), r["severity"])
             for r in rows]

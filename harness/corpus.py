@@ -1271,6 +1271,9 @@ def load_plugin_for(repro: Repro, registry: Any = None, flag: str = "--plugin") 
         if given:  # plugins were loaded (--plugin) and none registers it: that first, then where it came from
             theirs = sorted(p.name for p in registry.all() if p.source in given or
                             any(p.source == str(Path(g)) for g in given))
+            recorded = repro.loader.get("path") or repro.loader.get("module") or ""
+            if recorded and any(g == recorded or Path(g).name == Path(recorded).name for g in given):
+                why = f"it was recorded from {recorded}, which is loaded"  # (not "pass --plugin": it was)
             return (f"its pair {repro.pair!r} is not registered here: the plugin(s) loaded here, {', '.join(given)}, "
                     f"register {', '.join(theirs[:8]) + (' ...' if len(theirs) > 8 else '') or 'no pair'}, not "
                     f"{repro.pair!r} (renamed since the repro was recorded? check the pair name in the repro)"

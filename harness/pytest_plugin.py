@@ -452,7 +452,8 @@ class FuzzSession:
                      f"{r.examples} cases, campaign seed {self.seed})"]
                     + [_describe(f, self) for f in new] + [f"  rerun: {rerun}"]))
             if r.findings:
-                listed = "; ".join(f"{f.id} {f.evaluation.headline} ({self.replay_command(f.path)})" for f in r.findings)
+                listed = "; ".join(f"{f.id} (seen again, {f.evaluation.headline} on this run's case; the corpus file "
+                                   f"holds its own: {self.replay_command(f.path)})" for f in r.findings)
                 elsewhere = [f for f in r.findings if f.known_in_tracking]
                 if elsewhere:  # (its corpus file was written by this run, but not as a new bug)
                     pytest.xfail(f"known regression(s) of {pair.name}: {listed}; "

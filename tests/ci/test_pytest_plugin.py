@@ -314,6 +314,7 @@ def test_planted_aligned_regression_fails_then_is_known(tmp_path):
     rc, out = run_pytest(args + ["-rx"])
     assert rc == 0, out
     assert "1 xfailed" in out and "known regression(s) of planted.aligned_bias" in out
+    assert f"{repro.stem} (seen again, " in out and "on this run's case; the corpus file holds its own" in out, out
     assert not (tmp_path / "out" / "new-repros").exists()  # last night's copy is gone: nothing new tonight
 
     # two streams of one pair, one fresh corpus: the first to find the bug fails its item, the other

@@ -136,6 +136,7 @@ def test_plugin_outside_the_repo_is_fuzzed_caught_and_shrunk(tmp_path, harness_c
     assert "register elsewhere.lm_head_bf16, not 'elsewhere.nope'" in err
     assert "its pair 'elsewhere.nope' is not registered here: the plugin(s) loaded here" in err  # that first
     assert not err.split("is not registered here", 1)[0].rstrip().endswith("to load it")
+    assert "which is loaded" in err and "to load it" not in err, err  # (the plugin it names was passed)
 
 
 def test_crashes_and_nonfinite_are_typed_findings_and_the_campaign_goes_on(tmp_path):
