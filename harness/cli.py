@@ -159,7 +159,8 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
     except ValueError:
         raise UsageError(f"--shard {value!r} must look like i/N, e.g. 1/4 (the first of four shards).") from None
     if not (n >= 1 and 1 <= i <= n):
-        raise UsageError(f"--shard {value!r} needs 1 <= i <= N.")
+        raise UsageError(f"--shard {value!r}: i = {i} must lie between 1 and N = {n} (job i of N, counting from 1; "
+                         "N at least 1).")
     return i, n
 
 

@@ -844,6 +844,7 @@ class Executor:
     COLD_START_TIMEOUT = 300.0
     COLD_AFTER_HANG = 30.0  # a cold case's allowance once the pair's first case hung through COLD_START_TIMEOUT
     PREFETCH_DEPTH = 8  # cases a campaign may hand the worker ahead of asking for them
+    UNFINISHED_AFTER = 1.0  # seconds a first case must have run to be UNFINISHED at the budget's end
 
     def __init__(self, cfg: CampaignConfig) -> None:
         self.cfg = cfg
@@ -997,8 +998,9 @@ class Executor:
                 else:
                     ev = worker.collect(wall)
             except OutOfTime as e:
-                if waiting in self.first_sent:  # a first case that never came back
-                    self.unfinished[waiting] = time.monotonic() - self.first_sent.pop(waiting)
+                ran = time.monotonic() - self.first_sent.pop(waiting, time.monotonic())
+                if ran >= self.UNFINISHED_AFTER:  # a first case that never came back (one sent as the budget
+                    self.unfinished[waiting] = ran  # ended has said nothing yet: its pair is "not run")
                     if e.stack:
                         self.unfinished_stack[waiting] = e.stack
                     if waiting != pair.name:
@@ -1305,7 +1307,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                                            # every example it was to run is one the budget cut: its pair
                                            # is not clean over what was asked (`time_note`)
                                            examples_asked=examples_of(u), examples_short=examples_of(u)))
-                        log(f"  the budget ended before {unit.label} and {len(queue)} more unit(s) started: not run"
+                        log(f"  the budget ended before {unit.label}"
+                            + (f" and {len(queue)} more unit(s)" if queue else "") + " started: not run"
                             + (f" (they waited behind {hung}'s first case, which never finished)" if hung else ""))
                         queue.clear()
                         break

@@ -139,6 +139,7 @@ class FuzzSession:
             self.profile.max_examples if self.profile else DEFAULT_MAX_EXAMPLES)
         budget = opt("harness_budget")
         self.budget = budget if budget is not None else (self.profile.budget_per_pair if self.profile else None)
+        self.notes: list[str] = []  # what the session's end says below the summary table (an empty shard, ...)
         from harness.profiles import fills_budget
 
         self.fill_budget = fills_budget(self.profile, max_examples, budget)
@@ -478,12 +479,14 @@ class FuzzSession:
             raise FuzzFailure(f"{broken_message(pair.name, r, self)}\n  rerun: {rerun}")
         if verdict == "MISSED" and self.streams > 1:
             return  # one stream of a demonstration: the session summary judges the pair's streams together
-        if verdict in ("MISSED", "not run"):
+        if verdict == "not run":  # nothing was tested: not a pass (a skip; a session that ran no case fails)
+            why = (f"it waited for the first case of {r.waited_for} (same module, same worker), which never finished"
+                   if r.waited_for else "the budget ended before its first case came back")
+            pytest.skip(f"{pair.name}: not run: {why}; nothing was tested (give it more time: --harness-budget)")
+        if verdict == "MISSED":
             from harness.fuzz import missed_hint
 
-            why = {"MISSED": f"demonstration not caught ({missed_hint(r, self.threshold)})",
-                   "not run": (f"it waited for the first case of {r.waited_for} (same module, same worker), which "
-                               "never finished" if r.waited_for else "no case ran (the budget ran out first?)")}[verdict]
+            why = f"demonstration not caught ({missed_hint(r, self.threshold)})"
             warnings.warn(HarnessFuzzWarning(f"{pair.name}: {verdict}: {why}"), stacklevel=1)
 
     def _recorded_this_run(self, f: Any) -> bool:
@@ -974,6 +977,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _write_summary(fs, results, interrupted)
     if _broken_plugins() and session.exitstatus == pytest.ExitCode.OK:  # fewer pairs than installed: not a pass
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and fs.shard and not results:
+        # a shard the units' split left empty (more CI jobs than pairs x streams): nothing to run, not an error
+        fs.notes.append(f"shard {fs.shard[0]}/{fs.shard[1]} got no pair of this selection (more shards than pairs x "
+                        "streams): nothing to run here, exit 0")
+        session.exitstatus = pytest.ExitCode.OK
+    elif (not interrupted and results and not sum(d["examples"] for d in results)
+          and not any(d["findings"] or d.get("setup_error") or d.get("unfinished") for d in results)
+          and session.exitstatus == pytest.ExitCode.OK):
+        fs.notes.append(f"error: no case ran: the session ended before any pair's first case came back (budget "
+                        f"{fs.budget}s per pair, {len(results)} pair(s)); give it more time (--harness-budget) or fewer "
+                        "pairs. Nothing was tested, so this is not a pass (exit 4, as for a usage error)")
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
 
 def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list[dict]:
@@ -1193,3 +1208,5 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     tr.write_line(f"summary: {summary_path(fs, 'md')}")
     for why in _broken_plugins():
         tr.write_line(f"error: {why}; none of its pairs was fuzzed (the session fails)")
+    for note in fs.notes:
+        tr.write_line(note)

@@ -92,7 +92,10 @@ def test_replay(path, root):
     elif repro.status == "expected" and not ev.failed:
         pytest.fail(f"{path}: demonstration no longer diverges ({ev.headline}): detection power lost", pytrace=False)
     elif repro.status == "open" and not ev.failed:
-        pytest.fail(f"{path}: open regression no longer diverges ({ev.headline}): close it as fixed")
+        spec = repro.plugin_spec()
+        pytest.fail(f"{path}: open regression no longer diverges ({ev.headline}): close it as fixed, `harness "
+                    f"regressions close {repro.id} --status fixed{f' --plugin {spec}' if spec else ''} --corpus-file "
+                    f"{path} --note 'fixed by ...'`", pytrace=False)
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
     if repro.status == "open":
         pytest.xfail(f"open regression still {'diverges' if ev.divergence is not None else 'fails'}: "

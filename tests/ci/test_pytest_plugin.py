@@ -451,3 +451,19 @@ def test_an_unknown_pair_names_the_pytest_option_that_loads_a_plugin(tmp_path):
                           "--harness-out", str(tmp_path / "out"), "--harness-corpus", str(tmp_path / "c"), "-q"])
     assert rc != 0 and "no target pair named 'mine.aligned'" in out, out
     assert "`--harness-plugin=path/to/file.py`" in out and "`--plugin path" not in out, out
+
+
+def test_a_session_that_tested_nothing_is_not_a_pass_and_an_empty_shard_is_not_an_error(tmp_path):
+    """A budget too small for any first case: each pair is skipped (not run, not passed) and the session
+    exits 4 (`harness fuzz` exits 2: nothing was tested). A shard left without pairs (more CI jobs than
+    pairs) exits 0 with a note instead of pytest's 'no tests ran' (5), which failed spare matrix jobs."""
+    base = ["--harness-fuzz", "--harness-no-tracking", "--harness-corpus", str(tmp_path / "c"), "-q", "-rs"]
+    rc, out = run_pytest(base + ["--harness-pairs", "lm_head.aligned", "--harness-pairs", "rmsnorm.aligned",
+                                 "--harness-budget", "0.01", "--harness-out", str(tmp_path / "o1")])
+    assert rc == 4, out
+    assert "2 skipped" in out and "not run: the budget ended before its first case came back" in out, out
+    assert "error: no case ran" in out and "UNFINISHED" not in out, out
+    rc, out = run_pytest(base + ["--harness-pairs", "lm_head.aligned", "--shard", "2/2",
+                                 "--harness-out", str(tmp_path / "o2")])
+    assert rc == 0, out
+    assert "shard 2/2 got no pair of this selection" in out, out

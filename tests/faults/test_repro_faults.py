@@ -499,3 +499,34 @@ def test_the_onnx_graph_carries_no_weights_so_a_real_size_config_exports():
         assert {f"m.{n}" for n in names} <= feeds  # every weight is fed with the case's values
         sizes[cfg] = (len(graph), weights)
     assert sizes[wide][1] > 4 * sizes[TINY][1] and sizes[wide][0] < 2 * sizes[TINY][0]
+
+
+def test_an_open_regression_that_replays_clean_fails_with_the_command_that_closes_it(tmp_path, harness_cli):
+    """The corpus test of a bug fixed since: one line, the close command with the plugin and the file
+    (it printed the test's source around a bare `pytest.fail`)."""
+    proj = tmp_path / "proj"
+    (proj / "tests").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "test_corpus.py", proj / "tests" / "test_corpus.py")
+    subprocess.run(["git", "init", "-q", str(proj)], check=True)
+    plugin = tmp_path / "outside" / "fixable.py"
+    plugin.parent.mkdir()
+    plugin.write_text(
+        "import os, torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+        "def build(case, device):\n    return case.token_randn(8, 'x')\n"
+        "def trainer(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
+        "def rollout(x):\n    s = 0.5 if os.environ.get('FIXABLE_BUG') else 1.0\n"
+        "    return Outcome(logprobs=torch.log_softmax(x * s, -1))\n"
+        "register(TargetPair(name='fixable.pair', kind='op', expected='aligned', build=build, trainer=trainer,\n"
+        "                    rollout=rollout, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))\n")
+    code, _, err = harness_cli("fuzz", "fixable.pair", "--plugin", str(plugin), "--seed", "1", "--max-examples", "20",
+                               "--corpus", str(proj / "corpora"), "--no-tracking", cwd=proj,
+                               env={"FIXABLE_BUG": "1"})
+    assert code == 1, err
+    [repro] = (proj / "corpora").rglob("*.json")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_corpus.py",
+                          f"--harness-plugin={plugin}", "-k", "test_replay"], cwd=proj, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "FIXABLE_BUG": ""}, timeout=300)
+    assert res.returncode == 1 and "open regression no longer diverges" in res.stdout, res.stdout + res.stderr
+    assert (f"`harness regressions close {repro.stem} --status fixed --plugin {plugin} --corpus-file "
+            in res.stdout), res.stdout
+    assert "def test_replay" not in res.stdout, res.stdout  # (no test source around the failure)

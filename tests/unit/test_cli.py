@@ -184,3 +184,12 @@ def test_bench_models_with_no_matching_pair_writes_nothing(harness_cli, tmp_path
     code, _, err = harness_cli("bench", "models", "linear.*", "--out", str(report))
     assert code == 2 and "no CPU model pair matches" in err and "Traceback" not in err, err
     assert "measured before" in report.read_text()
+
+
+def test_a_shard_out_of_range_names_i_and_n():
+    from harness.cli import parse_shard
+    from harness.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"i = 3 must lie between 1 and N = 2"):
+        parse_shard("3/2")
+    assert parse_shard("2/2") == (2, 2)
