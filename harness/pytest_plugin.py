@@ -973,7 +973,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if interrupted:
         results += _not_run(fs, results, per_item)
     config.stash[RESULTS_KEY] = results
-    fs.close_campaign(results, interrupted=interrupted)
+    fs.close_campaign(results, interrupted=interrupted)  # (its `.missed` per shard: the report judges a night's shards)
+    _split_streams_missed(fs, results)
     _write_summary(fs, results, interrupted)
     if _broken_plugins() and session.exitstatus == pytest.ExitCode.OK:  # fewer pairs than installed: not a pass
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -989,6 +990,26 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                         f"{fs.budget}s per pair, {len(results)} pair(s)); give it more time (--harness-budget) or fewer "
                         "pairs. Nothing was tested, so this is not a pass (exit 4, as for a usage error)")
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
+
+
+NOT_HERE = "not caught by this shard's streams"
+
+
+def _split_streams_missed(fs: FuzzSession, results: list[dict]) -> None:
+    """A demonstration none of this shard's streams caught, whose other streams ran on other shards:
+    not MISSED here (another shard may have caught it; `harness report` judges a night's shards
+    together), as `harness fuzz --shard` says too."""
+    if not fs.shard or fs.shard[1] < 2 or fs.streams < 2:
+        return
+    here: dict[str, int] = {}
+    for u in fs.units():
+        here[u["pair"]] = here.get(u["pair"], 0) + 1
+    for d in results:
+        if d["verdict"] == "MISSED" and here.get(d["pair"], 0) < fs.streams:
+            d["verdict"] = NOT_HERE
+            fs.notes.append(f"{d['pair']}: {NOT_HERE} ({here.get(d['pair'], 0)} of {fs.streams}); the other shards ran "
+                            "the rest, so it is missed only if none caught it (compare their summaries, or `harness "
+                            "report` over their store)")
 
 
 def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list[dict]:
@@ -1140,6 +1161,8 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
         "new_aligned_regressions": [f["id"] for d in results if d["expected"] == "aligned"
                                     for f in d["findings"] if f["new"] or f["recurrence"]],
         "missed_demonstrations": sorted(d["pair"] for d in results if d["verdict"] == "MISSED"),
+        # demonstrations this shard's streams did not catch, whose other streams ran on other shards
+        "not_caught_by_this_shard": sorted(d["pair"] for d in results if d["verdict"] == NOT_HERE),
         "cannot_run": sorted(d["pair"] for d in results if d["verdict"] == "CANNOT RUN"),
         "broken_demonstrations": sorted(d["pair"] for d in results  # (their items failed)
                                         if d["expected"] == "diverges" and d["verdict"].startswith("BROKEN")),

@@ -111,6 +111,42 @@ def flagged_pairs(metrics: dict[str, float], suffix: str, any_value: bool = Fals
     return sorted(out)
 
 
+def caught_pairs(metrics: dict[str, float]) -> list[str]:
+    """The demonstrations a campaign (or, in a run shared by shards, one of its shards) caught: a
+    `pair.<name>.missed` of 0."""
+    out = set()
+    for k, v in metrics.items():
+        i = k.find("pair.")
+        if i >= 0 and k.endswith(".missed") and not v:
+            out.add(k[i + len("pair."):-len(".missed")])
+    return sorted(out)
+
+
+NIGHT_HOURS = 12.0  # campaigns of one seed started this close together are one night's shards
+
+
+def missed_by_night(window: list[dict]) -> list[tuple[dict, str, list[str]]]:
+    """(first campaign, pair, run ids) per demonstration a night missed: its shards (the campaigns of one
+    seed started within NIGHT_HOURS of each other: shards derive one seed from the run id) are judged
+    together, so a pair one shard's streams missed and another's caught is not missed, and a pair
+    every shard missed is listed once."""
+    nights: list[list[dict]] = []
+    for c in sorted(window, key=lambda c: c["start"]):
+        night = next((n for n in nights if n[0]["seed"] == c["seed"]
+                      and (c["start"] - n[0]["start"]).total_seconds() <= NIGHT_HOURS * 3600), None)
+        if night is None:
+            nights.append([c])
+        else:
+            night.append(c)
+    out = []
+    for night in nights:
+        caught = {p for c in night for p in c.get("caught", ())}
+        for name in sorted({p for c in night for p in c.get("missed", ())} - caught):
+            runs = [c["run_id"] for c in night if name in c.get("missed", ())]
+            out.append((next(c for c in night if name in c.get("missed", ())), name, runs))
+    return out
+
+
 def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
     """(campaigns, regressions) as plain dicts, from the store at `uri` (default: as `harness fuzz`)."""
     from .mlflow_tracking import CAMPAIGN, open_store, regression_dict, resolve_uri, sqlite_path
@@ -137,6 +173,7 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
             "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": flagged_pairs(m, ".missed"),
             "cannot_run": flagged_pairs(m, ".cannot_run"), "demonstrations": flagged_pairs(m, ".missed", True),
+            "caught": caught_pairs(m),
         })
     regressions = []
     from .mlflow_tracking import REGRESSION
@@ -295,13 +332,15 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
         lines.append("No regression was new, seen again or fixed in this window, and no campaign logged cases "
                      "per pair.")
     lines.append("")
-    missed = [(c, name) for c in window for name in c.get("missed", ())]
+    missed = missed_by_night(window)
     lines += [f"## Missed demonstrations ({len(missed)})", ""]
     if missed:
         lines += ["A demonstration pair diverges by design; a campaign that did not catch it lost detection power "
-                  "or ran it too briefly (more cases or budget).", "",
-                  "| pair | campaign started (UTC) | seed | run |", "|---|---|---|---|"]
-        lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {c['run_id'][:12]} |" for c, name in missed]
+                  "or ran it too briefly (more cases or budget). A night's shards (one seed) are judged together: "
+                  "a pair is missed when none of them caught it.", "",
+                  "| pair | campaign started (UTC) | seed | run(s) |", "|---|---|---|---|"]
+        lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {', '.join(r[:12] for r in runs)} |"
+                  for c, name, runs in missed]
     else:
         lines.append("None: every demonstration the campaigns in this window ran was caught.")
     lines.append("")

@@ -467,3 +467,16 @@ def test_a_session_that_tested_nothing_is_not_a_pass_and_an_empty_shard_is_not_a
                                  "--harness-out", str(tmp_path / "o2")])
     assert rc == 0, out
     assert "shard 2/2 got no pair of this selection" in out, out
+
+
+def test_a_shard_that_ran_some_streams_of_a_demonstration_does_not_call_it_missed():
+    from types import SimpleNamespace
+
+    from harness.pytest_plugin import NOT_HERE, _split_streams_missed
+
+    units = [{"pair": "demo.split", "stream": 0}, {"pair": "demo.whole", "stream": 0}, {"pair": "demo.whole", "stream": 1}]
+    fs = SimpleNamespace(shard=(2, 2), streams=2, units=lambda: units, notes=[])
+    results = [{"pair": "demo.split", "verdict": "MISSED"}, {"pair": "demo.whole", "verdict": "MISSED"}]
+    _split_streams_missed(fs, results)
+    assert [d["verdict"] for d in results] == [NOT_HERE, "MISSED"]  # (every stream of demo.whole ran here)
+    assert fs.notes and fs.notes[0].startswith("demo.split: not caught by this shard's streams (1 of 2)")

@@ -172,3 +172,23 @@ def test_a_plugins_pairs_show_their_expected_verdict_from_the_campaign_metrics()
     text = render([camp], [], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
     assert "| mine.fast | aligned | 0 | 0 | 0 | 10 | 5.0 |" in text, text
     assert "| mine.demo | diverges | 0 | 0 | 0 | 4 | 2.0 |" in text, text
+
+
+def test_a_nights_shards_are_judged_together_for_missed_demonstrations():
+    """Shards of one night (one seed) split a pair's streams: a pair one shard caught and another's
+    streams missed is not missed; one every shard missed is listed once, with each run. The same
+    seed a day later (a fixed-seed profile) is another night."""
+    import datetime as dt
+
+    from harness.report import missed_by_night
+
+    t0 = dt.datetime(2026, 11, 30, 2, 0, tzinfo=dt.timezone.utc)
+
+    def camp(run, hours, missed, caught, seed="601"):
+        return {"run_id": run * 4, "start": t0 + dt.timedelta(hours=hours), "seed": seed, "missed": missed,
+                "caught": caught}
+
+    window = [camp("a", 0, ["x.split", "y.both"], ["z.caught"]), camp("b", 0.1, ["y.both"], ["x.split"]),
+              camp("c", 24, ["x.split"], [])]
+    got = [(c["run_id"], name, runs) for c, name, runs in missed_by_night(window)]
+    assert got == [("aaaa", "y.both", ["aaaa", "bbbb"]), ("cccc", "x.split", ["cccc"])], got
