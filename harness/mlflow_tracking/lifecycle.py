@@ -3,6 +3,7 @@ listed, shown, fetched and closed."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -155,8 +156,18 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
         updates["harness.fired"] = str(p["metrics"]["fired"])
     rank = ["low", "medium", "high", "critical"]  # (a later campaign whose cases got worse raises it)
     was = tags.get("harness.severity")
+    note = tags.get("mlflow.note.content", "")
     if p.get("severity") in rank and rank.index(p["severity"]) > (rank.index(was) if was in rank else -1):
         updates["harness.severity"] = p["severity"]
+        if was in rank:  # the note's headline said the old one: say the new one there and why at the end
+            peak, thr = p.get("peak_judged"), p.get("threshold")
+            reached = (f": its cases reached {peak:.3g}, {peak / thr:.0f}x the line" if isinstance(peak, (int, float))
+                       and math.isfinite(peak) and thr else "")
+            note = _append_note(note.replace(f"Severity **{was}**", f"Severity **{p['severity']}** (raised from "
+                                             f"{was}: see the end of this note)", 1),
+                                f"#### Severity raised {p['seen_at']}\n\nCampaign seed {p['campaign_seed']}: "
+                                f"**{was}** -> **{p['severity']}**{reached}.")
+            updates["mlflow.note.content"] = note
     what = "seen"
     if p.get("corpus_recurrence"):  # the corpus file said fixed and the engine reopened it
         updates["harness.recurrence"] = "true"
@@ -167,7 +178,7 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
         updates["harness.recurrence"] = "true"
         updates["harness.reopened_at"] = p["seen_at"]  # (the morning report's headline: reopened tonight)
         updates["mlflow.note.content"] = _append_note(
-            tags.get("mlflow.note.content", ""),
+            note,
             f"#### Recurrence {p['seen_at']}\n\nMarked fixed, seen again by campaign seed {p['campaign_seed']}: "
             f"{_verdict(p['metrics'])}, minimal case `{p['case_line']}`. Reopened.")
     c.log_batch(run.info.run_id, tags=_tags(updates))

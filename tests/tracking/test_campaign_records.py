@@ -211,6 +211,7 @@ def test_severity_reads_the_worst_its_cases_got_not_the_minimal_case(fresh_cwd):
     t2.finding(f)
     [reg] = Store().search("tags.`harness.kind` = 'regression'")
     assert reg.data.tags["harness.severity"] == "high" and reg.data.tags["harness.seen_count"] == "2"
+    assert "Severity raised" not in reg.data.tags["mlflow.note.content"]
     # an inf peak (a case that sampled a token the trainer excludes) spools as strict JSON, severity high
     from .conftest import free_port
 
@@ -221,3 +222,25 @@ def test_severity_reads_the_worst_its_cases_got_not_the_minimal_case(fresh_cwd):
     (spooled,) = [p for p in offline.spooled if p.name == f"{f.id}.json"]
     payload = json.loads(spooled.read_text())
     assert payload["severity"] == "high" and payload["peak_judged"] is None
+
+
+def test_a_raised_severity_is_said_in_the_note_headline_too(fresh_cwd):
+    """`regressions show` printed "Severity **low**" from the first sighting's note beside a tag that
+    a later campaign had raised to medium."""
+    from harness.mlflow_tracking import MlflowTracker, Store
+
+    f = make_finding(fresh_cwd)
+    line = f.evaluation.score / 2
+    cfg = CampaignConfig(pairs=[REGISTRY.get(f.pair)], seed=7, threshold=line)
+    for seed, peak in ((7, 5 * line), (8, 50 * line)):
+        f.peak = peak
+        t = MlflowTracker(log=lambda m: None)
+        t.campaign_started(cfg, seed, cfg.pairs)
+        t.finding(f)
+        [reg] = Store().search("tags.`harness.kind` = 'regression'")
+        note = reg.data.tags["mlflow.note.content"]
+        if seed == 7:
+            assert reg.data.tags["harness.severity"] == "low" and "Severity **low**" in note
+    assert reg.data.tags["harness.severity"] == "medium"
+    assert "Severity **medium** (raised from low: see the end of this note)" in note and "Severity **low**" not in note
+    assert f"**low** -> **medium**: its cases reached {50 * line:.3g}, 50x the line." in note, note
