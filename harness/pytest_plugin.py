@@ -585,11 +585,23 @@ def _item_log(name: str) -> Any:
     return log
 
 
+def _shrink_command(fs: Any, pair: str, path: str) -> str:
+    from harness.corpus import shrink_command_for
+
+    try:
+        return shrink_command_for(pair, path, fs.tracking_uri, fs.tracking)
+    except Exception:  # noqa: BLE001 - a summary is written whatever a path lookup raises
+        return f"harness shrink {path}"
+
+
 def _describe(f: Any, session: FuzzSession) -> str:
     state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "known")
+    cut = ""
+    if not f.shrink_complete and f.path:  # (the budget or an interrupt stopped its shrinking: it goes on)
+        cut = f"\n    shrinking was cut short: `{_shrink_command(session, f.pair, str(f.path))}` goes on"
     return (f"  finding {f.id} [{state}] {f.symptom.value}: {f.evaluation.headline}\n"
-            f"    minimal case: {f.case.one_line()}\n"
-            f"    replay: {session.replay_command(f.path)}")
+            f"    {'case so far' if cut else 'minimal case'}: {f.case.one_line()}\n"
+            f"    replay: {session.replay_command(f.path)}" + cut)
 
 
 def _log(msg: str) -> None:
@@ -1167,6 +1179,10 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
         "broken_demonstrations": sorted(d["pair"] for d in results  # (their items failed)
                                         if d["expected"] == "diverges" and d["verdict"].startswith("BROKEN")),
         "broken_plugins": _broken_plugins(),  # installed packages whose pairs were not fuzzed: not a pass
+        # findings whose shrinking the budget or an interrupt cut short: the command that goes on
+        "shrink_cut_short": [{"id": f["id"], "pair": d["pair"], "command": _shrink_command(fs, d["pair"], f["path"])}
+                             for d in results for f in d["findings"]
+                             if f.get("shrink_complete") is False and f.get("path")],
         "pairs": sorted(results, key=lambda d: d["pair"]),
     }
     from harness.corpus import encode_tree
@@ -1191,6 +1207,9 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
             md += ["", f"**Cannot run here**: {d.get('setup_error', '')}"]
     for why in summary["broken_plugins"]:
         md += ["", f"**A plugin package did not load, none of its pairs was fuzzed**: {why}"]
+    if summary["shrink_cut_short"]:
+        md += ["", f"**Shrinking cut short ({len(summary['shrink_cut_short'])})**, by the budget or an interrupt: "
+               + "; ".join(f"{c['id']} ({c['pair']}): `{c['command']}`" for c in summary["shrink_cut_short"])]
     replays = [(d["pair"], f) for d in results for f in d["findings"] if f["new"] or f["recurrence"]]
     if replays:
         md += ["", "New findings:", ""]
@@ -1221,6 +1240,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if missed:
         tr.write_line(f"missed demonstrations: {len(missed)} of {sum(d['expected'] == 'diverges' for d in results)} "
                       f"not caught: {', '.join(sorted(missed))}")
+    for d in results:
+        for f in d["findings"]:
+            if f.get("shrink_complete") is False and f.get("path"):
+                tr.write_line(f"{f['id']} ({d['pair']}): shrinking was cut short (by the budget or an interrupt): "
+                              f"`{_shrink_command(fs, d['pair'], f['path'])}` goes on")
     origin = fs.seed_origin  # ("seed 11 (given)", "seed 7 derived from run id ...", "fresh seed 3")
     said = f"campaign {origin}" if f"seed {fs.seed}" in origin else f"campaign seed {fs.seed} ({origin})"
     tr.write_line(f"{said}; rerun: {fs.rerun()}")

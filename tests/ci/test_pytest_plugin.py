@@ -480,3 +480,17 @@ def test_a_shard_that_ran_some_streams_of_a_demonstration_does_not_call_it_misse
     _split_streams_missed(fs, results)
     assert [d["verdict"] for d in results] == [NOT_HERE, "MISSED"]  # (every stream of demo.whole ran here)
     assert fs.notes and fs.notes[0].startswith("demo.split: not caught by this shard's streams (1 of 2)")
+
+
+def test_a_finding_whose_shrinking_the_budget_cut_short_gives_the_command_that_goes_on(tmp_path):
+    faults = str(Path(__file__).resolve().parents[1] / "plugins" / "faults.py")
+    rc, out = run_pytest(["--harness-fuzz", f"--harness-plugin={faults}", "--harness-pairs", "faults.diverges",
+                          "--harness-budget", "2", "--harness-seed", "1", "--harness-no-tracking", "-q",
+                          "--harness-corpus", str(tmp_path / "c"), "--harness-out", str(tmp_path / "o")],
+                         env={"FAULTS_SLEEP": "0.3"})  # (each case 0.3 s: a 2 s budget stops its shrinking)
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    [cut] = summary["shrink_cut_short"]
+    assert cut["pair"] == "faults.diverges" and cut["command"].startswith("harness shrink --plugin ") \
+        and "faults.py --no-tracking " in cut["command"]
+    assert f"{cut['id']} (faults.diverges): shrinking was cut short" in out, out
+    assert "Shrinking cut short (1)" in (tmp_path / "o" / "summary.md").read_text()
