@@ -1424,7 +1424,8 @@ def _unsaved(f: Finding, err: Exception, cfg: CampaignConfig, seed: int, log: Ca
         why = (f"{type(err).__name__}: {err} (an error of the harness writing the file, not of the disk: please report "
                f"it, with the existing {target} if there is one)")
     log(f"error: could not write finding {f.id} ({f.pair}, {f.symptom.value}) to {target}: {why}; the campaign goes "
-        f"on (`harness fuzz` exits 3 at the end, which outranks 1: a finding is not on disk). The finding follows on "
+        f"on (`harness fuzz` exits 3 at the end, which outranks 1: a finding is not on disk; under pytest its item "
+        f"fails). The finding follows on "
         f"one line as JSON: save that line as {target} to replay it.")
     try:
         data = finding_to_repro(f, cfg.threshold, seed, cfg.device).to_json()

@@ -392,10 +392,14 @@ class FuzzSession:
         self.results.append(data)
         item.user_properties.append(("harness", data))
         if result.unsaved:  # a finding that is not on disk fails its item, whatever the pair expects
+            kept = _keep_unsaved(self, cfg, result)
+            data["unwritten"] = [f.id for f in result.unsaved]
             raise FuzzFailure(f"{pair.name}: {len(result.unsaved)} finding(s) could not be written to the corpus "
-                              f"{cfg.corpus} (the reason and each repro as JSON are on stderr: save a line as "
-                              f"{Path(cfg.corpus) / pair.name}/<id>.json to keep it); fix the folder (space, "
-                              "permissions) and rerun."
+                              f"{cfg.corpus} (the reason and each repro as JSON are on stderr"
+                              + (f"; saved instead to {', '.join(map(str, kept))}, with the session's outputs: copy "
+                                 f"them to {Path(cfg.corpus) / pair.name}/ to keep them" if kept else
+                                 f": save a line as {Path(cfg.corpus) / pair.name}/<id>.json to keep it")
+                              + "); fix the folder (space, permissions) and rerun."
                               f"\n  rerun: {self.rerun(pair.name)}")
         self.judge(pair, r)
 
@@ -585,6 +589,23 @@ def _item_log(name: str) -> Any:
     return log
 
 
+def _keep_unsaved(fs: Any, cfg: Any, result: Any) -> list[Path]:
+    """The findings the corpus could not take, written where the session's outputs go (`new-repros`,
+    which a CI job uploads): the paths written (none where that fails too: stderr has them)."""
+    from harness.corpus import finding_to_repro
+
+    kept = []
+    for f in result.unsaved:
+        dest = new_repros_dir(fs) / f.pair / f"{f.id}.json"
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            finding_to_repro(f, cfg.threshold, result.seed, cfg.device).save(dest)
+        except Exception:  # noqa: BLE001 - stderr holds it already
+            continue
+        kept.append(dest)
+    return kept
+
+
 def _shrink_command(fs: Any, pair: str, path: str) -> str:
     from harness.corpus import shrink_command_for
 
@@ -673,6 +694,7 @@ def _merge_streams(results: list[dict]) -> list[dict]:
             _merge(merged, _pair_result(d))
         data = _pair_result_json(merged)
         data["worker"] = ",".join(sorted({d.get("worker", "main") for d in ds}))
+        data["unwritten"] = [i for d in ds for i in d.get("unwritten", ())]
         data["streams"] = len(ds)
         out.append(data)
     return out
@@ -1172,6 +1194,8 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
         "interrupted": interrupted, "cases": cases, "pair_seconds": seconds, "wall_seconds": time.time() - fs.start,
         "new_aligned_regressions": [f["id"] for d in results if d["expected"] == "aligned"
                                     for f in d["findings"] if f["new"] or f["recurrence"]],
+        # findings the corpus could not take (a full disk, a read-only folder): in new-repros instead
+        "unwritten": sorted(i for d in results for i in d.get("unwritten", ())),
         "missed_demonstrations": sorted(d["pair"] for d in results if d["verdict"] == "MISSED"),
         # demonstrations this shard's streams did not catch, whose other streams ran on other shards
         "not_caught_by_this_shard": sorted(d["pair"] for d in results if d["verdict"] == NOT_HERE),

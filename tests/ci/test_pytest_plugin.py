@@ -71,6 +71,13 @@ def test_a_finding_the_corpus_cannot_take_fails_its_item(tmp_path):
                           "--harness-max-examples", "20", f"--harness-corpus={corpus}", f"--harness-out={tmp_path / 'o'}"])
     assert rc == 1, out
     assert "router_topk.bf16: 1 finding(s) could not be written to the corpus" in out and "1 failed" in out
+    # ... and it is kept with the session's outputs, which a CI job uploads
+    [kept] = (tmp_path / "o").glob("new-repros*/router_topk.bf16/*.json")
+    assert f"saved instead to {kept}" in out, out
+    from harness.corpus import load_repro
+
+    assert load_repro(kept).pair == "router_topk.bf16"
+    assert json.loads((tmp_path / "o" / "summary.json").read_text())["unwritten"] == [kept.stem]
 
 
 def test_bad_profile_is_a_usage_error(tmp_path):
