@@ -297,9 +297,14 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
              + f"; regressions: {len(groups['new'])} new, {len(groups['recurring'])} recurring, "
                f"{len(groups['fixed'])} fixed.", ""]
     new_aligned = [r for r in groups["new"] if r["expected"] == "aligned"]
-    if new_aligned:
-        lines += [f"**{len(new_aligned)} new regression(s) of aligned pairs**: "
-                  + ", ".join(f"{r['pair']} {r['id']}" for r in new_aligned), ""]
+    still = [r for r in new_aligned if r["status"] != "fixed"]  # (found and closed inside the window: said below)
+    if still:
+        lines += [f"**{len(still)} new regression(s) of aligned pairs**: "
+                  + ", ".join(f"{r['pair']} {r['id']}" for r in still), ""]
+    if len(still) < len(new_aligned):
+        lines += [f"{len(new_aligned) - len(still)} new regression(s) of aligned pairs found and closed as fixed in "
+                  "this window: " + ", ".join(f"{r['pair']} {r['id']}" for r in new_aligned if r["status"] == "fixed"),
+                  ""]
     reopened = [r for r in groups["new"] + groups["recurring"] if r["status"] == "open"
                 and (at := _parse_iso(r.get("reopened_at"))) is not None and at >= since]
     if reopened:  # marked fixed and seen again inside the window: as loud as a new one

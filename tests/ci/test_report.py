@@ -192,3 +192,17 @@ def test_a_nights_shards_are_judged_together_for_missed_demonstrations():
               camp("c", 24, ["x.split"], [])]
     got = [(c["run_id"], name, runs) for c, name, runs in missed_by_night(window)]
     assert got == [("aaaa", "y.both", ["aaaa", "bbbb"]), ("cccc", "x.split", ["cccc"])], got
+
+
+def test_a_new_regression_closed_in_the_window_is_not_a_bold_open_headline():
+    from harness.report import render
+
+    r = {"id": "abc", "pair": "p.aligned", "expected": "aligned", "status": "open", "recurrence": False,
+         "symptom": "divergence", "first_seen": "2026-01-31T01:00:00+00:00", "last_seen": "2026-01-31T01:00:00+00:00",
+         "seen_count": 1, "run_id": "r1", "k3": 0.01}
+    text = render([], [r], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
+    assert "**1 new regression(s) of aligned pairs**: p.aligned abc" in text
+    closed = {**r, "status": "fixed", "closed_at": "2026-01-31T04:00:00+00:00"}
+    text = render([], [closed], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
+    assert "**1 new regression(s)" not in text
+    assert "1 new regression(s) of aligned pairs found and closed as fixed in this window: p.aligned abc" in text
