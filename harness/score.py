@@ -422,8 +422,14 @@ def resolve_scorer(model: str | None, pair_name: str | None, replay: bool) -> tu
         raise UsageError(f"pair {pair_name!r} cannot score recorded rollouts: only Hugging Face pairs (hf.*, or made "
                          "with targets.hf.hf_pair) take token ids; pass --model PATH or one of those.")
     if replay and not prof.replay:
-        raise UsageError(f"--replay: pair {pair_name!r} does not replay routing; use its `.replay` variant "
-                         "or leave --replay out.")
+        from .pairs import REGISTRY
+
+        variant = f"{pair_name}.replay" if REGISTRY.get_loaded(f"{pair_name}.replay") is not None else None
+        raise UsageError(f"--replay: pair {pair_name!r} does not replay routing; "
+                         + (f"score with its replay variant, --pair {variant}" if variant else
+                            "register one that does (`hf_pair(name, model, ..., replay=True)`; `hf_pairs` registers "
+                            "`<prefix>.bf16_rollout.replay`), or score with `--model CHECKPOINT --replay`")
+                         + ", or leave --replay out.")
     check_weights(prof.model)  # (a pair made with a checkpoint folder)
     return pair, prof.model, {}
 

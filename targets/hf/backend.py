@@ -457,6 +457,7 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
     head.to(_dtype(nx.lm_head))
     if nx.patch != NO_PATCH:  # the user's modules, then the routers and head of the patched model
         fn = PATCHES[nx.patch]
+        before = _visible_state(model)
         try:
             patched = fn(model)
         except Exception as e:  # the pair's own definition is broken: a setup error, not a finding
@@ -466,6 +467,13 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
         if patched is not None and not isinstance(patched, torch.nn.Module):
             raise UsageError(f"module patch {nx.patch!r} ({_where(fn)}) returned a {type(patched).__name__}; a patch "
                              "changes the model in place and returns None, or returns a replacement torch.nn.Module.")
+        if (patched is None or patched is model) and _visible_state(model) == before and nx.patch not in _said_idle:
+            _said_idle.add(nx.patch)
+            print(f"warning: module patch {nx.patch!r} ({_where(fn)}) changed nothing the harness can see in the "
+                  f"{type(model).__name__}: no module replaced, no forward overridden, no parameter, buffer or config "
+                  "value changed. Its path runs the unpatched model, so a pair comparing it is aligned by "
+                  "construction; check what the patch selects (a typo in a module or attribute name?).",
+                  file=sys.stderr, flush=True)
         model = model if patched is None else patched
         model.eval()
         model.requires_grad_(False)
@@ -477,6 +485,36 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
                              "transformers model (a PreTrainedModel) whose get_output_embeddings() is its head.")
         gates = router_modules(model)
     return Runner(model, gates, head, nx)
+
+
+_said_idle: set[str] = set()  # patches already reported as changing nothing (once per process)
+
+
+def _visible_state(model: Any) -> tuple:
+    """What a module patch can change that the harness sees: each module's object, class, its class's
+    forward (a monkeypatched class method) and its own attributes (a forward set on it, a scaling
+    factor, a flag), each parameter's and buffer's object and the sum of its values (a patch that
+    quantises weights in place), and the config's values. (A change to a module-level function of
+    the modelling code is not seen.)"""
+    import torch
+
+    def total(t: Any) -> float:
+        return float(t.detach().double().sum()) if isinstance(t, torch.Tensor) and t.numel() else 0.0
+
+    def attrs(m: Any) -> tuple:  # its own attributes (a scaling factor, a flag its forward reads, a new method)
+        return tuple(sorted((k, v if isinstance(v, (int, float, str, bool, type(None))) else id(v))
+                            for k, v in m.__dict__.items() if not k.startswith("_")))
+
+    mods = tuple((name, id(m), type(m), getattr(type(m), "forward", None), attrs(m),
+                  tuple((k, id(v), total(v)) for k, v in m._parameters.items()),
+                  tuple((k, id(v), total(v)) for k, v in m._buffers.items()))
+                 for name, m in model.named_modules())
+    config = getattr(model, "config", None)
+    try:
+        cfg = repr(sorted(config.to_dict().items())) if config is not None else ""
+    except Exception:  # noqa: BLE001 - a config that does not serialise: not compared
+        cfg = ""
+    return mods, cfg
 
 
 def router_modules(model: Any) -> list[tuple[str, Any]]:

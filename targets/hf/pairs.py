@@ -53,6 +53,10 @@ def default_axes(model: Any, max_seqs: int = MAX_SEQS, max_prompt: int = MAX_PRO
     kw.update({k: v for k, v in extra.items() if k in names})
     if moe:
         experts, top_k, layers = moe
+        if not 1 <= top_k < experts:  # (else the routing axes below refuse it, blaming Axes the user never wrote)
+            raise UsageError(f"the model's config routes each token to num_experts_per_tok={top_k} of its {experts} "
+                             "experts; it must choose at least 1 and fewer than there are (a top-k over every expert "
+                             "has no routing to test): fix the config.")
         kw["routing"] = RoutingAxes(n_experts=(experts, experts), top_k=(top_k, top_k), max_gap=1e-2,
                                     tie_fraction=(0.0, 1.0))
         kw["params"] = {"tie_layer": st.integers(0, layers - 1)}  # the layer whose router sees near ties
@@ -100,6 +104,8 @@ def _checkpoint_gone(model: Any) -> UsageError | None:
     try:
         HFModel.from_pretrained(model)
     except UsageError as e:
+        if Path(model).expanduser().is_file():  # (a file of the checkpoint: a mistake no mount will fix; said now)
+            raise
         return e
     return None
 

@@ -808,3 +808,20 @@ def test_a_head_a_patch_wrapped_runs_in_its_own_dtype():
         assert path_model(model_from(cfg), rollout.model_key, "cpu").keeps
     finally:
         PATCHES.pop("test_wrapped_head", None)
+
+
+def test_config_mistakes_named_at_registration(tmp_path):
+    """A top-k over as many experts as there are was blamed on Axes the user never wrote; a config.json
+    given for its folder warned 'until it is there' of a file that is there: both are said now."""
+    from targets.hf import HFModel
+    from targets.hf.backend import base_model
+    from targets.hf.configs import TINY
+
+    cfg = {**TINY["qwen3_moe"], "num_experts_per_tok": TINY["qwen3_moe"]["num_experts"]}
+    with pytest.raises(UsageError, match=rf"num_experts_per_tok={cfg['num_experts']} of its {cfg['num_experts']} "
+                                         "experts.*fix the config"):
+        hf_pair("user.topk_all", cfg, FP32, FP32)
+    ckpt = tmp_path / "ckpt"
+    base_model(HFModel.from_config(TINY["qwen3"], init_seed=5)).save_pretrained(ckpt)
+    with pytest.raises(UsageError, match="is a file of a checkpoint; pass its folder"):
+        hf_pair("user.config_json", str(ckpt / "config.json"), FP32, FP32)

@@ -299,3 +299,29 @@ def test_a_patch_reads_the_cases_sampling_and_a_temperature_applied_twice_is_cau
         assert current_sampling() is None
     finally:
         PATCHES.pop("test_temperature_twice", None)
+
+
+def test_a_patch_that_changes_nothing_is_named_and_one_that_changes_anything_is_not(capsys):
+    """A typo in what a patch selects (`hasattr(layer.mlp, "expert")`) replaced nothing, and its pair
+    was certified aligned without a word."""
+    def typo(model):
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "expert"):  # (the experts are `experts`)
+                layer.mlp = torch.nn.Identity()
+
+    def scale(model):  # an attribute the forward reads
+        model.model.layers[0].self_attn.scaling *= 1.0001
+
+    def flag(model):  # a flag on the model object itself
+        model.patched_by_test = True
+
+    spec = HFModel.from_config(TINY["qwen3_moe"], init_seed=5)
+    for name, fn, idle in (("test_typo", typo, True), ("test_scale", scale, False), ("test_flag", flag, False)):
+        register_patch(name, fn)
+        try:
+            capsys.readouterr()
+            path_model(spec, FP32.replace(patch=name).model_key, "cpu")
+            err = capsys.readouterr().err
+            assert (f"module patch {name!r}" in err and "changed nothing the harness can see" in err) == idle, err
+        finally:
+            PATCHES.pop(name, None)

@@ -648,3 +648,14 @@ def test_a_token_far_off_in_a_long_sample_under_the_line_is_named(tmp_path):
     assert not res.flagged and res.scored[0].metrics["k3_kl"] < 1e-3, res.scored[0].metrics["k3_kl"]
     [note] = [n for n in res.notes if "outside [1/2, 2]" in n]
     assert "line 1: 1 token(s), the largest difference 0.8 at response token 321" in note, note
+
+
+def test_replay_on_a_pair_that_does_not_replay_names_what_does(aligned_file, tmp_path, harness_cli):
+    code, _, err = harness_cli("score", str(aligned_file), "--pair", "hf.qwen3_moe.aligned", "--replay",
+                               "--no-tracking", "--out", str(tmp_path / "o"))
+    assert code == 2 and "does not replay routing" in err, err
+    assert "hf_pair(name, model, ..., replay=True)" in err and "--model CHECKPOINT --replay" in err, err
+    assert "use its `.replay` variant" not in err  # (hf.qwen3_moe.aligned has none)
+    code, _, err = harness_cli("score", str(aligned_file), "--pair", "hf.qwen3_moe.bf16_rollout", "--replay",
+                               "--no-tracking", "--out", str(tmp_path / "o2"))
+    assert code == 2 and "score with its replay variant, --pair hf.qwen3_moe.bf16_rollout.replay" in err, err
