@@ -268,7 +268,8 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     if missed:
         from .fuzz import missed_hint
 
-        hints = "; ".join(f"{r.pair} ({missed_hint(r, cfg.threshold)})" for r in result.results if r.pair in missed)
+        hints = "; ".join(f"{r.pair} ({missed_hint(r, cfg.threshold, REGISTRY.get_loaded(r.pair))})"
+                          for r in result.results if r.pair in missed)
         click.echo(f"missed demonstration(s): {len(missed)} of {sum(r.expected == 'diverges' for r in result.results)}"
                    f" not caught: {hints}")
         click.echo(f"warning: demonstration pair(s) not caught: {hints}", err=True)

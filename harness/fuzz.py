@@ -360,7 +360,7 @@ NOISE_FLOOR = 1e-8  # judged means below this are float rounding (aligned float3
 LOW_ENTROPY = 0.3  # nats: a rollout whose mean entropy stays below this is near-deterministic
 
 
-def missed_hint(r: PairResult, threshold: float) -> str:
+def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
     """Why a demonstration may have been missed, from the largest judged mean its cases reached: at
     float noise its two paths compute the same thing (a patch that changes nothing it runs, a bug
     whose effect cancels out); over a near-deterministic rollout (mean entropy under LOW_ENTROPY
@@ -378,6 +378,11 @@ def missed_hint(r: PairResult, threshold: float) -> str:
                 "precision difference hardly moves an almost one-hot distribution, and more cases will not change "
                 "that; test a model whose outputs are not (a trained checkpoint; a random model with its LM head "
                 "tied to its embedding repeats its last token)")
+    if getattr(getattr(pair, "profiles", None), "replay", False):  # (an HF pair with router replay)
+        return (f"max judged {mean_text(r.max_score)} of the line {threshold:g}, with router replay: the trainer "
+                "reuses the rollout's experts, which removes a difference in routing itself (what is left is how "
+                "the chosen experts' outputs are weighted and summed); a demonstration of a routing difference "
+                "needs the pair without replay")
     return f"max judged {mean_text(r.max_score)} of the line {threshold:g}: more examples, budget or wider axes?"
 
 

@@ -490,7 +490,7 @@ class FuzzSession:
         if verdict == "MISSED":
             from harness.fuzz import missed_hint
 
-            why = f"demonstration not caught ({missed_hint(r, self.threshold)})"
+            why = f"demonstration not caught ({missed_hint(r, self.threshold, pair)})"
             warnings.warn(HarnessFuzzWarning(f"{pair.name}: {verdict}: {why}"), stacklevel=1)
 
     def _recorded_this_run(self, f: Any) -> bool:

@@ -733,3 +733,16 @@ def test_an_unfinished_note_names_the_budget_option_of_its_command_and_where_the
     assert "Without --budget it becomes" in cli and "Without --harness-budget it becomes" in pytest_note
     assert cli.endswith('where it was when stopped: File "/p/engine.py", line 44 in decode <- '
                         'File "/h/execute.py", line 221 in run_paths'), cli
+
+
+def test_a_missed_demonstration_with_router_replay_says_replay_removes_a_routing_difference():
+    from types import SimpleNamespace
+
+    from harness.fuzz import PairResult, missed_hint
+
+    r = PairResult(pair="p.replay", expected="diverges", examples=50, max_score=5e-4, entropy_sum=100.0,
+                   entropy_cases=50)
+    plain = missed_hint(r, 1e-3)
+    assert plain.endswith("more examples, budget or wider axes?")
+    replayed = missed_hint(r, 1e-3, SimpleNamespace(profiles=SimpleNamespace(replay=True)))
+    assert "with router replay" in replayed and "needs the pair without replay" in replayed
