@@ -203,16 +203,19 @@ def classify(regressions: list[dict], since: _dt.datetime) -> dict[str, list[dic
     return out
 
 
-def replay_command(r: dict) -> str:
-    """The replay command of a regression, with `--plugin` when its corpus file says its pair needs one."""
+def replay_command(r: dict, uri: str | None = None) -> str:
+    """The replay command of a regression, with `--plugin` when its corpus file says its pair needs one;
+    from the store (`--run-id`) when that file is not on this machine (another shard's job wrote it)."""
+    from .mlflow_tracking.payload import store_flag
+
     if r.get("corpus_path"):
         from .corpus import load_repro
 
         try:
             return load_repro(r["corpus_path"]).replay_command()
-        except HarnessError:  # not on this machine, or unreadable: the path as recorded
-            return f"harness replay {r['corpus_path']}"
-    return f"harness replay --run-id {r['run_id']}"
+        except HarnessError:  # not on this machine, or unreadable: its run's repro artifact
+            pass
+    return f"harness replay{store_flag(uri)} --run-id {r['run_id']}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +373,7 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
             # (a regression first seen in the window, closed as fixed and seen again, is new and reopened)
             status = r["status"] + (" (reopened)" if r["recurrence"] and r["status"] == "open" else "")
             lines.append(f"| {r['pair']} | {r['id']} | {r['expected']} | {status} | {r['symptom']} | {_judged(r)} | "
-                         f"{r['first_seen']} | {r['last_seen']} | {r['seen_count']} | `{replay_command(r)}` |")
+                         f"{r['first_seen']} | {r['last_seen']} | {r['seen_count']} | `{replay_command(r, uri)}` |")
         lines.append("")
     lines += ["## Campaigns", ""]
     if window:

@@ -206,3 +206,12 @@ def test_a_new_regression_closed_in_the_window_is_not_a_bold_open_headline():
     text = render([], [closed], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
     assert "**1 new regression(s)" not in text
     assert "1 new regression(s) of aligned pairs found and closed as fixed in this window: p.aligned abc" in text
+
+
+def test_a_regression_whose_corpus_file_is_elsewhere_replays_from_the_store():
+    from harness.report import replay_command
+
+    r = {"run_id": "0123456789abcdef", "corpus_path": "/elsewhere/job2/corpora/p/abc.json"}
+    assert replay_command(r) == "harness replay --run-id 0123456789abcdef"
+    assert replay_command(r, "sqlite:////shared/mlflow.db") == \
+        "harness replay --tracking-uri sqlite:////shared/mlflow.db --run-id 0123456789abcdef"
