@@ -8,6 +8,7 @@ hits both). Harness = a real campaign of the pair, wall time per case it evaluat
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import statistics
@@ -85,7 +86,8 @@ def bare_calls(pair: Any, cases: list, device: str = "cpu") -> None:
             pair.trainer(inputs, r) if pair.trainer_reads_rollout else pair.trainer(inputs)
 
 
-def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int = 3) -> str:
+def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int = 3,
+             plugins: tuple[str, ...] = ()) -> str:
     from .errors import HarnessError
     from .execute import judge, run_case, run_paths
     from .fuzz import CampaignConfig, Executor, fuzz_pair, pair_seed, uniform_per_example
@@ -162,8 +164,10 @@ def overhead(pair_names: tuple[str, ...], n_cases: int, out: Path, rounds: int =
     body = [
         "## Harness overhead per case",
         "",
-        "Command: `" + " ".join(["OMP_NUM_THREADS=1 harness bench overhead --cases", str(n_cases),
-                                 *(f"'{p}'" for p in pair_names)])
+        "Command: `" + " ".join([*([f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"]
+                                   if os.environ.get("OMP_NUM_THREADS") else []),
+                                 "harness bench overhead", *(f"--plugin {p}" for p in plugins), "--cases",
+                                 str(n_cases), *(f"'{p}'" for p in pair_names)])
         + f"` ({machine()}). Median of {rounds} alternating rounds.",
         "Harness = a real campaign of the pair (`fuzz_pair`: Hypothesis generation, targeting and shrinking,",
         "readout, token sampling, metrics, verdicts), wall time per case it evaluated, in this process",
@@ -202,7 +206,7 @@ def overhead_command(pair_names: tuple[str, ...], cases: int, out: Path, plugins
     from .cli import load_plugins
 
     load_plugins(plugins)
-    click.echo(overhead(pair_names, cases, out))
+    click.echo(overhead(pair_names, cases, out, plugins=plugins))
 
 
 # ---------------------------------------------------------------------------------------------

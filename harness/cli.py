@@ -120,6 +120,56 @@ def cli() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+@cli.command("check")
+@click.argument("pair_names", nargs=-1, required=True)
+@click.option("--cases", type=click.IntRange(1), default=8, show_default=True,
+              help="Cases drawn from each pair's axes (seeded: the check is deterministic).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@plugin_option
+def check_command(pair_names: tuple[str, ...], cases: int, device: str, plugins: tuple[str, ...]) -> None:
+    """Check pairs against the contract before fuzzing them (`harness.check_pair`): each case run twice
+    (determinism), shapes, rows in case order, a row depending only on the tokens before it, input
+    dependence. Exit 1 when a pair breaks it (each violation named), 2 for bad input."""
+    import warnings
+
+    from .conformance import ConformanceError, ConformanceWarning, check_pair
+    from .env import resolve_device
+    from .errors import HarnessError
+    from .pairs import REGISTRY
+
+    try:
+        load_plugins(plugins)
+        pairs = REGISTRY.select(pair_names)
+        dev = resolve_device(device)
+    except HarnessError as e:
+        echo_err(f"error: {e}")
+        sys.exit(EXIT_USAGE)
+    failed, cannot = [], []
+    for pair in pairs:
+        if dev not in pair.devices:
+            click.echo(f"{pair.name}: skipped (runs on {', '.join(pair.devices)}, not {dev})")
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConformanceWarning)
+            try:
+                checked = check_pair(pair, n_cases=cases, device=dev)
+                click.echo(f"{pair.name}: PASS ({len(checked)} cases)")
+            except ConformanceError as e:
+                failed.append(pair.name)
+                click.echo(f"{pair.name}: FAIL\n{e}")
+            except HarnessError as e:  # its own setup (a checkpoint folder that is gone): says nothing of its paths
+                cannot.append(pair.name)
+                click.echo(f"{pair.name}: CANNOT RUN here: {e}")
+        for w in caught:
+            if issubclass(w.category, ConformanceWarning):
+                echo_err(f"warning: {pair.name}: {w.message}")
+    if failed:
+        echo_err(f"{len(failed)} pair(s) break the contract: {', '.join(failed)}; fix them before fuzzing (a broken "
+                 "pair's findings say nothing of its paths).")
+    sys.exit(EXIT_FOUND if failed else EXIT_USAGE if cannot else EXIT_OK)
+
+
+# ---------------------------------------------------------------------------------------------
 @cli.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the registry as JSON.")
 @plugin_option

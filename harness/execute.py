@@ -130,6 +130,14 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
         if pair.readout is None:
             raise TypeError(f"{pair.name}: {role} returned hidden states but the pair declares no readout")
         h, th = out.hidden, twin.hidden if twin is not None else None
+        if isinstance(h, torch.Tensor) and (h.dim() != 2 or h.shape[0] != case.n_tokens):
+            raise ValueError(f"{pair.name}: {role} hidden states have shape {tuple(h.shape)}, expected "
+                             f"({case.n_tokens}, hidden): one row per token of the case, in case order (the readout "
+                             "projects each row to the vocabulary)")
+        if isinstance(h, torch.Tensor) and isinstance(th, torch.Tensor) and th.dim() == 2 and h.shape[1] != th.shape[1]:
+            raise ValueError(f"{pair.name}: the trainer's hidden states are {h.shape[1]} wide and the rollout's "
+                             f"{th.shape[1]}: both paths must return the same hidden width (the readout draws its "
+                             "head by width, so the two would be read through two unrelated heads)")
         if (th is not None and twin.logprobs is not None and isinstance(h, torch.Tensor) and isinstance(th, torch.Tensor)
                 and h.dtype == th.dtype and h.device == th.device and torch.equal(h, th)):
             out.logprobs = twin.logprobs

@@ -193,3 +193,39 @@ def test_a_shard_out_of_range_names_i_and_n():
     with pytest.raises(UsageError, match=r"i = 3 must lie between 1 and N = 2"):
         parse_shard("3/2")
     assert parse_shard("2/2") == (2, 2)
+
+
+def test_bench_overhead_of_a_plugin_pair_records_a_command_that_reruns_it(tmp_path, monkeypatch):
+    """The recorded command named no --plugin (it failed as written) and claimed OMP_NUM_THREADS=1
+    whatever the environment said."""
+    from harness.bench import overhead
+    from harness.pairs import REGISTRY
+
+    plugin = write(tmp_path / "mine.py", "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+                   "def build(case, device):\n    return case.token_randn(16, 'x')\n"
+                   "def path(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
+                   "register(TargetPair(name='minebench.aligned', kind='op', expected='aligned', build=build,"
+                   " trainer=path, rollout=path, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))\n")
+    REGISTRY.load_plugin(plugin)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    text = overhead(("minebench.aligned",), 4, tmp_path / "b.md", rounds=1, plugins=(plugin,))
+    assert f"Command: `harness bench overhead --plugin {plugin} --cases 4 'minebench.aligned'`" in text, text
+
+
+def test_harness_check_runs_the_contract_check_from_the_command_line(tmp_path, harness_cli):
+    plugin = write(tmp_path / "checked.py", "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+                   "def build(case, device):\n    return case.token_randn(16, 'x')\n"
+                   "def good(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
+                   "def unseeded(x):\n    return Outcome(logprobs=torch.log_softmax(x + 1e-3 * torch.randn_like(x), -1))\n"
+                   "ax = Axes(n_seqs=(1, 2), seq_len=(1, 4))\n"
+                   "register(TargetPair(name='checked.good', kind='op', expected='aligned', build=build, trainer=good,"
+                   " rollout=good, axes=ax))\n"
+                   "register(TargetPair(name='checked.unseeded', kind='op', expected='aligned', build=build, trainer=good,"
+                   " rollout=unseeded, axes=ax))\n")
+    code, out, err = harness_cli("check", "--plugin", plugin, "checked.good", "--cases", "3")
+    assert code == 0 and "checked.good: PASS (3 cases)" in out, out + err
+    code, out, err = harness_cli("check", "--plugin", plugin, "checked.*", "--cases", "3")
+    assert code == 1 and "checked.unseeded: FAIL" in out and "checked.good: PASS" in out, out + err
+    assert "1 pair(s) break the contract: checked.unseeded" in err and "Traceback" not in err
+    code, out, err = harness_cli("check", "checked.nope")
+    assert code == 2 and "no target pair named 'checked.nope'" in err

@@ -1,6 +1,7 @@
 """The conformance check a backend author calls in one line, run over every registered pair."""
 
 import math
+import re
 import warnings
 
 import pytest
@@ -86,6 +87,25 @@ def test_wrong_row_count_is_reported():
                       rollout=lambda n: Outcome(logprobs=torch.zeros(n + 1, 4)),
                       axes=Axes(n_seqs=(1, 1), seq_len=(2, 2)))
     with pytest.raises(ConformanceError, match="one row per token of the case"):
+        check_pair(pair, n_cases=1)
+
+
+@pytest.mark.parametrize("width_t, rows_r, words", [
+    (32, None, "the trainer's hidden states are 32 wide and the rollout's 64"),  # two unrelated readout heads
+    (64, 8, "rollout hidden states have shape (8, 64), expected (3, hidden)"),  # not the case's rows
+])
+def test_hidden_states_of_another_width_or_row_count_are_named_before_the_readout(width_t, rows_r, words):
+    """A trainer 32 wide against a rollout 64 wide passed check_pair and fuzzed as a divergence (the
+    readout drew a head per width); a wrong row count was said as the readout's (rows, vocab)."""
+    import torch
+
+    from harness import Axes, Outcome, Readout, TargetPair
+
+    pair = TargetPair(name="hidden.wide", kind="op", expected="aligned", build=lambda c, d: c.n_tokens,
+                      trainer=lambda n: Outcome(hidden=torch.ones(n, width_t)),
+                      rollout=lambda n: Outcome(hidden=torch.ones(rows_r or n, 64)), readout=Readout(vocab=128),
+                      axes=Axes(n_seqs=(1, 1), seq_len=(3, 3)))
+    with pytest.raises(ConformanceError, match=re.escape(words)):
         check_pair(pair, n_cases=1)
 
 
