@@ -615,6 +615,13 @@ def _shrink_command(fs: Any, pair: str, path: str) -> str:
         return f"harness shrink {path}"
 
 
+def _cut_short(fs: Any, results: list[dict]) -> list[dict]:
+    """The session's findings whose shrinking the budget or an interrupt cut short, each with the
+    `harness shrink` command that goes on."""
+    return [{"id": f["id"], "pair": d["pair"], "command": _shrink_command(fs, d["pair"], f["path"])}
+            for d in results for f in d["findings"] if f.get("shrink_complete") is False and f.get("path")]
+
+
 def _describe(f: Any, session: FuzzSession) -> str:
     state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "known")
     cut = ""
@@ -1204,9 +1211,7 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
                                         if d["expected"] == "diverges" and d["verdict"].startswith("BROKEN")),
         "broken_plugins": _broken_plugins(),  # installed packages whose pairs were not fuzzed: not a pass
         # findings whose shrinking the budget or an interrupt cut short: the command that goes on
-        "shrink_cut_short": [{"id": f["id"], "pair": d["pair"], "command": _shrink_command(fs, d["pair"], f["path"])}
-                             for d in results for f in d["findings"]
-                             if f.get("shrink_complete") is False and f.get("path")],
+        "shrink_cut_short": _cut_short(fs, results),
         "pairs": sorted(results, key=lambda d: d["pair"]),
     }
     from harness.corpus import encode_tree
@@ -1264,11 +1269,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     if missed:
         tr.write_line(f"missed demonstrations: {len(missed)} of {sum(d['expected'] == 'diverges' for d in results)} "
                       f"not caught: {', '.join(sorted(missed))}")
-    for d in results:
-        for f in d["findings"]:
-            if f.get("shrink_complete") is False and f.get("path"):
-                tr.write_line(f"{f['id']} ({d['pair']}): shrinking was cut short (by the budget or an interrupt): "
-                              f"`{_shrink_command(fs, d['pair'], f['path'])}` goes on")
+    for c in _cut_short(fs, results):
+        tr.write_line(f"{c['id']} ({c['pair']}): shrinking was cut short (by the budget or an interrupt): "
+                      f"`{c['command']}` goes on")
     origin = fs.seed_origin  # ("seed 11 (given)", "seed 7 derived from run id ...", "fresh seed 3")
     said = f"campaign {origin}" if f"seed {fs.seed}" in origin else f"campaign seed {fs.seed} ({origin})"
     tr.write_line(f"{said}; rerun: {fs.rerun()}")

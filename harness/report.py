@@ -24,7 +24,7 @@ import datetime as _dt
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -99,27 +99,27 @@ def pair_cases(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     return out
 
 
+def _pairs_with(metrics: dict[str, float], suffix: str, keep: Callable[[float], bool]) -> list[str]:
+    """The pairs with a `pair.<name><suffix>` metric (per shard or not) whose value `keep` accepts."""
+    out = set()
+    for k, v in metrics.items():
+        i = k.find("pair.")
+        if i >= 0 and k.endswith(suffix) and keep(v):
+            out.add(k[i + len("pair."):-len(suffix)])
+    return sorted(out)
+
+
 def flagged_pairs(metrics: dict[str, float], suffix: str, any_value: bool = False) -> list[str]:
     """The pairs a campaign flagged with `pair.<name><suffix>` = 1 (per shard or not): `.missed`,
     demonstration pairs it did not catch; `.cannot_run`, pairs that raised a harness error.
     `any_value`: the pairs with that metric at all (`.missed` is logged for every demonstration)."""
-    out = set()
-    for k, v in metrics.items():
-        i = k.find("pair.")
-        if i >= 0 and k.endswith(suffix) and (v or any_value):
-            out.add(k[i + len("pair."):-len(suffix)])
-    return sorted(out)
+    return _pairs_with(metrics, suffix, lambda v: any_value or bool(v))
 
 
 def caught_pairs(metrics: dict[str, float]) -> list[str]:
     """The demonstrations a campaign (or, in a run shared by shards, one of its shards) caught: a
     `pair.<name>.missed` of 0."""
-    out = set()
-    for k, v in metrics.items():
-        i = k.find("pair.")
-        if i >= 0 and k.endswith(".missed") and not v:
-            out.add(k[i + len("pair."):-len(".missed")])
-    return sorted(out)
+    return _pairs_with(metrics, ".missed", lambda v: not v)
 
 
 NIGHT_HOURS = 12.0  # campaigns of one seed started this close together are one night's shards
