@@ -220,6 +220,12 @@ def _check_routing(name: str, role: str, routing: Any, twin: Any) -> None:
                              "needs a name of its own)")
 
 
+# Where the harness checks what a path returned, as `describe_error` names the raising frame: an error
+# raised there is the pair breaking the contract (a wrong shape, dtype or type), not its computation
+# (`fuzz.breaks_contract`). Derived from the functions, so a rename cannot silently disable it.
+CONTRACT_CHECKS = tuple(f"{__name__.rsplit('.', 1)[-1]}.py:{f.__name__}" for f in (finalize, _check_routing))
+
+
 def run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Outcome, Outcome]:
     """Run both paths on the case's inputs (rollout first, so the trainer may read its outcome)."""
     import torch

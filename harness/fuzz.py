@@ -713,17 +713,14 @@ def _setup_said(said: dict[str, str], pair: str, label: str, message: str) -> st
     return setup_headline(message) if first == label else f"the same error as {first}"
 
 
-# where the harness checks what a path returned (`execute.finalize`): an error raised there is the pair
-# breaking the contract (a wrong shape, dtype or type), not its computation
-CONTRACT_CHECKS = ("execute.py:finalize", "execute.py:_check_routing")
-
-
 def breaks_contract(ev: Evaluation) -> bool:
     """The case failed the harness's check of what a path returned. On a pair's first case (the
     simplest a campaign draws) it is the pair's own adapter that is wrong, not a divergence: the
     pair cannot run (a campaign recorded it as an open regression, which the corpus tests then
     expected to fail, green, forever). On a later case it is a finding like any error: an engine
     that returns a wrong shape for some batches only."""
+    from .execute import CONTRACT_CHECKS
+
     err = ev.error or {}
     return ev.symptom is Symptom.ERROR and err.get("where") in CONTRACT_CHECKS
 
