@@ -323,13 +323,21 @@ def _exact_rows(lt: Any, lr: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
 _LOCAL = threading.local()
 
 
+def _on_host(dev: Any) -> bool:
+    """Whether `dev` is the CPU, where the metrics take their host-only shortcuts (a kept workspace
+    and its views, numpy's exp, numpy indexing). Everything else takes the accelerator branches; a
+    test runs those on CPU tensors by patching this to False (tests/unit/test_metrics_reference.py),
+    so they are checked against the float64 reference on a machine without a GPU."""
+    return dev.type == "cpu"
+
+
 def _workspace(n: int, dev: Any) -> Any:
     """n float64 elements of scratch on `dev`. On a CPU one buffer per thread is kept and grown, not
     allocated per call: a fresh multi-MiB allocation is fresh pages, and faulting them in cost more
     than the metrics on small cases. Accelerators' caching allocators already reuse memory."""
     import torch
 
-    if dev.type != "cpu":
+    if not _on_host(dev):
         return torch.empty(n, dtype=torch.float64, device=dev)
     buf = getattr(_LOCAL, "workspace", None)
     if buf is None or buf.numel() < n:
@@ -347,7 +355,7 @@ def _exp(x: Any, out: Any) -> None:
     (its threads spin); with many threads torch's would split a chunk's wall time and numpy's does
     not (not measured: this machine has two cores). One exp whatever the thread count keeps the
     values independent of it. Elsewhere torch's."""
-    if out.device.type == "cpu":
+    if _on_host(out.device):
         with np.errstate(all="ignore"):  # overflow to inf, as torch's
             np.exp(x.numpy(), out=out.numpy())
     else:
@@ -362,7 +370,7 @@ def _chunk_views(rows: int, v: int, n: int, draw: bool, dev: Any) -> tuple:
     and the (n, V) cumulative sums (None without a draw). On a CPU they are made once per shape and
     reused: a small case's metrics are a few dozen tensor calls, and making views is a sixth of them."""
     ws = _workspace(rows * v * (7 if draw else 6), dev)  # a new CPU workspace empties the cache
-    cache = _LOCAL.views if dev.type == "cpu" else {}
+    cache = _LOCAL.views if _on_host(dev) else {}
     key = (rows, v, n, draw)
     if key not in cache:
         if len(cache) > 64:
@@ -397,7 +405,7 @@ def _row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     dev = rollout_lp.device
     f64 = torch.float64
     if chunk_elems is None:
-        chunk_elems = CHUNK_ELEMS_CPU if dev.type == "cpu" else CHUNK_ELEMS_DEVICE
+        chunk_elems = CHUNK_ELEMS_CPU if _on_host(dev) else CHUNK_ELEMS_DEVICE
     rows = max(1, min(n_rows, chunk_elems // max(v, 1)))
     if uniforms is not None:
         uniforms = uniforms.to(device=dev, dtype=f64)
@@ -543,7 +551,7 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
         raise ValueError(f"the rollout's sampled token ids must lie in [0, {lr_all.shape[1]}) (the vocabulary of its "
                          f"logprobs); got ids from {int(tok.min())} to {int(tok.max())}")
     floats = (torch.float32, torch.float64)
-    if dev.type == "cpu" and lt_all.device.type == "cpu" and lt_all.dtype in floats and lr_all.dtype in floats and n:
+    if _on_host(dev) and _on_host(lt_all.device) and lt_all.dtype in floats and lr_all.dtype in floats and n:
         rows = np.arange(n)  # numpy indexing on CPU: a dozen tensor calls fewer, the same values
         lt = lt_all.numpy()[rows, tok].astype(np.float64)  # (T,) each
         lr = lr_all.numpy()[rows, tok].astype(np.float64)

@@ -238,3 +238,33 @@ def test_equal_outcomes_take_the_shortcut_with_the_same_values(truncate):
     for k in short.as_dict():
         assert_rel(getattr(short, k), getattr(long, k), rel=0.0, what=k)
     assert (short.per_token["token"] == long.per_token["token"]).all()
+
+
+@pytest.mark.parametrize("chunk_elems", [None, 512 * 3], ids=["one chunk", "chunks of 3 rows"])
+def test_accelerator_branches_match_the_reference_on_cpu_tensors(monkeypatch, chunk_elems):
+    """The branches a GPU takes (a workspace per call, torch's exp, gather instead of numpy indexing,
+    the device chunk size) run here on CPU tensors: the same tokens as the host path and the float64
+    reference's values, on plain, truncated, non-finite and equal rows."""
+    from harness import metrics
+
+    g = torch.Generator().manual_seed(21)
+    logits = 3 * torch.randn(12, 512, generator=g)  # (T, V)
+    full = torch.log_softmax(logits, -1)
+    topk = process_logits(logits, 1.0, top_k=40)
+    nan = full.clone()
+    nan[4, 9] = math.nan
+    noisy = torch.log_softmax(logits + 1e-2 * torch.randn(12, 512, generator=g), -1)
+    u = torch.rand(12, generator=g, dtype=torch.float64)
+    inputs = {"plain": (noisy, full), "rollout truncated": (full, topk), "trainer truncated": (topk, full),
+              "non-finite": (nan, full), "equal": (full.clone(), full), "bf16": (noisy.bfloat16(), full)}
+    host = {k: compare(Outcome(logprobs=lt), Outcome(logprobs=lr), (5, 7), uniforms=u, chunk_elems=chunk_elems)
+            for k, (lt, lr) in inputs.items()}
+    monkeypatch.setattr(metrics, "_on_host", lambda dev: False)
+    for k, (lt, lr) in inputs.items():
+        tr, ro = Outcome(logprobs=lt), Outcome(logprobs=lr)
+        dev = compare(tr, ro, (5, 7), uniforms=u, chunk_elems=chunk_elems)
+        assert (dev.per_token["token"] == host[k].per_token["token"]).all(), k
+        for m in dev.as_dict():
+            assert_rel(getattr(dev, m), getattr(host[k], m), rel=1e-12, what=f"{k}: {m}")
+        if k != "non-finite":
+            check_against_reference(tr, ro, (5, 7), dev)
