@@ -125,48 +125,114 @@ def cli() -> None:
 @click.option("--cases", type=click.IntRange(1), default=8, show_default=True,
               help="Cases drawn from each pair's axes (seeded: the check is deterministic).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--timeout", "timeouts", multiple=True, metavar="SECONDS|GLOB=SECONDS",
+              help="Wall seconds one run of a case's paths may take before the pair FAILs as hung [default: 60, "
+              "or the pair's own TargetPair(timeout=); the first run may take 300 for imports]; GLOB=SECONDS for the "
+              "matching pairs (as `harness fuzz --timeout`).")
+@click.option("--no-isolation", is_flag=True, help="Check in this process instead of a supervised worker (for "
+              "debugging: no timeouts, and a crash of a target ends the check).")
 @plugin_option
-def check_command(pair_names: tuple[str, ...], cases: int, device: str, plugins: tuple[str, ...]) -> None:
+def check_command(pair_names: tuple[str, ...], cases: int, device: str, timeouts: tuple[str, ...],
+                  no_isolation: bool, plugins: tuple[str, ...]) -> None:
     """Check pairs against the contract before fuzzing them (`harness.check_pair`): each case run twice
     (determinism), shapes, rows in case order, a row depending only on the tokens before it, input
-    dependence. Exit 1 when a pair breaks it (each violation named), 2 for bad input."""
-    import warnings
-
-    from .conformance import ConformanceError, ConformanceWarning, check_pair
+    dependence. Each pair is checked in a worker process, every run of a case's paths under the
+    per-case timeout (a hang or a crash is a FAIL). Exit 1 when a pair breaks it (each violation
+    named), 2 for bad input."""
     from .env import resolve_device
     from .errors import HarnessError
     from .pairs import REGISTRY
 
+    if not no_isolation:
+        from .worker import start_fork_server
+
+        start_fork_server()
     try:
         load_plugins(plugins)
         pairs = REGISTRY.select(pair_names)
         dev = resolve_device(device)
+        default_timeout, per_pair = parse_timeouts(timeouts, pairs)
     except HarnessError as e:
         echo_err(f"error: {e}")
         sys.exit(EXIT_USAGE)
-    failed, cannot = [], []
-    for pair in pairs:
-        if dev not in pair.devices:
-            click.echo(f"{pair.name}: skipped (runs on {', '.join(pair.devices)}, not {dev})")
-            continue
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ConformanceWarning)
-            try:
-                checked = check_pair(pair, n_cases=cases, device=dev)
-                click.echo(f"{pair.name}: PASS ({len(checked)} cases)")
-            except ConformanceError as e:
-                failed.append(pair.name)
-                click.echo(f"{pair.name}: FAIL\n{e}")
-            except HarnessError as e:  # its own setup (a checkpoint folder that is gone): says nothing of its paths
+    from .fuzz import CampaignConfig
+
+    limits = CampaignConfig(pairs=pairs, timeout=default_timeout, timeouts=per_pair)
+    failed, cannot, done = [], [], set()
+    worker = None
+    if not no_isolation:
+        from .worker import Worker
+
+        worker = Worker(device=dev, plugins=plugins)
+    try:
+        for pair in pairs:
+            if dev not in pair.devices:
+                click.echo(f"{pair.name}: skipped (runs on {', '.join(pair.devices)}, not {dev})")
+                done.add(pair.name)
+                continue
+            timeout = limits.timeout_for(pair.name, pair.timeout)
+            verdict, text, warned = _check_one(pair, cases, dev, worker, timeout)
+            done.add(pair.name)
+            if verdict == "PASS":
+                click.echo(f"{pair.name}: PASS ({text} cases)")
+            elif verdict == "CANNOT":
                 cannot.append(pair.name)
-                click.echo(f"{pair.name}: CANNOT RUN here: {e}")
-        for w in caught:
-            if issubclass(w.category, ConformanceWarning):
-                echo_err(f"warning: {pair.name}: {w.message}")
+                click.echo(f"{pair.name}: CANNOT RUN here: {text}")
+            else:
+                failed.append(pair.name)
+                click.echo(f"{pair.name}: FAIL\n{text}")
+            for w in warned:
+                echo_err(f"warning: {pair.name}: {w}")
+    except KeyboardInterrupt:
+        left = [p.name for p in pairs if p.name not in done]
+        echo_err(f"interrupted: {len(left)} pair(s) not checked: {', '.join(left)}"
+                 + (f"; {len(failed)} broke the contract: {', '.join(failed)}" if failed else ""))
+        sys.exit(130)
+    finally:
+        if worker is not None:
+            worker.close()
     if failed:
         echo_err(f"{len(failed)} pair(s) break the contract: {', '.join(failed)}; fix them before fuzzing (a broken "
                  "pair's findings say nothing of its paths).")
     sys.exit(EXIT_FOUND if failed else EXIT_USAGE if cannot else EXIT_OK)
+
+
+def _check_one(pair: Any, cases: int, dev: str, worker: Any, timeout: float) -> tuple[str, str, list[str]]:
+    """(verdict, text, warnings) of one pair's contract check: in `worker` (timed, see `Worker.check`),
+    or in this process without one. A hang or a crash of a run is a FAIL that says where it was."""
+    if worker is None:
+        import warnings
+
+        from .conformance import ConformanceError, ConformanceWarning, check_pair
+        from .errors import HarnessError
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConformanceWarning)
+            try:
+                verdict = ("PASS", str(len(check_pair(pair, n_cases=cases, device=dev))))
+            except ConformanceError as e:
+                verdict = ("FAIL", str(e))
+            except HarnessError as e:  # its own setup (a checkpoint folder that is gone): says nothing of its paths
+                verdict = ("CANNOT", str(e))
+        return (*verdict, [str(w.message) for w in caught if issubclass(w.category, ConformanceWarning)])
+    from .fuzz import Executor, stack_where
+
+    cold = max(timeout, Executor.COLD_START_TIMEOUT)
+    verdict, text, warned, stack = worker.check(pair, cases, timeout, cold)
+    if verdict == "TIMEOUT":
+        first = not text
+        text = (f"  {text or 'before its first case'}: "
+                + (f"the pair did not load and run its first case within {cold:g} s (imports, compilation and the "
+                   "first run)" if first else f"a run of the case's paths (build, rollout, trainer) did not return "
+                   f"within {timeout:g} s")
+                + f": a hang? If the pair is just slow, raise it: `harness check --timeout '{pair.name}=SECONDS'` (or "
+                f"TargetPair(timeout=SECONDS)). Where it was: {stack_where(stack) if stack else '(no stack written)'}")
+        verdict = "FAIL"
+    elif verdict == "CRASH":
+        text = (f"  {text}: a run of the case's paths killed the process (a segfault or abort in a kernel, the "
+                f"OOM killer, an exit)" + (f". Where it was: {stack_where(stack)}" if stack.strip() else ""))
+        verdict = "FAIL"
+    return verdict, text, warned
 
 
 # ---------------------------------------------------------------------------------------------

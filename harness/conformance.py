@@ -53,6 +53,17 @@ PERMUTE_TV = 0.1  # a permuted row matches when its TV distance is under this fr
 PERMUTE_MATCH = 0.5  # ... for at least this fraction of a path's rows
 CANDIDATES = 16  # cases drawn to find one with two or more sequences for the permutation check
 
+# Called with each case before its paths run: a worker that runs a check for `harness check` reports
+# progress through it, so the supervisor times every run of a case as a campaign times a case
+# (`Worker.check`: a path that hangs is a FAIL, not a check that never ends).
+RUN_WATCHERS: list[Any] = []
+
+
+def _run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Any, Any]:
+    for watch in RUN_WATCHERS:
+        watch(case)
+    return run_paths(pair, case, device)
+
 
 class ConformanceError(AssertionError):
     pass
@@ -291,7 +302,7 @@ def _same_context(derived: Case, src: list[int], tokens: Any, tokens2: Any, rows
 def _relation(pair: TargetPair, case: Case, trainer: Any, rollout: Any, device: str, check: str, what: str,
               derived: Case, src: list[int], seqs: list[int], judged: list[int] | None, rule: str) -> list[str]:
     """Run the derived case; a path whose rows do not come back as `src` breaks `rule`."""
-    t2, r2 = run_paths(pair, derived, device)
+    t2, r2 = _run_paths(pair, derived, device)
     judged = _same_context(derived, src, rollout.tokens, r2.tokens,
                            judged if judged is not None else list(range(len(src))))
     follows = {role: _follows(a.logprobs, b.logprobs, src, judged) if judged else None for role, a, b in
@@ -359,7 +370,7 @@ def check_input_dependence(pair: TargetPair, case: Case, trainer: Any, rollout: 
     import torch
 
     other = case.replace(seed=(case.seed + 1) % 2**63)
-    t2, r2 = run_paths(pair, other, device)
+    t2, r2 = _run_paths(pair, other, device)
     out = []
     for role, a, b in (("trainer", trainer, t2), ("rollout", rollout, r2)):
         lp = a.logprobs
@@ -392,8 +403,8 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
     for case in checked:
         where = f"case {case.one_line()}"
         try:
-            t1, r1 = run_paths(pair, case, device)
-            t2, r2 = run_paths(pair, case, device)
+            t1, r1 = _run_paths(pair, case, device)
+            t2, r2 = _run_paths(pair, case, device)
         except Exception as e:
             problems.append(f"{where}: the pair raised {_raised(e)}")
             continue
@@ -524,7 +535,7 @@ def _metamorphic(pair: TargetPair, checked: list[Case], kept: dict, device: str,
     problems: list[str] = []
 
     def _outcomes(case: Case) -> tuple[Any, Any]:
-        return kept[case.key()][1] if case.key() in kept else run_paths(pair, case, device)  # tie-free: anew
+        return kept[case.key()][1] if case.key() in kept else _run_paths(pair, case, device)  # tie-free: anew
 
     # input dependence on the longest response: a model whose sequences start from a fixed token
     # gives a one-token, prompt-free case the same row under every seed, rightly

@@ -375,22 +375,10 @@ class Worker:
         if stop < min(hang_at, wall_at):
             return None  # still running; the caller may come back for it
         out_of_wall = wall_at <= hang_at
-        stack = ""
         # stopped by the budget past its per-case timeout (a first case inside its cold-start allowance):
         # perhaps a hang, so its stacks are read as for a timeout
         dump = not out_of_wall or time.monotonic() - max(sent, self._last_done) >= timeout - cold_extra
-        if dump:
-            try:
-                os.kill(self.proc.pid, signal.SIGUSR1)  # the worker's faulthandler writes its stacks
-            except (OSError, TypeError):
-                pass
-        prev = None
-        for _ in range(40):  # until the dump stops growing: faulthandler writes it in many small writes
-            stack = self._read_log()
-            if not dump or (stack and stack == prev):
-                break
-            prev = stack
-            time.sleep(0.025)
+        stack = self._stacks(dump)
         self.kill()
         self.restarts += 1
         if out_of_wall:
@@ -405,6 +393,74 @@ class Worker:
                        f"`pytest --harness-timeout={pair.name}=SECONDS`, or the pair's own TargetPair(timeout=SECONDS) "
                        "(a plain --timeout SECONDS does not override a pair's own)",
             "traceback": stack, "timeout_s": float(timeout - cold_extra)}, threads=self.threads)  # (the per-case timeout)
+
+    def _stacks(self, dump: bool = True) -> str:
+        """Every thread's Python stack in the running worker, written by its faulthandler on SIGUSR1
+        (even a thread stuck in C code holding the GIL); "" without `dump`."""
+        if not dump:
+            return ""
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR1)
+        except (OSError, TypeError):
+            pass
+        stack = prev = ""
+        for _ in range(40):  # until the dump stops growing: faulthandler writes it in many small writes
+            stack = self._read_log()
+            if stack and stack == prev:
+                break
+            prev = stack
+            time.sleep(0.025)
+        return stack
+
+    # -- a contract check ------------------------------------------------------------------------
+    def check(self, pair: Any, n_cases: int, timeout: float, cold: float) -> tuple[str, str, list[str], str]:
+        """`harness check` of one pair in the worker (`conformance.check_pair`), each run of a case's
+        paths timed as a campaign times a case: (verdict, text, warnings, stack), the verdict one of
+        PASS (text: the cases checked), FAIL (text: the violations), CANNOT (its own setup failed: a
+        harness error), TIMEOUT (a run past `timeout` seconds, or `cold` for the first, which pays the
+        imports; text: the case; stack: where it was) or CRASH (the worker died; text: the case)."""
+        for _ in range(2):
+            if self.proc is None or not self.proc.is_alive():
+                if self.proc is not None:
+                    self.kill()
+                    self.restarts += 1
+                self.start()
+            if not self.ready:
+                self._wait_ready(None)
+                self.ready = True
+            self._clear_log()
+            try:
+                self.conn.send(("check", pair.name, pair.source, n_cases))
+                break
+            except (OSError, BrokenPipeError):
+                self.kill()
+        step, limit, since = "", cold, time.monotonic()
+        while True:
+            if not self.conn.poll(max(0.0, since + limit - time.monotonic())):
+                stack = self._stacks()
+                self.kill()
+                self.restarts += 1
+                return "TIMEOUT", step, [], stack
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            if msg is None:
+                self.proc.join(5)
+                what = _signal_name(self.proc.exitcode)
+                stack = self._read_log()
+                self.kill()
+                self.restarts += 1
+                return "CRASH", f"{step} (the worker process died: {what})", [], stack
+            kind, payload = msg
+            if kind == "step":  # a run of a case's paths begins: the one before it came back
+                if step:
+                    limit = timeout
+                step, since = payload, time.monotonic()
+                continue
+            if kind == "checked":
+                return (*payload, "")
+            raise WorkerError(payload)
 
     @property
     def replace_due(self) -> bool:
@@ -534,6 +590,9 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
             return
         if msg[0] == "stop":
             return
+        if msg[0] == "check":
+            _serve_check(conn, msg[1], msg[2], msg[3], device, plugins, pairs)
+            continue
         _, name, source, case, threshold = msg
         try:
             pair = pairs.get((name, source))
@@ -559,6 +618,42 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
 
             ev.backends = backend_versions()
         conn.send(("ok", ev))
+
+
+def _serve_check(conn: Any, name: str, source: str, n_cases: int, device: str, plugins: tuple[str, ...],
+                 pairs: dict) -> None:
+    """`Worker.check` on the worker's side: the contract check of one pair, a ("step", case) message
+    before each run of a case's paths, then ("checked", (verdict, text, warnings))."""
+    import warnings
+
+    from .conformance import RUN_WATCHERS, ConformanceError, ConformanceWarning, check_pair
+    from .errors import HarnessError
+
+    try:
+        pair = pairs.get((name, source))
+        if pair is None:
+            pair = pairs[(name, source)] = load_pair(name, source, plugins)
+    except Exception as e:
+        conn.send(("error", f"pair {name!r} does not load in the worker process: {type(e).__name__}: {e}"))
+        return
+
+    def watch(case: Any) -> None:
+        conn.send(("step", f"case {case.one_line()}"))
+
+    RUN_WATCHERS.append(watch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConformanceWarning)
+        try:
+            verdict = ("PASS", str(len(check_pair(pair, n_cases=n_cases, device=device))))
+        except ConformanceError as e:
+            verdict = ("FAIL", str(e))
+        except HarnessError as e:  # its own setup (a checkpoint folder that is gone): says nothing of its paths
+            verdict = ("CANNOT", str(e))
+        except Exception as e:  # raised outside the runs the check catches (drawing its cases, say)
+            verdict = ("FAIL", f"the check raised {type(e).__name__}: {e}")
+        finally:
+            RUN_WATCHERS.remove(watch)
+    conn.send(("checked", (*verdict, [str(w.message) for w in caught if issubclass(w.category, ConformanceWarning)])))
 
 
 def load_pair(name: str, source: str, plugins: tuple[str, ...] = ()) -> Any:

@@ -229,3 +229,27 @@ def test_harness_check_runs_the_contract_check_from_the_command_line(tmp_path, h
     assert "1 pair(s) break the contract: checked.unseeded" in err and "Traceback" not in err
     code, out, err = harness_cli("check", "checked.nope")
     assert code == 2 and "no target pair named 'checked.nope'" in err
+
+
+def test_harness_check_fails_a_pair_that_hangs_or_crashes_and_goes_on(tmp_path, harness_cli):
+    """A pair whose rollout hangs on cases of more than 3 tokens had kept `harness check` running for
+    as long as anyone waited (it ran in-process, with no timeout); a crash took the command with it."""
+    plugin = write(tmp_path / "stuck.py", "import os, time, torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+                   "def build(case, device):\n    return case.token_randn(16, 'x')\n"
+                   "def good(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
+                   "def hangs(x):\n    if x.shape[0] > 3:\n        time.sleep(3600)\n    return good(x)\n"
+                   "def dies(x):\n    os.abort()\n"
+                   "ax = Axes(n_seqs=(1, 2), seq_len=(1, 4))\n"
+                   "register(TargetPair(name='stuck.a_hangs', kind='op', expected='aligned', build=build, trainer=good,"
+                   " rollout=hangs, axes=ax))\n"
+                   "register(TargetPair(name='stuck.b_dies', kind='op', expected='aligned', build=build, trainer=good,"
+                   " rollout=dies, axes=ax))\n"
+                   "register(TargetPair(name='stuck.c_good', kind='op', expected='aligned', build=build, trainer=good,"
+                   " rollout=good, axes=ax))\n")
+    code, out, err = harness_cli("check", "--plugin", plugin, "stuck.*", "--cases", "8", "--timeout", "3", timeout=200)
+    assert code == 1, out + err
+    assert "stuck.a_hangs: FAIL" in out and "did not return within 3 s: a hang?" in out and "Where it was: File" in out, out
+    assert "in hangs" in out and "--timeout 'stuck.a_hangs=SECONDS'" in out, out
+    assert "stuck.b_dies: FAIL" in out and "the worker process died" in out, out
+    assert "stuck.c_good: PASS (8 cases)" in out, out
+    assert "2 pair(s) break the contract: stuck.a_hangs, stuck.b_dies" in err and "Traceback" not in err, err
