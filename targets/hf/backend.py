@@ -470,8 +470,8 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
         if (patched is None or patched is model) and _visible_state(model) == before and nx.patch not in _said_idle:
             _said_idle.add(nx.patch)
             print(f"warning: module patch {nx.patch!r} ({_where(fn)}) changed nothing the harness can see in the "
-                  f"{type(model).__name__}: no module replaced, no forward overridden, no parameter, buffer or config "
-                  "value changed. Its path runs the unpatched model, so a pair comparing it is aligned by "
+                  f"{type(model).__name__}: no module replaced, no forward overridden, no hook registered, no "
+                  "attribute, parameter, buffer or config value changed. Its path runs the unpatched model, so a pair comparing it is aligned by "
                   "construction; check what the patch selects (a typo in a module or attribute name?).",
                   file=sys.stderr, flush=True)
         model = model if patched is None else patched
@@ -492,29 +492,37 @@ _said_idle: set[str] = set()  # patches already reported as changing nothing (on
 
 def _visible_state(model: Any) -> tuple:
     """What a module patch can change that the harness sees: each module's object, class, its class's
-    forward (a monkeypatched class method) and its own attributes (a forward set on it, a scaling
-    factor, a flag), each parameter's and buffer's object and the sum of its values (a patch that
-    quantises weights in place), and the config's values. (A change to a module-level function of
+    forward (a monkeypatched class method), its own attributes (a forward set on it, a scaling factor,
+    a flag, private ones too) and the hooks registered on it (forward, pre-forward, backward), each
+    parameter's and buffer's object and the sum of its values (a patch that quantises weights in
+    place), the global module hooks, and the config's values. (A change to a module-level function of
     the modelling code is not seen.)"""
     import torch
+    from torch.nn.modules import module as torch_module
 
     def total(t: Any) -> float:
         return float(t.detach().double().sum()) if isinstance(t, torch.Tensor) and t.numel() else 0.0
 
     def attrs(m: Any) -> tuple:  # its own attributes (a scaling factor, a flag its forward reads, a new method)
         return tuple(sorted((k, v if isinstance(v, (int, float, str, bool, type(None))) else id(v))
-                            for k, v in m.__dict__.items() if not k.startswith("_")))
+                            for k, v in m.__dict__.items()))
 
-    mods = tuple((name, id(m), type(m), getattr(type(m), "forward", None), attrs(m),
+    def hooks(owner: Any, names: tuple[str, ...]) -> tuple:  # (a hook dict is the same object after a patch adds to it)
+        return tuple((n, tuple((k, id(f)) for k, f in getattr(owner, n, {}).items())) for n in names)
+
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    mods = tuple((name, id(m), type(m), getattr(type(m), "forward", None), attrs(m), hooks(m, kinds),
                   tuple((k, id(v), total(v)) for k, v in m._parameters.items()),
                   tuple((k, id(v), total(v)) for k, v in m._buffers.items()))
                  for name, m in model.named_modules())
+    global_hooks = hooks(torch_module, ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                        "_global_backward_hooks", "_global_backward_pre_hooks"))
     config = getattr(model, "config", None)
     try:
         cfg = repr(sorted(config.to_dict().items())) if config is not None else ""
     except Exception:  # noqa: BLE001 - a config that does not serialise: not compared
         cfg = ""
-    return mods, cfg
+    return mods, global_hooks, cfg
 
 
 def router_modules(model: Any) -> list[tuple[str, Any]]:

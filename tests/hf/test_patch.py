@@ -315,8 +315,15 @@ def test_a_patch_that_changes_nothing_is_named_and_one_that_changes_anything_is_
     def flag(model):  # a flag on the model object itself
         model.patched_by_test = True
 
+    def hook(model):  # a forward hook that edits the head's logits (a trial's top-p bug was planted so)
+        model.get_output_embeddings().register_forward_hook(lambda mod, args, out: out * 1.0001)
+
+    def pre_hook(model):
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: args)
+
     spec = HFModel.from_config(TINY["qwen3_moe"], init_seed=5)
-    for name, fn, idle in (("test_typo", typo, True), ("test_scale", scale, False), ("test_flag", flag, False)):
+    for name, fn, idle in (("test_typo", typo, True), ("test_scale", scale, False), ("test_flag", flag, False),
+                           ("test_hook", hook, False), ("test_pre_hook", pre_hook, False)):
         register_patch(name, fn)
         try:
             capsys.readouterr()
