@@ -80,6 +80,8 @@ RECORDED_KEYS = ("rec_prompt", "rec_response", "rec_logprobs")  # case params ho
 # name -> module patch: your own modules swapped into a path's model (`register_patch`)
 PATCHES: dict[str, Callable[[Any], Any]] = {}
 NO_PATCH = "none"
+SAMPLERS: dict[str, Callable[..., Any]] = {}
+EXACT_SAMPLER = "exact"  # `process_logits`: temperature, then top-k, then top-p, normalised
 
 # component -> what a person calls it (the triage labels)
 COMPONENTS = {
@@ -92,6 +94,7 @@ COMPONENTS = {
     "packing": "trainer packing (sequences packed into shared rows, or one sequence per row)",
     "head_rows": "LM-head rows (every position of the forward, or only those that score response tokens)",
     "patch": "module patch (modules of your own swapped in: register_patch)",
+    "sampler": "sampler (the log-probabilities a path reports from its logits: register_sampler)",
 }
 
 
@@ -131,6 +134,58 @@ def register_patch(name: str, fn: Callable[[Any], Any] | None = None) -> Any:
     return add(fn) if fn is not None else add
 
 
+def register_sampler(name: str, fn: Callable[..., Any] | None = None) -> Any:
+    """Register a sampler under `name`, for `Numerics(sampler=name)`; usable as a decorator.
+
+    `fn(logits, temperature, top_k, top_p)` receives a path's float32 (N, V) logits and the case's
+    sampling parameters (`top_k` 0 and `top_p` 1.0: off) and returns the (N, V) log-probabilities
+    the path reports: an engine's own sampler (its temperature, top-k and top-p code, its
+    normalisation), where the default (`exact`, `process_logits`) applies temperature, then top-k,
+    then top-p, and normalises. The rollout draws its tokens from what it returns (normalised for the
+    draw); the trainer scores with it. It must be deterministic, and -inf marks a token it excludes.
+    Triage swaps the sampler back to `exact` like any other component.
+
+        @register_sampler("temperature_after_softmax")
+        def late_temperature(logits, temperature, top_k, top_p):
+            return torch.log_softmax(logits, -1) / temperature   # an engine that scales the log-probs
+
+        register(hf_pair("mine.sampler", CHECKPOINT, FP32, FP32.replace(sampler="temperature_after_softmax")))
+    """
+    if not isinstance(name, str) or not name or name == EXACT_SAMPLER or not name.replace("_", "a").replace(
+            ".", "a").replace("-", "a").isalnum():
+        raise UsageError(f"register_sampler: {name!r} is not a usable sampler name; use letters, digits, '_', '-' or "
+                         f"'.' (and not {EXACT_SAMPLER!r}, which means the harness's own).")
+
+    def add(f: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(f):
+            raise UsageError(f"register_sampler({name!r}): the sampler must be a function (logits, temperature, top_k, "
+                             f"top_p) -> log-probabilities; got {type(f).__name__}.")
+        if SAMPLERS.get(name, f) is not f and _where(SAMPLERS[name]) != _where(f):
+            raise UsageError(f"register_sampler: a different sampler is already registered as {name!r} "
+                             f"({_where(SAMPLERS[name])}); pick another name.")
+        SAMPLERS[name] = f
+        return f
+
+    return add(fn) if fn is not None else add
+
+
+def path_logprobs(nx: "Numerics", logits: Any, temperature: float, top_k: int, top_p: float) -> Any:
+    """The (N, V) float32 log-probabilities a path reports from its (N, V) logits: its sampler's."""
+    if nx.sampler == EXACT_SAMPLER:
+        return process_logits(logits, temperature, top_k, top_p)
+    import torch
+
+    fn = SAMPLERS[nx.sampler]
+    out = fn(logits, temperature, top_k, top_p)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(logits.shape) or not out.is_floating_point():
+        got = f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else \
+            f"a {out.dtype} tensor of shape {tuple(out.shape)}"
+        raise UsageError(f"sampler {nx.sampler!r} ({_where(fn)}) returned {got} for logits of shape "
+                         f"{tuple(logits.shape)}; a sampler returns floating-point log-probabilities of the logits' shape "
+                         "(one row per row, -inf for a token it excludes).")
+    return out.float()
+
+
 def _where(f: Any) -> str:
     """Where a function is defined (its file, or module, name and line): two lambdas of one file differ,
     and one file imported under two module names (a plugin another plugin imports) is the same def."""
@@ -156,6 +211,7 @@ class Numerics:
     # "scored" (only the positions whose outputs are read, as an engine's prefill, or a trainer with a
     # fused head: (positions, V) logits of long prompts never exist). A rollout is always "scored".
     head_rows: str = "all"
+    sampler: str = EXACT_SAMPLER  # the log-probabilities a path reports from its logits (register_sampler)
 
     def __post_init__(self) -> None:
         for name, allowed in (("body", DTYPES), ("router", DTYPES), ("lm_head", DTYPES), ("attention", ATTENTION),
@@ -168,6 +224,11 @@ class Numerics:
             raise UsageError(f"Numerics.patch={self.patch!r} is not a registered patch ({known}); register it with "
                              "targets.hf.register_patch(name, fn) before building the Numerics that name it (in a "
                              "plugin: above the hf_pair call), or use patch='none'.")
+        if self.sampler != EXACT_SAMPLER and self.sampler not in SAMPLERS:
+            known = ", ".join(sorted(SAMPLERS)) or "none registered"
+            raise UsageError(f"Numerics.sampler={self.sampler!r} is not a registered sampler ({known}); register it "
+                             "with targets.hf.register_sampler(name, fn) before building the Numerics that name it, or "
+                             f"use sampler={EXACT_SAMPLER!r}.")
 
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)

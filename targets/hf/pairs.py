@@ -24,7 +24,7 @@ from harness import Axes, Outcome, RoutingAxes, TargetPair
 from harness.errors import UsageError
 
 from . import paths
-from .backend import COMPONENTS, FP32, NO_PATCH, HFModel, Numerics, as_rollout, model_from
+from .backend import COMPONENTS, EXACT_SAMPLER, FP32, NO_PATCH, HFModel, Numerics, as_rollout, model_from
 
 MAX_PROMPT = 12  # prompt tokens per sequence (fuzzed 0..MAX_PROMPT)
 MAX_RESPONSE = 16  # response tokens per sequence (every one decoded from the KV cache)
@@ -90,6 +90,11 @@ def labels(trainer: Numerics, rollout: Numerics) -> dict[str, str]:
         out["patch"] = f"module patch {r!r} on the rollout vs {t!r} on the trainer (register_patch)"
     elif t != NO_PATCH:
         out["patch"] = f"module patch {t!r} on both paths (register_patch)"
+    t, r = trainer.sampler, rollout.sampler
+    if t != r:
+        out["sampler"] = f"sampler {r!r} on the rollout vs {t!r} on the trainer (register_sampler)"
+    elif t != EXACT_SAMPLER:
+        out["sampler"] = f"sampler {t!r} on both paths (register_sampler)"
     return out
 
 

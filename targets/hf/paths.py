@@ -15,7 +15,7 @@ from harness import Outcome, Routing
 from harness.pairs import ROW_POSITIONS
 
 from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, ReplayError, Sampling, path_model, \
-    process_logits, sample_rows
+    path_logprobs, sample_rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +239,7 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
     lp_rows: list[list] = [[] for _ in range(b)]
     tok_rows: list[list] = [[] for _ in range(b)]
     for i in range(steps):
-        lp = process_logits(logits, temp, top_k, top_p)  # (B, V)
+        lp = path_logprobs(nx, logits, temp, top_k, top_p)  # (B, V)
         ui = torch.tensor([float(u[j][i]) if i < inp.resp_lens[j] else 0.5 for j in range(b)])
         tok = sample_rows(lp, ui).to(torch.int64).cpu()  # (B,)
         for j in range(b):
@@ -334,11 +334,11 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
         # only the recorded tokens' log-probabilities are kept: rows are processed a chunk at a time, so
         # a long recording costs one chunk of (rows, V) beyond the model's logits, not (T, V) twice
         step = max(1, RECORDED_CHUNK_ELEMS // logits.shape[-1])
-        lp_token = torch.cat([process_logits(logits[a:a + step], temp, top_k, top_p)
+        lp_token = torch.cat([path_logprobs(nx, logits[a:a + step], temp, top_k, top_p)
                               .gather(1, tokens[a:a + step, None].to(logits.device)).squeeze(1).cpu()
                               for a in range(0, len(logits), step)])
         return Outcome(logprobs=two_outcome(lp_token), routing=routing)
-    logprobs = process_logits(logits, temp, top_k, top_p)  # (T, V)
+    logprobs = path_logprobs(nx, logits, temp, top_k, top_p)  # (T, V)
     where = torch.stack([torch.zeros_like(sel_r), sel_r, sel_c], -1)  # (its one forward; for triage)
     return Outcome(logprobs=logprobs, routing=routing, intermediates={ROW_POSITIONS: where})
 

@@ -332,3 +332,58 @@ def test_a_patch_that_changes_nothing_is_named_and_one_that_changes_anything_is_
             assert (f"module patch {name!r}" in err and "changed nothing the harness can see" in err) == idle, err
         finally:
             PATCHES.pop(name, None)
+
+
+def test_an_engines_own_sampler_is_a_component_caught_and_localized():
+    """`register_sampler`: an engine's temperature / top-p code in a path. One that scales the
+    log-softmax by the temperature (normalised: the same distribution, KL 0; every importance ratio
+    off) is caught on its expected k3 and triage's swap of `sampler` finds it; one that keeps one
+    nucleus token too few is caught on the KL; a re-implementation of the exact sampler is aligned."""
+    import dataclasses
+    import math
+
+    from harness.case import Case
+    from harness.execute import run_case
+    from harness.triage import localize
+    from targets.hf import default_axes, hf_pair, register_sampler
+    from targets.hf.backend import SAMPLERS, process_logits
+
+    def late_temperature(logits, temperature, top_k, top_p):
+        return torch.log_softmax(logits, -1) / temperature
+
+    def nucleus_one_short(logits, temperature, top_k, top_p):
+        lp = torch.log_softmax(logits / temperature, -1)
+        if top_p < 1.0:
+            srt, order = torch.sort(lp, -1, descending=True)
+            kept = ((torch.cumsum(srt.exp(), -1) - srt.exp()) < top_p).sum(-1, keepdim=True)  # (N, 1)
+            drop = torch.arange(lp.shape[-1]) >= (kept - 1).clamp_min(1)  # the smallest kept token dropped too
+            lp = torch.log_softmax(lp.masked_fill(drop.scatter(-1, order, drop), -math.inf), -1)
+        return lp
+
+    def engine_exact(logits, temperature, top_k, top_p):
+        return process_logits(logits.clone(), temperature, top_k, top_p)
+
+    spec = HFModel.from_config(TINY["qwen3"], init_seed=3)
+    axes = dataclasses.replace(default_axes(spec), top_p=(0.5, 1.0))
+    try:
+        for name, fn in (("test_late_temperature", late_temperature), ("test_nucleus_one_short", nucleus_one_short),
+                         ("test_engine_exact", engine_exact)):
+            register_sampler(name, fn)
+        with pytest.raises(UsageError, match="not a registered sampler"):
+            FP32.replace(sampler="test_nope")
+        hot = Case(seed=4, seq_lens=(6, 3), prompt_lens=(3, 2), temperature=0.7)
+        late = hf_pair("sampled.late_temperature", spec, FP32, FP32.replace(sampler="test_late_temperature"), axes=axes)
+        ev = run_case(late, hot)
+        assert ev.failed and ev.divergence.fired == "k3" and ev.divergence.kl < 1e-6, ev.divergence
+        loc = localize(late, hot, "cpu", 1e-3, ev.score)
+        assert loc is not None and loc.minimal == ["sampler"] and loc.explained, loc
+        assert "sampler 'test_late_temperature' on the rollout" in late.profiles.labels["sampler"]
+        assert not run_case(late, dataclasses.replace(hot, temperature=1.0)).failed  # (T = 1: no bug to see)
+        short = hf_pair("sampled.nucleus", spec, FP32, FP32.replace(sampler="test_nucleus_one_short"), axes=axes)
+        ev = run_case(short, dataclasses.replace(hot, top_p=0.6, temperature=1.0))
+        assert ev.failed and ev.divergence.kl > 1e-3, ev.divergence
+        exact = hf_pair("sampled.exact", spec, FP32, FP32.replace(sampler="test_engine_exact"), axes=axes)
+        assert not run_case(exact, dataclasses.replace(hot, top_p=0.6)).failed
+    finally:
+        for name in ("test_late_temperature", "test_nucleus_one_short", "test_engine_exact"):
+            SAMPLERS.pop(name, None)
