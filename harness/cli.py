@@ -201,20 +201,9 @@ def _check_one(pair: Any, cases: int, dev: str, worker: Any, timeout: float) -> 
     """(verdict, text, warnings) of one pair's contract check: in `worker` (timed, see `Worker.check`),
     or in this process without one. A hang or a crash of a run is a FAIL that says where it was."""
     if worker is None:
-        import warnings
+        from .conformance import check_verdict
 
-        from .conformance import ConformanceError, ConformanceWarning, check_pair
-        from .errors import HarnessError
-
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ConformanceWarning)
-            try:
-                verdict = ("PASS", str(len(check_pair(pair, n_cases=cases, device=dev))))
-            except ConformanceError as e:
-                verdict = ("FAIL", str(e))
-            except HarnessError as e:  # its own setup (a checkpoint folder that is gone): says nothing of its paths
-                verdict = ("CANNOT", str(e))
-        return (*verdict, [str(w.message) for w in caught if issubclass(w.category, ConformanceWarning)])
+        return check_verdict(pair, cases, dev)
     from .fuzz import Executor, stack_where
 
     cold = max(timeout, Executor.COLD_START_TIMEOUT)

@@ -553,3 +553,23 @@ def _metamorphic(pair: TargetPair, checked: list[Case], kept: dict, device: str,
         problems.append(f"the pair raised {_raised(e)} on a derived case (another seed, sequences "
                         f"rotated, or a token removed)")
     return problems
+
+
+def check_verdict(pair: TargetPair, n_cases: int, device: str) -> tuple[str, str, list[str]]:
+    """`check_pair` as `harness check` reports it: (verdict, text, warnings), the verdict PASS (text:
+    the cases checked), FAIL (text: the violations, or what the check raised outside the runs it
+    catches) or CANNOT (the pair's own setup raised a harness error: a checkpoint folder that is gone;
+    it says nothing of its paths), with the `ConformanceWarning`s it gave."""
+    from .errors import HarnessError
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConformanceWarning)
+        try:
+            verdict = ("PASS", str(len(check_pair(pair, n_cases=n_cases, device=device))))
+        except ConformanceError as e:
+            verdict = ("FAIL", str(e))
+        except HarnessError as e:
+            verdict = ("CANNOT", str(e))
+        except Exception as e:  # noqa: BLE001 - drawing its cases, say: a FAIL that says what, not a traceback
+            verdict = ("FAIL", f"the check raised {type(e).__name__}: {e}")
+    return (*verdict, [str(w.message) for w in caught if issubclass(w.category, ConformanceWarning)])

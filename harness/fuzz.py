@@ -692,7 +692,7 @@ class _Setup(BaseException):
         self.evaluation = ev
 
 
-_SETUP_TAIL = " That is the pair's own setup"
+_SETUP_TAIL = " That is the pair's own"
 
 
 def setup_headline(message: str) -> str:
@@ -730,13 +730,15 @@ def setup_message(ev: Evaluation) -> str:
     contract on its first case (`breaks_contract`)."""
     err = ev.error or {}
     lines = str(err.get("message", "")).strip().splitlines()
+    first = lines[0].rstrip() if lines else ""
     if not ev.setup and breaks_contract(ev):
         return (f"{ev.pair} cannot run here: its first case, the simplest, raised {err.get('type', 'Error')}: "
-                f"{lines[0] if lines else ''}" + _SETUP_TAIL + " code (what its paths return breaks the harness's "
-                "contract on the simplest case, so no case can be judged), not a divergence of its paths, so "
-                "nothing was recorded for it; fix the pair's paths as the message says and run it again.")
+                f"{first}{'' if first.endswith('.') else '.'}" + _SETUP_TAIL + " code's fault: what its paths "
+                "return breaks the harness's contract on the simplest case, so no case can be judged; it is not a "
+                "divergence of its paths, and nothing was recorded for it. Fix the pair's paths as the message says "
+                "and run it again.")
     return (f"{ev.pair} cannot run here: its case raised {err.get('type', 'HarnessError')}: "
-            f"{lines[0] if lines else ''} (at {err.get('where', '?')})." + _SETUP_TAIL + " (a harness "
+            f"{first} (at {err.get('where', '?')})." + _SETUP_TAIL + " setup (a harness "
             "error: a checkpoint that is gone, a setting it refuses), not a divergence of its paths, so nothing was "
             "recorded for it; fix what the message names and run it again (if it refuses only some cases, narrow its "
             "axes so that they are never drawn).")

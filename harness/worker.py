@@ -594,12 +594,8 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
             _serve_check(conn, msg[1], msg[2], msg[3], device, plugins, pairs)
             continue
         _, name, source, case, threshold = msg
-        try:
-            pair = pairs.get((name, source))
-            if pair is None:
-                pair = pairs[(name, source)] = load_pair(name, source, plugins)
-        except Exception as e:
-            conn.send(("error", f"pair {name!r} does not load in the worker process: {type(e).__name__}: {e}"))
+        pair = _loaded(conn, pairs, name, source, plugins)
+        if pair is None:
             continue
         try:
             ev = run_case(pair, case, device, threshold)
@@ -620,40 +616,38 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
         conn.send(("ok", ev))
 
 
-def _serve_check(conn: Any, name: str, source: str, n_cases: int, device: str, plugins: tuple[str, ...],
-                 pairs: dict) -> None:
-    """`Worker.check` on the worker's side: the contract check of one pair, a ("step", case) message
-    before each run of a case's paths, then ("checked", (verdict, text, warnings))."""
-    import warnings
-
-    from .conformance import RUN_WATCHERS, ConformanceError, ConformanceWarning, check_pair
-    from .errors import HarnessError
-
+def _loaded(conn: Any, pairs: dict, name: str, source: str, plugins: tuple[str, ...]) -> Any:
+    """The pair of that name from the worker's cache (loaded on first use), or None after telling the
+    campaign it does not load."""
     try:
         pair = pairs.get((name, source))
         if pair is None:
             pair = pairs[(name, source)] = load_pair(name, source, plugins)
+        return pair
     except Exception as e:
         conn.send(("error", f"pair {name!r} does not load in the worker process: {type(e).__name__}: {e}"))
+        return None
+
+
+def _serve_check(conn: Any, name: str, source: str, n_cases: int, device: str, plugins: tuple[str, ...],
+                 pairs: dict) -> None:
+    """`Worker.check` on the worker's side: the contract check of one pair, a ("step", case) message
+    before each run of a case's paths, then ("checked", (verdict, text, warnings))."""
+    from .conformance import RUN_WATCHERS, check_verdict
+
+    pair = _loaded(conn, pairs, name, source, plugins)
+    if pair is None:
         return
 
     def watch(case: Any) -> None:
         conn.send(("step", f"case {case.one_line()}"))
 
     RUN_WATCHERS.append(watch)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", ConformanceWarning)
-        try:
-            verdict = ("PASS", str(len(check_pair(pair, n_cases=n_cases, device=device))))
-        except ConformanceError as e:
-            verdict = ("FAIL", str(e))
-        except HarnessError as e:  # its own setup (a checkpoint folder that is gone): says nothing of its paths
-            verdict = ("CANNOT", str(e))
-        except Exception as e:  # raised outside the runs the check catches (drawing its cases, say)
-            verdict = ("FAIL", f"the check raised {type(e).__name__}: {e}")
-        finally:
-            RUN_WATCHERS.remove(watch)
-    conn.send(("checked", (*verdict, [str(w.message) for w in caught if issubclass(w.category, ConformanceWarning)])))
+    try:
+        verdict = check_verdict(pair, n_cases, device)
+    finally:
+        RUN_WATCHERS.remove(watch)
+    conn.send(("checked", verdict))
 
 
 def load_pair(name: str, source: str, plugins: tuple[str, ...] = ()) -> Any:
