@@ -706,7 +706,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                    f"{Case.from_json(shrunk[0]['replaced_case']).one_line() if shrunk[0].get('replaced_case') else '?'}):")
     for k, v in r.metrics.items():
         if k != "fired":
-            click.echo(f"  {k:18s} {_fmt(v)}")
+            note = (" (a correlation needs 2 or more tokens)" if k == "pearson" and isinstance(v, float) and math.isnan(v)
+                    and r.case.n_tokens < 2 else "")
+            click.echo(f"  {k:18s} {_fmt(v)}{note}")
     if r.metrics:
         fired = r.metrics.get("fired")
         k3e, k3s = r.metrics.get("k3_expected", math.nan), r.metrics.get("k3_kl")
@@ -722,6 +724,16 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                       "are known, so a lower bound of the exact KL); " if rec else
                       f"mean exact KL {_fmt(r.metrics.get('kl'))}; ")
                    + f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
+        flips = r.metrics.get("flip_rate")
+        if isinstance(flips, (int, float)) and flips > 0:
+            ties = r.metrics.get("tie_flip_rate")
+            click.echo(f"  routing flipped: the two paths chose other experts for {flips:.1%} of routed (token, layer) choices"
+                       + (f" ({ties:.1%} where a path had an exact tie at the top-k boundary)" if isinstance(ties, (int, float)) and ties > 0
+                          else "")
+                       + ". The divergence may come through the flip (a rounding difference that changed a choice, "
+                       "and every later token of that sequence) rather than the gap itself, so the case keeps what "
+                       f"makes the flip (near ties, sampling): `harness triage {file}` splits flips from the "
+                       "rest, and router replay removes flips.")
     if r.error:
         click.echo(f"\nerror: {r.error.get('type')}: {r.error.get('message')}\n{r.error.get('traceback', '')}")
     env = r.environment

@@ -530,3 +530,16 @@ def test_an_open_regression_that_replays_clean_fails_with_the_command_that_close
     assert (f"`harness regressions close {repro.stem} --status fixed --plugin {plugin} --corpus-file "
             in res.stdout), res.stdout
     assert "def test_replay" not in res.stdout, res.stdout  # (no test source around the failure)
+
+
+def test_show_says_when_routing_flipped_and_why_pearson_is_nan(capsys):
+    """A trial's shrunk bf16-combine repro kept its near ties and temperature: what it caught came
+    through a routing flip, which show did not say; a one-token repro's `pearson nan` had no word."""
+    flipped = ROOT / "corpora" / "model.bf16_rollout" / "c6198e045f27.json"  # one token, flip_rate 0.5
+    code, out, _ = run_cli(capsys, "show", str(flipped))
+    assert code == 0 and "routing flipped: the two paths chose other experts for 50.0% of routed" in out, out
+    assert f"`harness triage {flipped}` splits flips from the rest" in out
+    assert "pearson            nan (a correlation needs 2 or more tokens)" in out
+    code, out, _ = run_cli(capsys, "show", str(ROOT / "corpora" / "moe_aggregate.bf16" / next(
+        (ROOT / "corpora" / "moe_aggregate.bf16").glob("*.json")).name))
+    assert code == 0 and "routing flipped" not in out, out
