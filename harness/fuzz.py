@@ -1345,6 +1345,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 if said == "MISSED" and (unit in fill or unit.streams > 1):  # the pair's verdict comes at the end
                     said = "not caught yet" + (" (more rounds follow if time is left)" if unit in fill else
                                                " (by this stream)")
+                elif said == "clean" and unit in fill:  # (a later round may still find something)
+                    said = "clean so far (more rounds follow if time is left)"
                 log(f"  {unit.label}: {said} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "")
@@ -1372,7 +1374,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     record(f)
                 if r.examples:
                     log(f"  {unit.label}: {r.examples} more cases in {r.seconds:.1f}s of the time left"
-                        + (f", {len(r.findings)} finding(s)" if r.findings else ""))
+                        + (f", {len(r.findings)} finding(s): now {by_pair[unit.pair.name].verdict}" if r.findings
+                           else ""))
     except KeyboardInterrupt:
         result.interrupted = True
         for u in queue:  # the units it came before: each pair asked for has its row ("not run", or cut short)
