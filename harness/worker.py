@@ -387,7 +387,7 @@ class Worker:
             "type": "Timeout", "where": "worker",
             "message": f"the case ran longer than the per-case timeout of {timeout - cold_extra:g} s"
                        + (f" (+{cold_extra:.3g} s for its first case in a fresh worker process: imports, compilation)"
-                          if cold_extra >= 0.5 else "")  # (a few ms where its imports were done before: not said) + " (build, both paths and metrics)\n"
+                          if cold_extra >= 0.5 else "") + " (build, both paths and metrics)\n"  # (ms: not said)
                        # (the first line is the headline a table prints; the fix goes below it, whole)
                        f"If the pair is just slow, raise it: `harness fuzz --timeout '{pair.name}=SECONDS'`, "
                        f"`pytest --harness-timeout={pair.name}=SECONDS`, or the pair's own TargetPair(timeout=SECONDS) "
