@@ -902,6 +902,26 @@ class Executor:
             except OutOfTime:
                 pass
 
+    def warm_up(self, pair: TargetPair, cfg: CampaignConfig | None = None) -> float:
+        """Run one case of a pair that is cold in the worker (the first its axes give, seeded), so that
+        its imports and model build come before a budget starts: pytest's budget is per pair, and a
+        model pair's cold start had taken a whole stream's share of it (UNFINISHED). What it gives is
+        not kept (the campaign draws its own cases, and meets a failure again); a case that hangs is
+        stopped at the cold-start allowance, as any first case. Seconds it took (0: warm already, or
+        in-process, where a first case's time is never charged to the budget's wall)."""
+        cfg = cfg or self.cfg
+        if not cfg.isolation or pair.name in self._warm(self._current()):
+            return 0.0
+        from .conformance import sample_cases
+        from .worker import OutOfTime
+
+        t = time.monotonic()
+        try:
+            self.evaluator(pair, None, cfg)(sample_cases(pair, 1)[0])
+        except (OutOfTime, HarnessError):  # (its campaign says what stops it)
+            pass
+        return time.monotonic() - t
+
     def _warm(self, worker: Any) -> set[str]:
         """The pairs that have run a case in this worker's current process: a worker replaced after a
         crash or timeout is a new process, cold again (imports, compilation)."""

@@ -375,6 +375,10 @@ class FuzzSession:
 
             self.executor = Executor(cfg)  # one worker process for all of this process's items
             self.executor.prepare(None)  # its start is not charged to the first item's budget
+        if cfg.budget is not None:  # ... nor a pair's cold start (imports, a model's build) to its budget
+            cold = self.executor.warm_up(pair, cfg)
+            if cold > 1.0:
+                _log(f"  {pair.name}: cold start {cold:.1f} s, before its budget (imports, a model's build)")
         result = run_campaign(cfg, tracker=_FindingsOnly(outer), log=_item_log(pair.name), on_finding=on_finding,
                               executor=self.executor)
         if result.interrupted:

@@ -501,3 +501,35 @@ def test_a_finding_whose_shrinking_the_budget_cut_short_gives_the_command_that_g
         and "faults.py --no-tracking " in cut["command"]
     assert f"{cut['id']} (faults.diverges): shrinking was cut short" in out, out
     assert "Shrinking cut short (1)" in (tmp_path / "o" / "summary.md").read_text()
+
+
+_SLOW_START = '''
+import time, torch
+from harness import Axes, Outcome, TargetPair, register
+LOADED = []
+
+def build(case, device):
+    if not LOADED:  # a model's first load in a process: seconds
+        time.sleep(4.0)
+        LOADED.append(1)
+    return case.token_randn(16, "x")
+
+def path(x):
+    return Outcome(logprobs=torch.log_softmax(x, -1))
+
+register(TargetPair(name="slowstart.aligned", kind="model", expected="aligned", build=build, trainer=path, rollout=path,
+                    axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))
+'''
+
+
+def test_a_pairs_cold_start_is_not_charged_to_its_budget(tmp_path):
+    """A trial's nightly: `--harness-budget 8 --harness-streams 2` gave each stream 4 s, and its model
+    pairs' first cases (transformers' import, the model's build) ran past that: UNFINISHED, a failed
+    night, where `harness fuzz --budget 60` ran them. The first case runs before the budget starts."""
+    (tmp_path / "slow.py").write_text(_SLOW_START)
+    rc, out = run_pytest(["--harness-fuzz", "--harness-plugin", str(tmp_path / "slow.py"), "--harness-pairs",
+                          "slowstart.aligned", "--harness-budget", "2", "--harness-streams", "2", "--harness-seed", "1",
+                          "--harness-no-tracking", f"--harness-corpus={tmp_path / 'c'}",
+                          f"--harness-out={tmp_path / 'out'}", "-q", "-s"], cwd=tmp_path)
+    assert rc == 0 and "2 passed" in out and "UNFINISHED" not in out, out
+    assert "slowstart.aligned: cold start 4." in out and "before its budget" in out, out
