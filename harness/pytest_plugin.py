@@ -1211,6 +1211,7 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
         # demonstrations this shard's streams did not catch, whose other streams ran on other shards
         "not_caught_by_this_shard": sorted(d["pair"] for d in results if d["verdict"] == NOT_HERE),
         "cannot_run": sorted(d["pair"] for d in results if d["verdict"] == "CANNOT RUN"),
+        "unfinished": sorted(d["pair"] for d in results if d["verdict"] == "UNFINISHED"),  # (their items failed)
         "broken_demonstrations": sorted(d["pair"] for d in results  # (their items failed)
                                         if d["expected"] == "diverges" and d["verdict"].startswith("BROKEN")),
         "broken_plugins": _broken_plugins(),  # installed packages whose pairs were not fuzzed: not a pass

@@ -111,7 +111,8 @@ def _pairs_with(metrics: dict[str, float], suffix: str, keep: Callable[[float], 
 
 def flagged_pairs(metrics: dict[str, float], suffix: str, any_value: bool = False) -> list[str]:
     """The pairs a campaign flagged with `pair.<name><suffix>` = 1 (per shard or not): `.missed`,
-    demonstration pairs it did not catch; `.cannot_run`, pairs that raised a harness error.
+    demonstration pairs it did not catch; `.cannot_run`, pairs that raised a harness error; `.unfinished`,
+    pairs whose first case never came back before the budget ended.
     `any_value`: the pairs with that metric at all (`.missed` is logged for every demonstration)."""
     return _pairs_with(metrics, suffix, lambda v: any_value or bool(v))
 
@@ -172,7 +173,8 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
             "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
             "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": flagged_pairs(m, ".missed"),
-            "cannot_run": flagged_pairs(m, ".cannot_run"), "demonstrations": flagged_pairs(m, ".missed", True),
+            "cannot_run": flagged_pairs(m, ".cannot_run"), "unfinished": flagged_pairs(m, ".unfinished"),
+            "demonstrations": flagged_pairs(m, ".missed", True),
             "caught": caught_pairs(m),
         })
     regressions = []
@@ -359,6 +361,16 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
                   "so nothing of them was tested; the campaign's log says what to fix.", "",
                   "| pair | campaign started (UTC) | seed | run |", "|---|---|---|---|"]
         lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {c['run_id'][:12]} |" for c, name in cannot]
+        lines.append("")
+    unfinished = [(c, name) for c in window for name in c.get("unfinished", ())]
+    if unfinished:  # a first case that never came back: nothing of the pair was judged, and the campaign failed
+        lines += [f"## Pairs that did not finish ({len(unfinished)})", "",
+                  "Their first case was still running when the budget ended (a hang, or a cold start longer than "
+                  "the budget allows), so nothing of them was judged and the campaign failed (exit 1); its log says "
+                  "how long the case ran and where it was.", "",
+                  "| pair | campaign started (UTC) | seed | run |", "|---|---|---|---|"]
+        lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {c['run_id'][:12]} |"
+                  for c, name in unfinished]
         lines.append("")
     titles = {"new": "New", "recurring": "Recurring", "fixed": "Fixed"}
     for key in ("new", "recurring", "fixed"):

@@ -56,12 +56,15 @@ def finish_campaign(store: Store, run_id: str, metrics: dict[str, float], label:
 
     ts = int(time.time() * 1000)
     prefix = f"{label}." if label else ""
-    missed = sorted(k[len("pair."):-len(".missed")] for k, v in metrics.items()
-                    if k.startswith("pair.") and k.endswith(".missed") and v)
-    cannot = sorted(k[len("pair."):-len(".cannot_run")] for k, v in metrics.items()
-                    if k.startswith("pair.") and k.endswith(".cannot_run") and v)
-    tags = _tags({**({f"harness.{prefix}missed_demonstrations": ",".join(missed)[:5000]} if missed else {}),
-                  **({f"harness.{prefix}cannot_run": ",".join(cannot)[:5000]} if cannot else {})})
+    from .payload import FLAGS
+
+    listed = {}
+    for suffix, tag in ((".missed", "missed_demonstrations"), *((s, s[1:]) for s in FLAGS.values())):
+        names = sorted(k[len("pair."):-len(suffix)] for k, v in metrics.items()
+                       if k.startswith("pair.") and k.endswith(suffix) and v)
+        if names:
+            listed[f"harness.{prefix}{tag}"] = ",".join(names)[:5000]
+    tags = _tags(listed)
     with store.lock():
         store.client.log_batch(run_id, metrics=[Metric(prefix + k, v, ts, 0) for k, v in metrics.items()], tags=tags)
         if not label:

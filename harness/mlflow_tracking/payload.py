@@ -69,14 +69,21 @@ def campaign_metrics(result: Any) -> dict[str, float]:
     out["missed_demonstrations"] = float(sum(1 for r in demos if r.verdict == "MISSED"))
     # pairs that raised a harness error (their own setup, not their paths: no finding is recorded)
     out["pairs_cannot_run"] = float(sum(1 for r in results if r.verdict == "CANNOT RUN"))
+    # pairs whose first case never came back before the budget ended (a hang, or a cold start past it)
+    out["pairs_unfinished"] = float(sum(1 for r in results if r.verdict == "UNFINISHED"))
     for r in results:  # per pair, as the morning report reads them
         out[f"pair.{r.pair}.cases"] = float(r.examples)
         out[f"pair.{r.pair}.cases_per_second"] = float(r.rate)
-        if r.verdict == "CANNOT RUN":
-            out[f"pair.{r.pair}.cannot_run"] = 1.0
+        for verdict, suffix in FLAGS.items():
+            if r.verdict == verdict:
+                out[f"pair.{r.pair}{suffix}"] = 1.0
         if r in demos:
             out[f"pair.{r.pair}.missed"] = float(r.verdict == "MISSED")
     return out
+
+
+# verdicts a campaign flags per pair as `pair.<name><suffix>` = 1 (and lists in a tag: `lifecycle.finish_campaign`)
+FLAGS = {"CANNOT RUN": ".cannot_run", "UNFINISHED": ".unfinished"}
 
 
 def _symptom(f: Any) -> str:

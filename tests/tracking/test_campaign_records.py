@@ -244,3 +244,27 @@ def test_a_raised_severity_is_said_in_the_note_headline_too(fresh_cwd):
     assert reg.data.tags["harness.severity"] == "medium"
     assert "Severity **medium** (raised from low: see the end of this note)" in note and "Severity **low**" not in note
     assert f"**low** -> **medium**: its cases reached {50 * line:.3g}, 50x the line." in note, note
+
+
+def test_a_pair_that_did_not_finish_is_on_the_campaign_run_and_in_the_report(fresh_cwd):
+    """A trial's failed night (its model pairs' first cases never came back) read in the morning
+    report as if nothing were wrong: 'every demonstration ... was caught', no word of the pairs."""
+    from harness.mlflow_tracking import MlflowTracker, Store
+    from harness.report import read_store, render
+
+    pairs = [REGISTRY.get("linear.aligned"), REGISTRY.get("rmsnorm.aligned")]
+    cfg = CampaignConfig(pairs=pairs, seed=5)
+    tracker = MlflowTracker(log=lambda m: None)
+    tracker.campaign_started(cfg, 5, pairs)
+    result = CampaignResult(seed=5, config=cfg, seconds=1.0, results=[
+        PairResult("linear.aligned", "aligned", unfinished=12.0), PairResult("rmsnorm.aligned", "aligned", examples=3)])
+    assert result.results[0].verdict == "UNFINISHED" and result.results[1].verdict == "clean"
+    tracker.campaign_finished(result)
+    [run] = Store().search("tags.`harness.kind` = 'campaign'")
+    assert run.data.metrics["pairs_unfinished"] == 1 and run.data.metrics["pair.linear.aligned.unfinished"] == 1
+    assert run.data.tags["harness.unfinished"] == "linear.aligned" and "harness.cannot_run" not in run.data.tags
+    campaigns, regressions = read_store(None)
+    now = dt.datetime.now(dt.timezone.utc)
+    text = render(campaigns, regressions, now - dt.timedelta(hours=1), now, None, "uri")
+    assert "## Pairs that did not finish (1)" in text and "could not run" not in text, text
+    assert f"| linear.aligned | {campaigns[0]['start']:%Y-%m-%d %H:%M} | 5 |" in text
