@@ -205,6 +205,21 @@ def classify(regressions: list[dict], since: _dt.datetime) -> dict[str, list[dic
     return out
 
 
+def reopened_in(groups: dict[str, list[dict]], since: _dt.datetime) -> list[dict]:
+    """The open regressions marked fixed before and seen again inside the window (new or recurring: one
+    first seen in the window, closed and seen again, is new and reopened)."""
+    return [r for r in groups["new"] + groups["recurring"] if r["status"] == "open"
+            and (at := _parse_iso(r.get("reopened_at"))) is not None and at >= since]
+
+
+def counts_line(groups: dict[str, list[dict]], since: _dt.datetime) -> str:
+    """'N new, M recurring, K fixed', with how many of them were reopened (a trial read '0 recurring' for a
+    regression it had closed and seen again the same day: it is new, and reopened)."""
+    reopened = len(reopened_in(groups, since))
+    return (f"{len(groups['new'])} new, {len(groups['recurring'])} recurring, {len(groups['fixed'])} fixed"
+            + (f" ({reopened} of them reopened: marked fixed and seen again)" if reopened else ""))
+
+
 def replay_command(r: dict, uri: str | None = None) -> str:
     """The replay command of a regression, with `--plugin` when its corpus file says its pair needs one;
     from the store (`--run-id`) when that file is not on this machine (another shard's job wrote it)."""
@@ -299,8 +314,7 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
     lines = [f"# Nightly report: {since:%Y-%m-%d %H:%M} to {now:%Y-%m-%d %H:%M} UTC", "",
              f"Store: `{uri}`. {len(window)} campaign run(s), {int(cases)} cases"
              + (f" at {cases / seconds:.1f} cases/s overall" if seconds > 0 else "")
-             + f"; regressions: {len(groups['new'])} new, {len(groups['recurring'])} recurring, "
-               f"{len(groups['fixed'])} fixed.", ""]
+             + f"; regressions: {counts_line(groups, since)}.", ""]
     new_aligned = [r for r in groups["new"] if r["expected"] == "aligned"]
     still = [r for r in new_aligned if r["status"] != "fixed"]  # (found and closed inside the window: said below)
     if still:
@@ -310,8 +324,7 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
         lines += [f"{len(new_aligned) - len(still)} new regression(s) of aligned pairs found and closed as fixed in "
                   "this window: " + ", ".join(f"{r['pair']} {r['id']}" for r in new_aligned if r["status"] == "fixed"),
                   ""]
-    reopened = [r for r in groups["new"] + groups["recurring"] if r["status"] == "open"
-                and (at := _parse_iso(r.get("reopened_at"))) is not None and at >= since]
+    reopened = reopened_in(groups, since)
     if reopened:  # marked fixed and seen again inside the window: as loud as a new one
         lines += [f"**{len(reopened)} regression(s) marked fixed and seen again (reopened)**: "
                   + ", ".join(f"{r['pair']} {r['id']}" for r in reopened), ""]
@@ -428,5 +441,4 @@ def report_command(since: str, tracking_uri: str | None, out: Path, n_nights: in
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     groups = classify(regressions, start)
-    click.echo(f"wrote {out} and {plot}: {len(groups['new'])} new, {len(groups['recurring'])} recurring, "
-               f"{len(groups['fixed'])} fixed regression(s) since {start:%Y-%m-%d %H:%M} UTC.")
+    click.echo(f"wrote {out} and {plot}: regressions {counts_line(groups, start)} since {start:%Y-%m-%d %H:%M} UTC.")

@@ -150,6 +150,12 @@ def test_a_reopened_regression_is_a_headline_like_a_new_one():
          "seen_count": 3, "run_id": "r1", "k3": 0.01, "reopened_at": "2026-01-31T01:00:00+00:00"}
     text = render([], [r], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
     assert "**1 regression(s) marked fixed and seen again (reopened)**: p.aligned abc" in text, text
+    assert "regressions: 0 new, 1 recurring, 0 fixed (1 of them reopened: marked fixed and seen again)." in text
+    # first seen tonight, closed and seen again tonight: new, and reopened (a trial read '0 recurring' and
+    # looked for it there)
+    today = {**r, "first_seen": "2026-01-31T00:10:00+00:00"}
+    text = render([], [today], NOW - dt.timedelta(hours=24), NOW, None, "sqlite:///x.db")
+    assert "regressions: 1 new, 0 recurring, 0 fixed (1 of them reopened" in text, text
     # reopened weeks ago and seen again tonight: a recurring regression, not tonight's reopening
     text = render([], [{**r, "reopened_at": "2026-01-10T00:00:00+00:00"}], NOW - dt.timedelta(hours=24), NOW, None,
                   "sqlite:///x.db")
