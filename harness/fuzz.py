@@ -735,7 +735,7 @@ def setup_message(ev: Evaluation) -> str:
         return (f"{ev.pair} cannot run here: its first case, the simplest, raised {err.get('type', 'Error')}: "
                 f"{first}{'' if first.endswith('.') else '.'}" + _SETUP_TAIL + " code's fault: what its paths "
                 "return breaks the harness's contract on the simplest case, so no case can be judged; it is not a "
-                "divergence of its paths, and nothing was recorded for it. Fix the pair's paths as the message says "
+                "divergence of its paths, and nothing was recorded for it; fix the pair's paths as the message says "
                 "and run it again.")
     return (f"{ev.pair} cannot run here: its case raised {err.get('type', 'HarnessError')}: "
             f"{first} (at {err.get('where', '?')})." + _SETUP_TAIL + " setup (a harness "
