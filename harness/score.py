@@ -9,7 +9,9 @@ of every response token and, optionally, the experts the rollout routed every to
     response   response_ids | response_token_ids | responses  list[int], non-empty
     logprobs   rollout_logprobs | rollout_log_probs | logprobs list[float], one per response token, <= 0
     experts    routed_experts | rollout_routed_experts         optional [positions][layers][top_k] ints,
-                                                               positions = prompt + response (or one less)
+                                                               positions = prompt + response (or one less),
+                                                               layers = the MoE layers, or every decoder
+                                                               layer (a dense one's entry is not read)
     id         id | uid | index                                optional sample id, echoed in the output
 
 slime's samples (`Sample.tokens` = prompt + response, `response_length`) are read as they are:
@@ -99,7 +101,8 @@ class Sample:
     prompt: list[int]
     response: list[int]
     logprobs: list[float]
-    experts: list | None = None  # [positions][layers][k]
+    experts: list | None = None  # [positions][MoE layers][k]
+    expert_layers: tuple[int, ...] | None = None  # the decoder layer of each MoE-layer entry (None: 0, 1, ...)
 
 
 @dataclass
@@ -260,9 +263,12 @@ def position_limit(fields: dict) -> tuple[int, str] | None:
 
 
 def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | None,
-                 positions: tuple[int, str] | None = None) -> Sample | BadRow:
+                 positions: tuple[int, str] | None = None, moe_layers: Any = None) -> Sample | BadRow:
     """A validated sample, or the first thing wrong with the row (naming line and field). `positions`:
-    the model's `position_limit` (a longer prompt + response is a bad row)."""
+    the model's `position_limit` (a longer prompt + response is a bad row). `moe_layers`: the decoder
+    layers that route (a tuple, or a function giving it, called only for a row with experts; None:
+    every layer): routed experts may hold one entry per MoE layer, or one per decoder layer (a dense
+    layer's entry, a placeholder, is not read)."""
     if "tokens" in row and "response_length" in row and _pick(row, "prompt")[0] is None:  # slime
         toks, rl = row["tokens"], row["response_length"]
         if hasattr(toks, "tolist"):
@@ -316,23 +322,40 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
         if moe is None:
             return BadRow(line, ename, "the scoring model has no experts (not a MoE model); drop the field")
         n_experts, top_k, layers = moe
+        routed = tuple(moe_layers() if callable(moe_layers) else moe_layers or range(layers))
         total = len(prompt) + len(response)
         if not isinstance(experts, list) or len(experts) not in (total, total - 1):
             return BadRow(line, ename, f"needs one entry per position (prompt + response = {total}, or {total - 1}), "
                                        f"got {len(experts) if isinstance(experts, list) else type(experts).__name__}")
+        width = len(experts[0]) if experts and isinstance(experts[0], list) else -1
+        if width not in (len(routed), layers):
+            dense = (f"; its decoder layers {', '.join(str(i) for i in range(layers) if i not in routed)} are dense"
+                     if len(routed) < layers else "")
+            return BadRow(line, ename, f"position 0 holds {width if width >= 0 else 'no list of'} layer entries; a "
+                                       f"position holds one entry per MoE layer ({len(routed)}: layers "
+                                       f"{', '.join(map(str, routed))}{dense}), or one per decoder layer ({layers}, a "
+                                       "dense layer's entry not read), each of "
+                                       f"{top_k} expert ids")
+        kept = routed if width == layers and len(routed) < layers else range(width)  # (entries to read)
+        out = []
         for p, per_pos in enumerate(experts):
-            if not isinstance(per_pos, list) or len(per_pos) != layers or any(
-                    not isinstance(e, list) or len(e) != top_k for e in per_pos):
-                return BadRow(line, ename, f"position {p} must hold {layers} layer(s) of {top_k} expert ids")
-            for layer, e in enumerate(per_pos):
+            if not isinstance(per_pos, list) or len(per_pos) != width or any(
+                    not isinstance(per_pos[i], list) or len(per_pos[i]) != top_k for i in kept):
+                return BadRow(line, ename, f"position {p} must hold {width} layer entries, as position 0 does, with "
+                                           f"{top_k} expert ids at each MoE layer")
+            per_pos = [per_pos[i] for i in kept]
+            out.append(per_pos)
+            for layer, e in zip(routed, per_pos):
                 for x in e:
                     if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < n_experts:
                         return BadRow(line, ename, f"position {p}: expert id {x!r} is not in [0, {n_experts})")
                 if len(set(e)) != len(e):
                     return BadRow(line, ename, f"position {p}, layer {layer}: expert ids {e} repeat; a router picks "
                                                f"{top_k} distinct experts")
+        experts = out
     _, sid = _pick(row, "id")
-    return Sample(line, str(sid) if sid is not None else str(line), prompt, response, logprobs, experts)
+    return Sample(line, str(sid) if sid is not None else str(line), prompt, response, logprobs, experts,
+                  None if experts is None else routed)
 
 
 def padding_hint(prompt: list[int], response: list[int], logprobs: list[float], pads: set[int],
@@ -492,7 +515,7 @@ def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None
         if experts is not None:
             experts = experts[:len(s.prompt) + keep]
     params = {**encode_recorded([{"prompt_ids": s.prompt, "response_ids": response, "rollout_logprobs": logprobs,
-                                  "routed_experts": experts}]), **extra}
+                                  "routed_experts": experts, "routed_layers": s.expert_layers}]), **extra}
     return Case(seed=0, seq_lens=(len(response),), prompt_lens=(len(s.prompt),), params=params, **sampling), cut
 
 
@@ -566,6 +589,17 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
     pair, spec, extra = resolve_scorer(model, pair_name, replay)
     sampling = dict(sampling or {})
     vocab, moe = spec.vocab, spec.moe()
+    routers: list = []
+
+    def moe_layers() -> tuple[int, ...]:
+        """The decoder layers whose router the model has (a dense first layer has none), from the model the
+        trainer runs (built once per process: the first sample builds it anyway)."""
+        if not routers:
+            from targets.hf.backend import base_model, router_modules
+
+            routers.append(tuple(int(name.split(".")[1]) for name, _ in router_modules(base_model(spec))))
+        return routers[0]
+
     try:  # (a model's position table: a longer sample is a bad row, not scored past it)
         fields = spec.fields()
         positions = position_limit(fields)
@@ -582,7 +616,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
     def scored() -> None:
         def one(item: tuple[int, Any]) -> None:
             line, row = item
-            s = row if isinstance(row, BadRow) else parse_sample(line, row, vocab, moe, positions)
+            s = row if isinstance(row, BadRow) else parse_sample(line, row, vocab, moe, positions, moe_layers)
             if isinstance(s, BadRow):
                 res.bad.append(s)
                 return

@@ -349,12 +349,31 @@ class HFModel:
         return int(self.fields()["vocab_size"])
 
     def moe(self) -> tuple[int, int, int] | None:
-        """(experts, top_k, layers) for a MoE model, else None."""
+        """(experts, top_k, decoder layers) for a MoE model, else None. A field the config leaves out
+        is its transformers config class's default, as transformers builds the model (an OLMoE
+        config.json without num_experts_per_tok routes 8 experts, not 2); a config with nothing of
+        experts in it is dense without importing transformers."""
         f = self.fields()
-        experts = f.get("num_experts") or f.get("num_local_experts") or f.get("n_routed_experts")
+        keys = ("num_experts", "num_local_experts", "n_routed_experts")
+        if not (any(f.get(k) for k in keys) and "num_experts_per_tok" in f and "num_hidden_layers" in f):
+            if not any(f.get(k) for k in keys) and not any("expert" in k or k.startswith("moe") for k in f):
+                return None
+            f = {**_config_defaults(f.get("model_type")), **f}
+        experts = next((f[k] for k in keys if f.get(k)), None)
         if not experts:
             return None
-        return int(experts), int(f.get("num_experts_per_tok", 2)), int(f.get("num_hidden_layers", 1))
+        return int(experts), int(f.get("num_experts_per_tok") or 2), int(f.get("num_hidden_layers") or 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_defaults(model_type: Any) -> dict[str, Any]:
+    """The default fields of transformers' config class for `model_type` ({} when it has none)."""
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[model_type]().to_dict()
+    except Exception:  # noqa: BLE001 - an unknown model_type is said where the model is built
+        return {}
 
 
 def check_model_type(model_type: Any) -> None:

@@ -86,15 +86,16 @@ def _ints(text: str) -> list[int]:
 
 def encode_recorded(samples: list[dict]) -> dict[str, str]:
     """Case params carrying recorded samples (dicts with prompt_ids, response_ids, rollout_logprobs
-    and optionally routed_experts [position][layer][k]); sequences are separated by ",". Floats are
+    and optionally routed_experts [position][layer][k], with routed_layers: the decoder layer of each
+    entry, default 0, 1, ...); sequences are separated by ",". Floats are
     written with repr, so they round-trip exactly."""
     params = {"rec_prompt": ",".join(" ".join(map(str, s["prompt_ids"])) for s in samples),
               "rec_response": ",".join(" ".join(map(str, s["response_ids"])) for s in samples),
               "rec_logprobs": ",".join(" ".join(repr(float(v)) for v in s["rollout_logprobs"]) for s in samples)}
     if all(s.get("routed_experts") for s in samples):
         params["rec_experts"] = ",".join(
-            "|".join(f"layers.{layer}:" + ";".join(" ".join(map(str, pos[layer])) for pos in s["routed_experts"])
-                     for layer in range(len(s["routed_experts"][0])))
+            "|".join(f"layers.{name}:" + ";".join(" ".join(map(str, pos[i])) for pos in s["routed_experts"])
+                     for i, name in enumerate(s.get("routed_layers") or range(len(s["routed_experts"][0]))))
             for s in samples)
     return params
 

@@ -659,3 +659,40 @@ def test_replay_on_a_pair_that_does_not_replay_names_what_does(aligned_file, tmp
     code, _, err = harness_cli("score", str(aligned_file), "--pair", "hf.qwen3_moe.bf16_rollout", "--replay",
                                "--no-tracking", "--out", str(tmp_path / "o2"))
     assert code == 2 and "score with its replay variant, --pair hf.qwen3_moe.bf16_rollout.replay" in err, err
+
+
+def test_recorded_experts_of_a_model_with_a_dense_first_layer_and_a_config_missing_top_k(tmp_path):
+    """A trial's DeepSeek-V3 (first_k_dense_replace=1): a recording with one entry per MoE layer was
+    refused ('must hold 2 layer(s)'), and one with a placeholder [0, 0] for the dense layer too
+    ('expert ids repeat'); an OLMoE config.json without num_experts_per_tok was read as top-2 (the
+    model routes transformers' default, 8) and every recorded row refused."""
+    from targets.hf import default_axes
+    from tests.hf.test_hf_backend import small_moe
+
+    cfg = {**small_moe("deepseek_v3"), "num_hidden_layers": 2, "first_k_dense_replace": 1}
+    pair = hf_pair("test.dsv3.aligned", HFModel.from_config(cfg, init_seed=2), FP32, FP32)
+    n_experts, top_k, layers = pair.profiles.model.moe()
+    assert (n_experts, top_k, layers) == (8, 2, 2)
+    rows = record(pair, range(1), tmp_path / "per_moe_layer.jsonl")
+    assert all(len(pos) == 1 for pos in rows[0]["routed_experts"])  # the backend records its one router
+    ckpt = pair.profiles.model.save_pretrained(tmp_path / "ckpt")
+    for name, rws in (("per_moe_layer", rows),
+                      ("per_decoder_layer", [{**r, "routed_experts": [[[0, 0], *pos] for pos in r["routed_experts"]]}
+                                             for r in rows])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rws))
+        res = score(path, model=str(ckpt.path), replay=True, corpus=tmp_path / "c", progress=False)
+        assert not res.bad and len(res.scored) == 3 and not res.flagged, (name, res.bad)
+        assert all(s.sample.expert_layers == (1,) for s in res.scored)
+        assert max(s.metrics["flip_rate"] for s in res.scored) == 0.0, name  # the trainer replayed layer 1's own
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**rows[0], "routed_experts": [pos * 3 for pos in rows[0]["routed_experts"]]}) + "\n")
+    with pytest.raises(UsageError, match=r"one entry per MoE layer \(1: layers 1; its decoder layers 0 are dense\)"):
+        score(bad, model=str(ckpt.path), corpus=tmp_path / "c", progress=False)
+    olmoe = {k: v for k, v in small_moe("olmoe").items() if k != "num_experts_per_tok"}
+    import transformers
+
+    default_k = transformers.AutoConfig.for_model("olmoe").num_experts_per_tok
+    assert HFModel.from_config({**olmoe, "num_experts": 16}).moe() == (16, default_k, 1)
+    with pytest.raises(UsageError, match="num_experts_per_tok=8 of its 8"):
+        default_axes(HFModel.from_config({**olmoe, "num_experts": default_k}))
