@@ -46,6 +46,7 @@ import warnings
 from typing import Any
 
 from .case import Case
+from .errors import HarnessError
 from .execute import run_paths
 from .pairs import REGISTRY, TargetPair
 
@@ -405,6 +406,8 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
         try:
             t1, r1 = _run_paths(pair, case, device)
             t2, r2 = _run_paths(pair, case, device)
+        except HarnessError:  # its own setup (a checkpoint without weights): it cannot run, no contract to judge
+            raise
         except Exception as e:
             problems.append(f"{where}: the pair raised {_raised(e)}")
             continue
@@ -560,8 +563,6 @@ def check_verdict(pair: TargetPair, n_cases: int, device: str) -> tuple[str, str
     the cases checked), FAIL (text: the violations, or what the check raised outside the runs it
     catches) or CANNOT (the pair's own setup raised a harness error: a checkpoint folder that is gone;
     it says nothing of its paths), with the `ConformanceWarning`s it gave."""
-    from .errors import HarnessError
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConformanceWarning)
         try:

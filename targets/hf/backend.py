@@ -522,7 +522,10 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
                 f"{type(model).__name__} cannot run attention={nx.attention!r} here ({_first_sentence(e)}); "
                 "give both paths another attention: hf_pairs(prefix, model, base=FP32.replace(attention='eager')) "
                 "for the standard set, or hf_pair(..., FP32.replace(attention='eager'), "
-                "BF16.replace(attention='eager')).") from None
+                "BF16.replace(attention='eager')). Such models' packed forward may also leak across sequences "
+                "(gpt-oss's does in transformers: an aligned pair then diverges on two-sequence cases, and triage "
+                "names `packing`); if your trainer does not pack, add packing='per_sequence' to the base: "
+                "FP32.replace(attention='eager', packing='per_sequence').") from None
     gates = router_modules(model)
     if gates and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(nx.experts)

@@ -1,6 +1,7 @@
 """The command-line contract: exit codes and one-paragraph errors for bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -253,3 +254,11 @@ def test_harness_check_fails_a_pair_that_hangs_or_crashes_and_goes_on(tmp_path, 
     assert "stuck.b_dies: FAIL" in out and "the worker process died" in out, out
     assert "stuck.c_good: PASS (8 cases)" in out, out
     assert "2 pair(s) break the contract: stuck.a_hangs, stuck.b_dies" in err and "Traceback" not in err, err
+
+
+def test_harness_check_of_a_pair_whose_setup_fails_is_cannot_run_not_a_contract_break(harness_cli):
+    """A checkpoint folder without weights: `check` said FAIL (the same error once per case, exit 1),
+    where `score --model` on it said one paragraph and exit 2."""
+    plugin = str(Path(__file__).resolve().parents[1] / "plugins" / "faults.py")
+    code, out, err = harness_cli("check", "--plugin", plugin, "faults.setup_gone", "--cases", "3")
+    assert code == 2 and "faults.setup_gone: CANNOT RUN here:" in out and "FAIL" not in out, out + err
