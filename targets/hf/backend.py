@@ -426,13 +426,15 @@ def base_model(spec: HFModel) -> Any:
 
     from .configs import make_config, realistic_init
 
+    report: list[str] = []  # (transformers' load report of a checkpoint)
     try:  # a config transformers refuses (heads that do not divide the hidden size), a damaged checkpoint:
         # a pair that cannot run (a setup error), not a regression of every case written to the corpus
         if spec.path:
             # in the checkpoint's own dtype: each path's copy is cast to its numerics (a bf16 checkpoint
             # upcast to float32 is exact, so the values are those of loading it in float32), and a bf16
             # base holds half the host memory of a float32 one
-            model = AutoModelForCausalLM.from_pretrained(spec.path, local_files_only=True, dtype="auto")
+            with _load_report() as report:
+                model = AutoModelForCausalLM.from_pretrained(spec.path, local_files_only=True, dtype="auto")
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(spec.init_seed)
@@ -448,6 +450,11 @@ def base_model(spec: HFModel) -> Any:
         what = f"the checkpoint {spec.path!r}" if spec.path else "the model of this config"
         why = f"{type(e).__name__}: {_first_sentence(e).rstrip(':.')}" + (
             f" ({type(inner).__name__}: {_first_sentence(inner).rstrip('.')})" if inner is not e else "")
+        misfits = _mismatches(report) if spec.path else []
+        if misfits:  # (transformers says "look at the above report", which its logging level hides)
+            why += (f": its tensors do not fit the model its config.json describes ({'; '.join(misfits[:3])}"
+                    + (f"; {len(misfits) - 3} more" if len(misfits) > 3 else "") + "): a config field missing or "
+                    "wrong (a field left out is transformers' default for the model type, e.g. its number of experts)")
         raise UsageError(f"{what} cannot be built by transformers: {why}. Fix the "
                          + ("checkpoint folder" if spec.path else "config") + "; no case of this pair can say anything "
                          "about the two paths.") from None
@@ -497,6 +504,45 @@ def _smoke(model: Any, spec: "HFModel") -> None:
                          "BERT; a decoder config with is_decoder=False). A rollout generates left to right, so "
                          "every case would diverge by construction: use a decoder-only model (or set "
                          "is_decoder=True in its config if it is meant as one).")
+
+
+class _load_report:
+    """`with _load_report() as lines:` transformers' warnings while loading a checkpoint, kept (not printed):
+    its load report names the tensors whose shapes do not fit, where its error only points at it."""
+
+    def __enter__(self) -> list[str]:
+        import logging
+
+        import transformers
+
+        self.lines: list[str] = []
+        keep = self.lines
+
+        class _Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                keep.append(record.getMessage())
+
+        self.handler, self.logger = _Keep(level=logging.WARNING), logging.getLogger("transformers")
+        transformers.logging.disable_default_handler()
+        transformers.logging.set_verbosity_warning()
+        self.logger.addHandler(self.handler)
+        return self.lines
+
+    def __exit__(self, *exc: Any) -> None:
+        import transformers
+
+        self.logger.removeHandler(self.handler)
+        transformers.logging.set_verbosity_error()
+        transformers.logging.enable_default_handler()
+
+
+def _mismatches(report: list[str]) -> list[str]:
+    """'name: checkpoint [a, b] vs model [c, d]' for each MISMATCH row of a transformers load report."""
+    import re
+
+    rows = re.findall(r"^(\S+)\s*\|\s*MISMATCH\s*\|.*?ckpt:\s*torch\.Size\((\[[^\]]*\])\)\s*vs\s*model:\s*"
+                      r"torch\.Size\((\[[^\]]*\])\)", "\n".join(report), flags=re.M)
+    return [f"{name}: checkpoint {ckpt} vs model {model}" for name, ckpt, model in rows]
 
 
 def _first_sentence(e: BaseException) -> str:

@@ -832,3 +832,25 @@ def test_config_mistakes_named_at_registration(tmp_path):
     base_model(HFModel.from_config(TINY["qwen3"], init_seed=5)).save_pretrained(ckpt)
     with pytest.raises(UsageError, match="is a file of a checkpoint; pass its folder"):
         hf_pair("user.config_json", str(ckpt / "config.json"), FP32, FP32)
+
+
+def test_a_checkpoint_whose_tensors_do_not_fit_its_config_names_them(tmp_path):
+    """A trial's OLMoE checkpoint with num_experts removed from config.json (16 saved, the default 64
+    built): the message was transformers' 'You set ignore_mismatched_sizes to False, thus raising an
+    error', whose 'above report' its logging level hides."""
+    import json
+
+    from harness.errors import UsageError
+    from targets.hf import HFModel
+    from targets.hf.backend import base_model
+
+    spec = HFModel.from_config({**small_moe("olmoe"), "num_experts": 16}, init_seed=1)
+    base_model(spec).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["num_experts"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UsageError, match=r"its tensors do not fit the model its config.json describes \(model\.layers\.0\."
+                                         r"\S+: checkpoint \[16, .*\] vs model \[64, ") as e:
+        base_model(HFModel.from_pretrained(tmp_path))
+    assert "a config field missing or wrong" in str(e.value)
+    assert transformers.logging.get_verbosity() == transformers.logging.ERROR  # (put back as it was)
