@@ -688,13 +688,18 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                   "before writing them: prompts[i][attention_mask[i, :P] == 1], responses[i][response_mask[i] == 1], "
                   "rollout_log_probs[i][response_mask[i] == 1] (and routed_experts to prompt + response).")
         gap = -res.batch.get("log_ppl_diff", 0.0)  # mean over samples of mean(logp_rollout - logp_trainer)
+        replays = replay or bool(getattr(getattr(pair, "profiles", None), "replay", False))
+        forced = replays and any(s.sample.experts for s in res.scored)
         if not padded and gap > WRONG_MODEL_GAP:
             res.notes.append(
                 f"warning: the trainer gives the recorded tokens a log-probability {gap:.1f} nats lower per token than "
                 f"the rollout recorded, on average over the {len(res.scored)} sample(s) (a perplexity {math.exp(min(gap, 700)):.3g}x "
                 "higher). Precision differences move it by hundredths of a nat; this is the size of another model "
                 "or another tokenizer: check that --model is the policy (and vocabulary) that generated these "
-                "samples, at the weights it had then.")
+                "samples, at the weights it had then."
+                + (" Or the recorded experts: router replay forced them into the trainer, and experts recorded "
+                   "wrong (ids offset, another layer order) put every token through other experts; score without "
+                   "--replay, which says how often they differ from the trainer's own routing." if forced else ""))
         lines_of: dict[str, list[int]] = {}
         for sc in res.scored:
             lines_of.setdefault(str(sc.sample.id), []).append(sc.sample.line)
@@ -717,8 +722,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                 "truncated importance weight acts; one such token among hundreds leaves the mean k3 under the "
                 "line): " + "; ".join(f"line {n}: {k} token(s), the largest difference {d:.3g} at response token {t}"
                                       for n, k, d, t in masked[:4]) + ("; ..." if len(masked) > 4 else ""))
-        replays = replay or bool(getattr(getattr(pair, "profiles", None), "replay", False))
-        if replays and not any(s.sample.experts for s in res.scored):
+        if replays and not forced:
             res.notes.append("router replay: no scored sample records routed experts (routed_experts / "
                              "rollout_routed_experts), so nothing was replayed: the trainer routed every token itself")
         if not replays:  # recorded experts the trainer's own router disagrees with, beyond near ties

@@ -207,6 +207,15 @@ def test_recorded_experts_the_trainer_disagrees_with_are_noted(aligned_file, tmp
     assert not res.flagged
     [note] = [n for n in res.notes if n.startswith("recorded experts")]
     assert "1 sample(s)" in note and "line 2 " in note and "--replay" in note
+    # every sample's experts offset, replayed: nats per token off, which named only the model (a trial's
+    # --replay run); the note names the experts too
+    for r in rows:
+        r["routed_experts"] = [[[(e + 3) % n_experts for e in layer] for layer in pos] for pos in r["routed_experts"]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ckpt = REGISTRY.get("hf.qwen3_moe.aligned").profiles.model.save_pretrained(tmp_path / "ckpt")
+    res = score(path, model=str(ckpt.path), replay=True, corpus=tmp_path / "c", progress=False)
+    [note] = [n for n in res.notes if "another model" in n]
+    assert "Or the recorded experts: router replay forced them into the trainer" in note, note
 
 
 def test_score_a_checkpoint_directory_jsonl_and_parquet(tmp_path, harness_cli):
