@@ -378,12 +378,31 @@ def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
                 "precision difference hardly moves an almost one-hot distribution, and more cases will not change "
                 "that; test a model whose outputs are not (a trained checkpoint; a random model with its LM head "
                 "tied to its embedding repeats its last token)")
+    vocab = _vocab_of(pair)
+    if vocab and entropy > NEAR_UNIFORM * math.log(vocab):
+        return (f"max judged {mean_text(r.max_score)} of the line {threshold:g}, over a near-uniform rollout (mean "
+                f"entropy {entropy:.3g} nats of at most log {vocab} = {math.log(vocab):.3g}): an untrained model "
+                "(transformers' default init in a checkpoint) gives every token about the same probability, so a "
+                "precision difference moves almost nothing; test trained weights, or a config-built model with the "
+                "harness's realistic init (HFModel.from_config(config), its default)")
     if getattr(getattr(pair, "profiles", None), "replay", False):  # (an HF pair with router replay)
         return (f"max judged {mean_text(r.max_score)} of the line {threshold:g}, with router replay: the trainer "
                 "reuses the rollout's experts, which removes a difference in routing itself (what is left is how "
                 "the chosen experts' outputs are weighted and summed); a demonstration of a routing difference "
                 "needs the pair without replay")
     return f"max judged {mean_text(r.max_score)} of the line {threshold:g}: more examples, budget or wider axes?"
+
+
+NEAR_UNIFORM = 0.9  # a mean entropy above this fraction of log V: the rollout's outputs are nearly uniform
+
+
+def _vocab_of(pair: Any) -> int | None:
+    """The vocabulary of a pair's model, where it has one (an HF pair's)."""
+    try:
+        model = getattr(getattr(pair, "profiles", None), "model", None)
+        return int(model.vocab) if model is not None else None
+    except Exception:  # noqa: BLE001 - a checkpoint gone since registration: no hint of this kind
+        return None
 
 
 def uniform_per_example(pair: TargetPair, cfg: CampaignConfig) -> int:

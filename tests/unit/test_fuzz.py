@@ -748,3 +748,21 @@ def test_a_missed_demonstration_with_router_replay_says_replay_removes_a_routing
     assert plain.endswith("more examples, budget or wider axes?")
     replayed = missed_hint(r, 1e-3, SimpleNamespace(profiles=SimpleNamespace(replay=True)))
     assert "with router replay" in replayed and "needs the pair without replay" in replayed
+
+
+def test_a_missed_demonstration_over_a_near_uniform_model_says_so():
+    """A trial's randomly initialised GraniteMoE checkpoint: its bf16 demonstration was missed at
+    4.4e-5 with 'more examples, budget or wider axes?', where its outputs were nearly uniform."""
+    from types import SimpleNamespace
+
+    from harness.fuzz import PairResult, missed_hint
+
+    def hint(entropy: float) -> str:
+        r = PairResult(pair="p.bf16", expected="diverges", examples=50, max_score=4.4e-5, entropy_sum=50 * entropy,
+                       entropy_cases=50)
+        return missed_hint(r, 1e-3, SimpleNamespace(profiles=SimpleNamespace(model=SimpleNamespace(vocab=1024),
+                                                                               replay=False)))
+
+    assert "over a near-uniform rollout (mean entropy 6.9 nats of at most log 1024 = 6.93)" in hint(6.9)
+    assert "realistic init" in hint(6.9)
+    assert hint(4.0).endswith("more examples, budget or wider axes?")
