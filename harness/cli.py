@@ -674,7 +674,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         if why is not None:
             raise CannotEvaluate(f"repro {file} cannot be evaluated here: {why}")
         pair = REGISTRY.get(r.pair)
-        click.echo(f"\npair: {pair.description or pair.name} ({pair.kind}, expected {pair.expected})")
+        click.echo(f"\npair: {pair.description or pair.name} ({pair.kind}, expected {pair.expected})"
+                   + ("; here only its trainer ran: the rollout is the recording, from the engine that wrote it"
+                      if rec else ""))
         import torch
 
         if r.symptom in ("crash", "timeout"):  # its case may kill or hang this process: not built here

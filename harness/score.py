@@ -409,6 +409,7 @@ def _response_pad(response: list[int], logprobs: list[float]) -> tuple[int, int,
 # mean nats per token by which the trainer finds the recorded tokens less likely than the rollout
 # recorded them, above which the samples look like another model's (precision moves it by ~0.01-0.1)
 WRONG_MODEL_GAP = 2.0
+SHARPER = 0.05  # mean nats per token the rollout gives its own tokens above the trainer, for the sampling note
 EXPERT_FLIP_NOTE = 0.1  # recorded vs trainer expert sets differing (not at a tie) on more tokens than this
 
 
@@ -700,6 +701,17 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                 + (" Or the recorded experts: router replay forced them into the trainer, and experts recorded "
                    "wrong (ids offset, another layer order) put every token through other experts; score without "
                    "--replay, which says how often they differ from the trainer's own routing." if forced else ""))
+        neutral = (sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0
+                   and not sampling.get("sample_top_k", 0))
+        sharper = [sc for sc in res.scored if sc.evaluation.failed and sc.metrics.get("log_ppl_diff", 0.0) < 0]
+        if not padded and neutral and SHARPER < gap <= WRONG_MODEL_GAP and len(sharper) >= 0.9 * len(res.scored) >= 1:
+            res.notes.append(
+                f"sampling: {len(sharper)} of {len(res.scored)} sample(s) are over the line with the rollout giving its "
+                f"own tokens more probability than the trainer does ({gap:.2f} nats per token on average), and the "
+                "trainer scored with temperature 1, top-p 1 and no top-k (the defaults). If the engine sampled with "
+                "other settings, pass them (--temperature, --top-p, --top-k): a rollout sharper than the trainer on "
+                "every sample is what a temperature below 1 left out looks like, or one the engine applied after "
+                "the log-softmax.")
         lines_of: dict[str, list[int]] = {}
         for sc in res.scored:
             lines_of.setdefault(str(sc.sample.id), []).append(sc.sample.line)
@@ -928,6 +940,8 @@ def default_out_name(file: Path, model: str | None, pair: str | None, replay: bo
 
 def _not_greedy(ctx: Any, param: Any, value: float) -> float:
     """--temperature 0, as vLLM and verl record greedy decoding, says which log-probs to score."""
+    if not value >= 0 or value == math.inf:  # (the type is a plain float: its help would say [x>=0], and 0 is refused here)
+        raise click.BadParameter(f"{value!r}: a temperature is a finite number > 0 (1 = the distribution as it is).")
     if value == 0:
         raise click.BadParameter(
             "0 is greedy decoding, which has no temperature to divide by. Score what the engine reported: the "
@@ -943,8 +957,8 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
 @click.option("--replay", is_flag=True, help="Replay the recorded experts in the trainer (router replay).")
 @click.option("--threshold", type=click.FloatRange(0, min_open=True), default=1e-3, show_default=True,
               help="A sample is flagged when the mean k3 of its tokens (or the two-outcome KL) is above this.")
-@click.option("--temperature", type=click.FloatRange(0), default=1.0, show_default=True, callback=_not_greedy,
-              help="Sampling temperature the rollout used (its log-probs are of the processed distribution).")
+@click.option("--temperature", type=float, default=1.0, show_default=True, callback=_not_greedy,
+              help="Sampling temperature the rollout used, > 0 (its log-probs are of the processed distribution).")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Sampling top-k (0 = off).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)

@@ -121,6 +121,7 @@ def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_p
     assert code == 0 and "hf.qwen3_moe.aligned" in out, err
     assert f"by `harness score`: sample {worst.sample.id} at line {worst.sample.line} of {bf16_file}" in out, out
     assert "case (the recorded sample):" in out and "campaign seed" not in out
+    assert "here only its trainer ran: the rollout is the recording" in out  # (not the pair's own rollout path)
     assert "mean two-outcome KL" in out and "mean exact KL" not in out  # a recording's KL is a lower bound
 
 
@@ -705,3 +706,15 @@ def test_recorded_experts_of_a_model_with_a_dense_first_layer_and_a_config_missi
     assert HFModel.from_config({**olmoe, "num_experts": 16}).moe() == (16, default_k, 1)
     with pytest.raises(UsageError, match="num_experts_per_tok=8 of its 8"):
         default_axes(HFModel.from_config({**olmoe, "num_experts": default_k}))
+
+
+def test_a_temperature_left_out_is_suggested(tmp_path):
+    """A trial sampled at T 0.7 and scored without --temperature (k3 0.2): neither score nor triage
+    suggested the sampling settings."""
+    record("hf.qwen3.aligned", range(2), tmp_path / "t07.jsonl", temperature=0.7)
+    res = score(tmp_path / "t07.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False)
+    [note] = [n for n in res.notes if n.startswith("sampling:")]
+    assert "pass them (--temperature, --top-p, --top-k)" in note, note
+    res = score(tmp_path / "t07.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                sampling={"temperature": 0.7})
+    assert not res.flagged and not any(n.startswith("sampling:") for n in res.notes), res.notes
