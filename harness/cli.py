@@ -710,7 +710,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         if k != "fired":
             note = (" (a correlation needs 2 or more tokens)" if k == "pearson" and isinstance(v, float) and math.isnan(v)
                     and r.case.n_tokens < 2 else "")
-            click.echo(f"  {k:18s} {_fmt(v)}{note}")
+            if rec and k in ("flip_rate", "tie_flip_rate") and not r.case.params.get("rec_experts"):
+                v, note = "n/a", " (no experts recorded: nothing to compare the trainer's routing with)"
+            click.echo(f"  {k:18s} {v if v == 'n/a' else _fmt(v)}{note}")
     if r.metrics:
         fired = r.metrics.get("fired")
         k3e, k3s = r.metrics.get("k3_expected", math.nan), r.metrics.get("k3_kl")

@@ -708,13 +708,15 @@ def test_recorded_experts_of_a_model_with_a_dense_first_layer_and_a_config_missi
         default_axes(HFModel.from_config({**olmoe, "num_experts": default_k}))
 
 
-def test_a_temperature_left_out_is_suggested(tmp_path):
+def test_a_temperature_left_out_is_suggested(tmp_path, harness_cli):
     """A trial sampled at T 0.7 and scored without --temperature (k3 0.2): neither score nor triage
     suggested the sampling settings."""
     record("hf.qwen3.aligned", range(2), tmp_path / "t07.jsonl", temperature=0.7)
     res = score(tmp_path / "t07.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False)
     [note] = [n for n in res.notes if n.startswith("sampling:")]
     assert "pass them (--temperature, --top-p, --top-k)" in note, note
+    code, out, err = harness_cli("show", str(res.repros[0]))  # a dense model's recording: no experts
+    assert code == 0 and "flip_rate          n/a (no experts recorded" in out, out + err
     res = score(tmp_path / "t07.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
                 sampling={"temperature": 0.7})
     assert not res.flagged and not any(n.startswith("sampling:") for n in res.notes), res.notes
