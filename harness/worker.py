@@ -310,15 +310,7 @@ class Worker:
         `cold_extra`: the part of `timeout` granted for a first case's imports and compilation."""
         timeout = self.timeout if timeout is None else timeout
         for attempt in range(2):
-            if self.proc is None or not self.proc.is_alive():
-                if self.proc is not None:
-                    self.kill()
-                    self.restarts += 1
-                self.start()
-            if not self.ready:
-                if not self._wait_ready(wall):
-                    raise OutOfTime
-                self.ready = True
+            self._ensure_started(wall)
             if not self.queue:
                 self._clear_log()
             try:
@@ -394,6 +386,19 @@ class Worker:
                        "(a plain --timeout SECONDS does not override a pair's own)",
             "traceback": stack, "timeout_s": float(timeout - cold_extra)}, threads=self.threads)  # (the per-case timeout)
 
+    def _ensure_started(self, wall: float | None) -> None:
+        """A live worker that has imported the engine (a dead one is replaced: a restart); OutOfTime
+        when `wall` (time.monotonic()), or the start-up timeout, comes first."""
+        if self.proc is None or not self.proc.is_alive():
+            if self.proc is not None:
+                self.kill()
+                self.restarts += 1
+            self.start()
+        if not self.ready:
+            if not self._wait_ready(wall):
+                raise OutOfTime
+            self.ready = True
+
     def _stacks(self, dump: bool = True) -> str:
         """Every thread's Python stack in the running worker, written by its faulthandler on SIGUSR1
         (even a thread stuck in C code holding the GIL); "" without `dump`."""
@@ -420,14 +425,10 @@ class Worker:
         harness error), TIMEOUT (a run past `timeout` seconds, or `cold` for the first, which pays the
         imports; text: the case; stack: where it was) or CRASH (the worker died; text: the case)."""
         for _ in range(2):
-            if self.proc is None or not self.proc.is_alive():
-                if self.proc is not None:
-                    self.kill()
-                    self.restarts += 1
-                self.start()
-            if not self.ready:
-                self._wait_ready(None)
-                self.ready = True
+            try:
+                self._ensure_started(None)
+            except OutOfTime:  # (it did not import the engine within _START_TIMEOUT)
+                return "TIMEOUT", "", [], ""
             self._clear_log()
             try:
                 self.conn.send(("check", pair.name, pair.source, n_cases))
