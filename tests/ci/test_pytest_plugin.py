@@ -460,13 +460,32 @@ def test_an_unknown_pair_names_the_pytest_option_that_loads_a_plugin(tmp_path):
     assert "`--harness-plugin=path/to/file.py`" in out and "`--plugin path" not in out, out
 
 
+_SLOW_CASES = '''
+import time, torch
+from harness import Axes, Outcome, TargetPair, register
+
+def build(case, device):
+    time.sleep(0.5)
+    return case.token_randn(16, "x")
+
+def path(x):
+    return Outcome(logprobs=torch.log_softmax(x, -1))
+
+for name in ("slowcase.a", "slowcase.b"):
+    register(TargetPair(name=name, kind="op", expected="aligned", build=build, trainer=path, rollout=path,
+                        axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))
+'''
+
+
 def test_a_session_that_tested_nothing_is_not_a_pass_and_an_empty_shard_is_not_an_error(tmp_path):
-    """A budget too small for any first case: each pair is skipped (not run, not passed) and the session
-    exits 4 (`harness fuzz` exits 2: nothing was tested). A shard left without pairs (more CI jobs than
-    pairs) exits 0 with a note instead of pytest's 'no tests ran' (5), which failed spare matrix jobs."""
+    """A budget too small for any case (a pair's cold start runs before its budget: here every case
+    takes 0.5 s): each pair is skipped (not run, not passed) and the session exits 4 (`harness fuzz`
+    exits 2: nothing was tested). A shard left without pairs (more CI jobs than pairs) exits 0 with a
+    note instead of pytest's 'no tests ran' (5), which failed spare matrix jobs."""
     base = ["--harness-fuzz", "--harness-no-tracking", "--harness-corpus", str(tmp_path / "c"), "-q", "-rs"]
-    rc, out = run_pytest(base + ["--harness-pairs", "lm_head.aligned", "--harness-pairs", "rmsnorm.aligned",
-                                 "--harness-budget", "0.01", "--harness-out", str(tmp_path / "o1")])
+    (tmp_path / "slow.py").write_text(_SLOW_CASES)
+    rc, out = run_pytest(base + ["--harness-plugin", str(tmp_path / "slow.py"), "--harness-pairs", "slowcase.*",
+                                 "--harness-budget", "0.01", "--harness-out", str(tmp_path / "o1")], cwd=tmp_path)
     assert rc == 4, out
     assert "2 skipped" in out and "not run: the budget ended before its first case came back" in out, out
     assert "error: no case ran" in out and "UNFINISHED" not in out, out
