@@ -151,6 +151,7 @@ def missed_by_night(window: list[dict]) -> list[tuple[dict, str, list[str]]]:
 def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
     """(campaigns, regressions) as plain dicts, from the store at `uri` (default: as `harness fuzz`)."""
     from .mlflow_tracking import CAMPAIGN, open_store, regression_dict, resolve_uri, sqlite_path
+    from .mlflow_tracking.payload import FLAGS
 
     db = sqlite_path(resolve_uri(uri))
     if db is not None and not db.exists():
@@ -173,7 +174,7 @@ def read_store(uri: str | None) -> tuple[list[dict], list[dict]]:
             "device": p.get("device", "?"), "n_pairs": p.get("n_pairs", "?"), "git_commit": p.get("git_commit", "?"),
             "cases": cases, "seconds": seconds, "cases_per_second": float(rate),
             "findings": _campaign_metric(m, "findings"), "pairs": pair_cases(m), "missed": flagged_pairs(m, ".missed"),
-            "cannot_run": flagged_pairs(m, ".cannot_run"), "unfinished": flagged_pairs(m, ".unfinished"),
+            **{suffix[1:]: flagged_pairs(m, suffix) for suffix in FLAGS.values()},  # cannot_run, unfinished
             "demonstrations": flagged_pairs(m, ".missed", True),
             "caught": caught_pairs(m),
         })
@@ -203,6 +204,18 @@ def classify(regressions: list[dict], since: _dt.datetime) -> dict[str, list[dic
     for rows in out.values():
         rows.sort(key=lambda r: (r["pair"], r["id"]))
     return out
+
+
+# (campaign key, section title, what it means) of the pairs a campaign ran nothing of to judge
+UNRUN_SECTIONS = (
+    ("cannot_run", "Pairs that could not run",
+     "These raised a harness error (their own setup: a checkpoint that is gone, a setting they refuse), so nothing "
+     "of them was tested; the campaign's log says what to fix."),
+    ("unfinished", "Pairs that did not finish",
+     "Their first case was still running when the budget ended (a hang, or a cold start longer than the budget "
+     "allows), so nothing of them was judged and the campaign failed (exit 1); its log says how long the case ran "
+     "and where it was."),
+)
 
 
 def reopened_in(groups: dict[str, list[dict]], since: _dt.datetime) -> list[dict]:
@@ -367,24 +380,13 @@ def render(campaigns: list[dict], regressions: list[dict], since: _dt.datetime, 
     else:
         lines.append("None: every demonstration the campaigns in this window ran was caught.")
     lines.append("")
-    cannot = [(c, name) for c in window for name in c.get("cannot_run", ())]
-    if cannot:  # a pair's own setup failed (a checkpoint that is gone): nothing of it was tested
-        lines += [f"## Pairs that could not run ({len(cannot)})", "",
-                  "These raised a harness error (their own setup: a checkpoint that is gone, a setting they refuse), "
-                  "so nothing of them was tested; the campaign's log says what to fix.", "",
-                  "| pair | campaign started (UTC) | seed | run |", "|---|---|---|---|"]
-        lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {c['run_id'][:12]} |" for c, name in cannot]
-        lines.append("")
-    unfinished = [(c, name) for c in window for name in c.get("unfinished", ())]
-    if unfinished:  # a first case that never came back: nothing of the pair was judged, and the campaign failed
-        lines += [f"## Pairs that did not finish ({len(unfinished)})", "",
-                  "Their first case was still running when the budget ended (a hang, or a cold start longer than "
-                  "the budget allows), so nothing of them was judged and the campaign failed (exit 1); its log says "
-                  "how long the case ran and where it was.", "",
-                  "| pair | campaign started (UTC) | seed | run |", "|---|---|---|---|"]
-        lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {c['run_id'][:12]} |"
-                  for c, name in unfinished]
-        lines.append("")
+    for key, title, why in UNRUN_SECTIONS:  # pairs of which nothing was judged: each campaign that had one
+        rows = [(c, name) for c in window for name in c.get(key, ())]
+        if rows:
+            lines += [f"## {title} ({len(rows)})", "", why, "", "| pair | campaign started (UTC) | seed | run |",
+                      "|---|---|---|---|"]
+            lines += [f"| {name} | {c['start']:%Y-%m-%d %H:%M} | {c['seed']} | {c['run_id'][:12]} |" for c, name in rows]
+            lines.append("")
     titles = {"new": "New", "recurring": "Recurring", "fixed": "Fixed"}
     for key in ("new", "recurring", "fixed"):
         rows = groups[key]

@@ -67,10 +67,10 @@ def campaign_metrics(result: Any) -> dict[str, float]:
     demos = [r for r in results if getattr(r, "expected", "") == "diverges"]
     out["demonstrations"] = float(len(demos))
     out["missed_demonstrations"] = float(sum(1 for r in demos if r.verdict == "MISSED"))
-    # pairs that raised a harness error (their own setup, not their paths: no finding is recorded)
-    out["pairs_cannot_run"] = float(sum(1 for r in results if r.verdict == "CANNOT RUN"))
-    # pairs whose first case never came back before the budget ended (a hang, or a cold start past it)
-    out["pairs_unfinished"] = float(sum(1 for r in results if r.verdict == "UNFINISHED"))
+    # pairs nothing of which was judged: pairs_cannot_run (a harness error: their own setup, not their paths,
+    # so no finding is recorded), pairs_unfinished (a first case still running when the budget ended)
+    for verdict, suffix in FLAGS.items():
+        out["pairs_" + suffix[1:]] = float(sum(1 for r in results if r.verdict == verdict))
     for r in results:  # per pair, as the morning report reads them
         out[f"pair.{r.pair}.cases"] = float(r.examples)
         out[f"pair.{r.pair}.cases_per_second"] = float(r.rate)
