@@ -405,10 +405,15 @@ class Case:
         """`smaller_neighbours()` plus one knob moved to its neutral value (sampling off, right
         padding, one packed row in the given order, no forced router ties). With `axes` (the pair's),
         the neutral values its axes allow, as shrinking moves them (`shrink.neutral_within`: a pair
-        that always left-pads keeps its left padding)."""
-        from .shrink import neutral_within
+        that always left-pads keeps its left padding), and one response token of a sequence given to
+        its prompt (the same positions, one scored token fewer), within the axes' prompt lengths."""
+        from .shrink import _with, neutral_within
 
         out = self.smaller_neighbours()
+        max_prompt = axes.prompt_len[1] if axes is not None else 0
+        for j, n in enumerate(self.seq_lens):
+            if n > 1 and self.prompt_len(j) + 1 <= max_prompt:
+                out.append(_with(self, j, prompt=self.prompt_len(j) + 1, response=n - 1))
         for name, neutral in neutral_within(axes).items():
             if getattr(self, name) != neutral:
                 out.append(self.replace(**{name: neutral}))

@@ -414,7 +414,9 @@ def _row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
     # sums a row, in order); a plain chunk needs only the first four
     # Small inputs (one chunk) that are the same tensor values on both sides (an aligned pair whose
     # paths agree bit for bit) skip the trainer's exp: p_t = p_r, d = 0, the same values either way.
-    same = n_rows <= rows and trainer_lp.dtype == rollout_lp.dtype and bool(torch.equal(trainer_lp.to(dev), rollout_lp))
+    # (the one tensor when the trainer's readout reused the rollout's: `execute.finalize`)
+    same = n_rows <= rows and (trainer_lp is rollout_lp or (
+        trainer_lp.dtype == rollout_lp.dtype and bool(torch.equal(trainer_lp.to(dev), rollout_lp))))
     zero = None  # a float64 0 on the device, made for the first chunk that masks
     sums, drawn, redone = [], [], []
     all_plain = True
@@ -443,42 +445,50 @@ def _row_stats(trainer_lp: Any, rollout_lp: Any, uniforms: Any = None,
             # lr <= -650 (-inf too) went in as -700 (a CPU's exp is slow on -inf and subnormal
             # results) and comes out as exactly 0
             torch.nn.functional.threshold_(p, _P_ZERO, 0.0)
-        if same:
-            d.zero_()
-            pt.copy_(p)
+        if same and plain:
+            # d = 0 and p_t = p: sum p*d is 0 and Z_t is Z_r exactly (a row with +inf in it has Z_r = inf:
+            # not finite either way, it is redone below), so only sum p*logp_r and Z_r are summed
+            torch.mul(src_r, p, out=l)  # p * logp_r
+            s = np.zeros((n, 6))
+            s[:, 1:3] = x[:, 1:3].sum(-1).cpu().numpy()
+            s[:, 3] = s[:, 5] = s[:, 2]
         else:
-            if not direct:
-                pt.copy_(lt)
+            if same:
+                d.zero_()
+                pt.copy_(p)
+            else:
+                if not direct:
+                    pt.copy_(lt)
+                if not plain:
+                    # a trainer log-probability at or below e^-650 (log 0: -inf, or a finite -1e4 fill) becomes
+                    # -inf, so d = +inf -> max there and p*d >= e^-650*max > 1e8 where the rollout has mass
+                    torch.nn.functional.threshold_(pt, LOG_ZERO, -math.inf)
+                torch.sub(src_r, src_t, out=d)  # logp_r - logp_t in float64
+                if not plain:
+                    d.clamp_(max=_F64_MAX)
+                    torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
+                _exp(src_t, pt)  # (n, V) p_t, for its normaliser
+                if not plain:
+                    torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
             if not plain:
-                # a trainer log-probability at or below e^-650 (log 0: -inf, or a finite -1e4 fill) becomes
-                # -inf, so d = +inf -> max there and p*d >= e^-650*max > 1e8 where the rollout has mass
-                torch.nn.functional.threshold_(pt, LOG_ZERO, -math.inf)
-            torch.sub(src_r, src_t, out=d)  # logp_r - logp_t in float64
-            if not plain:
-                d.clamp_(max=_F64_MAX)
-                torch.nn.functional.threshold_(pt, LOG_ZERO, _EXP_FLOOR)
-            _exp(src_t, pt)  # (n, V) p_t, for its normaliser
-            if not plain:
-                torch.nn.functional.threshold_(pt, _P_ZERO, 0.0)
-        if not plain:
-            torch.where(p > 0, pt, zero, out=pts)  # p_t on the rollout's support
-        d.mul_(p)  # p * (logp_r - logp_t)
-        torch.mul(src_r, p, out=l)  # p * logp_r
-        s = np.zeros((n, 6))
-        if plain:  # sum p*d, sum p*logp_r, Z_r, Z_t; p > 0 everywhere: the support's p_t sum is Z_t
-            s[:, 0:4] = x[:, :4].sum(-1).cpu().numpy()
-            s[:, 5] = s[:, 3]
-        else:  # ... and the sum of p_t where p > 0
-            s[:, [0, 1, 2, 3, 5]] = x[:, :5].sum(-1).cpu().numpy()
-            # A token the trainer excludes where the rollout has mass adds > 1e8 to its row's first sum
-            # (the rest of a KL sum is >= -1/e for distributions; overflow: +inf), so only a chunk with
-            # a row above 1 can hold one. There such tokens' terms leave that sum and their rollout mass
-            # gets its own (the other rows have no such token: their values stay the same).
-            if bool(((s[:, 0] > _KL_CHECK) & (s[:, 0] <= math.inf)).any()):
-                cut = pt == 0  # p_t is 0 exactly where the trainer excludes
-                torch.where(cut, p, zero, out=ex)
-                d.masked_fill_(cut, 0.0)
-                s[:, [0, 4]] = x[:, ::5].sum(-1).cpu().numpy()  # slots 0 and 5: sum p*d, the excluded mass
+                torch.where(p > 0, pt, zero, out=pts)  # p_t on the rollout's support
+            d.mul_(p)  # p * (logp_r - logp_t)
+            torch.mul(src_r, p, out=l)  # p * logp_r
+            s = np.zeros((n, 6))
+            if plain:  # sum p*d, sum p*logp_r, Z_r, Z_t; p > 0 everywhere: the support's p_t sum is Z_t
+                s[:, 0:4] = x[:, :4].sum(-1).cpu().numpy()
+                s[:, 5] = s[:, 3]
+            else:  # ... and the sum of p_t where p > 0
+                s[:, [0, 1, 2, 3, 5]] = x[:, :5].sum(-1).cpu().numpy()
+                # A token the trainer excludes where the rollout has mass adds > 1e8 to its row's first sum
+                # (the rest of a KL sum is >= -1/e for distributions; overflow: +inf), so only a chunk with
+                # a row above 1 can hold one. There such tokens' terms leave that sum and their rollout mass
+                # gets its own (the other rows have no such token: their values stay the same).
+                if bool(((s[:, 0] > _KL_CHECK) & (s[:, 0] <= math.inf)).any()):
+                    cut = pt == 0  # p_t is 0 exactly where the trainer excludes
+                    torch.where(cut, p, zero, out=ex)
+                    d.masked_fill_(cut, 0.0)
+                    s[:, [0, 4]] = x[:, ::5].sum(-1).cpu().numpy()  # slots 0 and 5: sum p*d, the excluded mass
         sums.append(s)
         finite = np.isfinite(s).all(-1) & (s[:, 2] > 0)  # (n,)
         all_finite = bool(finite.all())
@@ -543,11 +553,12 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
     if tokens is None and uniforms is None:
         tokens = multinomial_tokens(lr_all, generator)
     stats = _row_stats(lt_all, lr_all, uniforms if tokens is None else None, chunk_elems)
-    if tokens is None:
+    drawn = tokens is None  # (then drawn by `_inverse_cdf`: in range)
+    if drawn:
         tokens = stats["tokens"]
     dev = lr_all.device
     tok = _np(torch.as_tensor(tokens)).astype(np.int64, copy=False).reshape(n)  # (T,)
-    if n and (int(tok.min()) < 0 or int(tok.max()) >= lr_all.shape[1]):
+    if n and not drawn and (int(tok.min()) < 0 or int(tok.max()) >= lr_all.shape[1]):
         raise ValueError(f"the rollout's sampled token ids must lie in [0, {lr_all.shape[1]}) (the vocabulary of its "
                          f"logprobs); got ids from {int(tok.min())} to {int(tok.max())}")
     floats = (torch.float32, torch.float64)
@@ -564,12 +575,21 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
     excluded, k3_rows = stats["excluded"], stats["k3"]
     with np.errstate(all="ignore"):
         d = lt - lr  # (T,) log r
-        k3 = k3_of(d)  # (T,)
-        seg = np.repeat(np.arange(len(seq_lens)), seq_lens)  # (T,)
-        counts = np.asarray(seq_lens, dtype=np.float64)
-        k3_seq = np.bincount(seg, weights=k3, minlength=len(seq_lens)) / counts
-        d_seq = np.bincount(seg, weights=d, minlength=len(seq_lens)) / counts
-        pt, pr = np.exp(lt), np.exp(lr)
+        # Both paths gave every sampled token the same log-probability (an aligned pair agreeing bit for
+        # bit): every log-ratio is +0.0 (NaN is not), and the values below are those of zeros, without
+        # their dozens of calls.
+        equal = not d.any()
+        k3 = np.zeros(n) if equal else k3_of(d)  # (T,)
+        b = len(seq_lens)
+        seg = np.repeat(np.arange(b), seq_lens)  # (T,)
+        if equal:
+            k3_seq = d_seq = np.zeros(b)
+        else:
+            counts = np.asarray(seq_lens, dtype=np.float64)
+            k3_seq = np.bincount(seg, weights=k3, minlength=b) / counts
+            d_seq = np.bincount(seg, weights=d, minlength=b) / counts
+        pt = np.exp(lt)
+        pr = pt if equal else np.exp(lr)
         ct, cr = pt - _mean(pt), pr - _mean(pr)
         vt, vr = ct @ ct, cr @ cr
         pearson = float(np.clip((ct @ cr) / math.sqrt(vt * vr), -1.0, 1.0)) if n >= 2 and vt > 0 and vr > 0 \
@@ -579,11 +599,11 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
             k3_seq_max=float(k3_seq.max()),
             kl=_mean(kl),
             k3_expected=_mean(k3_rows),
-            max_abs_dlogp=float(np.abs(d).max()),
-            probs_diff_max=float(np.abs(pt - pr).max()),
+            max_abs_dlogp=0.0 if equal else float(np.abs(d).max()),
+            probs_diff_max=0.0 if equal else float(np.abs(pt - pr).max()),
             log_ppl_diff=_mean(d_seq),
-            ppl_ratio=_mean(np.exp(d_seq)),
-            chi2_token=_mean(np.exp(2 * d)) - 1,
+            ppl_ratio=1.0 if equal and b else _mean(np.exp(d_seq)),
+            chi2_token=0.0 if equal and n else _mean(np.exp(2 * d)) - 1,
             pearson=pearson,
             entropy=_mean(entropy),
             kl_excluded=_mean(excluded),
@@ -598,7 +618,7 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
             n_tokens=n,
             per_token={
                 "sequence": seg,
-                "position": np.concatenate([np.arange(m) for m in seq_lens]),
+                "position": np.arange(n) - np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens) if n else np.zeros(0, int),
                 "token": tok,
                 "logp_trainer": lt,
                 "logp_rollout": lr,

@@ -13,7 +13,8 @@ signature:
 3. empty one prompt, halve one prompt or response, then drop ..., 8, 4, 2, 1 of their last tokens
    (a bug past a block boundary need not fire at every length above it; the 2^k steps for the
    longest sequence only), or give all but one or half of the longest sequence's response tokens
-   (all but one of any other's) to its prompt (the same positions, fewer scored tokens; within the axes' prompt lengths); a near-tie case
+   (all but one of any other's), or one token of any sequence's, to its prompt (the same positions,
+   fewer scored tokens; within the axes' prompt lengths); a near-tie case
    becomes one token with every token forced (which tokens are forced is drawn per token);
 4. move a continuous knob halfway to neutral (temperature and top-p toward 1, logit scale toward
    its low bound, the tie gap toward 0): repeated, this bisects to
@@ -97,11 +98,13 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     # the longest sequence's response tokens given to its prompt (same length, fewer scored tokens): a
     # bug past a position fires on its first token there, and shortening alone keeps a long response
     # (970 + 55 tokens, where 1023 + 2 fails too); within the axes' prompt lengths only
-    # (every other sequence: all but one of its response tokens, one move each)
+    # (every other sequence: all but one of its response tokens); then one token of each sequence's
+    # response: a bug whose first failing token needs a clean one before it (its log-probability read
+    # at the position before) stops at two scored tokens, where keeping one passes
     max_prompt = axes.prompt_len[1] if axes is not None else 0
     for j in sorted(range(case.batch_size), key=lambda j: j != longest):
         n, p = case.seq_lens[j], case.prompt_len(j)
-        for r in sorted({1, n // 2} if j == longest else {1}):
+        for r in sorted({1, n // 2, n - 1} if j == longest else {1, n - 1}):
             if 1 <= r < n and p + n - r <= max_prompt:
                 yield _with(case, j, prompt=p + n - r, response=r)
     if 0 < case.tie_fraction < 1 and case.n_tokens > 1:

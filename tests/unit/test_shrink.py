@@ -128,3 +128,21 @@ def test_polish_gives_response_tokens_to_the_prompt_of_a_sequence_that_is_not_th
     axes = Axes(n_seqs=(2, 2), seq_len=(1, 64), prompt_len=(0, 64))
     got, _, complete = polish(Case(seed=3, seq_lens=(40, 12), prompt_lens=(0, 10)), fails, axes=axes)
     assert complete and got.seq_lens[1] == 1 and got.prompt_len(1) == 20, got.one_line()
+
+
+def test_polish_keeps_two_scored_tokens_when_the_failing_one_needs_one_before_it():
+    """A KV-cache bug past slot 48 whose failing token is read at the position before it: prompt +
+    response must reach 49 and the response must keep two tokens (a one-token response is read at
+    the last prompt position, before the bug). Giving one response token at a time to the prompt
+    finds the two-token case; all-but-one and half alone stop at a longer response."""
+    from harness import Axes
+
+    def fails(c):
+        return c.prompt_len(0) + c.seq_lens[0] >= 49 and c.seq_lens[0] >= 2
+
+    axes = Axes(seq_len=(1, 64), prompt_len=(0, 64))
+    got, _, complete = polish(Case(seed=3, seq_lens=(3,), prompt_lens=(46,)), fails, axes=axes)
+    assert complete and got.seq_lens == (2,) and got.prompt_lens == (47,), got.one_line()
+    assert all(not fails(n) for n in got.simpler_neighbours(axes))  # 1-minimal, moving a token to the prompt included
+    assert Case(seed=3, seq_lens=(3,), prompt_lens=(46,)).replace(seq_lens=(2,), prompt_lens=(47,)) in \
+        Case(seed=3, seq_lens=(3,), prompt_lens=(46,)).simpler_neighbours(axes)
