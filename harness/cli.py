@@ -263,7 +263,10 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
         i, n = (int(x) for x in value.split("/"))
     except ValueError:
         raise UsageError(f"--shard {value!r} must look like i/N, e.g. 1/4 (the first of four shards).") from None
-    if not (n >= 1 and 1 <= i <= n):
+    if n < 1:
+        raise UsageError(f"--shard {value!r}: N = {n} shards; the number of shards must be at least 1 (i/N: job i of N, "
+                         "counting from 1).")
+    if not 1 <= i <= n:
         raise UsageError(f"--shard {value!r}: i = {i} must lie between 1 and N = {n} (job i of N, counting from 1; "
                          "N at least 1).")
     return i, n
@@ -313,7 +316,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
          uniform_per_example: int | None, plugins: tuple[str, ...]) -> None:
     """Fuzz pairs (all registered pairs when none are named); shrink and record what diverges."""
     from .env import resolve_device
-    from .fuzz import CampaignConfig, run_campaign, setup_reason, summary_table
+    from .fuzz import NOT_HERE, CampaignConfig, caught_elsewhere_maybe, run_campaign, setup_reason, summary_table
     from .pairs import REGISTRY, is_glob
     from .corpus import replay_command_for, shrink_command_for
     from .tracking import make_tracker
@@ -337,8 +340,17 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     from .profiles import campaign_settings
 
     n_units = len(campaign_units(pairs, streams, parse_shard(shard)))
+    if not n_units:  # a shard the split left empty (more CI jobs than pairs x streams): nothing to run, not an error
+        i, n = parse_shard(shard)
+        click.echo(f"shard {i}/{n} got no pair of this selection ({len(pairs)} pair(s) x {streams} stream(s) for {n} "
+                   "shards): nothing to run here, exit 0")
+        return
     s = campaign_settings(profile, max(1, -(-n_units // streams)), max_examples, budget, seed)
     default_timeout, per_pair = parse_timeouts(timeouts, pairs)
+    from .profiles import shard_seed_warning
+
+    if shard_seed_warning(parse_shard(shard), s.seed):
+        echo_err(shard_seed_warning(parse_shard(shard), s.seed))
     if profile:
         echo_err(f"profile {profile}: {s.max_examples} examples per pair"
                  + (" per round, rounds until the budget" if s.fill_budget else "") + f", budget {s.budget}s, {s.origin}")
@@ -364,12 +376,12 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     click.echo(summary_table(result))
     n = len(result.findings)
     click.echo(f"\n{result.examples} cases in {result.seconds:.1f}s, {n} finding(s); seed {result.seed}.")
-    missed = [r.pair for r in result.results if r.verdict == "MISSED"]
-    if missed and cfg.shard is not None and cfg.shard[1] > 1 and cfg.streams > 1:  # other streams: other shards'
-        click.echo(f"not caught by this shard's streams ({cfg.shard[0]}/{cfg.shard[1]}): {', '.join(missed)}; the other "
+    elsewhere = [r.pair for r in result.results if caught_elsewhere_maybe(r, cfg)]  # other streams: other shards'
+    if elsewhere:
+        click.echo(f"{NOT_HERE} ({cfg.shard[0]}/{cfg.shard[1]}): {', '.join(elsewhere)}; the other "
                    "shards run the rest of each pair's streams, so a demonstration is missed only if no shard caught "
                    "it (compare their summaries)")
-        missed = []
+    missed = [r.pair for r in result.results if r.verdict == "MISSED" and r.pair not in elsewhere]
     if missed:
         from .fuzz import missed_hint
 

@@ -1184,10 +1184,11 @@ class _Critical:
 def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Finding]:
     """Add another stream's (or, `rounds`, another round's) result to a pair's; returns the findings
     whose signature is new here."""
-    if rounds:  # a round's findings were first seen this far into the unit
+    if rounds:  # a round's findings were first seen this far into the unit, which ran this many cases in all
         for f in r.findings:
             f.cases_to_first += into.examples
             f.seconds_to_first += into.seconds
+            f.examples += into.examples
     into.examples += r.examples
     into.seconds += r.seconds
     into.max_k3 = max(into.max_k3, r.max_k3)
@@ -1202,8 +1203,14 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
         into.warmup += r.warmup
         into.examples_asked += r.examples_asked
         into.examples_short += r.examples_short
-    known = {f.signature for f in into.findings}
+    known = {f.signature: i for i, f in enumerate(into.findings)}
     fresh = [f for f in r.findings if f.signature not in known]
+    for f in r.findings:
+        i = known.get(f.signature)
+        if i is not None and f.new and not into.findings[i].new and f.path == into.findings[i].path:
+            # two streams found one signature (pytest-xdist items, each writing as it finds): the one that
+            # wrote the corpus file stands for it, so the summary's case is the file's
+            into.findings[i] = f
     into.findings.extend(fresh)
     return fresh
 
@@ -1238,10 +1245,12 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     signals = _Signals()
     by_pair: dict[str, PairResult] = {}
 
-    def progress(r: PairResult, done: bool) -> None:
-        if not done:
-            log(f"  {r.pair}: {r.examples} cases, {r.rate:.1f}/s, max judged {r.max_score:.3g} "
-                f"(sampled k3 {r.max_k3:.3g})")
+    def progress_of(unit: Any) -> Callable[[PairResult, bool], None]:
+        def progress(r: PairResult, done: bool) -> None:
+            if not done:  # (the unit's label: a pair's streams count their cases apart)
+                log(f"  {unit.label}: {r.examples} cases, {r.rate:.1f}/s, max judged {r.max_score:.3g} "
+                    f"(sampled k3 {r.max_k3:.3g})")
+        return progress
 
     def run_again(f: Finding, case: Case) -> Evaluation | None:
         """One more evaluation of a case of the finding's pair, after the search (the corpus check, the
@@ -1318,7 +1327,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         rnd = 1
         while not r.findings and not r.setup_error and time.monotonic() < deadline - ROUND_MIN_LEFT:
             more = fuzz_pair(unit.pair, cfg, round_seed(seed, unit.pair.name, unit.stream, unit.streams, rnd),
-                             deadline, progress, evaluate=evaluate, max_examples=examples_of(unit), wall=end)
+                             deadline, progress_of(unit), evaluate=evaluate, max_examples=examples_of(unit), wall=end)
             if not more.examples:
                 r.setup_error = r.setup_error or more.setup_error  # (its first case could not run: say so)
                 break
@@ -1361,7 +1370,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 evaluate = executor.evaluator(pair, end, cfg, deadline, may_defer)
                 try:
                     r = fuzz_pair(pair, cfg, stream_seed(seed, pair.name, unit.stream, unit.streams), deadline,
-                                  progress, evaluate=evaluate, max_examples=examples_of(unit), wall=end)
+                                  progress_of(unit), evaluate=evaluate, max_examples=examples_of(unit), wall=end)
                 except Deferred:
                     log(f"  {unit.label}: first case still running at the end of its share (a cold start?): "
                         "deferred, it goes on in the background")
@@ -1481,13 +1490,26 @@ def _unsaved(f: Finding, err: Exception, cfg: CampaignConfig, seed: int, log: Ca
     print(json.dumps(data, default=str), file=sys.stderr, flush=True)
 
 
+NOT_HERE = "not caught by this shard's streams"
+
+
+def caught_elsewhere_maybe(r: PairResult, cfg: CampaignConfig) -> bool:
+    """A demonstration none of this shard's streams caught, whose other streams run on other shards:
+    not MISSED here (another shard may have caught it; `harness report` judges a night's shards
+    together)."""
+    return (r.verdict == "MISSED" and cfg.shard is not None and cfg.shard[1] > 1 and cfg.streams > 1
+            and r.streams < cfg.streams)
+
+
 def summary_table(result: CampaignResult) -> str:
     """One row per pair; *max judged* is the largest mean the verdict read (expected k3 or exact KL),
     *max sampled k3* the largest sampled tokens' mean k3. A pair that cannot run points to the error
     line `harness fuzz` prints after the table (`setup_error`, said there once)."""
     rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max sampled k3", "findings")]
     for r in result.results:
-        verdict = r.verdict + (f" ({r.time_note})" if r.time_note and not r.findings else "")
+        verdict = (f"{NOT_HERE} ({r.streams} of {result.config.streams})"
+                   if result.config is not None and caught_elsewhere_maybe(r, result.config) else r.verdict) \
+            + (f" ({r.time_note})" if r.time_note and not r.findings else "")
         if r.setup_error and not r.findings:  # (what it raised: once, in the error line after the table)
             rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", "-", "-",
                          "cannot run here: see the error below"))

@@ -104,6 +104,17 @@ def resolve_seed(profile: Profile | None, explicit: int | None = None, run_id: s
                             f"--seed {seed} or HARNESS_RUN_ID={rid}", night=night_uid(rid))
 
 
+def shard_seed_warning(shard: tuple[int, int] | None, seed: int | None) -> str:
+    """One warning line for a shard job whose campaign seed is fresh (""): each job would draw its own, so
+    the shards would not be the disjoint split of one campaign that sharding promises."""
+    if shard is None or shard[1] < 2 or seed is not None:
+        return ""
+    return (f"warning: shard {shard[0]}/{shard[1]} with a fresh seed: every shard job draws its own, so together the "
+            "shards are not the split of one campaign (each runs its share under a seed of its own, and no night "
+            f"judges them together). Give every job the same seed: --seed N (pytest: --harness-seed N), or the nightly "
+            f"profile with a run id every job sees ({', '.join(RUN_ID_ENV)}; pytest: --harness-run-id).")
+
+
 def night_uid(run_id: str) -> str:
     """What a regression counts as seen by (MLflow's `seen_count`) in a campaign whose seed came from a
     run id: the run, not each shard's process, so the N shards of one night count it once."""

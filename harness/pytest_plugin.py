@@ -840,6 +840,12 @@ def pytest_configure(config: pytest.Config) -> None:
         _log(f"harness fuzz: campaign {session.seed_origin}; profile {session.profile_name or '-'}, "
              f"{session.max_examples} Hypothesis examples and {session.budget or '-'} s per pair"
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
+        from harness.profiles import shard_seed_warning
+
+        warned = shard_seed_warning(session.shard, None if session.seed_origin.startswith("fresh") else session.seed)
+        if warned:
+            _log(warned)
+            session.notes.append(warned)
         if not config.option.collectonly:  # --co lists the items: no campaign run, no summary
             import shutil
 
@@ -1037,13 +1043,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
 
-NOT_HERE = "not caught by this shard's streams"
 
 
 def _split_streams_missed(fs: FuzzSession, results: list[dict]) -> None:
     """A demonstration none of this shard's streams caught, whose other streams ran on other shards:
-    not MISSED here (another shard may have caught it; `harness report` judges a night's shards
-    together), as `harness fuzz --shard` says too."""
+    not MISSED here (`fuzz.caught_elsewhere_maybe`), as `harness fuzz --shard` says too."""
+    from harness.fuzz import NOT_HERE
+
     if not fs.shard or fs.shard[1] < 2 or fs.streams < 2:
         return
     here: dict[str, int] = {}
@@ -1194,6 +1200,8 @@ def _broken_plugins() -> list[str]:
 
 
 def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = False) -> None:
+    from harness.fuzz import NOT_HERE
+
     fs.out.mkdir(parents=True, exist_ok=True)
     cases = sum(d["examples"] for d in results)
     seconds = sum(d["seconds"] for d in results)

@@ -493,12 +493,14 @@ def test_a_session_that_tested_nothing_is_not_a_pass_and_an_empty_shard_is_not_a
                                  "--harness-out", str(tmp_path / "o2")])
     assert rc == 0, out
     assert "shard 2/2 got no pair of this selection" in out, out
+    assert "warning: shard 2/2 with a fresh seed" in out, out  # (no --harness-seed: each job would draw its own)
 
 
 def test_a_shard_that_ran_some_streams_of_a_demonstration_does_not_call_it_missed():
     from types import SimpleNamespace
 
-    from harness.pytest_plugin import NOT_HERE, _split_streams_missed
+    from harness.fuzz import NOT_HERE
+    from harness.pytest_plugin import _split_streams_missed
 
     units = [{"pair": "demo.split", "stream": 0}, {"pair": "demo.whole", "stream": 0}, {"pair": "demo.whole", "stream": 1}]
     fs = SimpleNamespace(shard=(2, 2), streams=2, units=lambda: units, notes=[])

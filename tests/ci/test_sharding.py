@@ -103,6 +103,20 @@ def test_a_shard_that_runs_some_streams_of_a_demonstration_does_not_call_it_miss
     assert code == 0, err
     assert "not caught by this shard's streams (1/2): router.topk_softmax" in out and "missed demonstration" not in out
     assert "warning: demonstration pair(s) not caught" not in err
+    assert "MISSED" not in out and "not caught by this shard's streams (1 of 2)" in out  # the table says so too (a
+    # CI log grep for MISSED found it)
+    assert "fresh seed" not in err  # (a given seed: the shards split one campaign)
+
+
+def test_a_shard_with_nothing_to_run_says_so_and_one_with_a_fresh_seed_is_warned(tmp_path, harness_cli):
+    code, out, err = harness_cli("fuzz", "router.topk_softmax", "--shard", "3/3", "--max-examples", "2", "--no-tracking",
+                                 "--corpus", str(tmp_path / "c"))
+    assert code == 0 and "shard 3/3 got no pair of this selection (1 pair(s) x 1 stream(s) for 3 shards)" in out, out
+    code, out, err = harness_cli("fuzz", "rmsnorm.aligned", "--shard", "1/2", "--max-examples", "1", "--no-tracking",
+                                 "--corpus", str(tmp_path / "c"))
+    assert code == 0 and "warning: shard 1/2 with a fresh seed: every shard job draws its own" in err, err
+    code, out, err = harness_cli("fuzz", "rmsnorm.aligned", "--shard", "1/0", "--no-tracking")
+    assert code == 2 and "the number of shards must be at least 1" in err, err
 
 
 def test_a_shards_campaign_run_lists_the_pairs_its_streams_run(tmp_path):

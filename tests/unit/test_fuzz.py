@@ -243,7 +243,7 @@ def test_a_budget_is_filled_with_freshly_seeded_rounds(tmp_path, monkeypatch):
     found = run_campaign(cfg, NullTracker(), log=logged.append)
     clean, caught = found.results
     assert caught.verdict == "caught" and len(caught.findings) == 1 and clean.verdict == "clean"
-    assert caught.findings[0].cases_to_first <= caught.examples
+    assert caught.findings[0].cases_to_first <= caught.findings[0].examples == caught.examples  # (in all, every round)
     assert any(m.startswith("  rmsnorm.aligned:") and "more cases in" in m for m in logged), logged
     # (its first line says more rounds may follow: a trial read `clean` there, then REGRESSION in the table)
     assert "  rmsnorm.aligned: clean so far (more rounds follow if time is left) (" in "\n".join(logged), logged
@@ -766,3 +766,31 @@ def test_a_missed_demonstration_over_a_near_uniform_model_says_so():
     assert "over a near-uniform rollout (mean entropy 6.9 nats of at most log 1024 = 6.93)" in hint(6.9)
     assert "realistic init" in hint(6.9)
     assert hint(4.0).endswith("more examples, budget or wider axes?")
+
+
+def test_merged_results_count_every_round_and_keep_the_finding_that_wrote_the_file(tmp_path):
+    """A later round's finding counts the rounds before it in both its first sighting and its cases in
+    all (a repro said "after 295 cases ... (128 cases in all)"); of two streams' findings of one
+    signature, the one that wrote the corpus file stands for it (a summary described the other
+    stream's case beside that file's path)."""
+    from harness.execute import Evaluation
+    from harness.fuzz import Finding, PairResult, _merge
+
+    def finding(seed, new, path):
+        case = Case(seed=seed, seq_lens=(2,))
+        ev = Evaluation("p", case, Symptom.DIVERGENCE)
+        return Finding(pair="p", expected="aligned", symptom=Symptom.DIVERGENCE, signature="p/divergence", case=case,
+                       evaluation=ev, examples=10, shrink_complete=True, path=path, new=new, cases_to_first=4)
+
+    first = PairResult("p", "aligned", examples=100)
+    later = PairResult("p", "aligned", examples=10, findings=[finding(1, True, None)])
+    _merge(first, later, rounds=True)
+    [f] = first.findings
+    assert (f.cases_to_first, f.examples, first.examples) == (104, 110, 110)
+    path = tmp_path / "p" / "x.json"
+    known = PairResult("p", "aligned", examples=5, findings=[finding(2, False, path)])  # (stream 0: found it second)
+    _merge(known, PairResult("p", "aligned", examples=5, findings=[finding(3, True, path)]))
+    assert [f.case.seed for f in known.findings] == [3]
+    unwritten = PairResult("p", "aligned", examples=5, findings=[finding(2, True, path)])  # (harness fuzz: the first
+    _merge(unwritten, PairResult("p", "aligned", examples=5, findings=[finding(3, True, None)]))  # is the one recorded)
+    assert [f.case.seed for f in unwritten.findings] == [2]
