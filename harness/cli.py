@@ -171,6 +171,8 @@ def check_command(pair_names: tuple[str, ...], cases: int, device: str, timeouts
                 done.add(pair.name)
                 continue
             timeout = limits.timeout_for(pair.name, pair.timeout)
+            echo_err(f"checking {pair.name} ({cases} cases"  # (a model pair's cases take seconds: say what runs)
+                     + (", after the worker process's imports" if worker is not None and not done else "") + ") ...")
             verdict, text, warned = _check_one(pair, cases, dev, worker, timeout)
             done.add(pair.name)
             if verdict == "PASS":
@@ -252,7 +254,8 @@ def list_cmd(as_json: bool, plugins: tuple[str, ...]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
-    click.echo(f"\n{len(pairs)} pair(s). `harness list --json` shows bounds and descriptions.")
+    click.echo(f"\n{len(pairs)} pair(s). `harness list --json` shows bounds and descriptions."
+               + ("" if plugins else " Pairs of your own file are listed with `--plugin path/to/file.py` (or MODULE)."))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,6 +629,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
 
     from .corpus import load_plugin_for, load_repro, shrink_command_for
     from .env import resolve_device
+    from .execute import boundary_swap_note
     from .metrics import judged_k3
     from .pairs import REGISTRY
 
@@ -740,6 +744,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                       "are known, so a lower bound of the exact KL); " if rec else
                       f"mean exact KL {_fmt(r.metrics.get('kl'))}; ")
                    + f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
+        swap = boundary_swap_note(r.metrics)
+        if swap:
+            click.echo(f"  {swap} (`harness triage {file}`)")
         flips = r.metrics.get("flip_rate")
         if isinstance(flips, (int, float)) and flips > 0:
             ties = r.metrics.get("tie_flip_rate")

@@ -104,6 +104,23 @@ def headline(metrics: Any, error: dict | None) -> str:
     return f"{name}={mean_text(value)}"
 
 
+def boundary_swap_note(metrics: Any) -> str:
+    """A line for a finding whose exact KL is about the rollout mass the trainer excludes while the
+    expected k3 stays far below it: the pattern of two paths that cut at a top-k/top-p boundary and
+    rank a near-tied pair of tokens there the other way round (each keeps one the other cuts), where
+    a user reads "KL = excluded mass" as the reported-not-judged mass. "" otherwise."""
+    get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
+    kl, excl, k3e = (_num(get(k, math.nan)) for k in ("kl", "kl_excluded", "k3_expected"))
+    if not (excl > 0 and math.isfinite(kl) and kl > 0 and 1 / 3 <= kl / excl <= 3 and k3e < kl / 10):
+        return ""
+    return (f"truncation boundary: the rollout keeps tokens the trainer cuts (their rollout mass {excl:.3g}: "
+            f"reported, not judged) and the KL {kl:.3g} over the tokens the trainer keeps is about that mass, with "
+            f"an expected k3 of only {k3e:.3g}: what two paths that cut at a top-k/top-p boundary give when they "
+            "rank a near-tied pair of tokens there the other way round (each keeps one the other cuts). It is a "
+            "real mismatch for RL (a token one path cannot sample), made by any difference of the logits before the "
+            "cut at a near tie: compare the paths' logits there")
+
+
 def mean_text(value: float) -> str:
     """3 significant digits, or as many as it takes (up to 6) for a value just over a round line not
     to print as the line itself (k3 0.0010016 read `k3=0.001` against the threshold 0.001)."""

@@ -278,16 +278,19 @@ def _finish(sums: Any, plain: bool = False) -> tuple[Any, Any, Any, Any]:
     the support = Z_t), so the same values come without the error-state guard and the e terms
     ((Z_r - 0) / Z_r is exactly 1)."""
     a, b, zr, zt, e, zts = (sums[:, i] for i in range(6))
+    # (a KL is >= 0: the normalisers' last bits leave ~1e-14 of either sign for equal distributions,
+    # and a table that shows -2e-14 reads as a bug; NaN and +inf stay)
     if plain:
         log_zr = np.log(zr)
-        return a / zr - (log_zr - np.log(zt)), -(b / zr - log_zr), np.zeros(len(zr)), (zt - zr + a) / zr
+        return (np.maximum(a / zr - (log_zr - np.log(zt)), 0.0), -(b / zr - log_zr), np.zeros(len(zr)),
+                (zt - zr + a) / zr)
     with np.errstate(all="ignore"):
         log_zr, log_zt = np.log(zr), np.log(zt)
         # over the tokens the trainer keeps, the rollout's distribution renormalised there (mass zk):
         # a KL (>= 0) of two distributions on one support; the mass it leaves out is `excluded`.
         # All of the rollout's mass on excluded tokens: no common support, +inf.
         zk = zr - e
-        kl = np.where(zk > 0, a / zk - (np.log(zk) - log_zt), np.where(zr > 0, math.inf, math.nan))
+        kl = np.where(zk > 0, np.maximum(a / zk - (np.log(zk) - log_zt), 0.0), np.where(zr > 0, math.inf, math.nan))
         ent = -(b / zr - log_zr)
         excluded = e / zr
         # E_{x ~ p_r / Z_r}[k3] over kept tokens = (1/Z_r) sum p * (exp(-d) - 1 + d), with p * exp(-d) = p_t

@@ -193,6 +193,14 @@ class Triage:
         return layer_of(self.first_module) if self.first_module else None
 
 
+def missing_table_lines(t: Triage) -> list[str]:
+    """Why a triage has no per-module table, for the console (the report says it too; a user who reads
+    only the console saw a verdict and nothing on where the table went)."""
+    if t.modules:
+        return []
+    return [f"no {n}" for n in t.notes if n.startswith("per-module table:")]
+
+
 def layer_of(name: str) -> str:
     """The layer a module belongs to: its path up to the first numeric index ("model.layers.3.mlp"
     -> "model.layers.3"); a module outside the numbered layers is its own ("lm_head")."""
@@ -1316,6 +1324,8 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         click.echo(f"verdict: {t.verdict}")
         if t.first_over:
             click.echo(t.first_over)
+        for line in missing_table_lines(t):
+            click.echo(line)
         click.echo(f"report: {t.report} ({len(t.plots)} plot(s)); {t.seconds:.1f}s")
         if attached:
             click.echo(attached, err=True)

@@ -573,3 +573,14 @@ def test_a_swap_the_rollout_cannot_take_is_shown_as_such(tmp_path):
     assert swaps["head_rows"].label == "LM-head rows (every position on the trainer, the scored positions only on the rollout)"
     write_report(t, tmp_path)
     assert "| n/a |" in t.report.read_text() and t.localization.explained, t.verdict
+
+
+def test_the_console_says_why_a_triage_has_no_per_module_table():
+    from harness.triage import ModuleRow, Triage, missing_table_lines
+
+    note = ("per-module table: 1 of the trainer's 1 token rows have fewer than 3 finite values (cut to a top-k under "
+            "3, ...), so they cannot be tied ... (none)")
+    t = Triage(repro=None, pair=None, k3=0.9, threshold=1e-3, evaluation=None, notes=[note, "another note"])
+    assert missing_table_lines(t) == ["no " + note]
+    t.modules = [ModuleRow.__new__(ModuleRow)]  # a table: nothing to explain on the console
+    assert missing_table_lines(t) == []

@@ -364,3 +364,49 @@ def test_a_row_with_excluded_tokens_leaves_its_chunk_neighbours_values_unchanged
         alone = row_stats(lt[r:r + 1], lr[r:r + 1])
         for key in ("kl", "entropy", "excluded", "k3"):
             assert together[key][r] == alone[key][0], (r, key)
+
+
+def test_the_exact_kl_is_never_negative_on_near_equal_rows():
+    """Two fp32 log-softmaxes of logits that differ in their last bits: the float64 normalisers leave
+    ~1e-14 of either sign, which a triage table showed as a KL of -2e-14; a KL is >= 0."""
+    import torch
+
+    from harness.metrics import compare
+    from harness.pairs import Outcome
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 1000, generator=g, dtype=torch.float64) * 3  # (a float64 readout's rows)
+    lt = torch.log_softmax(logits, -1)
+    lr = torch.log_softmax(logits * (1 + 1e-15), -1)
+    div = compare(Outcome(logprobs=lt), Outcome(logprobs=lr), (64,), uniforms=torch.rand(64, generator=g,
+                                                                                         dtype=torch.float64))
+    assert (div.per_token["kl"] >= 0).all() and div.kl >= 0 and div.kl < 1e-12
+    with_inf = lt.clone()
+    with_inf[:, :10] = -float("inf")  # the non-plain path (a trainer that truncates)
+    div = compare(Outcome(logprobs=with_inf), Outcome(logprobs=lr), (64,), tokens=torch.full((64,), 500))
+    assert (div.per_token["kl"] >= 0).all()
+
+
+def test_a_top_k_boundary_swap_gives_a_kl_of_about_the_excluded_mass_and_show_says_why():
+    """Both paths cut to the top 4; a near-tied 4th/5th pair ranks the other way on the rollout: each
+    keeps a token the other cuts. The KL over the trainer's tokens comes out about the rollout's mass
+    on the token the trainer cuts, with a tiny expected k3 (a trial read it as the excluded mass being
+    judged); `boundary_swap_note` names the pattern, and not that of a plain divergence."""
+    import torch
+
+    from harness.execute import boundary_swap_note
+    from harness.metrics import compare
+    from harness.pairs import Outcome
+
+    logits = torch.tensor([[4.0, 3.0, 2.5, 2.0, 1.9999, -1.0, -2.0, -3.0]], dtype=torch.float64)
+    trainer, rollout = logits.clone(), logits.clone()
+    rollout[0, 3], rollout[0, 4] = 1.9999, 2.0  # the near tie at the boundary, ranked the other way
+
+    def cut(x):
+        return torch.log_softmax(x.masked_fill(x < x.topk(4, -1).values[..., -1:], -math.inf), -1)
+
+    div = compare(Outcome(logprobs=cut(trainer)), Outcome(logprobs=cut(rollout)), (1,), tokens=torch.tensor([0]))
+    assert div.kl_excluded > 0.01 and 1 / 3 < div.kl / div.kl_excluded < 3 and div.k3_expected < div.kl / 10
+    assert boundary_swap_note(div.as_dict()).startswith("truncation boundary: the rollout keeps tokens the trainer cuts")
+    assert boundary_swap_note({"kl": 0.01, "kl_excluded": 0.0, "k3_expected": 0.01}) == ""
+    assert boundary_swap_note({"kl": 0.01, "kl_excluded": 0.0101, "k3_expected": 0.005}) == ""  # (a real gap too)
