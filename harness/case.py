@@ -9,7 +9,9 @@ An RL batch (schema 2): each sequence j is a prompt of `prompt_lens[j]` tokens a
 cache, sampling with the case's `temperature` / `top_p` / `sample_top_k`; the trainer scores the
 response tokens in one teacher-forced forward over the packed prompt+response rows. Outcome rows
 are the response tokens, `n_tokens = sum(seq_lens)`, in case order. Op pairs have no prompt
-(`prompt_lens = ()`, every prompt empty) and see `seq_lens` as before.
+(`prompt_lens = ()`, every prompt empty) and see `seq_lens` as before. Sequences may share a prompt
+(`prompt_ids`: a group of samples of one prompt, as GRPO draws them): what lies at a shared prompt's
+positions comes from the prompt id's stream (`prompt_generator`), the responses from their own.
 
 Streams. Tensors come from named streams of the seed. Schema-2 cases give each sequence its own
 stream, keyed by its stable id `seq_ids[j]` (`seq_generator`, `token_randn`, `prompt_tokens`), and
@@ -22,8 +24,8 @@ streams.
 
 What "smaller" means (why a minimal case is minimal): fewer sequences, shorter responses, shorter
 prompts, and every knob at its neutral value: temperature 1.0, top-p 1.0, top-k 0 (off), right
-padding, one packed row in the given order, no forced router ties, logit scale at its lower bound,
-the first listed dtype. `smaller_neighbours()` lists the cases one removal away; `simpler_neighbours(axes)`
+padding, one packed row in the given order, no forced router ties, every prompt its own, logit
+scale at its lower bound, the first listed dtype. `smaller_neighbours()` lists the cases one removal away; `simpler_neighbours(axes)`
 adds one knob moved to neutral within the pair's axes. A minimal repro diverges and none of its
 simpler neighbours does.
 """
@@ -97,9 +99,12 @@ class Case:
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]; neutral 1.0 (off)
     sample_top_k: int = 0  # sampling top-k; 0 = off (neutral). `top_k` above is the router's
     streams: str = "sequence"  # "sequence": per-sequence streams; "single": an upgraded schema-1 repro
+    # each sequence's prompt: the stream id of the sequence whose prompt it shares (a group of samples of
+    # one prompt, as GRPO draws them); () = every sequence its own prompt
+    prompt_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("seq_lens", "order", "prompt_lens", "seq_ids"):
+        for name in SEQUENCE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, (list, tuple)):
                 object.__setattr__(self, name, tuple(value))
@@ -135,6 +140,20 @@ class Case:
     def ids(self) -> tuple[int, ...]:
         """Each sequence's stream id, with the default (0..n-1) made explicit."""
         return self.seq_ids or tuple(range(self.batch_size))
+
+    def prompt_id(self, j: int) -> int:
+        """The stream id sequence j's prompt comes from: its own id, or the id of the sequence whose
+        prompt it shares (`prompt_ids`)."""
+        return self.prompt_ids[j] if self.prompt_ids else self.ids[j]
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """The sequences that share a prompt, each group in batch order (a sequence with a prompt of its
+        own is a group of one), groups in the order of their first sequence."""
+        out: dict[int, list[int]] = {}
+        for j in range(self.batch_size):
+            out.setdefault(self.prompt_id(j), []).append(j)
+        return list(out.values())
 
     @property
     def offsets(self) -> list[int]:
@@ -198,6 +217,20 @@ class Case:
             for n in self.seq_ids:
                 if not _int(n) or not 0 <= n < 2**32:
                     _fail("seq_ids", self.seq_ids, "every id must be an integer in [0, 2**32)")
+        if self.prompt_ids:
+            if len(self.prompt_ids) != self.batch_size:
+                _fail("prompt_ids", self.prompt_ids,
+                      f"must be empty or hold one prompt id per sequence ({self.batch_size})" + per_seq)
+            for n in self.prompt_ids:
+                if not _int(n) or not 0 <= n < 2**32:
+                    _fail("prompt_ids", self.prompt_ids, "every id must be an integer in [0, 2**32)")
+            if self.streams != "sequence":
+                _fail("prompt_ids", self.prompt_ids, "needs per-sequence streams (streams = 'sequence')")
+            lens: dict[int, int] = {}
+            for j, pid in enumerate(self.prompt_ids):
+                if lens.setdefault(pid, self.prompt_len(j)) != self.prompt_len(j):
+                    _fail("prompt_ids", self.prompt_ids, f"sequences that share a prompt (id {pid}) must have the "
+                          f"same prompt length; prompt_lens = {list(self.prompt_lens)}")
         if not _int(self.row_capacity) or self.row_capacity < 0:
             _fail("row_capacity", self.row_capacity, "must be an integer >= 0 (0 = one row)")
         longest = max(self.total_len(j) for j in range(self.batch_size))
@@ -240,9 +273,11 @@ class Case:
     # --- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for name in ("seq_lens", "order", "prompt_lens", "seq_ids"):
+        for name in SEQUENCE_FIELDS:
             out[name] = list(getattr(self, name))
         out["params"] = dict(sorted(self.params.items()))
+        if not self.prompt_ids:  # (left out when no prompt is shared: a repro readable by harnesses before groups)
+            del out["prompt_ids"]
         return {"schema": SCHEMA_VERSION, **out}
 
     @classmethod
@@ -266,7 +301,7 @@ class Case:
         kwargs = {k: v for k, v in data.items() if k != "schema"}
         if schema == 1:
             kwargs["streams"] = "single"
-        for seq_field in ("seq_lens", "order", "prompt_lens", "seq_ids"):
+        for seq_field in SEQUENCE_FIELDS:
             if seq_field in kwargs and not isinstance(kwargs[seq_field], (list, tuple)):
                 _fail(seq_field, kwargs[seq_field], "must be a list of integers")
         if "params" in kwargs and not isinstance(kwargs["params"], dict):
@@ -348,6 +383,14 @@ class Case:
                 blocks.append(torch.stack([torch.randn(*shape, generator=g) for _ in range(n)]))
         return torch.cat(blocks).to(device)
 
+    def prompt_generator(self, j: int, *salt: Any):
+        """A CPU torch.Generator for what sequence j's prompt positions hold (its tokens, a context
+        before them, their router ties): the stream of its prompt id, so the sequences of a group get
+        the same prompt, bit for bit; without groups the sequence's own stream (`seq_generator`)."""
+        if self.streams == "single" or not self.prompt_ids:
+            return self.seq_generator(j, *salt)
+        return self.generator("seq", self.prompt_id(j), *salt)
+
     def seq_randn(self, j: int, shape: tuple[int, ...], *salt: Any, device: str = "cpu"):
         """A float32 standard-normal tensor of sequence j's own stream."""
         import torch
@@ -359,19 +402,25 @@ class Case:
         token, so a shorter prompt is a prefix of a longer one)."""
         import torch
 
-        g = self.seq_generator(j, "prompt", *salt)
+        g = self.prompt_generator(j, "prompt", *salt)  # (a group's shared prompt: its prompt id's stream)
         return torch.randint(low, vocab, (self.prompt_len(j),), generator=g)  # drawn serially: prefix-stable
 
-    def tie_forced(self, j: int, n: int, salt: str = "ties"):
+    def tie_forced(self, j: int, n: int, salt: str = "ties", prompt_positions: int | None = None):
         """(n,) bool: which of the first n positions of sequence j (prompt included: positions as the
         path counts them) the case forces to a router's top-k boundary (a `tie_fraction` of them),
         from the sequence's own stream, so a position's flag is the same in every layout (packed
         trainer rows, a decode step's batch) and whatever the other sequences are. For the `forced=`
         argument of `strategies.near_tie_hidden` / `near_tie_logits` in a router's forward hook; the
-        Hugging Face backend's router hooks force these positions too."""
+        Hugging Face backend's router hooks force these positions too. The first `prompt_positions`
+        (default `prompt_len(j)`; a path that puts a first token before the prompt counts it) are the
+        prompt's: a group that shares a prompt shares their flags too (`prompt_generator`)."""
         import torch
 
-        return torch.rand(n, generator=self.seq_generator(j, salt)) < self.tie_fraction  # serial: prefix-stable
+        flags = torch.rand(n, generator=self.seq_generator(j, salt)) < self.tie_fraction  # serial: prefix-stable
+        p = min(self.prompt_len(j) if prompt_positions is None else prompt_positions, n)
+        if self.prompt_ids and self.prompt_id(j) != self.ids[j] and p:  # a shared prompt's positions: its flags
+            flags[:p] = torch.rand(p, generator=self.prompt_generator(j, salt)) < self.tie_fraction
+        return flags
 
     def token_uniforms(self, *salt: Any):
         """(T,) float64 uniforms in [0, 1), sequence j's from its own stream (for sampling tokens or
@@ -395,9 +444,10 @@ class Case:
             if m > 1:
                 lens = self.seq_lens[:i] + (m - 1,) + self.seq_lens[i + 1:]
                 out.append(self._with_lens(lens, self.prompt_lens))
-        for i, m in enumerate(self.prompt_lens):
+        for group in self.groups:  # (a shared prompt is shortened for every sequence of its group)
+            m = self.prompt_len(group[0])
             if m > 0:
-                prompts = self.prompt_lens[:i] + (m - 1,) + self.prompt_lens[i + 1:]
+                prompts = tuple(p - 1 if i in group else p for i, p in enumerate(self.prompt_lens))
                 out.append(self._with_lens(self.seq_lens, prompts if any(prompts) else ()))
         return out
 
@@ -411,9 +461,11 @@ class Case:
 
         out = self.smaller_neighbours()
         max_prompt = axes.prompt_len[1] if axes is not None else 0
-        for j, n in enumerate(self.seq_lens):
-            if n > 1 and self.prompt_len(j) + 1 <= max_prompt:
+        for j, n in enumerate(self.seq_lens):  # (a sequence that shares its prompt keeps it as the group has it)
+            if n > 1 and self.prompt_len(j) + 1 <= max_prompt and len(self.group_of(j)) == 1:
                 out.append(_with(self, j, prompt=self.prompt_len(j) + 1, response=n - 1))
+        if self.prompt_ids:
+            out.append(self.replace(prompt_ids=()))  # every sequence its own prompt
         for name, neutral in neutral_within(axes).items():
             if getattr(self, name) != neutral:
                 out.append(self.replace(**{name: neutral}))
@@ -433,12 +485,20 @@ class Case:
         order = tuple(j - (j > i) for j in self.order if j != i)
         probe = self.probe - (self.probe > i) if self.probe != i else 0
         ids = tuple(self.ids[j] for j in keep) if self.streams == "sequence" else ()
+        pids = tuple(self.prompt_ids[j] for j in keep) if self.prompt_ids else ()
+        if pids == tuple(self.ids[j] for j in keep):  # (every prompt its own now: no group left)
+            pids = ()
         if ids == tuple(range(len(keep))):
             ids = ()
         total = sum(lens) + sum(prompts)
         cap = self.row_capacity if self.row_capacity < total else 0
         return self.replace(seq_lens=lens, prompt_lens=prompts if any(prompts) else (), order=order,
-                            probe=probe, row_capacity=cap, seq_ids=ids)
+                            probe=probe, row_capacity=cap, seq_ids=ids, prompt_ids=pids)
+
+    def group_of(self, j: int) -> list[int]:
+        """The sequences that share sequence j's prompt, j included, in batch order."""
+        pid = self.prompt_id(j)
+        return [i for i in range(self.batch_size) if self.prompt_id(i) == pid]
 
     def _with_lens(self, lens: tuple[int, ...], prompts: tuple[int, ...]) -> "Case":
         totals = [a + (prompts[j] if prompts else 0) for j, a in enumerate(lens)]
@@ -449,7 +509,8 @@ class Case:
         return dataclasses.replace(self, **changes)
 
 
-SCHEMA2_FIELDS = ("prompt_lens", "seq_ids", "temperature", "top_p", "sample_top_k", "streams")
+SCHEMA2_FIELDS = ("prompt_lens", "seq_ids", "temperature", "top_p", "sample_top_k", "streams", "prompt_ids")
+SEQUENCE_FIELDS = ("seq_lens", "order", "prompt_lens", "seq_ids", "prompt_ids")  # lists in JSON, tuples here
 
 
 def _int(x: Any) -> bool:

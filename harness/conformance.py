@@ -100,15 +100,23 @@ def rotated_case(case: Case) -> tuple[Case, list[int], list[int]] | None:
     and place in the trainer's packing), for every row of it the row of the same token in `case`,
     and for every sequence of it the sequence of `case`. None when there is nothing to permute or
     the case draws from one whole-batch stream (schema 1). A rotation, not a reversal: rows
-    reversed as a whole look like reversed sequences when their lengths are equal."""
+    reversed as a whole look like reversed sequences when their lengths are equal. Sequences that
+    share a prompt (`case.groups`) move as one block, in their order: the first sample of a prompt
+    stays first (a rollout's prefix cache is filled by it, and a bug of its hits is order-bound, not
+    a row-order fault); a case that is one group has nothing to permute."""
     b = case.batch_size
     if b < 2 or getattr(case, "streams", "single") != "sequence":
         return None
-    perm = [b - 1] + list(range(b - 1))  # position i of the new case holds sequence perm[i] of the old
+    groups = case.groups if hasattr(case, "groups") else [[j] for j in range(b)]
+    if len(groups) < 2:
+        return None
+    # position i of the new case holds sequence perm[i] of the old (the last group first)
+    perm = [j for g in [groups[-1], *groups[:-1]] for j in g]
     inv = {old: new for new, old in enumerate(perm)}
     new = case.replace(seq_lens=tuple(case.seq_lens[p] for p in perm),
                        prompt_lens=tuple(case.prompt_lens[p] for p in perm) if case.prompt_lens else (),
                        seq_ids=tuple(case.ids[p] for p in perm),
+                       prompt_ids=tuple(case.prompt_ids[p] for p in perm) if getattr(case, "prompt_ids", ()) else (),
                        order=tuple(inv[o] for o in case.packing_order), probe=inv[case.probe])
     offsets = case.offsets
     return new, [offsets[p] + t for p in perm for t in range(case.seq_lens[p])], perm

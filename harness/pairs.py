@@ -216,11 +216,16 @@ class Axes:
     temperature: tuple[float, float] = (1.0, 1.0)  # sampling temperature (neutral 1.0)
     top_p: tuple[float, float] = (1.0, 1.0)  # nucleus mass (neutral 1.0 = off)
     sample_top_k: tuple[int, int] = (0, 0)  # sampling top-k (neutral 0 = off)
+    # sequences per prompt (a group of samples of one prompt, as GRPO draws them: `case.prompt_ids`);
+    # (1, 1) = every sequence its own prompt (neutral)
+    prompt_group: tuple[int, int] = (1, 1)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"n_seqs": list(self.n_seqs), "seq_len": list(self.seq_len)}
         if self.prompt_len != (0, 0):
             out["prompt_len"] = list(self.prompt_len)
+        if self.prompt_group != (1, 1):
+            out["prompt_group"] = list(self.prompt_group)
         if self.packing:
             out["packing"] = True
         if len(self.pad_sides) > 1:
@@ -262,6 +267,7 @@ class Axes:
         int_range("n_seqs", 1)
         int_range("seq_len", 1)
         int_range("prompt_len", 0)
+        int_range("prompt_group", 1)
         int_range("sample_top_k", 0)
         float_range("logit_scale", lambda x: x > 0, math.isfinite, "0 < low <= high < inf")
         float_range("temperature", lambda x: x > 0, math.isfinite, "0 < low <= high < inf (1.0 is neutral)")

@@ -75,6 +75,8 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
                 yield case.replace(top_k=r.top_k[0])
             if case.n_experts > r.n_experts[0] and case.top_k < r.n_experts[0]:
                 yield case.replace(n_experts=r.n_experts[0])
+    if case.prompt_ids:
+        yield case.replace(prompt_ids=())  # every sequence its own prompt: no group
     if case.row_capacity:
         yield case.replace(row_capacity=0)
     if case.order:
@@ -87,11 +89,11 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     # the n - 2^k steps for the longest sequence only (a position bug lives there): for every sequence,
     # each length's few more moves would make the last, all-rejected round cost too much
     longest = max(range(case.batch_size), key=case.total_len) if case.batch_size else -1
-    for j in range(case.batch_size):
-        p = case.prompt_len(j)
+    for group in case.groups:  # (a shared prompt is shortened for its whole group at once)
+        p = case.prompt_len(group[0])
         if p:
-            for q in _shorter(p, 0, j == longest):
-                yield _with(case, j, prompt=q)
+            for q in _shorter(p, 0, longest in group):
+                yield _with(case, group[0], prompt=q)
     for j, n in enumerate(case.seq_lens):
         for m in _shorter(n, 1, j == longest):
             yield _with(case, j, response=m)
@@ -104,6 +106,8 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     max_prompt = axes.prompt_len[1] if axes is not None else 0
     for j in sorted(range(case.batch_size), key=lambda j: j != longest):
         n, p = case.seq_lens[j], case.prompt_len(j)
+        if len(case.group_of(j)) > 1:  # its prompt is its group's: unchanged for the others
+            continue
         for r in sorted({1, n // 2, n - 1} if j == longest else {1, n - 1}):
             if 1 <= r < n and p + n - r <= max_prompt:
                 yield _with(case, j, prompt=p + n - r, response=r)
@@ -197,7 +201,8 @@ def _with(case: Case, j: int, prompt: int | None = None, response: int | None = 
     lens = list(case.seq_lens)
     prompts = list(case.prompt_lens) if case.prompt_lens else [0] * case.batch_size
     if prompt is not None:
-        prompts[j] = prompt
+        for i in case.group_of(j):  # (a shared prompt: every sequence of its group)
+            prompts[i] = prompt
     if response is not None:
         lens[j] = response
     totals = [a + b for a, b in zip(lens, prompts)]

@@ -160,6 +160,7 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
     tops = top_ps(*axes.top_p) if axes.top_p[0] != axes.top_p[1] else None
     topks = sample_top_ks(*axes.sample_top_k) if axes.sample_top_k[0] != axes.sample_top_k[1] else None
     dtypes = st.sampled_from(axes.dtypes) if len(axes.dtypes) > 1 else None
+    group_sizes = st.integers(*axes.prompt_group) if axes.prompt_group[1] > 1 else None
 
     @st.composite
     def draw_case(draw: Any) -> Case:
@@ -202,10 +203,36 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
         fields["dtype"] = draw(dtypes) if dtypes is not None else axes.dtypes[0]
         if axes.params:
             fields["params"] = {k: draw(axes.params[k]) for k in sorted(axes.params)}
+        if group_sizes is not None:  # (drawn only where the axis is on: other pairs draw what they drew)
+            _group(fields, draw(group_sizes))
         fields["seed"] = draw(seeds)
         return Case(**fields)
 
     return draw_case()
+
+
+def _group(fields: dict[str, Any], size: int) -> None:
+    """Consecutive sequences in groups of `size` share the prompt of their group's first sequence
+    (`Case.prompt_ids`: its stream id; its prompt length); size 1 leaves every prompt its own. A
+    row capacity drawn before is raised to the longest sequence where a shared prompt made one
+    longer (one row when that holds everything)."""
+    if size <= 1:
+        return
+    n = len(fields["seq_lens"])
+    ids = fields.get("seq_ids") or tuple(range(n))
+    firsts = [size * (j // size) for j in range(n)]
+    pids = tuple(ids[f] for f in firsts)
+    if pids == tuple(ids):
+        return
+    fields["prompt_ids"] = pids
+    prompts = fields.get("prompt_lens") or ()
+    if prompts:
+        fields["prompt_lens"] = prompts = tuple(prompts[f] for f in firsts)
+    cap = fields.get("row_capacity", 0)
+    if cap:
+        totals = [a + (prompts[j] if prompts else 0) for j, a in enumerate(fields["seq_lens"])]
+        cap = max(cap, max(totals))
+        fields["row_capacity"] = cap if cap < sum(totals) else 0
 
 
 def structured_cases(axes: Axes) -> st.SearchStrategy[Case]:
@@ -267,6 +294,8 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
     fields["dtype"] = rng.choice(axes.dtypes)
     if params:
         fields["params"] = dict(params)
+    if axes.prompt_group[1] > 1:  # (drawn only where the axis is on: other pairs draw what they drew)
+        _group(fields, rng.randint(*axes.prompt_group))
     return Case(**fields)
 
 

@@ -43,11 +43,13 @@ def prompt_tokens(case: Any, j: int, vocab: int, n: int) -> Any:
 
 
 def first_token(case: Any, j: int, vocab: int) -> Any:
-    """Position 0 of sequence j: a token from its own stream (an RL prompt is never empty, and a fixed
-    BOS would make a case with no prompt tokens the same for every seed)."""
+    """Position 0 of sequence j: a token from its prompt's stream (an RL prompt is never empty, and a
+    fixed BOS would make a case with no prompt tokens the same for every seed); a group that shares a
+    prompt shares it."""
     import torch
 
-    return torch.randint(vocab, (1,), generator=seq_generator(case, j, "first"))
+    g = case.prompt_generator(j, "first") if hasattr(case, "prompt_generator") else seq_generator(case, j, "first")
+    return torch.randint(vocab, (1,), generator=g)
 
 
 def sampling(case: Any) -> tuple[float, int, float]:
@@ -141,7 +143,8 @@ def make_inputs(case: Any, spec: HFModel, device: str) -> HFInputs:
     tie_layer, forced = -1, None
     if moe and case.tie_fraction > 0 and rec is None:
         tie_layer = int(case.params.get("tie_layer", 0)) % moe[2]
-        forced = torch.cat([case.tie_forced(j, stride) for j in range(len(prompts))])  # positions keyed by j
+        forced = torch.cat([case.tie_forced(j, stride, prompt_positions=len(p))  # positions keyed by j (a
+                            for j, p in enumerate(prompts)])  # shared prompt's: by its prompt id)
     return HFInputs(case=case, spec=spec, device=device, prompts=prompts, resp_lens=resp, stride=stride,
                     forced=forced, tie_layer=tie_layer, gap=max(float(case.tie_gap), TIE_FLOOR), recorded=rec,
                     tie_floor=rec is None)

@@ -80,7 +80,7 @@ def make_inputs(case: Case, cfg: ModelConfig, device: str, weight_seed: int) -> 
         return schema1.make_inputs(case, cfg, device, weight_seed)
     prefixes = []
     for j in range(case.batch_size):
-        g = case.seq_generator(j, "context")
+        g = case.prompt_generator(j, "context")  # (the prompt's stream: a group's shared prompt shares it)
         context = torch.randint(2, cfg.vocab, (cfg.context,), generator=g)  # (C,)
         prompt = case.prompt_tokens(j, cfg.vocab, low=2)  # (P_j,)
         prefixes.append(torch.cat([torch.tensor([BOS_ID]), context, prompt]))

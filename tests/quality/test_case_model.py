@@ -14,12 +14,13 @@ from harness.fuzz import CampaignConfig, run_campaign
 from harness.tracking import NullTracker
 
 PLUGIN = Path(__file__).resolve().parents[1] / "plugins" / "decode_sampling.py"
+PREFIX = PLUGIN.with_name("prefix_cache.py")
 
 pytestmark = pytest.mark.slow
 
 
-def campaign(name: str, max_examples: int):
-    REGISTRY.load_plugin(str(PLUGIN))
+def campaign(name: str, max_examples: int, plugin: Path = PLUGIN):
+    REGISTRY.load_plugin(str(plugin))
     with tempfile.TemporaryDirectory() as corpus:
         cfg = CampaignConfig(pairs=[REGISTRY.get(name)], seed=1, max_examples=max_examples, corpus=Path(corpus),
                              device="cpu", write_corpus=False, isolation=False)  # (as isolated: test_fuzz.py)
@@ -39,3 +40,22 @@ def test_truncated_sampling_is_caught_and_shrunk_to_its_simplest_trigger():
     assert case.batch_size == 1 and case.prompt_lens == ()
     assert case.temperature == 1.0 and case.top_p == 1.0 and case.sample_top_k == 0  # neutral knobs
     assert finding.evaluation.divergence.kl > 10 * 1e-3  # the exact KL sees the truncation
+
+
+def test_groups_of_samples_of_one_prompt_reach_a_prefix_cache_and_its_bug_shrinks_to_one_group_of_two():
+    """GRPO-style groups (`Axes(prompt_group=(1, 4))`): the sequences of a group share their prompt
+    bit for bit, a rollout whose prefix cache serves a group's later samples stays aligned, and a
+    cache-hit bug is caught and shrunk to the one trigger: two one-token samples of one prompt (the
+    first fills the cache, the second hits it; either alone is clean)."""
+    clean = campaign("example.prefix_cache", 40, PREFIX)
+    assert clean.verdict == "clean" and clean.examples >= 20, clean.verdict
+    result = campaign("example.prefix_cache_hit_bug", 60, PREFIX)
+    assert result.verdict == "caught"
+    (finding,) = result.findings
+    case = finding.case
+    assert case.seq_lens == (1, 1) and len(set(case.prompt_ids)) == 1, case.one_line()
+    from harness.execute import run_case
+
+    pair = REGISTRY.get("example.prefix_cache_hit_bug")
+    assert not any(run_case(pair, case.drop_sequence(i)).failed for i in (0, 1))  # either sample alone: clean
+    assert run_case(pair, case.replace(prompt_ids=())).failed is False  # two prompts: no hit, clean

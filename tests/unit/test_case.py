@@ -173,3 +173,64 @@ def test_one_line_brief_cuts_a_recordings_long_params_for_notes_and_keeps_them_o
     assert long not in short and len(short) < 300 and "(3000 items, " in short and "'tie_layer': '0'" in short
     assert brief_value(long).startswith("-0.000000 -0.001000 -0.002000 -0.003000 ... ")
     assert brief_value("short") == "short" and brief_value(7) == 7
+
+
+def test_a_group_of_samples_shares_its_prompt_bit_for_bit_and_keeps_it_when_shrunk():
+    """`prompt_ids`: the sequences of a group draw their prompt (tokens, whatever a path draws at the
+    prompt's positions, its router-tie flags) from the stream of one id, their responses from their
+    own; the group's prompt is what it would be as that sequence's own, so an ungrouped case draws
+    exactly what it drew before groups existed."""
+    import torch
+
+    from harness import Axes
+
+    c = Case(seed=3, seq_lens=(3, 5, 2), prompt_lens=(4, 4, 2), seq_ids=(7, 8, 9), prompt_ids=(7, 7, 9),
+             tie_fraction=0.5)
+    own = c.replace(prompt_ids=())
+    assert c.groups == [[0, 1], [2]] and c.group_of(1) == [0, 1] and c.prompt_id(1) == 7
+    assert torch.equal(c.prompt_tokens(1, 100), c.prompt_tokens(0, 100))
+    assert torch.equal(c.prompt_tokens(0, 100), own.prompt_tokens(0, 100))  # the owner's: as without groups
+    assert not torch.equal(own.prompt_tokens(1, 100), own.prompt_tokens(0, 100))
+    assert torch.equal(c.prompt_generator(1, "x").get_state(), c.seq_generator(0, "x").get_state())
+    f0, f1 = c.tie_forced(0, 20), c.tie_forced(1, 20)
+    assert torch.equal(f0[:4], f1[:4]) and torch.equal(f1[4:], own.tie_forced(1, 20)[4:])  # prompt shared, rest own
+    assert torch.equal(c.tie_forced(1, 20, prompt_positions=5)[:5], c.tie_forced(0, 20)[:5])  # (a first token too)
+    assert torch.equal(c.token_randn(4, "h"), own.token_randn(4, "h"))  # responses: each sequence's own
+    # dropping the group's first sequence keeps the other's prompt (its stream id), and one left alone
+    assert torch.equal(c.drop_sequence(0).prompt_tokens(0, 100), c.prompt_tokens(1, 100))
+    assert c.drop_sequence(2).prompt_ids == (7, 7) and c.drop_sequence(1).prompt_ids == ()
+    # a shared prompt is shortened for the whole group; ungrouping is one simpler neighbour
+    axes = Axes(prompt_len=(0, 16), prompt_group=(1, 4))
+    near = c.simpler_neighbours(axes)
+    assert c.replace(prompt_lens=(3, 3, 2)) in near and c.replace(prompt_ids=()) in near
+    assert not any(n.prompt_lens[:2] in ((5, 4), (4, 5), (3, 4), (4, 3)) for n in near if n.prompt_lens)
+    assert Case.from_json(json.loads(json.dumps(c.to_json()))) == c and "prompt_ids" not in own.to_json()
+    with pytest.raises(CaseError, match="same prompt length"):
+        c.replace(prompt_lens=(4, 3, 2))
+    with pytest.raises(CaseError, match="one prompt id per sequence"):
+        c.replace(prompt_ids=(7, 7))
+
+
+def test_grouped_cases_are_drawn_only_where_the_axis_is_on_and_are_valid():
+    import random
+
+    from hypothesis import HealthCheck, given, settings
+
+    from harness import Axes
+    from harness.strategies import cases, uniform_cases
+
+    axes = Axes(n_seqs=(1, 8), seq_len=(1, 8), prompt_len=(0, 6), prompt_group=(1, 4), packing=True)
+    seen = []
+
+    @settings(max_examples=150, database=None, suppress_health_check=list(HealthCheck))
+    @given(cases(axes))
+    def draw(c):
+        seen.append(c)
+
+    draw()
+    grouped = [c for c in seen if c.prompt_ids]
+    assert grouped and all(len({c.prompt_len(j) for j in g}) == 1 for c in grouped for g in c.groups)
+    rng = random.Random(0)
+    assert any(uniform_cases(axes, rng).prompt_ids for _ in range(50))
+    off = Axes(n_seqs=(1, 8), seq_len=(1, 8), prompt_len=(0, 6))
+    assert not any(uniform_cases(off, rng).prompt_ids for _ in range(50))
