@@ -577,9 +577,25 @@ def aligned_reference(pair: Any, case: Any, device: str, registry: Any, profile:
     if listing is None:
         return None
     family = pair.name.split(".")[0]
+
+    def components(p: Any) -> Any:
+        prof = getattr(p, "profiles", None)
+        return sorted(getattr(prof, "trainer", {}) or {}) if prof is not None else None
+
+    def axes(p: Any) -> Any:
+        try:
+            return p.axes.describe()
+        except Exception:  # noqa: BLE001 - (a duck-typed pair without axes)
+            return None
+
+    # the likeliest first (the same family, the same triage components, the same axes: a plugin's pair
+    # built on a registered model), so that many other aligned pairs (a plugin's, the HF ones) do not
+    # crowd the right one out of the candidates tried
+    mine_c, mine_a = components(pair), axes(pair)
     candidates = sorted((p for p in listing() if p.expected == "aligned" and p.kind == pair.kind
                          and p.name != pair.name and device in p.devices),
-                        key=lambda p: (p.name.split(".")[0] != family, p.name))[:REFERENCE_CANDIDATES]
+                        key=lambda p: (p.name.split(".")[0] != family, mine_c is None or components(p) != mine_c,
+                                       axes(p) != mine_a, p.name))[:REFERENCE_CANDIDATES]
     try:
         with torch.inference_mode():
             mine = exposed_modules(pair.build(case, device))

@@ -584,3 +584,18 @@ def test_the_console_says_why_a_triage_has_no_per_module_table():
     assert missing_table_lines(t) == ["no " + note]
     t.modules = [ModuleRow.__new__(ModuleRow)]  # a table: nothing to explain on the console
     assert missing_table_lines(t) == []
+
+
+def test_many_other_aligned_pairs_do_not_crowd_the_reference_out():
+    """A plugin with many aligned model pairs (named before `model.aligned`) pushed the reference of a
+    planted pair built on the registered model out of the candidates tried: no floor. Candidates that
+    share the pair's triage components and axes are tried first."""
+    import dataclasses
+
+    base = REGISTRY.get("planted.tiny_lm.aligned")
+    crowd = [dataclasses.replace(base, name=f"aaa.aligned{i}") for i in range(14)]
+    by_name = {p.name: p for p in crowd}
+    reg = SimpleNamespace(get=lambda name: by_name.get(name) or REGISTRY.get(name),
+                          all=lambda: [*REGISTRY.all(), *crowd])
+    t = triage(made_repro("planted.moe_norm_weight", DECODER_CASE), registry=reg)
+    assert t.floor_from.startswith("model.aligned"), t.floor_from
