@@ -645,7 +645,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                    + (f"; its response cut to its first {cut} tokens (the kept tokens score as in the file)"
                       if cut else ""))
     elif found:
-        head = f"found {found.get('at', '?')} by campaign seed {found.get('campaign_seed', '?')}"
+        head = f"found {found.get('at', '?')} by campaign seed {found.get('campaign_seed', '?')}" + (
+            f" (stream {found['stream']} of {found['streams']}, counted from 0; cases below are that stream's)"
+            if isinstance(found.get("streams"), int) and found["streams"] > 1 else "")
         if "cases_to_first" in found:  # the first sighting, then shrinking (not counted as cases to find it)
             head += (f" after {found['cases_to_first']} cases in {float(found.get('seconds_to_first', 0)):.1f} s; "
                      f"shrunk in {float(found.get('shrink_seconds', 0)):.1f} s "

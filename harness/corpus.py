@@ -616,6 +616,9 @@ def found_json(finding: Any, campaign_seed: int) -> dict[str, Any]:
                    shrink_seconds=round(float(getattr(finding, "shrink_seconds", 0.0) or 0.0), 3))
     out.update(cases_total=int(finding.examples), examples=int(finding.examples),
                shrink_complete=bool(finding.shrink_complete))
+    stream, streams = getattr(finding, "stream", (0, 1))
+    if streams > 1:  # (one of the pair's streams: its counts are that stream's; a rerun with --streams N runs it)
+        out.update(stream=int(stream), streams=int(streams))
     if getattr(finding, "deterministic", True) is False:  # its case, run again, gave other values
         out["deterministic"] = False
     return out
@@ -989,11 +992,11 @@ def validate_repro_json(data: Any, where: str) -> None:
     for k in ("shrink_complete", "deterministic"):
         if found.get(k) is not None and not isinstance(found[k], bool):
             bad(f"found.{k}", found[k], "must be true or false (or absent)")
-    for k in ("cases_to_first", "cases_total", "examples", "seconds_to_first", "shrink_seconds"):
+    for k in ("cases_to_first", "cases_total", "examples", "seconds_to_first", "shrink_seconds", "stream", "streams"):
         v = found.get(k)
         if v is not None and (not _is_number(v) or not math.isfinite(v) or v < 0
-                              or (k.startswith(("cases", "examples")) and not isinstance(v, int))):
-            bad(f"found.{k}", v, "must be a " + ("whole number" if k.startswith(("cases", "examples"))
+                              or (k.startswith(("cases", "examples", "stream")) and not isinstance(v, int))):
+            bad(f"found.{k}", v, "must be a " + ("whole number" if k.startswith(("cases", "examples", "stream"))
                                                   else "finite number of seconds") + " >= 0")
     loader = data.get("loader") or {}
     if loader:

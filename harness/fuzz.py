@@ -89,6 +89,7 @@ class Finding:
     # that no longer fails, a different bug; `record_finding` then gives this one a signature of its own
     base_signature: str = ""
     deterministic: bool = True  # False when the minimal case, run again, gave other values (see run_campaign)
+    stream: tuple[int, int] = (0, 1)  # (the pair's stream that found it, 0-based; of how many streams)
     # the MLflow regression run that already held it, when the corpus here did not (a CI runner that
     # checks out a corpus its repro was never committed to): not new to the team (`pytest_plugin`)
     known_in_tracking: str = ""
@@ -1308,7 +1309,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         if on_finding:
             on_finding(f)
 
-    def add(r: PairResult, rounds: bool = False) -> list[Finding]:
+    def add(r: PairResult, unit: Any, rounds: bool = False) -> list[Finding]:
+        for f in r.findings:  # (which stream found it: its repro says, beside the campaign seed)
+            f.stream = (unit.stream, unit.streams)
         if r.pair not in by_pair:
             by_pair[r.pair] = r
             result.results.append(r)
@@ -1377,14 +1380,14 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     queue.append(unit)
                     continue
                 except _Interrupted as stop:
-                    for f in add(stop.result):
+                    for f in add(stop.result, unit):
                         record(f)
                     raise KeyboardInterrupt from None
                 if not r.examples:  # a first case the budget's end stopped, or one it waited behind
                     r.unfinished = executor.unfinished.get(pair.name, 0.0)
                     r.unfinished_stack = executor.unfinished_stack.get(pair.name, "")
                     r.waited_for = executor.waited.get(pair.name, "")
-                for f in add(r):
+                for f in add(r, unit):
                     record(f)
                 if cfg.fill_budget and r.examples and not by_pair[pair.name].findings \
                         and not by_pair[pair.name].setup_error:  # (another stream's finding or setup error counts)
@@ -1415,10 +1418,10 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 except Deferred:
                     continue
                 except _Interrupted as stop:
-                    for f in add(stop.result, rounds=True):
+                    for f in add(stop.result, unit, rounds=True):
                         record(f)
                     raise KeyboardInterrupt from None
-                for f in add(r, rounds=True):
+                for f in add(r, unit, rounds=True):
                     record(f)
                 if r.examples:
                     log(f"  {unit.label}: {r.examples} more cases in {r.seconds:.1f}s of the time left"

@@ -138,3 +138,17 @@ def test_a_shards_campaign_run_lists_the_pairs_its_streams_run(tmp_path):
                                 "tags.`harness.kind` = 'campaign'")
     assert camp.data.params["n_pairs"] == "3", camp.data.params
     assert camp.data.params["pairs"] == "linear.aligned,rmsnorm.aligned,rotary.aligned"
+
+
+def test_a_repro_found_by_one_of_several_streams_names_its_stream(tmp_path, harness_cli):
+    """Its counts are that stream's, not the pair's: `found` says which stream, and `show` too."""
+    import json
+
+    code, out, err = harness_cli("fuzz", "moe_aggregate.bf16", "--seed", "1", "--max-examples", "8", "--streams", "2",
+                                 "--no-tracking", "--corpus", str(tmp_path / "c"))
+    assert code == 1, err  # (a finding: a demonstration caught)
+    [path] = sorted((tmp_path / "c").rglob("*.json"))
+    found = json.loads(path.read_text())["found"]
+    assert found["streams"] == 2 and found["stream"] in (0, 1), found
+    code, out, err = harness_cli("show", str(path))
+    assert f"(stream {found['stream']} of 2, counted from 0" in out, out
