@@ -1217,11 +1217,14 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
 
 
 def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], None] | None = None,
-                 on_finding: Callable[[Finding], None] | None = None, executor: Executor | None = None) -> CampaignResult:
+                 on_finding: Callable[[Finding], None] | None = None, executor: Executor | None = None,
+                 on_progress: Callable[[Any, PairResult], None] | None = None) -> CampaignResult:
     """Fuzz every pair of the config; write each finding to the corpus, then to the tracker.
 
     A finding the corpus cannot take (disk full, read-only folder) is printed in full as JSON on
     stderr (the repro file it would have been) and kept in `CampaignResult.unsaved`; the campaign goes on.
+    `on_progress(unit, result so far)` is called every few seconds of a unit's campaign (what a
+    pytest item leaves for its session's summary, should it be interrupted).
     """
     from . import corpus as corpus_mod
     from .tracking import NullTracker
@@ -1251,6 +1254,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             if not done:  # (the unit's label: a pair's streams count their cases apart)
                 log(f"  {unit.label}: {r.examples} cases, {r.rate:.1f}/s, max judged {r.max_score:.3g} "
                     f"(sampled k3 {r.max_k3:.3g})")
+                if on_progress is not None:
+                    on_progress(unit, r)
         return progress
 
     def run_again(f: Finding, case: Case) -> Evaluation | None:

@@ -380,7 +380,7 @@ class FuzzSession:
             if cold > 1.0:
                 _log(f"  {pair.name}: cold start {cold:.1f} s, before its budget (imports, a model's build)")
         result = run_campaign(cfg, tracker=_FindingsOnly(outer), log=_item_log(pair.name), on_finding=on_finding,
-                              executor=self.executor)
+                              executor=self.executor, on_progress=lambda unit, r: _leave_progress(self, unit, r))
         if result.interrupted:
             raise KeyboardInterrupt
         r = result.results[0]
@@ -850,6 +850,7 @@ def pytest_configure(config: pytest.Config) -> None:
             import shutil
 
             shutil.rmtree(new_repros_dir(session), ignore_errors=True)  # (last session's: uploaded by then)
+            shutil.rmtree(progress_dir(session), ignore_errors=True)
             session.open_campaign()
             _sigterm_as_interrupt(config)  # (from here on, sessionfinish closes the campaign run)
         session.start = time.time()  # campaign seconds (and cases/s) count fuzzing, not tracking setup
@@ -1088,13 +1089,28 @@ def _not_run(fs: FuzzSession, results: list[dict], per_item: list[dict]) -> list
             out[u["pair"]] = {"pair": u["pair"], "expected": u["expected"], "examples": 0, "seconds": 0.0,
                               "max_k3": 0.0, "max_score": 0.0, "seed": fs.seed, "verdict": "not run (interrupted)",
                               "unfinished": 0.0, "waited_for": "", "findings": [], "worker": "-"}
+    # the items that were running when it stopped left their counts so far: a pair that ran is not "not run"
+    ended = {(d["pair"], d.get("stream", 0)) for d in per_item}
+    for pair, snaps in _progress_left(fs).items():
+        running = [p for p in snaps if (pair, p.get("stream", 0)) not in ended]
+        d = out.get(pair) or next((r for r in results if r["pair"] == pair), None)
+        if not running or d is None:
+            continue
+        d["examples"] += sum(int(p.get("examples", 0)) for p in running)
+        d["seconds"] += sum(float(p.get("seconds", 0.0)) for p in running)
+        d["max_score"] = max([d["max_score"], *(float(p.get("max_score", 0.0)) for p in running)])
+        d["max_k3"] = max([d["max_k3"], *(float(p.get("max_k3", 0.0)) for p in running)])
+        if pair in out:
+            d["verdict"] = (f"interrupted after {d['examples']} cases (max judged {d['max_score']:.3g}): "
+                            "no verdict")
     for d in [*results, *out.values()]:  # what the interrupted items found: their result never came back
         extra = _found_before_the_stop(fs, d["pair"], {f["id"] for f in d["findings"]})
         if extra:
             d["findings"] = d["findings"] + extra
             was, _, note = d["verdict"].partition(" (")
-            note = "" if was == "not run" else note  # ("not run (interrupted)": said again below)
-            if was in ("not run", "clean", "MISSED", "caught"):  # (CANNOT RUN, UNFINISHED, ...: kept as they are)
+            cut = was == "not run" or was.startswith("interrupted after")  # (said again below)
+            note = "" if cut else note
+            if cut or was in ("clean", "MISSED", "caught"):  # (CANNOT RUN, UNFINISHED, ...: kept as they are)
                 from harness.fuzz import pair_verdict
 
                 was = pair_verdict(d["expected"], [f.get("symptom") or "" for f in d["findings"]], d["examples"])
@@ -1172,6 +1188,38 @@ def _headline(f: dict) -> str:
     from .execute import headline
 
     return headline(f.get("metrics"), f.get("error"))
+
+
+def progress_dir(fs: FuzzSession) -> Path:
+    """`<out>/.progress` (a shard's `.progress.shard<i>of<N>`): each running item's counts so far, left
+    every few seconds, which an interrupted session's summary reports for the items whose result never
+    came back. Emptied when a session starts."""
+    return fs.out / (f".progress.shard{fs.shard[0]}of{fs.shard[1]}" if fs.shard else ".progress")
+
+
+def _leave_progress(fs: FuzzSession, unit: Any, r: Any) -> None:
+    try:
+        folder = progress_dir(fs)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{unit.pair.name}#{unit.stream}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pair": unit.pair.name, "stream": unit.stream, "examples": r.examples,
+                                   "seconds": r.seconds, "max_score": r.max_score, "max_k3": r.max_k3}))
+        tmp.replace(path)
+    except (OSError, ValueError):  # (a full disk: the summary says 0 cases for it, as before)
+        pass
+
+
+def _progress_left(fs: FuzzSession) -> dict[str, list[dict]]:
+    """pair -> the counts its interrupted items left (`_leave_progress`)."""
+    out: dict[str, list[dict]] = {}
+    for path in sorted(progress_dir(fs).glob("*.json")) if progress_dir(fs).is_dir() else []:
+        try:
+            d = json.loads(path.read_text())
+            out.setdefault(str(d["pair"]), []).append(d)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def new_repros_dir(fs: FuzzSession) -> Path:

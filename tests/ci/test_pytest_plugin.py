@@ -169,9 +169,13 @@ def test_sigterm_to_the_xdist_controller_is_an_interrupt_with_a_summary(tmp_path
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == pytest.ExitCode.INTERRUPTED, out
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert {d["pair"]: d["verdict"] for d in summary["pairs"]} == {
-        "slow.a_quick": "clean", "slow.b_slow": "not run (interrupted)", "slow.c_slow": "not run (interrupted)"}, out
-    assert "slow.b_slow (not run (interrupted))" in out
+    verdicts = {d["pair"]: d["verdict"] for d in summary["pairs"]}
+    assert verdicts["slow.a_quick"] == "clean", out
+    # the slow pairs were running: each says how far it got from the counts its item left (not "not run")
+    for name in ("slow.b_slow", "slow.c_slow"):
+        assert verdicts[name].startswith("interrupted after ") and verdicts[name].endswith(": no verdict"), verdicts
+    assert {d["pair"]: d["examples"] for d in summary["pairs"]}["slow.b_slow"] > 0
+    assert "slow.b_slow (interrupted after " in out
     assert summary["interrupted"] is True and "this summary was written when the session stopped" in \
         (out_dir / "summary.md").read_text()
     client = MlflowClient(uri)
@@ -237,6 +241,18 @@ def test_an_interrupted_pair_with_some_streams_done_says_so(tmp_path):
                                      "interrupted: 1/4 streams)"), results[0]["verdict"]
     (f,) = added[0]["findings"]  # (summary.json's new_aligned_regressions lists new findings of aligned pairs)
     assert f["id"] == "abc123" and f["new"] and f["path"] == str(tmp_path / "corpus" / "y.found" / "abc123.json")
+    # an item that was running left its counts so far: its pair ran, and says how far (it said "not run", 0 cases)
+    (fs.out / ".progress").mkdir()
+    (fs.out / ".progress" / "z.queued#0.json").write_text(json.dumps(
+        {"pair": "z.queued", "stream": 0, "examples": 7, "seconds": 3.5, "max_score": 2e-9, "max_k3": 1e-9}))
+    (fs.out / ".progress" / "a.ok#1.json").write_text(json.dumps(  # (a finished stream's: its result counts)
+        {"pair": "a.ok", "stream": 1, "examples": 3, "seconds": 1.0, "max_score": 0.5, "max_k3": 0.5}))
+    results[1]["max_score"] = results[1]["max_k3"] = 0.0
+    results[1]["seconds"] = 2.0
+    added = _not_run(fs, results, done)
+    assert [(d["pair"], d["verdict"], d["examples"]) for d in added][1] == (
+        "z.queued", "interrupted after 7 cases (max judged 2e-09): no verdict", 7)
+    assert results[1]["examples"] == 20 and results[1]["max_score"] == 0.0
 
 
 def test_collect_only_lists_the_items_and_writes_nothing(tmp_path):
