@@ -435,7 +435,8 @@ class Case:
 
     def smaller_neighbours(self) -> list["Case"]:
         """The cases one removal away: one sequence (batch row) dropped, or one token dropped from the
-        end of one response or of one prompt (the shorter one is a prefix of it), all else equal."""
+        end of one response or of one prompt (the shorter one is a prefix of it; a shared prompt's for
+        its whole group), or from every prompt (response) of one length at once, all else equal."""
         out: list[Case] = []
         n = self.batch_size
         for i in range(n if n > 1 else 0):
@@ -449,6 +450,14 @@ class Case:
             if m > 0:
                 prompts = tuple(p - 1 if i in group else p for i, p in enumerate(self.prompt_lens))
                 out.append(self._with_lens(self.seq_lens, prompts if any(prompts) else ()))
+        # every prompt (response) of one length one token shorter together, where two or more hold it
+        for m in {self.prompt_len(g[0]) for g in self.groups}:
+            if m > 0 and sum(self.prompt_len(g[0]) == m for g in self.groups) > 1:
+                prompts = tuple(p - 1 if p == m else p for p in self.prompt_lens)
+                out.append(self._with_lens(self.seq_lens, prompts if any(prompts) else ()))
+        for m in set(self.seq_lens):
+            if m > 1 and self.seq_lens.count(m) > 1:
+                out.append(self._with_lens(tuple(k - 1 if k == m else k for k in self.seq_lens), self.prompt_lens))
         return out
 
     def simpler_neighbours(self, axes: Any = None) -> list["Case"]:

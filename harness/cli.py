@@ -686,6 +686,12 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         click.echo(f"  at neutral values (the defaults; a pair reads only the fields its code uses): "
                    f"{', '.join(at_default)}")
     click.echo(f"  -> {r.case.batch_size} sequence(s), {r.case.n_tokens} token(s)")
+    for g in (g for g in r.case.groups if len(g) > 1):  # (prompt ids are stream ids: name the sharing plainly)
+        pid = r.case.prompt_id(g[0])
+        owner = (f"sequence {r.case.ids.index(pid)}'s own" if pid in r.case.ids
+                 else f"stream {pid}'s, a sequence shrinking dropped")
+        click.echo(f"  -> sequences {', '.join(map(str, g))} share one prompt ({r.case.prompt_len(g[0])} tokens, "
+                   f"{owner}); in batch order, the first of them is the one a prefix cache is filled by")
     try:
         load_plugins(plugins)
         why = load_plugin_for(r)

@@ -278,12 +278,12 @@ def _finish(sums: Any, plain: bool = False) -> tuple[Any, Any, Any, Any]:
     the support = Z_t), so the same values come without the error-state guard and the e terms
     ((Z_r - 0) / Z_r is exactly 1)."""
     a, b, zr, zt, e, zts = (sums[:, i] for i in range(6))
-    # (a KL is >= 0: the normalisers' last bits leave ~1e-14 of either sign for equal distributions,
-    # and a table that shows -2e-14 reads as a bug; NaN and +inf stay)
+    # (a KL and an expected k3 are >= 0: the normalisers' last bits leave ~1e-14 of either sign for equal
+    # distributions, and a table that shows -2e-14 reads as a bug; NaN and +inf stay)
     if plain:
         log_zr = np.log(zr)
         return (np.maximum(a / zr - (log_zr - np.log(zt)), 0.0), -(b / zr - log_zr), np.zeros(len(zr)),
-                (zt - zr + a) / zr)
+                np.maximum((zt - zr + a) / zr, 0.0))
     with np.errstate(all="ignore"):
         log_zr, log_zt = np.log(zr), np.log(zt)
         # over the tokens the trainer keeps, the rollout's distribution renormalised there (mass zk):
@@ -294,7 +294,7 @@ def _finish(sums: Any, plain: bool = False) -> tuple[Any, Any, Any, Any]:
         ent = -(b / zr - log_zr)
         excluded = e / zr
         # E_{x ~ p_r / Z_r}[k3] over kept tokens = (1/Z_r) sum p * (exp(-d) - 1 + d), with p * exp(-d) = p_t
-        k3 = (zts - (zr - e) + a) / zr
+        k3 = np.maximum((zts - (zr - e) + a) / zr, 0.0)  # (>= 0 too, as the KL: NaN stays)
     return kl, ent, excluded, k3
 
 

@@ -12,7 +12,8 @@ signature:
    at its low bound, the first dtype, the fewest experts and the smallest router top-k);
 3. empty one prompt, halve one prompt or response, then drop ..., 8, 4, 2, 1 of their last tokens
    (a bug past a block boundary need not fire at every length above it; the 2^k steps for the
-   longest sequence only), or give all but one or half of the longest sequence's response tokens
+   longest sequence only; every prompt, or response, of one length together, for a bug that needs two
+   equal lengths), or give all but one or half of the longest sequence's response tokens
    (all but one of any other's), or one token of any sequence's, to its prompt (the same positions,
    fewer scored tokens; within the axes' prompt lengths); a near-tie case
    becomes one token with every token forced (which tokens are forced is drawn per token);
@@ -97,6 +98,10 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
     for j, n in enumerate(case.seq_lens):
         for m in _shorter(n, 1, j == longest):
             yield _with(case, j, response=m)
+    # prompts (responses) of one length shortened together: a bug that needs two sequences of equal
+    # lengths (a prefix cache keyed by the prompt's length, a kernel that batches equal lengths) passes
+    # at every one-sequence step, and stopped at the lengths it was drawn with
+    yield from _equal_lengths(case, longest)
     # the longest sequence's response tokens given to its prompt (same length, fewer scored tokens): a
     # bug past a position fires on its first token there, and shortening alone keeps a long response
     # (970 + 55 tokens, where 1023 + 2 fails too); within the axes' prompt lengths only
@@ -164,6 +169,26 @@ def simplest_value(strategy: Any) -> Any:
         value = _NONE
     _SIMPLEST[id(strategy)] = (strategy, value)
     return value
+
+
+def _equal_lengths(case: Case, longest: int = -1) -> Iterator[Case]:
+    """Every prompt of one length (counting a shared prompt once), then every response of one length,
+    shortened together: for each length that two or more hold, to the lengths `_shorter` tries."""
+    firsts = [g[0] for g in case.groups]
+    for p in sorted({case.prompt_len(j) for j in firsts}, reverse=True):
+        same = [j for j in firsts if case.prompt_len(j) == p]
+        if p and len(same) > 1:
+            for q in _shorter(p, 0, any(longest in case.group_of(j) for j in same)):
+                moved = case
+                for j in same:
+                    moved = _with(moved, j, prompt=q)
+                yield moved
+    for n in sorted(set(case.seq_lens), reverse=True):
+        same = [j for j, m in enumerate(case.seq_lens) if m == n]
+        if n > 1 and len(same) > 1:
+            for m in _shorter(n, 1, longest in same):
+                lens = tuple(m if j in same else k for j, k in enumerate(case.seq_lens))
+                yield case._with_lens(lens, case.prompt_lens)
 
 
 def _shorter(n: int, low: int, steps: bool = True) -> list[int]:

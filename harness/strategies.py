@@ -204,23 +204,25 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
         if axes.params:
             fields["params"] = {k: draw(axes.params[k]) for k in sorted(axes.params)}
         if group_sizes is not None:  # (drawn only where the axis is on: other pairs draw what they drew)
-            _group(fields, draw(group_sizes))
+            _group(fields, draw(group_sizes), interleaved=draw(st.booleans()))
         fields["seed"] = draw(seeds)
         return Case(**fields)
 
     return draw_case()
 
 
-def _group(fields: dict[str, Any], size: int) -> None:
-    """Consecutive sequences in groups of `size` share the prompt of their group's first sequence
-    (`Case.prompt_ids`: its stream id; its prompt length); size 1 leaves every prompt its own. A
-    row capacity drawn before is raised to the longest sequence where a shared prompt made one
-    longer (one row when that holds everything)."""
+def _group(fields: dict[str, Any], size: int, interleaved: bool = False) -> None:
+    """Sequences in groups of `size` share the prompt of their group's first sequence
+    (`Case.prompt_ids`: its stream id; its prompt length): consecutive (A A B B), or `interleaved`
+    (A B A B: requests of several prompts arriving in turn at an engine's prefix cache); size 1
+    leaves every prompt its own. A row capacity drawn before is raised to the longest sequence where
+    a shared prompt made one longer (one row when that holds everything)."""
     if size <= 1:
         return
     n = len(fields["seq_lens"])
     ids = fields.get("seq_ids") or tuple(range(n))
-    firsts = [size * (j // size) for j in range(n)]
+    n_groups = -(-n // size)
+    firsts = [j % n_groups if interleaved else size * (j // size) for j in range(n)]
     pids = tuple(ids[f] for f in firsts)
     if pids == tuple(ids):
         return
@@ -295,7 +297,7 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
     if params:
         fields["params"] = dict(params)
     if axes.prompt_group[1] > 1:  # (drawn only where the axis is on: other pairs draw what they drew)
-        _group(fields, rng.randint(*axes.prompt_group))
+        _group(fields, rng.randint(*axes.prompt_group), interleaved=rng.random() < 0.5)
     return Case(**fields)
 
 

@@ -230,6 +230,7 @@ def test_grouped_cases_are_drawn_only_where_the_axis_is_on_and_are_valid():
     draw()
     grouped = [c for c in seen if c.prompt_ids]
     assert grouped and all(len({c.prompt_len(j) for j in g}) == 1 for c in grouped for g in c.groups)
+    assert any(g != list(range(g[0], g[0] + len(g))) for c in grouped for g in c.groups)  # interleaved: A B A B
     rng = random.Random(0)
     assert any(uniform_cases(axes, rng).prompt_ids for _ in range(50))
     off = Axes(n_seqs=(1, 8), seq_len=(1, 8), prompt_len=(0, 6))

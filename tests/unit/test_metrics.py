@@ -366,7 +366,7 @@ def test_a_row_with_excluded_tokens_leaves_its_chunk_neighbours_values_unchanged
             assert together[key][r] == alone[key][0], (r, key)
 
 
-def test_the_exact_kl_is_never_negative_on_near_equal_rows():
+def test_the_exact_kl_and_expected_k3_are_never_negative_on_near_equal_rows():
     """Two fp32 log-softmaxes of logits that differ in their last bits: the float64 normalisers leave
     ~1e-14 of either sign, which a triage table showed as a KL of -2e-14; a KL is >= 0."""
     import torch
@@ -381,6 +381,7 @@ def test_the_exact_kl_is_never_negative_on_near_equal_rows():
     div = compare(Outcome(logprobs=lt), Outcome(logprobs=lr), (64,), uniforms=torch.rand(64, generator=g,
                                                                                          dtype=torch.float64))
     assert (div.per_token["kl"] >= 0).all() and div.kl >= 0 and div.kl < 1e-12
+    assert (div.per_token["k3_expected"] >= 0).all()  # (the expected k3 too: -2.9e-18 was seen)
     with_inf = lt.clone()
     with_inf[:, :10] = -float("inf")  # the non-plain path (a trainer that truncates)
     div = compare(Outcome(logprobs=with_inf), Outcome(logprobs=lr), (64,), tokens=torch.full((64,), 500))

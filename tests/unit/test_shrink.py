@@ -146,3 +146,21 @@ def test_polish_keeps_two_scored_tokens_when_the_failing_one_needs_one_before_it
     assert all(not fails(n) for n in got.simpler_neighbours(axes))  # 1-minimal, moving a token to the prompt included
     assert Case(seed=3, seq_lens=(3,), prompt_lens=(46,)).replace(seq_lens=(2,), prompt_lens=(47,)) in \
         Case(seed=3, seq_lens=(3,), prompt_lens=(46,)).simpler_neighbours(axes)
+
+
+def test_polish_shortens_equal_lengths_together_for_a_bug_that_needs_them_equal():
+    """A prefix cache keyed by the prompt's length: two prompts of one length collide. Every one-prompt
+    step makes the lengths differ (and passes), so shrinking stopped at the drawn lengths (4, 4);
+    shortening every prompt of one length together reaches (1, 1). The same for responses."""
+    from harness import Axes
+
+    def fails(c):
+        return c.batch_size == 2 and c.prompt_len(0) == c.prompt_len(1) >= 1
+
+    axes = Axes(n_seqs=(1, 4), seq_len=(1, 16), prompt_len=(0, 16))
+    got, _, complete = polish(Case(seed=3, seq_lens=(3, 2, 5), prompt_lens=(4, 4, 2)), fails, axes=axes)
+    assert complete and got.prompt_lens == (1, 1) and got.seq_lens == (1, 1), got.one_line()
+    assert all(not fails(n) for n in got.simpler_neighbours(axes))
+    got, _, complete = polish(Case(seed=3, seq_lens=(6, 6)), lambda c: c.batch_size == 2 and c.seq_lens[0] ==
+                              c.seq_lens[1] >= 2, axes=axes)
+    assert complete and got.seq_lens == (2, 2), got.one_line()
