@@ -1366,7 +1366,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                                            waited_for=hung if hung != u.pair.name else "",
                                            # every example it was to run is one the budget cut: its pair
                                            # is not clean over what was asked (`time_note`)
-                                           examples_asked=examples_of(u), examples_short=examples_of(u)))
+                                           examples_asked=examples_of(u), examples_short=examples_of(u)), u)
                         log(f"  the budget ended before {unit.label}"
                             + (f" and {len(queue)} more unit(s)" if queue else "") + " started: not run"
                             + (f" (they waited behind {hung}'s first case, which never finished)" if hung else ""))
@@ -1436,7 +1436,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         result.interrupted = True
         for u in queue:  # the units it came before: each pair asked for has its row ("not run", or cut short)
             add(PairResult(pair=u.pair.name, expected=u.pair.expected,
-                           seed=stream_seed(seed, u.pair.name, u.stream, u.streams), interrupted=True))
+                           seed=stream_seed(seed, u.pair.name, u.stream, u.streams), interrupted=True), u)
     finally:
         result.results.sort(key=lambda r: r.pair)
         for r in result.results:
