@@ -15,22 +15,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    from campaign_cases import campaign_cases
     from harness.bench import bare_calls
-    from harness.execute import judge, run_case, run_paths
-    from harness.fuzz import CampaignConfig, fuzz_pair, pair_seed
-    from harness.pairs import REGISTRY
+    from harness.execute import judge, run_paths
 
-    pair = REGISTRY[sys.argv[1]]
-    cfg = CampaignConfig(pairs=[pair], seed=0, max_examples=100, write_corpus=False, isolation=False)
-    seen = []
-
-    def evaluate(c):
-        seen.append(c)
-        return run_case(pair, c, cfg.device, cfg.threshold)
-
-    fuzz_pair(pair, cfg, pair_seed(0, pair.name), deadline=None, evaluate=evaluate)
-    cases = seen[:300]
-    outs = [run_paths(pair, c, cfg.device) for c in cases]
+    pair, cfg, cases, outs = campaign_cases(sys.argv[1])
 
     def per_case(fn) -> float:
         t = time.perf_counter()

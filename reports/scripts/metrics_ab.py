@@ -18,27 +18,15 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    from campaign_cases import campaign_cases
     from harness import metrics as new
-    from harness.execute import run_case, run_paths
-    from harness.fuzz import CampaignConfig, fuzz_pair, pair_seed
-    from harness.pairs import REGISTRY
 
     spec = importlib.util.spec_from_file_location("metrics_other", os.path.join(sys.argv[1], "harness", "metrics.py"))
     old = importlib.util.module_from_spec(spec)
     sys.modules["metrics_other"] = old
     spec.loader.exec_module(old)
     for name in sys.argv[2:]:
-        pair = REGISTRY[name]
-        cfg = CampaignConfig(pairs=[pair], seed=0, max_examples=100, write_corpus=False, isolation=False)
-        seen = []
-
-        def evaluate(c):
-            seen.append(c)
-            return run_case(pair, c, cfg.device, cfg.threshold)
-
-        fuzz_pair(pair, cfg, pair_seed(0, pair.name), deadline=None, evaluate=evaluate)
-        cases = seen[:300]
-        outs = [run_paths(pair, c, cfg.device) for c in cases]
+        pair, cfg, cases, outs = campaign_cases(name)
         times = {"other": [], "this": []}
         for _ in range(7):
             for tag, m in (("other", old), ("this", new)):
