@@ -618,6 +618,106 @@ def _fmt(x: Any) -> str:
     return f"{x:.6g}" if isinstance(x, float) else str(x)
 
 
+def parse_case(text: str) -> Any:
+    """A case from the command line: a JSON object, a `.json` file holding a case or a repro (its
+    `case`), or the one-line form the harness prints (`seed=3 seq_lens=[1, 1] prompt_lens=[4, 4]
+    pad_side='left'`; each value a Python literal, read with `ast.literal_eval`: nothing is executed)."""
+    import ast
+    import dataclasses
+    import re
+
+    from .case import Case, CaseError
+
+    where = "--case"
+    body = text.strip()
+    if not body.startswith("{") and body.endswith(".json"):
+        try:
+            data = json.loads(Path(body).read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--case {text!r}: the file could not be read as JSON ({e}); give a case as JSON, a "
+                             ".json file holding a case or a repro, or the one-line form the harness prints "
+                             "(seed=3 seq_lens=[1, 1] ...).") from None
+        where = body
+        data = data.get("case", data) if isinstance(data, dict) else data
+    elif body.startswith("{"):
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise UsageError(f"--case: not valid JSON ({e}); quote the object for the shell, or give the one-line "
+                             "form the harness prints (seed=3 seq_lens=[1, 1] ...).") from None
+        data = data.get("case", data) if isinstance(data, dict) else data
+    else:
+        names = [f.name for f in dataclasses.fields(Case)]
+        unknown = sorted({m.group(1) for m in re.finditer(r"(?:^|\s)(\w+)=", body)} - set(names))
+        if unknown:
+            raise UsageError(f"--case: {', '.join(unknown)} {'is not a case field' if len(unknown) == 1 else 'are not case fields'}"
+                             f"; the fields are {', '.join(names)}.")
+        marks = list(re.finditer(r"(?:^|\s)(" + "|".join(names) + r")=", body))
+        if not marks or marks[0].start() > 0:
+            raise UsageError(f"--case {text!r} is not a case: give JSON, a .json file, or the one-line form the "
+                             f"harness prints, `name=value` for fields among {', '.join(names)} (seed=3 seq_lens=[1, 1]).")
+        data = {"schema": 2}
+        for m, nxt in zip(marks, [*marks[1:], None]):
+            raw = body[m.end():nxt.start() if nxt is not None else len(body)].strip()
+            try:
+                data[m.group(1)] = ast.literal_eval(raw)
+            except (ValueError, SyntaxError):
+                raise UsageError(f"--case: the value of {m.group(1)} ({raw!r}) is not a literal (a number, a "
+                                 "quoted string, a list or a dict).") from None
+    try:
+        if isinstance(data, dict) and "schema" not in data:
+            data = {"schema": 2, **data}
+        return Case.from_json(data)
+    except CaseError as e:
+        raise UsageError(f"{where}: {e}") from None
+
+
+@cli.command()
+@click.argument("pair_name", metavar="PAIR")
+@click.option("--case", "case_text", required=True, metavar="CASE",
+              help="The case: JSON, a .json file (a case or a repro), or the one-line form the harness prints.")
+@click.option("--corpus", "corpus_dir", type=click.Path(path_type=Path), default=Path("corpora"), show_default=True)
+@click.option("--threshold", type=POSITIVE, default=None, help="Mean k3 above which the case diverges (default 1e-3).")
+@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--timeout", type=POSITIVE, default=None, help="Seconds the case may run (default: the pair's, else 60).")
+@plugin_option
+def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | None, device: str,
+           timeout: float | None, plugins: tuple[str, ...]) -> None:
+    """Make a case you know fails a repro: run it on the pair (in a worker process) and, when it fails,
+    write it to the corpus as a campaign would (not shrunk: `harness shrink FILE` does that next)."""
+    from . import corpus
+    from .env import resolve_device
+    from .execute import DEFAULT_THRESHOLD
+    from .fuzz import PairResult, _finding
+    from .pairs import REGISTRY
+    from .worker import DEFAULT_TIMEOUT, Worker
+
+    load_plugins(plugins)
+    pair = REGISTRY.get(pair_name)
+    case = parse_case(case_text)
+    corpus.check_case_size(case, "--case")
+    dev = resolve_device(device)
+    thr = threshold if threshold is not None else DEFAULT_THRESHOLD
+    limit = timeout or getattr(pair, "timeout", None) or DEFAULT_TIMEOUT
+    with Worker(dev, tuple(plugins), limit) as worker:
+        ev = worker.evaluate(pair, case, thr, timeout=max(limit, 300.0))  # (a fresh worker: imports first)
+    if ev.setup:
+        raise UsageError(f"{pair.name} cannot run here: {ev.error['type']}: {ev.error['message']}")
+    if not ev.failed:
+        click.echo(f"{pair.name}: the case passes ({ev.symptom.value}, {ev.headline}): nothing recorded. "
+                   f"Case: {case.one_line()}")
+        sys.exit(EXIT_OK)
+    f = _finding(pair, ev, PairResult(pair.name, pair.expected, examples=1), complete=False)
+    f.recorded_by = "harness record"  # (no campaign found it: its repro says so, `show` too)
+    path = corpus.record_finding(f, corpus_dir, thr, case.seed, dev, log=echo_err)
+    state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in the corpus")
+    click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {state}] -> {path}"
+               + ("" if f.new or f.recurrence else " (that file keeps its own case)")
+               + f"\n  shrink it: {corpus.shrink_command_for(pair.name, path, tracking=False)}"
+               + f"\n  replay:    {corpus.replay_command_for(pair.name, path)}")
+    sys.exit(EXIT_FOUND)
+
+
 # ---------------------------------------------------------------------------------------------
 @cli.command()
 @click.argument("file", type=click.Path(path_type=Path))
@@ -648,7 +748,9 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
         head = f"found {found.get('at', '?')} by campaign seed {found.get('campaign_seed', '?')}" + (
             f" (stream {found['stream']} of {found['streams']}, counted from 0; cases below are that stream's)"
             if isinstance(found.get("streams"), int) and found["streams"] > 1 else "")
-        if "cases_to_first" in found:  # the first sighting, then shrinking (not counted as cases to find it)
+        if found.get("by"):  # a case given by hand (`harness record`): no campaign found it
+            head = f"recorded {found.get('at', '?')} by `{found['by']}` from a case given by hand"
+        elif "cases_to_first" in found:  # the first sighting, then shrinking (not counted as cases to find it)
             head += (f" after {found['cases_to_first']} cases in {float(found.get('seconds_to_first', 0)):.1f} s; "
                      f"shrunk in {float(found.get('shrink_seconds', 0)):.1f} s "
                      f"({found.get('cases_total', found.get('examples', '?'))} cases in all)")

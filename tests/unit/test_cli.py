@@ -262,3 +262,29 @@ def test_harness_check_of_a_pair_whose_setup_fails_is_cannot_run_not_a_contract_
     plugin = str(Path(__file__).resolve().parents[1] / "plugins" / "faults.py")
     code, out, err = harness_cli("check", "--plugin", plugin, "faults.setup_gone", "--cases", "3")
     assert code == 2 and "faults.setup_gone: CANNOT RUN here:" in out and "FAIL" not in out, out + err
+
+
+def test_harness_record_makes_a_known_failing_case_a_repro(harness_cli, tmp_path):
+    """A case known to fail (given as a repro file's case, JSON or the printed one-line form) becomes a
+    repro of the pair, marked as given by hand, with the shrink command to run next; a passing case
+    records nothing (exit 0); a field that is not a case field is a usage error."""
+    from harness.case import Case
+    from harness.cli import parse_case
+
+    source = next(iter(sorted((Path(__file__).resolve().parents[2] / "corpora" / "moe_aggregate.bf16").glob("*.json"))))
+    case = Case.from_json(json.loads(source.read_text())["case"])
+    assert parse_case(str(source)) == case and parse_case(json.dumps(case.to_json())) == case
+    assert parse_case(case.one_line()) == case  # (what the harness prints, read back)
+    code, out, err = harness_cli("record", "moe_aggregate.bf16", "--case", case.one_line(), "--corpus", str(tmp_path))
+    assert code == 1, err
+    [path] = list(tmp_path.rglob("*.json"))
+    assert f"-> {path}" in out and "shrink it: harness shrink --no-tracking" in out, out
+    repro = json.loads(path.read_text())
+    assert repro["found"]["by"] == "harness record" and Case.from_json(repro["case"]) == case
+    code, out, err = harness_cli("show", str(path))
+    assert "by `harness record` from a case given by hand" in out, out
+    code, out, err = harness_cli("record", "moe_aggregate.aligned", "--case", case.one_line(), "--corpus",
+                                 str(tmp_path / "none"))
+    assert code == 0 and "the case passes" in out and not (tmp_path / "none").exists(), (out, err)
+    code, out, err = harness_cli("record", "moe_aggregate.bf16", "--case", "seed=1 batch=4")
+    assert code == 2 and "batch is not a case field" in err and "Traceback" not in err, err
