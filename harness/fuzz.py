@@ -1249,13 +1249,19 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     signals = _Signals()
     by_pair: dict[str, PairResult] = {}
 
-    def progress_of(unit: Any) -> Callable[[PairResult, bool], None]:
+    def progress_of(unit: Any, before: tuple[PairResult, ...] = ()) -> Callable[[PairResult, bool], None]:
+        """A unit's progress lines; `before`: its earlier runs (a round's), counted in what `on_progress` gets."""
         def progress(r: PairResult, done: bool) -> None:
             if not done:  # (the unit's label: a pair's streams count their cases apart)
                 log(f"  {unit.label}: {r.examples} cases, {r.rate:.1f}/s, max judged {r.max_score:.3g} "
                     f"(sampled k3 {r.max_k3:.3g})")
                 if on_progress is not None:
-                    on_progress(unit, r)
+                    so_far = PairResult(r.pair, r.expected)
+                    for b in (*before, r):
+                        so_far.examples += b.examples
+                        so_far.seconds += b.seconds
+                        so_far.max_score, so_far.max_k3 = max(so_far.max_score, b.max_score), max(so_far.max_k3, b.max_k3)
+                    on_progress(unit, so_far)
         return progress
 
     def run_again(f: Finding, case: Case) -> Evaluation | None:
@@ -1335,7 +1341,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         rnd = 1
         while not r.findings and not r.setup_error and time.monotonic() < deadline - ROUND_MIN_LEFT:
             more = fuzz_pair(unit.pair, cfg, round_seed(seed, unit.pair.name, unit.stream, unit.streams, rnd),
-                             deadline, progress_of(unit), evaluate=evaluate, max_examples=examples_of(unit), wall=end)
+                             deadline, progress_of(unit, tuple(x for x in (by_pair.get(unit.pair.name), r) if x)),
+                             evaluate=evaluate, max_examples=examples_of(unit), wall=end)
             if not more.examples:
                 r.setup_error = r.setup_error or more.setup_error  # (its first case could not run: say so)
                 break

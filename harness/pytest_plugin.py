@@ -1044,8 +1044,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
 
-
-
 def _split_streams_missed(fs: FuzzSession, results: list[dict]) -> None:
     """A demonstration none of this shard's streams caught, whose other streams ran on other shards:
     not MISSED here (`fuzz.caught_elsewhere_maybe`), as `harness fuzz --shard` says too."""
