@@ -365,7 +365,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err, night=s.night)
 
     def announce(f: Any) -> None:
-        state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in corpus")
+        state = f.state
         notes = ("" if f.shrink_complete else
                  f" (shrinking cut short by the {'interrupt' if getattr(f, 'interrupted', False) else 'budget'}" +
                  (f": `{shrink_command_for(f.pair, f.path, tracking_uri, tracking=not no_tracking)}` goes on)"
@@ -710,8 +710,7 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
     f = _finding(pair, ev, PairResult(pair.name, pair.expected, examples=1), complete=False)
     f.recorded_by = "harness record"  # (no campaign found it: its repro says so, `show` too)
     path = corpus.record_finding(f, corpus_dir, thr, case.seed, dev, log=echo_err)
-    state = "new" if f.new else ("recurrence of a fixed finding" if f.recurrence else "already in the corpus")
-    click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {state}] -> {path}"
+    click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {f.state}] -> {path}"
                + ("" if f.new or f.recurrence else " (that file keeps its own case)")
                + f"\n  shrink it: {corpus.shrink_command_for(pair.name, path, tracking=False)}"
                + f"\n  replay:    {corpus.replay_command_for(pair.name, path)}")

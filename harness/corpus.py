@@ -621,8 +621,9 @@ def found_json(finding: Any, campaign_seed: int) -> dict[str, Any]:
         out.update(stream=int(stream), streams=int(streams))
     if getattr(finding, "deterministic", True) is False:  # its case, run again, gave other values
         out["deterministic"] = False
-    if getattr(finding, "recorded_by", ""):  # a case given by hand (`harness record`): no campaign found it
-        out["by"] = str(finding.recorded_by)
+    by = getattr(finding, "recorded_by", "")  # a case given by hand (`harness record`): no campaign found it
+    if by:
+        out["by"] = str(by)
     return out
 
 

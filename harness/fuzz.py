@@ -90,6 +90,7 @@ class Finding:
     base_signature: str = ""
     deterministic: bool = True  # False when the minimal case, run again, gave other values (see run_campaign)
     stream: tuple[int, int] = (0, 1)  # (the pair's stream that found it, 0-based; of how many streams)
+    recorded_by: str = ""  # a case given by hand, not found by a campaign: the command ("harness record")
     # the MLflow regression run that already held it, when the corpus here did not (a CI runner that
     # checks out a corpus its repro was never committed to): not new to the team (`pytest_plugin`)
     known_in_tracking: str = ""
@@ -101,6 +102,11 @@ class Finding:
     @property
     def id(self) -> str:
         return self.signature[:12]
+
+    @property
+    def state(self) -> str:
+        """What the corpus made of it: "new", "recurrence of a fixed finding" or "already in corpus"."""
+        return "new" if self.new else ("recurrence of a fixed finding" if self.recurrence else "already in corpus")
 
     @property
     def status(self) -> str:
