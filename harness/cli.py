@@ -238,7 +238,8 @@ def list_cmd(as_json: bool, plugins: tuple[str, ...]) -> None:
     pairs = REGISTRY.all()
     if as_json:
         click.echo(json.dumps([
-            {"name": p.name, "kind": p.kind, "expected": p.expected, "devices": list(p.devices),
+            {"name": p.name, "kind": p.kind, "expected": p.expected, "verdict_over": p.verdict_over,
+             "devices": list(p.devices),
              "axes": p.axes.describe(), "readout": p.readout.vocab if p.readout else None,
              "description": p.description, "source": p.source}
             for p in pairs], indent=2))
@@ -729,7 +730,7 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     from .corpus import load_plugin_for, load_repro, shrink_command_for
     from .env import resolve_device
     from .execute import boundary_swap_note
-    from .metrics import judged_k3
+    from .metrics import judged_means
     from .pairs import REGISTRY
 
     r = load_repro(file)
@@ -832,26 +833,30 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
                    f"\nmetrics of this case (shrunk further {shrunk[-1].get('at', '?')}, from "
                    f"{Case.from_json(shrunk[0]['replaced_case']).one_line() if shrunk[0].get('replaced_case') else '?'}):")
     for k, v in r.metrics.items():
-        if k != "fired":
+        if k not in ("fired", "verdict_over"):
             note = (" (a correlation needs 2 or more tokens)" if k == "pearson" and isinstance(v, float) and math.isnan(v)
                     and r.case.n_tokens < 2 else "")
             if rec and k in ("flip_rate", "tie_flip_rate") and not r.case.params.get("rec_experts"):
                 v, note = "n/a", " (no experts recorded: nothing to compare the trainer's routing with)"
-            click.echo(f"  {k:18s} {v if v == 'n/a' else _fmt(v)}{note}")
+            click.echo(f"  {k:19s} {v if v == 'n/a' else _fmt(v)}{note}")
     if r.metrics:
         fired = r.metrics.get("fired")
         k3e, k3s = r.metrics.get("k3_expected", math.nan), r.metrics.get("k3_kl")
-        judged = judged_k3(k3e, k3s)
+        judged, judged_kl = judged_means(r.metrics)
+        per_seq = r.metrics.get("verdict_over") == "sequence"
         why = ("a sampled token the trainer excludes" if k3s == math.inf else
                "the expected k3 over the vocabulary" if isinstance(k3e, (int, float)) and not math.isnan(k3e)
                else "the sampled tokens' mean: no expected k3 (a recording, or an older repro)")
+        if per_seq:
+            why += ", the worst sequence's mean: the pair judges each sequence (verdict_over='sequence')"
         click.echo("  over the threshold: " + (fired if fired else "neither mean" if fired == "" else
                                               "not recorded (a repro from before the exact-KL verdict)")
                    + f" (judged k3 {_fmt(judged)}: {why}; sampled tokens' mean k3 "
                    f"{_fmt(r.metrics.get('k3_kl'))}; "
                    + (f"mean two-outcome KL {_fmt(r.metrics.get('kl'))} (a recording: only its tokens' probabilities "
                       "are known, so a lower bound of the exact KL); " if rec else
-                      f"mean exact KL {_fmt(r.metrics.get('kl'))}; ")
+                      f"mean exact KL {_fmt(r.metrics.get('kl'))}"
+                      + (f", worst sequence's {_fmt(judged_kl)}; " if per_seq else "; "))
                    + f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
         swap = boundary_swap_note(r.metrics)
         if swap:

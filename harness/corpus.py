@@ -174,6 +174,8 @@ def metrics_json(ev: Evaluation) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {k: encode_float(v) for k, v in ev.divergence.as_dict().items()}
     out["fired"] = str(getattr(ev.divergence, "fired", "") or "")
+    if getattr(ev.divergence, "verdict_over", "batch") != "batch":  # (a batch verdict: the key left out, as before it)
+        out["verdict_over"] = ev.divergence.verdict_over
     return out
 
 
@@ -971,6 +973,11 @@ def validate_repro_json(data: Any, where: str) -> None:
             if k == "fired":
                 if v not in FIRED:
                     bad("metrics.fired", v, f"must be one of {FIRED} (which mean crossed the threshold)")
+            elif k == "verdict_over":
+                from .pairs import VERDICT_OVER
+
+                if v not in VERDICT_OVER:
+                    bad("metrics.verdict_over", v, f"must be one of {VERDICT_OVER} (what the verdict's means are over)")
             elif not isinstance(k, str) or not (_is_number(v) or v in NONFINITE):
                 bad(f"metrics.{k}", v, "must be a number or one of \"nan\", \"inf\", \"-inf\"")
     err = data.get("error")
@@ -1175,6 +1182,9 @@ def compare_metrics(repro: Repro, ev: Evaluation) -> dict[str, tuple[Any, Any]]:
     for k in (*METRIC_KEYS, "fired"):
         if k in repro.metrics and k in now and not _same(repro.metrics[k], now[k]):
             mismatches[k] = (repro.metrics[k], now[k])
+    if repro.metrics and now and repro.metrics.get("verdict_over", "batch") != now.get("verdict_over", "batch"):
+        # the pair now judges over the batch where it judged over sequences (or back): another verdict
+        mismatches["verdict_over"] = (repro.metrics.get("verdict_over", "batch"), now.get("verdict_over", "batch"))
     if repro.symptom != ev.symptom.value:
         mismatches["symptom"] = (repro.symptom, ev.symptom.value)
     if not now and not repro.metrics and ev.error is not None:  # an error both times: the same error?

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .case import Case
-from .metrics import Divergence, _num, compare, fired, judged_k3, verdict_mean, with_routing
+from .metrics import Divergence, _num, compare, fired, judged_means, verdict_mean, with_routing
 from .pairs import Outcome, TargetPair
 
 DEFAULT_THRESHOLD = 1e-3  # mean k3 (or mean exact KL) above which two paths are not equivalent
@@ -58,11 +58,12 @@ class Evaluation:
     @property
     def score(self) -> float:
         """What the verdict compares with the threshold: the larger of the judged k3 (the expected k3,
-        `metrics.judged_k3`) and the mean exact KL; NaN without metrics. A campaign climbs it."""
+        `metrics.judged_k3`) and the mean exact KL (the worst sequence's, for a pair judged over
+        sequences: `metrics.judged_means`); NaN without metrics. A campaign climbs it."""
         d = self.divergence
         if d is None:
             return math.nan
-        vals = [v for v in (judged_k3(d.k3_expected, d.k3_kl), d.kl) if not math.isnan(v)]
+        vals = [v for v in judged_means(d) if not math.isnan(v)]
         return max(vals) if vals else math.nan
 
     @property
@@ -101,6 +102,11 @@ def headline(metrics: Any, error: dict | None) -> str:
                         f"it samples from another distribution than it reports; expected k3 {k3e:.3g}, kl {kl:.3g})")
             return (f"k3=inf (a sampled token the trainer excludes: rollout mass there {excl:.3g}; "
                     f"expected k3 {k3e:.3g} over the tokens the trainer keeps, kl {kl:.3g})")
+    if get("verdict_over", "batch") == "sequence":  # the worst sequence's mean, and the batch's beside it
+        batch = _num(get("kl" if name == "kl" else "k3_expected", math.nan))
+        if name == "k3" and math.isnan(batch):
+            batch = _num(get("k3_kl", math.nan))
+        return f"{name}={mean_text(value)} (worst sequence; batch mean {mean_text(batch)})"
     return f"{name}={mean_text(value)}"
 
 
@@ -267,8 +273,9 @@ def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
     div = compare(trainer, rollout, case.seq_lens, tokens, case=case)
     if recorded:  # the tables show the recorded ids; the tokens are the data, not a draw: judge their mean k3
         div.per_token["token"] = rollout.tokens.detach().cpu().to(torch.int64).reshape(-1).numpy()
-        div.k3_expected = math.nan
+        div.k3_expected = div.k3_expected_seq_max = math.nan
     div = with_routing(div, trainer, rollout)
+    div.verdict_over = getattr(pair, "verdict_over", "batch")
     div.fired = fired(div, threshold)
     if div.nonfinite:
         symptom = Symptom.NONFINITE

@@ -76,7 +76,7 @@ import numpy as np
 
 # Keys of `Divergence.as_dict()`, in display order (all numeric; see `Divergence.fired`).
 METRIC_KEYS = (
-    "k3_kl", "k3_expected", "k3_seq_max", "kl", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
+    "k3_kl", "k3_expected", "k3_seq_max", "k3_expected_seq_max", "kl", "kl_seq_max", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
     "chi2_token", "pearson", "entropy", "kl_excluded", "flip_rate", "tie_flip_rate", "nonfinite_trainer", "nonfinite_rollout",
     "n_tokens",
 )
@@ -122,9 +122,16 @@ class Divergence:
     # mean over positions of the expected k3 of a token drawn from the rollout's distribution (over
     # the tokens the trainer keeps): what `k3_kl` estimates, without the draw's noise
     k3_expected: float = math.nan
+    # the largest per-sequence mean of the expected k3 and of the exact KL: what a verdict over
+    # sequences (`TargetPair.verdict_over="sequence"`) judges (the worst sequence of the batch)
+    k3_expected_seq_max: float = math.nan
+    kl_seq_max: float = math.nan
     # Which mean crossed the verdict's threshold: "k3", "kl", "k3+kl", or "" (set by the verdict,
     # `execute.judge`; a string, so it is not one of METRIC_KEYS).
     fired: str = ""
+    # What the verdict's means are over: "batch" (every token of the case) or "sequence" (the worst
+    # sequence's own mean; set by `execute.judge` from the pair, with `fired`)
+    verdict_over: str = "batch"
     flips_per_layer: dict[str, dict[str, int]] = field(default_factory=dict)  # layer -> counts
     per_token: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # for tables and plots
 
@@ -145,11 +152,28 @@ def fired(div: Divergence, threshold: float) -> str:
     the case's own few sampled tokens is reported but not judged: on a case of a handful of tokens
     it is a noisy estimate, and a search that keeps what crosses the line finds the unlucky draws
     (an aligned pair with KL 2e-4 crossed it on a two-token case). Without an expected k3 (NaN),
-    the sampled mean is judged.
+    the sampled mean is judged. The means are over the batch, or the worst sequence's own
+    (`div.verdict_over`; see `judged_means`).
     """
-    k3 = judged_k3(div.k3_expected, div.k3_kl)
-    names = [name for name, v in (("k3", k3), ("kl", div.kl)) if v > threshold]
+    k3, kl = judged_means(div)
+    names = [name for name, v in (("k3", k3), ("kl", kl)) if v > threshold]
     return "+".join(names)
+
+
+def judged_means(metrics: Any) -> tuple[float, float]:
+    """(k3, KL) as the verdict compares them with the threshold, from a `Divergence` or a metrics dict
+    (a repro's, a worker's): the judged k3 (`judged_k3`) and the exact KL, each a mean over every
+    token of the case, or with `verdict_over` "sequence" the largest of the sequences' own means
+    (`k3_expected_seq_max` or, without an expected k3, `k3_seq_max`; `kl_seq_max`): a bug that
+    touches one sample of a batch (a prefix-cache hit, one request's kernel) is not diluted by the
+    clean ones, as a sequence-level rejection in an RL step would see it."""
+    get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
+    if get("verdict_over", "batch") == "sequence":
+        k3 = judged_k3(get("k3_expected_seq_max", math.nan), get("k3_seq_max", math.nan))
+        if _num(get("k3_kl", math.nan)) == math.inf:  # a sampled token the trainer excludes: its sequence's k3
+            k3 = math.inf
+        return k3, _num(get("kl_seq_max", math.nan))
+    return judged_k3(get("k3_expected", math.nan), get("k3_kl", math.nan)), _num(get("kl", math.nan))
 
 
 def judged_k3(k3_expected: Any, k3_kl: Any) -> float:
@@ -167,8 +191,7 @@ def verdict_mean(metrics: Any) -> tuple[str, float]:
     to show beside a finding: an exact KL of 3e-3 can fire on a case whose few sampled tokens give a
     mean k3 of 5e-6."""
     get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
-    k3 = judged_k3(get("k3_expected", math.nan), get("k3_kl", math.nan))
-    kl = _num(get("kl", math.nan))
+    k3, kl = judged_means(metrics)
     names = str(get("fired", "") or "").split("+")
     if "kl" in names and ("k3" not in names or kl > k3):
         return "kl", kl
@@ -585,12 +608,22 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
         k3 = np.zeros(n) if equal else k3_of(d)  # (T,)
         b = len(seq_lens)
         seg = np.repeat(np.arange(b), seq_lens)  # (T,)
+        counts = np.asarray(seq_lens, dtype=np.float64)
         if equal:
             k3_seq = d_seq = np.zeros(b)
         else:
-            counts = np.asarray(seq_lens, dtype=np.float64)
             k3_seq = np.bincount(seg, weights=k3, minlength=b) / counts
             d_seq = np.bincount(seg, weights=d, minlength=b) / counts
+        # the worst sequence's own means of the exact per-row values (a verdict over sequences judges them;
+        # one sequence: the batch means themselves; rows all +0.0, as an aligned pair's: 0)
+        k3e_mean, kl_mean = _mean(k3_rows), _mean(kl)
+        if b == 1:
+            k3e_seq_max, kl_seq_max = k3e_mean, kl_mean
+        elif not k3_rows.any() and not kl.any():  # (NaN is truthy: such rows take the sums)
+            k3e_seq_max = kl_seq_max = 0.0
+        else:
+            k3e_seq_max = float((np.bincount(seg, weights=k3_rows, minlength=b) / counts).max())
+            kl_seq_max = float((np.bincount(seg, weights=kl, minlength=b) / counts).max())
         pt = np.exp(lt)
         pr = pt if equal else np.exp(lr)
         ct, cr = pt - _mean(pt), pr - _mean(pr)
@@ -600,8 +633,10 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
         return Divergence(
             k3_kl=_mean(k3),
             k3_seq_max=float(k3_seq.max()),
-            kl=_mean(kl),
-            k3_expected=_mean(k3_rows),
+            kl=kl_mean,
+            k3_expected=k3e_mean,
+            k3_expected_seq_max=k3e_seq_max,
+            kl_seq_max=kl_seq_max,
             max_abs_dlogp=0.0 if equal else float(np.abs(d).max()),
             probs_diff_max=0.0 if equal else float(np.abs(pt - pr).max()),
             log_ppl_diff=_mean(d_seq),

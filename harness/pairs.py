@@ -59,6 +59,7 @@ from .errors import HarnessError, UsageError
 
 KINDS = ("op", "model")
 VERDICTS = ("aligned", "diverges")
+VERDICT_OVER = ("batch", "sequence")  # `TargetPair.verdict_over`: what the verdict's means are over
 DEVICES = ("cpu", "cuda")
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)*$")
 ENTRY_POINT_GROUP = "harness.targets"
@@ -373,6 +374,10 @@ class TargetPair:
     # optional: () -> a fingerprint of the weights the pair runs (a checkpoint folder's contents), kept
     # in its repros; a replay against other weights says so (RL runs overwrite checkpoints)
     weights: Callable[[], str] | None = None
+    # What the verdict's means are over: "batch" (every scored token of the case, as an RL step's mean
+    # k3) or "sequence" (the worst sequence's own mean: a bug in one sample of a batch, a prefix-cache
+    # hit or one request's kernel, is not diluted by the clean ones; `metrics.judged_means`)
+    verdict_over: str = "batch"
 
     @property
     def trainer_reads_rollout(self) -> bool:
@@ -411,6 +416,9 @@ class TargetPair:
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
                                              and math.isfinite(self.timeout) and self.timeout > 0):
             raise PairError(f"{where}: timeout={self.timeout!r} must be None or a number of seconds > 0.")
+        if self.verdict_over not in VERDICT_OVER:
+            raise PairError(f"{where}: verdict_over={self.verdict_over!r} is not one of {VERDICT_OVER}; 'batch' judges "
+                            "the mean over every token of a case, 'sequence' the worst sequence's own mean.")
         if self.readout is not None and not isinstance(self.readout, Readout):
             raise PairError(f"{where}: readout must be a harness.Readout or None.")
         if self.readout is not None and self.readout.vocab < 2:

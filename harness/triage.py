@@ -81,7 +81,7 @@ from typing import Any, Callable, Mapping
 import click
 
 from .errors import HarnessError, UsageError
-from .metrics import judged_k3
+from .metrics import judged_means
 from .pairs import KEPT_POSITIONS, ROW_POSITIONS
 
 FLOOR_FACTOR = 10.0  # a module diverges when its error exceeds this multiple of its aligned-run error
@@ -726,6 +726,10 @@ def _variant(pair: Any, prof: Any, trainer: Mapping[str, str], rollout: Mapping[
     if not isinstance(out, TargetPair):
         raise UsageError(f"{what} returned {type(out).__name__}, not a TargetPair: make must return the pair "
                          "rebuilt with those settings (e.g. `lambda t, r: my_pair(name, **...)`).")
+    if out.verdict_over != pair.verdict_over:  # judged as the finding was, whatever make left at its default
+        import dataclasses
+
+        out = dataclasses.replace(out, verdict_over=pair.verdict_over)
     return out
 
 
@@ -768,8 +772,7 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
         key = json.dumps([t, r], sort_keys=True)
         if key not in cache:
             ev = run_case(_variant(pair, prof, t, r), case, device, threshold)
-            d = ev.divergence
-            cache[key] = (judged(ev), d.kl if d is not None else float("nan"), ev.failed)
+            cache[key] = (*judged_pair(ev), ev.failed)
         return cache[key]
 
     def k3(t: dict, r: dict) -> float:
@@ -859,9 +862,15 @@ def _label(loc: Localization, comps: list[str]) -> str:
 
 def judged(ev: Any) -> float:
     """The k3 the verdict judged on an evaluation: the expected k3 (exact over the vocabulary), the
-    sampled tokens' mean without it, +inf when a sampled token is one the trainer excludes."""
+    sampled tokens' mean without it, +inf when a sampled token is one the trainer excludes (the worst
+    sequence's, for a pair judged over sequences)."""
+    return judged_pair(ev)[0]
+
+
+def judged_pair(ev: Any) -> tuple[float, float]:
+    """(k3, exact KL) as the verdict judged them on an evaluation (`metrics.judged_means`)."""
     d = ev.divergence
-    return judged_k3(d.k3_expected, d.k3_kl) if d is not None else ev.k3
+    return judged_means(d) if d is not None else (ev.k3, float("nan"))
 
 
 def _at(t: Triage) -> str:
@@ -884,10 +893,12 @@ def _measure(t: Triage, loc: Localization | None = None) -> str:
     crossed the line (the case fails when either does), with their values once the minimal set is
     aligned when `loc` is given."""
     d = t.evaluation.divergence
-    kl = getattr(d, "kl", float("nan")) if d is not None else float("nan")
+    kl = judged_means(d)[1] if d is not None else float("nan")
     fired = getattr(d, "fired", "") if d is not None else ""
     expected = getattr(d, "k3_expected", float("nan")) if d is not None else float("nan")
     name = "expected k3" if math.isfinite(expected) else "k3"
+    if getattr(d, "verdict_over", "batch") == "sequence":
+        name = f"worst sequence's {name}"
     parts = [f"{name} {t.k3:.4f}" + (f" -> {loc.k3_minimal_aligned:.4f}" if loc else "")]
     if "kl" in fired:
         parts.append(f"KL {kl:.4f}" + (f" -> {loc.kl_minimal_aligned:.4f}" if loc else ""))

@@ -104,6 +104,8 @@ def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | Non
         "harness.expected": p["expected"],
         "harness.symptom": p["symptom"],
         "harness.fired": str((p.get("metrics") or {}).get("fired", "")),  # which mean crossed the threshold
+        # what those means are over (`TargetPair.verdict_over`)
+        "harness.verdict_over": str((p.get("metrics") or {}).get("verdict_over", "batch")),
         "harness.signature": p["signature"],
         "harness.finding_id": p["id"],
         "harness.status": p["status"],
@@ -214,7 +216,8 @@ def regression_dict(run: Any) -> dict[str, Any]:
         "severity": t.get("harness.severity", ""),
         # what the list's "k3 / kl" column shows: [name, value] of the mean the verdict read (the
         # expected k3 over the vocabulary, or the exact KL); "k3" is the sampled tokens' mean k3
-        "verdict_mean": list(verdict_mean({**m, "fired": t.get("harness.fired", "")})),
+        "verdict_mean": list(verdict_mean({**m, "fired": t.get("harness.fired", ""),
+                                           "verdict_over": t.get("harness.verdict_over", "batch")})),
         "k3": m.get("k3_kl"),
         "k3_expected": m.get("k3_expected"),
         "k3_seq_max": m.get("k3_seq_max"),

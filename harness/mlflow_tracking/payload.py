@@ -272,6 +272,8 @@ def regression_note(p: dict[str, Any], run_id: str | None, uri: str | None = Non
     else:
         name, value = verdict_mean(m)
         label = "mean exact KL" if name == "kl" else "mean k3"
+        if m.get("verdict_over") == "sequence":
+            label = f"worst sequence's {label}"
         ratio = f" = {value / p['threshold']:.3g}x the threshold {p['threshold']:g}" if math.isfinite(value) else ""
         title += f", {label} {_g(value)}"
         what = (f"Trainer and rollout paths of `{p['pair']}` give the rollout's tokens different log-probabilities: "

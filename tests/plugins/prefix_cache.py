@@ -4,7 +4,11 @@ of that prompt starts from the cached state (as vLLM's or SGLang's prefix cache 
 scores each sequence in one teacher-forced pass. `example.prefix_cache` is aligned;
 `example.prefix_cache_hit_bug` plants a cache-hit bug: a hit restores the prompt's state but counts
 its BOS token twice in its length, so only the second and later samples of a prompt diverge (a
-case needs two sequences sharing a prompt to show it)."""
+case needs two sequences sharing a prompt to show it). `example.prefix_cache_fp8_hit` keeps the
+cached prompt state in fp8 (e4m3, as an fp8 KV cache): a hit's rows are off by the rounding, near the
+line, and the first sample of each prompt is exact, so a batch's mean dilutes a hit's divergence by
+the clean samples' tokens. It is judged per sequence (`verdict_over="sequence"`), its twin
+`example.prefix_cache_fp8_hit.batch` over the batch."""
 import torch
 
 from harness import Axes, Outcome, TargetPair, register
@@ -23,7 +27,7 @@ def build(case, device):
     return {"case": case, "emb": emb, "head": head, "prompts": prompts, "u": case.token_uniforms("sample")}
 
 
-def rollout(inp, hit_bug=False):
+def rollout(inp, hit_bug=False, fp8_cache=False):
     case, rows, tokens = inp["case"], [], []
     cache = {}  # prompt id -> (state sum, length): the engine's prefix cache
     for j, n in enumerate(case.seq_lens):
@@ -35,7 +39,8 @@ def rollout(inp, hit_bug=False):
         else:
             seq = [0, *inp["prompts"][j].tolist()]  # BOS + prompt
             total, length = inp["emb"][seq].sum(0), len(seq)
-            cache[key] = (total, length)
+            # (an fp8 cache keeps the state in fp8: a later sample restores it rounded)
+            cache[key] = (total.to(torch.float8_e4m3fn).float() if fp8_cache else total, length)
         for i in range(n):
             lp = process_logits((total / length) @ inp["head"], case.temperature, 0, 1.0)  # (V,)
             tok = int(sample_rows(lp[None], inp["u"][case.offsets[j] + i:][:1])[0])
@@ -59,3 +64,7 @@ register(TargetPair(name="example.prefix_cache", kind="model", expected="aligned
 register(TargetPair(name="example.prefix_cache_hit_bug", kind="model", expected="diverges", build=build,
                     trainer=trainer, rollout=lambda inp: rollout(inp, hit_bug=True), axes=AXES,
                     description="a prefix-cache hit restores the prompt's state but counts its BOS twice"))
+for name, over in (("example.prefix_cache_fp8_hit", "sequence"), ("example.prefix_cache_fp8_hit.batch", "batch")):
+    register(TargetPair(name=name, kind="model", expected="diverges", build=build, trainer=trainer,
+                        rollout=lambda inp: rollout(inp, fp8_cache=True), axes=AXES, verdict_over=over,
+                        description=f"a prefix cache that keeps the prompt's state in fp8 (judged per {over})"))

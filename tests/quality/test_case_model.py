@@ -59,3 +59,44 @@ def test_groups_of_samples_of_one_prompt_reach_a_prefix_cache_and_its_bug_shrink
     pair = REGISTRY.get("example.prefix_cache_hit_bug")
     assert not any(run_case(pair, case.drop_sequence(i)).failed for i in (0, 1))  # either sample alone: clean
     assert run_case(pair, case.replace(prompt_ids=())).failed is False  # two prompts: no hit, clean
+
+
+def test_a_verdict_over_sequences_catches_a_cache_hit_bug_the_batch_mean_dilutes(tmp_path, harness_cli):
+    """`verdict_over="sequence"`: a cache that keeps the prompt state in fp8 puts each later sample of
+    a prompt near the line and leaves the first exact. On one group of four samples the batch mean is
+    under the line and the worst sequence's over it; a campaign of the pair judged per sequence
+    catches it, shrinks it to a group whose worst sequence is a cache hit, and its repro records the
+    verdict, replays, and shows which mean it judged."""
+    import json
+
+    from harness.case import Case
+    from harness.execute import run_case
+
+    REGISTRY.load_plugin(str(PREFIX))
+    per_seq, batch = REGISTRY.get("example.prefix_cache_fp8_hit"), REGISTRY.get("example.prefix_cache_fp8_hit.batch")
+    case = Case(seed=0, seq_lens=(7, 7, 1, 5), prompt_lens=(10,) * 4, prompt_ids=(0,) * 4, logit_scale=8.0)
+    by_seq, by_batch = run_case(per_seq, case), run_case(batch, case)
+    d = by_seq.divergence
+    assert by_seq.failed and not by_batch.failed, (by_seq.headline, by_batch.headline)
+    assert d.k3_expected < 1e-3 < d.k3_expected_seq_max, (d.k3_expected, d.k3_expected_seq_max)
+    assert "worst sequence; batch mean" in by_seq.headline
+    k3e = d.per_token["k3_expected"]
+    assert k3e[:7].max() < 1e-9  # the first sample filled the cache: exact but for float32 layout noise
+
+    result = campaign("example.prefix_cache_fp8_hit", 60, PREFIX)
+    assert result.verdict == "caught"
+    (finding,) = result.findings
+    small = finding.case
+    assert len(set(small.prompt_ids)) == 1 and small.batch_size == 2, small.one_line()  # one fill, one hit
+    assert run_case(per_seq, small.drop_sequence(0)).failed is False  # the hit alone is a miss: clean
+
+    corpus = tmp_path / "corpora"
+    code, out, err = harness_cli("fuzz", "example.prefix_cache_fp8_hit", "--plugin", str(PREFIX), "--seed", "1",
+                                 "--max-examples", "60", "--corpus", str(corpus), "--no-tracking", "--no-isolation")
+    assert code == 1, out + err
+    (repro,) = corpus.rglob("*.json")
+    assert json.loads(repro.read_text())["metrics"]["verdict_over"] == "sequence"
+    code, out, err = harness_cli("replay", str(repro), "--plugin", str(PREFIX))
+    assert "(worst sequence; batch mean" in out and "bit-for-bit yes" in out, out + err
+    code, out, err = harness_cli("show", str(repro), "--plugin", str(PREFIX))
+    assert code == 0 and "the worst sequence's mean" in out, out + err

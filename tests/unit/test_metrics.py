@@ -43,6 +43,33 @@ def test_compare_hand_computed_two_sequences():
          - 2 * 0.5 * math.log(0.5)) / 3, abs=1e-12)
 
 
+def test_the_worst_sequences_own_means_and_a_verdict_over_sequences():
+    """`k3_expected_seq_max` / `kl_seq_max` are the largest per-sequence means of the per-row expected
+    k3 and exact KL; a verdict over sequences judges them, one over the batch the token means: one
+    divergent sequence among clean ones fires the first and not the second."""
+    from harness.metrics import fired, judged_means
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.log_softmax(torch.randn(9, 11, generator=g, dtype=torch.float64), -1)
+    t = r.clone()
+    t[6:] = torch.log_softmax(r[6:] + 0.05 * torch.randn(3, 11, generator=g, dtype=torch.float64), -1)
+    d = compare(Outcome(logprobs=t), Outcome(logprobs=r), (4, 2, 3), torch.zeros(9, dtype=torch.long))
+    k3e, kl = d.per_token["k3_expected"], d.per_token["kl"]
+    assert d.k3_expected_seq_max == pytest.approx(k3e[6:].mean(), rel=1e-12) and k3e[:6].max() == 0.0
+    assert d.kl_seq_max == pytest.approx(kl[6:].mean(), rel=1e-12)
+    assert d.k3_expected == pytest.approx(k3e.mean(), rel=1e-12)  # the batch's: a third of the worst sequence's
+    line = (d.k3_expected + d.k3_expected_seq_max) / 2
+    assert kl.mean() < line and judged_means(d) == (d.k3_expected, d.kl) and fired(d, line) == ""
+    d.verdict_over = "sequence"
+    assert judged_means(d) == (d.k3_expected_seq_max, d.kl_seq_max) and fired(d, line) == "k3+kl"
+    as_dict = {**d.as_dict(), "verdict_over": "sequence"}  # a repro's metrics judge the same way
+    assert judged_means(as_dict) == judged_means(d)
+    one = compare(Outcome(logprobs=t[6:]), Outcome(logprobs=r[6:]), (3,), torch.zeros(3, dtype=torch.long))
+    assert (one.k3_expected_seq_max, one.kl_seq_max) == (one.k3_expected, one.kl)  # one sequence: the batch's
+    same = compare(Outcome(logprobs=r), Outcome(logprobs=r), (4, 2, 3), torch.zeros(9, dtype=torch.long))
+    assert same.k3_expected_seq_max == same.kl_seq_max == 0.0
+
+
 def test_identical_paths_are_exactly_zero():
     x = torch.log_softmax(torch.randn(5, 7, generator=torch.Generator().manual_seed(0)), -1)
     d = compare(Outcome(logprobs=x), Outcome(logprobs=x.clone()), (5,), torch.zeros(5, dtype=torch.long))
