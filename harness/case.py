@@ -488,11 +488,20 @@ class Case:
 
     def drop_sequence(self, i: int) -> "Case":
         """This case without sequence i; every other sequence keeps its id (and so its tensors)."""
-        keep = [j for j in range(self.batch_size) if j != i]
+        return self.keep_sequences([j for j in range(self.batch_size) if j != i])
+
+    def first_sequences(self, m: int) -> "Case":
+        """This case's first m sequences (each keeps its id, and so its tensors)."""
+        return self.keep_sequences(list(range(min(m, self.batch_size))))
+
+    def keep_sequences(self, keep: list[int]) -> "Case":
+        """This case with only the sequences `keep` (ascending indices), each keeping its id (and so
+        its tensors), its prompt and its place in the packing order."""
+        new = {j: n for n, j in enumerate(keep)}
         lens = tuple(self.seq_lens[j] for j in keep)
         prompts = tuple(self.prompt_lens[j] for j in keep) if self.prompt_lens else ()
-        order = tuple(j - (j > i) for j in self.order if j != i)
-        probe = self.probe - (self.probe > i) if self.probe != i else 0
+        order = tuple(new[j] for j in self.order if j in new)
+        probe = new.get(self.probe, 0)
         ids = tuple(self.ids[j] for j in keep) if self.streams == "sequence" else ()
         pids = tuple(self.prompt_ids[j] for j in keep) if self.prompt_ids else ()
         if pids == tuple(self.ids[j] for j in keep):  # (every prompt its own now: no group left)

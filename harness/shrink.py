@@ -17,6 +17,9 @@ signature:
    (all but one of any other's), or one token of any sequence's, to its prompt (the same positions,
    fewer scored tokens; within the axes' prompt lengths); a near-tie case
    becomes one token with every token forced (which tokens are forced is drawn per token);
+   the longest sequence's prompt and response, and the batch (its first m sequences), at the sizes
+   where engines switch kernels (`_round_sizes`: 1-4, 2^k, multiples of 16 up to 64, and one past
+   each), smallest first: a bug past a switch need not fire at every size above it;
 4. move a continuous knob halfway to neutral (temperature and top-p toward 1, logit scale toward
    its low bound, the tie gap toward 0): repeated, this bisects to
    the knob value nearest neutral that still fails (a temperature bug shrinks to T = 1.03, not 0.5);
@@ -116,6 +119,18 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
         for r in sorted({1, n // 2, n - 1} if j == longest else {1, n - 1}):
             if 1 <= r < n and p + n - r <= max_prompt:
                 yield _with(case, j, prompt=p + n - r, response=r)
+    # the longest sequence's prompt and response, and the batch size (the first m sequences), at the round
+    # sizes where engines switch kernels (block, chunk and bucket sizes: 2^k, multiples of 16 up to 64),
+    # smallest first: a bug past such a switch need not fire at every size above it (it depends on the
+    # values there), and a drawn 75-token prompt whose one-step neighbours all pass was reported as
+    # minimal where 48, the switch, fails too
+    if longest >= 0:
+        for q in _round_sizes(case.prompt_len(longest), 0):
+            yield _with(case, longest, prompt=q)
+        for m in _round_sizes(case.seq_lens[longest], 1):
+            yield _with(case, longest, response=m)
+    for m in _round_sizes(case.batch_size, 1):
+        yield case.first_sequences(m)
     if 0 < case.tie_fraction < 1 and case.n_tokens > 1:
         # which tokens are forced comes from their own uniforms: one token, forced, is the simplest
         # near-tie trigger, and shortening alone cannot reach it when the forced token is not the first
@@ -203,6 +218,19 @@ def _shorter(n: int, low: int, steps: bool = True) -> list[int]:
         between.append(n - step)
         step *= 2
     return [m for m in dict.fromkeys((low, n // 2, *reversed(between), n - 1)) if low <= m < n]
+
+
+def _round_sizes(n: int, low: int) -> list[int]:
+    """Sizes below n (and >= low) at which engines commonly switch kernels, smallest first: 1-4,
+    powers of two and multiples of 16 up to 64, each with the size one past it (a switch at "more
+    than 48" fires at 49). 75: 1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 49, 64, 65."""
+    sizes = {1, 2, 3, 4, *range(16, 65, 16)}
+    k = 8
+    while k < n:
+        sizes.add(k)
+        k *= 2
+    out = sorted({v for s in sizes for v in (s, s + 1)})
+    return [v for v in out if low <= v < n]
 
 
 def _fewer(case: Case, name: str, low: int) -> Iterator[Case]:

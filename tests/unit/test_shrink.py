@@ -34,6 +34,23 @@ def test_polish_reaches_a_boundary_that_half_and_one_less_miss():
     assert complete and got.seq_lens == (65, 1), got.one_line()
 
 
+def test_polish_reaches_a_kernel_switch_size_that_no_one_step_neighbour_shows():
+    """A bug past a chunk or bucket switch that fires only at some sizes above it (the values decide:
+    the key at the chunk boundary must draw attention): from a drawn 75-token prompt whose halving
+    and n - 2^k neighbours all pass, the round sizes reach the switch, 48; a batch-bucket bug from 9
+    sequences that the drawn 13 shows but 12 does not reaches the first 9."""
+    def fails(c):  # 48 and 75 fail, every other prompt length passes
+        return c.prompt_len(0) in (48, 75)
+
+    got, _, complete = polish(Case(seed=3, seq_lens=(5,), prompt_lens=(75,)), fails)
+    assert complete and got.prompt_lens == (48,) and got.seq_lens == (1,), got.one_line()
+    got, _, complete = polish(Case(seed=3, seq_lens=(40,)), lambda c: c.seq_lens[0] in (17, 40))
+    assert complete and got.seq_lens == (17,), got.one_line()  # a response: 17 = one past 16
+    got, _, complete = polish(Case(seed=3, seq_lens=(2,) * 13, seq_ids=tuple(range(20, 33))),
+                              lambda c: c.batch_size in (9, 13))
+    assert complete and got.batch_size == 9 and got.seq_ids == tuple(range(20, 29)), got.one_line()
+
+
 def test_one_line_names_the_sequences_streams():
     assert "seq_ids=[296]" in Case(seed=0, seq_lens=(1,), prompt_lens=(76,), seq_ids=(296,)).one_line()
     assert "seq_ids" not in Case(seed=0, seq_lens=(1, 2)).one_line()
