@@ -128,6 +128,13 @@ class Case:
     def prompt_len(self, j: int) -> int:
         return self.prompt_lens[j] if self.prompt_lens else 0
 
+    def size_text(self) -> str:
+        """'4 sequence(s), 56 scored token(s) + 453 prompt = 509 in all' (without prompts: the first two):
+        a size threshold on total tokens (a workspace switch past 512) reads off it."""
+        text = f"{self.batch_size} sequence(s), {self.n_tokens} scored token(s)"
+        prompt = sum(self.prompt_len(j) for j in range(self.batch_size))
+        return text + (f" + {prompt} prompt = {self.n_tokens + prompt} in all" if prompt else "")
+
     def total_len(self, j: int) -> int:
         """Prompt plus response tokens of sequence j (what a packed trainer row holds of it)."""
         return self.prompt_len(j) + self.seq_lens[j]

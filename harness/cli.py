@@ -722,8 +722,11 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
 @cli.command()
 @click.argument("file", type=click.Path(path_type=Path))
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
+@click.option("--inputs/--no-inputs", "show_inputs", default=None,
+              help="Build the case's inputs to list their shapes (default: for op pairs only; a model pair's "
+                   "build loads its model).")
 @plugin_option
-def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
+def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, ...]) -> None:
     """Print a repro for a person: case, tensor shapes, metrics, and the command that replays it."""
     import math
 
@@ -787,13 +790,24 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
     if at_default:  # (a pair reads only the fields its axes draw: most of these are not its axes)
         click.echo(f"  at neutral values (the defaults; a pair reads only the fields its code uses): "
                    f"{', '.join(at_default)}")
-    click.echo(f"  -> {r.case.batch_size} sequence(s), {r.case.n_tokens} token(s)")
+    click.echo(f"  -> {r.case.size_text()}")
     for g in (g for g in r.case.groups if len(g) > 1):  # (prompt ids are stream ids: name the sharing plainly)
         pid = r.case.prompt_id(g[0])
         owner = (f"sequence {r.case.ids.index(pid)}'s own" if pid in r.case.ids
                  else f"stream {pid}'s, a sequence shrinking dropped")
         click.echo(f"  -> sequences {', '.join(map(str, g))} share one prompt ({r.case.prompt_len(g[0])} tokens, "
                    f"{owner}); in batch order, the first of them is the one a prefix cache is filled by")
+    if r.neighbours and not r.case_edited:
+        click.echo(f"  simpler cases shrinking ran (none fails as this one does: {r.symptom} starts here; "
+                   f"judged = the verdict's value, line {r.threshold:g}):")
+        rows = [(n["change"] + (f" (+{n['cases'] - 1} more like it)" if n.get("cases", 1) > 1 else ""), n)
+                for n in r.neighbours]
+        width = min(64, max(len(text) for text, _ in rows))
+        for text, n in rows:
+            many = n.get("cases", 1) > 1
+            what = ("pass" if many else "passes") if n.get("symptom", "none") == "none" else \
+                f"fails another way ({n['symptom']})"
+            click.echo(f"    {text:{width}s}  {what}, judged{' at most' if many else ''} {_fmt(n.get('judged'))}")
     try:
         load_plugins(plugins)
         why = load_plugin_for(r)
@@ -807,6 +821,10 @@ def show(file: Path, device: str, plugins: tuple[str, ...]) -> None:
 
         if r.symptom in ("crash", "timeout"):  # its case may kill or hang this process: not built here
             click.echo(f"inputs: not built here (a {r.symptom} repro: `harness replay` runs it in a worker process)")
+        elif not (show_inputs if show_inputs is not None else pair.kind == "op"):
+            # (a model pair's build loads its weights: seconds and the model's memory, for a list of shapes)
+            click.echo(f"inputs: not built (a {pair.kind} pair: its build loads the model; `harness show --inputs "
+                       f"{file}` lists them)" if show_inputs is None else "inputs: not built (--no-inputs)")
         else:
             try:
                 with torch.inference_mode():

@@ -435,6 +435,9 @@ class Repro:
     # recorded metrics are another case's, so a replay does not compare them
     case_fingerprint: str = ""
     case_edited: bool = False
+    # the case's simpler neighbours as shrinking ran them, each {"change", "judged", "symptom"}
+    # (`shrink.neighbours_of`): where the failure starts; empty when shrinking did not finish
+    neighbours: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -455,6 +458,7 @@ class Repro:
             "environment": self.environment,
             "loader": self.loader,
             "found": self.found,
+            **({"neighbours": encode_tree(self.neighbours)} if self.neighbours else {}),
             "history": encode_tree(self.history),  # (replaced metrics are kept as they were held: floats)
             "tracking": self.tracking,
         }
@@ -463,7 +467,7 @@ class Repro:
         return out
 
     def take_smaller_case(self, case: Case, ev: Evaluation, complete: bool, device: str, threads: int,
-                          deterministic: bool | None = None, **why: Any) -> None:
+                          deterministic: bool | None = None, neighbours: list | None = None, **why: Any) -> None:
         """Replace the case (and its metrics and error) with a smaller one that fails the same way:
         the replaced ones go into the history ("shrunk further", with `why`: the campaign seed, or a
         note), and `found.shrink_complete` says whether this shrinking finished. The new metrics were
@@ -485,6 +489,7 @@ class Repro:
                 self.found["deterministic"] = False
         self.case_edited = False  # (metrics and case agree again: a fresh fingerprint)
         self.found = {**self.found, "shrink_complete": bool(complete)}
+        self.neighbours = list(neighbours or [])  # (the old case's neighbours say nothing of this one)
 
     def save(self, path: Path | None = None) -> Path:
         path = Path(path or self.path)
@@ -572,7 +577,7 @@ def finding_to_repro(finding: Any, threshold: float, campaign_seed: int, device:
         signature=finding.signature, base_signature=getattr(finding, "base_signature", "") or finding.signature,
         status=finding.status, threshold=threshold, case=finding.case,
         metrics=metrics_json(ev), error=ev.error, environment=env, loader=pair_loader(finding.pair, root),
-        found=found_json(finding, campaign_seed),
+        found=found_json(finding, campaign_seed), neighbours=list(getattr(finding, "neighbours", None) or []),
     )
 
 
@@ -901,7 +906,7 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
             size(finding.case) < size(old.case) or (finding.shrink_complete and size(finding.case) <= size(old.case))):
         old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, device,
                               evaluated_threads(finding.evaluation), deterministic=getattr(finding, "deterministic", True),
-                              campaign_seed=campaign_seed)
+                              neighbours=getattr(finding, "neighbours", None), campaign_seed=campaign_seed)
         changed = True
     if changed:
         old.save(path)
@@ -987,6 +992,11 @@ def validate_repro_json(data: Any, where: str) -> None:
     for name in ("environment", "found", "tracking", "loader"):
         if data.get(name) is not None and not isinstance(data[name], dict):
             bad(name, data[name], "must be an object")
+    nb = data.get("neighbours")
+    if nb is not None and not (isinstance(nb, list) and all(
+            isinstance(r, dict) and isinstance(r.get("change"), str) and isinstance(r.get("symptom", ""), str)
+            and (_is_number(r.get("judged")) or r.get("judged") in NONFINITE) for r in nb)):
+        bad("neighbours", nb, 'must be a list of {"change": text, "judged": number, "symptom": text} (or leave it out)')
     env = data.get("environment") or {}
     on = env.get(METRICS_ON)
     if on is not None and not isinstance(on, dict):
@@ -1071,7 +1081,8 @@ def repro_from_json(data: Any, where: str, path: Path | None = None) -> Repro:
                          "`harness rerecord` needs a case that loads).") from None
     check_case_size(case, where)
     known = {"schema", "id", "pair", "symptom", "signature", "base_signature", "status", "threshold", "case",
-             "case_fingerprint", "metrics", "error", "environment", "loader", "found", "history", "tracking"}
+             "case_fingerprint", "metrics", "error", "environment", "loader", "found", "history", "tracking",
+             "neighbours"}
     recorded_fp = str(data.get("case_fingerprint") or "")
     return Repro(
         path=path, id=str(data.get("id") or (path.stem if path else "")), pair=data["pair"],
@@ -1083,6 +1094,7 @@ def repro_from_json(data: Any, where: str, path: Path | None = None) -> Repro:
         history=list(data.get("history") or []), tracking=dict(data.get("tracking") or {}),
         loader=dict(data.get("loader") or {}), extra={k: v for k, v in data.items() if k not in known},
         case_fingerprint=recorded_fp, case_edited=bool(recorded_fp) and recorded_fp != case_fingerprint(data["case"]),
+        neighbours=[{**r, "judged": decode_float(r.get("judged"))} for r in data.get("neighbours") or []],
     )
 
 

@@ -98,6 +98,9 @@ class Finding:
     # ran: how bad it got within the axes (Hypothesis's target climbs it), where the minimal case sits
     # just over the line by construction; what MLflow's severity reads (nan: not a divergence)
     peak: float = math.nan
+    # what the simpler neighbours of the minimal case gave when shrinking ran them (`shrink.neighbours_of`;
+    # empty when shrinking was cut short): where the failure starts, e.g. one prompt token fewer passes
+    neighbours: list = field(default_factory=list)
 
     @property
     def id(self) -> str:
@@ -394,9 +397,12 @@ def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
                 "harness's realistic init (HFModel.from_config(config), its default)")
     if getattr(getattr(pair, "profiles", None), "replay", False):  # (an HF pair with router replay)
         return (f"max judged {mean_text(r.max_score)} of the line {threshold:g}, with router replay: the trainer "
-                "reuses the rollout's experts, which removes a difference in routing itself (what is left is how "
-                "the chosen experts' outputs are weighted and summed); a demonstration of a routing difference "
-                "needs the pair without replay")
+                "reuses the rollout's experts, which removes a difference in routing itself; what is left is how the "
+                "chosen experts' outputs are computed, weighted and summed. A routing difference (a router's "
+                "precision) is demonstrated by the pair without replay. A difference in the experts or their combine "
+                "stays small on a config-built model's random weights (a bf16 combine there stays under 6e-5 with "
+                "replay, README: 'module patches'): test it against trained weights (your checkpoint), or in "
+                "isolation with the op pairs moe_aggregate.*")
     return f"max judged {mean_text(r.max_score)} of the line {threshold:g}: more examples, budget or wider axes?"
 
 
@@ -641,6 +647,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             if not complete and limit["deadline"] is not None and time.monotonic() > limit["deadline"]:
                 cut["shrink"] = True
         f = _finding(pair, ev, result, complete=not cut["shrink"], peak=peak)
+        if evals and f.shrink_complete:
+            f.neighbours = _neighbours(pair, ev.case, cache)
         f.cases_to_first, f.seconds_to_first = first_seen.get(sig, (result.examples, 0.0))
         f.shrink_seconds = max(0.0, time.monotonic() - start - f.seconds_to_first)
         f.polish_evaluations = evals
@@ -682,6 +690,20 @@ def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], An
     got = run(case) if not out_of_time["hit"] else ev
     best = got if isinstance(got, Evaluation) and got.failed else ev
     return best, evals, complete and not out_of_time["hit"]
+
+
+def _neighbours(pair: TargetPair, case: Case, cache: dict) -> list[dict[str, Any]]:
+    """The minimal case's simpler neighbours as shrinking ran them (from the campaign's cache of
+    verdicts: nothing is run again)."""
+    from .shrink import neighbours_of
+
+    def result_of(c: Case) -> tuple[float, str] | None:
+        got = cache.get(_cache_key(c))
+        if got is None:
+            return None
+        return (got, "none") if isinstance(got, float) else (got.score, got.symptom.value)
+
+    return neighbours_of(case, pair.axes, result_of)
 
 
 def _leaves(group: BaseExceptionGroup):

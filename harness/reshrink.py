@@ -30,7 +30,7 @@ import click
 
 
 def _size(case: Any) -> str:
-    return f"{case.batch_size} sequence(s), {case.n_tokens} token(s)"
+    return case.size_text()
 
 
 def _fails_as_recorded(repro: Any, ev: Any) -> bool:
@@ -58,7 +58,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
     from .errors import HarnessError
     from .fuzz import Executor, _Signals, signature
     from .pairs import REGISTRY
-    from .shrink import polish
+    from .shrink import neighbours_of, polish
     from .worker import DEFAULT_TIMEOUT, OutOfTime, Worker
 
     try:
@@ -116,6 +116,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             return "does not fail"
         sig = signature(pair.name, first)
         best["ev"] = first
+        results: dict[str, tuple[float, str] | None] = {}  # case key -> (judged, symptom): for `neighbours_of`
         stopped = {"wall": False}
 
         def fails(case: Any) -> bool:
@@ -126,6 +127,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             except OutOfTime:
                 stopped["wall"] = True
                 return False
+            results[case.key()] = (ev.score, ev.symptom.value) if not ev.setup else None
             if ev.failed and not ev.setup and signature(pair.name, ev) == sig:
                 best["ev"], best["case"] = ev, case
                 return True
@@ -154,12 +156,16 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
         ev = best["ev"] if best["case"] == case else run(case, None)
     seconds = time.monotonic() - start
     why_stopped = ("" if complete else "; --max-evals ran out" if evals >= max_evals else "; the budget ran out")
+    neighbours = neighbours_of(case, pair.axes, lambda c: results.get(c.key())) if complete else []
     if case == repro.case:
         note = ""
-        if complete and repro.found.get("shrink_complete", True) is False:
+        if complete and (repro.found.get("shrink_complete", True) is False
+                         or corpus.encode_tree(neighbours) != corpus.encode_tree(repro.neighbours)):
+            if repro.found.get("shrink_complete", True) is False:
+                repro.history.append({"at": corpus.now_iso(), "event": "shrink completed",
+                                      "note": f"`harness shrink`: no simpler case fails the same way ({evals} tried)"})
             repro.found = {**repro.found, "shrink_complete": True}
-            repro.history.append({"at": corpus.now_iso(), "event": "shrink completed",
-                                  "note": f"`harness shrink`: no simpler case fails the same way ({evals} tried)"})
+            repro.neighbours = neighbours
             _write(repro, path, smaller=False)
             note = _tell_mlflow(repro, repro.case.one_line(), ev.headline, tracking, tracking_uri, shrunk=False)
         outcome = "minimal" if complete else "unchanged (cut short)"
@@ -169,8 +175,8 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             log(note)
         return outcome
     old_case = repro.case
-    note = _save(repro, path, case, ev, complete, device, threads, tracking, tracking_uri, seconds=round(seconds, 3),
-                 cases_tried=evals)
+    note = _save(repro, path, case, ev, complete, device, threads, tracking, tracking_uri, neighbours=neighbours,
+                 seconds=round(seconds, 3), cases_tried=evals)
     outcome = "shrunk" if complete else "cut short"
     log(f"{outcome:15s} {path}  ({_size(old_case)} -> {_size(case)}; {evals} case(s) tried in {seconds:.1f}s; "
         f"now {ev.headline}{why_stopped}" + ("" if complete else ": run again to go on") + ")")
@@ -204,12 +210,13 @@ def _write(repro: Any, path: Path, smaller: bool = True) -> None:
 
 
 def _save(repro: Any, path: Path, case: Any, ev: Any, complete: bool, device: str, threads: int, tracking: bool,
-          uri: str | None, **spent: Any) -> str:
+          uri: str | None, neighbours: list | None = None, **spent: Any) -> str:
     """Write the smaller case into the repro (the replaced one into its history, with `spent`: the
-    seconds and cases this shrink took), then its MLflow run; returns a line about MLflow to print
-    ("" when there was nothing to update)."""
+    seconds and cases this shrink took; `neighbours`: what its simpler neighbours gave), then its
+    MLflow run; returns a line about MLflow to print ("" when there was nothing to update)."""
     old_line = repro.case.one_line()
-    repro.take_smaller_case(case, ev, complete, device, threads, note="`harness shrink`", **spent)
+    repro.take_smaller_case(case, ev, complete, device, threads, note="`harness shrink`", neighbours=neighbours,
+                            **spent)
     _write(repro, path)
     return _tell_mlflow(repro, old_line, ev.headline, tracking, uri, shrunk=True)
 

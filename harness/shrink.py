@@ -289,3 +289,88 @@ def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,
         if fails(cand):
             case, since_accept = cand, 0
             at -= 1  # the move list of the new case starts over at this position
+
+
+def describe_change(base: Case, moved: Case) -> str:
+    """One simpler neighbour of `base` in words: 'without sequence 3', 'its first 8 sequences',
+    'sequence 0: prompt 48 -> 47', 'sequences 1, 2: response 4 -> 3', 'logit_scale 9.8 -> 1',
+    'every prompt its own'."""
+    if moved.batch_size < base.batch_size:
+        ids = list(base.ids)
+        kept = [ids.index(i) for i in moved.ids] if set(moved.ids) <= set(ids) else []
+        if kept == list(range(moved.batch_size)) and moved.batch_size < base.batch_size - 1:
+            return f"its first {moved.batch_size} of {base.batch_size} sequences"
+        dropped = [j for j in range(base.batch_size) if j not in kept]
+        if kept and len(dropped) == 1:
+            return f"without sequence {dropped[0]}"
+        return f"{moved.batch_size} of its {base.batch_size} sequences"
+    parts: list[str] = []
+    changes: dict[str, list[int]] = {}
+    for j in range(base.batch_size):  # (one sequence's prompt and response changes read as one)
+        text = ", ".join(f"{what} {a} -> {b}" for what, a, b in (
+            ("prompt", base.prompt_len(j), moved.prompt_len(j)), ("response", base.seq_lens[j], moved.seq_lens[j]))
+            if a != b)
+        if text:
+            changes.setdefault(text, []).append(j)
+    for text, js in changes.items():
+        if text.startswith("prompt") and len(base.group_of(js[0])) == len(js) > 1 and js == base.group_of(js[0]):
+            parts.append(f"the prompt of sequences {', '.join(map(str, js))} (shared): {text[len('prompt '):]}")
+        else:
+            who = f"sequence {js[0]}" if len(js) == 1 else f"sequences {', '.join(map(str, js))}"
+            parts.append(f"{who}: {text}")
+    a, b = base.to_json(), moved.to_json()
+    if base.prompt_ids and not moved.prompt_ids:
+        parts.append("every prompt its own")
+    for name in a:
+        if name in ("seq_lens", "prompt_lens", "seq_ids", "prompt_ids", "schema") or a.get(name) == b.get(name):
+            continue
+        if name == "params":
+            for k in sorted(set(a["params"]) | set(b["params"])):
+                if a["params"].get(k) != b["params"].get(k):
+                    parts.append(f"params.{k} {_short(a['params'].get(k))} -> {_short(b['params'].get(k))}")
+        elif name != "row_capacity" or not parts:  # (a packing capacity follows the lengths it no longer fits)
+            parts.append(f"{name} {_short(a[name])} -> {_short(b.get(name))}")
+    return "; ".join(parts) or "the same case"
+
+
+def _short(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def neighbours_of(case: Case, axes: Any, result_of: Callable[[Case], tuple[float, str] | None],
+                  limit: int = 12) -> list[dict[str, Any]]:
+    """What the simpler neighbours shrinking ran around `case` gave: rows of {"change" (in words),
+    "judged" (the verdict's value; the largest of the row's cases), "symptom" ("none": they pass),
+    "cases"}; `result_of(c)`: (judged, symptom) of a case that was run, None for one that was not.
+    Passing moves of one kind (every shorter prompt of a sequence, each sequence dropped, ...) make
+    one row, named by the one nearest the case ('sequence 0: prompt 48 -> 47', 21 cases): where the
+    failure starts reads off it. The batch first, then lengths, then knobs."""
+    import re
+
+    groups: dict[str, list] = {}
+    seen: set[str] = {case.key()}
+    for m in moves(case, axes):
+        key = m.key()
+        if key in seen:
+            continue
+        seen.add(key)
+        got = result_of(m)
+        if got is None:
+            continue
+        judged, symptom = got
+        change = describe_change(case, m)
+        kind = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "#", change) if symptom == "none" else f"{change}\0{symptom}"
+        groups.setdefault(kind, []).append((m.n_tokens + sum(m.prompt_len(j) for j in range(m.batch_size)),
+                                            m.batch_size, change, judged, symptom))
+    rows = []
+    for members in groups.values():
+        near = max(members, key=lambda t: (t[1], t[0]))  # the most sequences, then tokens: nearest the case
+        vals = [t[3] for t in members if not math.isnan(t[3])]
+        rows.append({"change": near[2], "judged": max(vals) if vals else math.nan, "symptom": near[4],
+                     "cases": len(members)})
+
+    def kind(row: dict[str, Any]) -> int:  # the batch, then lengths, then knobs
+        c = row["change"]
+        return 0 if c.startswith(("without", "its first")) or " of its " in c else 1 if (
+            " prompt " in c or " response " in c or c.startswith("the prompt")) else 2
+    return sorted(rows, key=kind)[:limit]

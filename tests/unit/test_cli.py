@@ -44,6 +44,10 @@ def test_show_and_replay_a_repro(found, harness_cli):
     assert (f"after {how['cases_to_first']} cases in {how['seconds_to_first']:.1f} s; shrunk in "
             f"{how['shrink_seconds']:.1f} s ({how['cases_total']} cases in all)") in out
     assert f"over the threshold: {fired} (judged k3 " in out and "the expected k3 over the vocabulary" in out and "rollout mass the trainer excludes 0" in out
+    # the simpler neighbours the shrink ran around the minimal case, from the repro: each passes
+    rows = data["neighbours"]
+    assert rows and all(r["symptom"] == "none" and r["judged"] <= data["threshold"] for r in rows), rows
+    assert "simpler cases shrinking ran (none fails as this one does" in out and rows[0]["change"] in out
     code, out, _ = harness_cli("replay", str(found))
     assert code == 1 and "bit-for-bit yes" in out
     from harness.metrics import verdict_mean

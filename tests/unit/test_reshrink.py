@@ -75,9 +75,11 @@ def test_a_cut_short_repro_is_shrunk_to_its_minimal_case_and_replays_bit_for_bit
     path = cut_short_repro(tmp_path)
     lines: list[str] = []
     assert shrink_file(path, budget=300, max_evals=500, log=lines.append, tracking=False) == "shrunk"
-    assert "4 sequence(s), 21 token(s) -> 2 sequence(s)" in lines[0], lines
+    assert "4 sequence(s), 21 scored token(s)" in lines[0] and "-> 2 sequence(s)" in lines[0], lines
     repro = load_repro(path)
     assert repro.case.batch_size == 2 and repro.case.n_tokens <= 4  # two sequences sharing a row leak
+    # what the simpler neighbours of the new case gave, as this shrink ran them: each passes
+    assert repro.neighbours and all(r["symptom"] == "none" for r in repro.neighbours), repro.neighbours
     assert repro.found["shrink_complete"] is True and not repro.case_edited
     last = repro.history[-1]
     assert last["event"] == "shrunk further" and Case.from_json(last["replaced_case"]) == BIG

@@ -51,6 +51,38 @@ def test_polish_reaches_a_kernel_switch_size_that_no_one_step_neighbour_shows():
     assert complete and got.batch_size == 9 and got.seq_ids == tuple(range(20, 29)), got.one_line()
 
 
+def test_the_neighbours_shrinking_ran_say_where_a_size_threshold_is():
+    """`neighbours_of` reads what the polish's moves gave around the minimal case: the shorter prompts of
+    a sequence make one row named by the nearest (48 -> 47), dropped sequences another, and a
+    neighbour that fails another way keeps a row of its own; a case never run is left out."""
+    from harness.shrink import describe_change, neighbours_of
+
+    def fails(c):
+        return c.prompt_len(0) >= 48 and c.batch_size == 2
+
+    ran = {}
+
+    def judged(c):
+        ran[c.key()] = (0.5 if fails(c) else 1e-9 * c.prompt_len(0), "divergence" if fails(c) else "none")
+        return fails(c)
+
+    got, _, complete = polish(Case(seed=3, seq_lens=(5, 2), prompt_lens=(75, 3)), judged)
+    assert complete and got.prompt_lens == (48, 0) and got.seq_lens == (1, 1), got.one_line()
+    rows = neighbours_of(got, None, lambda c: ran.get(c.key()))
+    assert rows[0]["change"].startswith("without sequence ") and rows[0]["cases"] == 2, rows
+    prompt = next(r for r in rows if r["change"].startswith("sequence 0: prompt 48 -> "))
+    assert prompt["change"] == "sequence 0: prompt 48 -> 47" and prompt["judged"] == 1e-9 * 47 and prompt["cases"] > 5
+    assert all(r["symptom"] == "none" for r in rows)
+    ran[got.drop_sequence(1).key()] = (float("nan"), "error")  # (as if it had raised)
+    rows = neighbours_of(got, None, lambda c: ran.get(c.key()))
+    assert [r["symptom"] for r in rows if r["change"].startswith("without")] == ["none", "error"], rows
+    assert neighbours_of(got, None, lambda c: None) == []
+    base = Case(seed=1, seq_lens=(3, 2, 2), prompt_lens=(4, 4, 4), prompt_ids=(7, 7, 7), temperature=0.5)
+    assert describe_change(base, base.first_sequences(1)) == "its first 1 of 3 sequences"
+    assert describe_change(base, base.replace(prompt_ids=())) == "every prompt its own"
+    assert describe_change(base, base.replace(temperature=1.0)) == "temperature 0.5 -> 1"
+
+
 def test_one_line_names_the_sequences_streams():
     assert "seq_ids=[296]" in Case(seed=0, seq_lens=(1,), prompt_lens=(76,), seq_ids=(296,)).one_line()
     assert "seq_ids" not in Case(seed=0, seq_lens=(1, 2)).one_line()
