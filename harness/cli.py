@@ -856,7 +856,7 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
                     and r.case.n_tokens < 2 else "")
             if rec and k in ("flip_rate", "tie_flip_rate") and not r.case.params.get("rec_experts"):
                 v, note = "n/a", " (no experts recorded: nothing to compare the trainer's routing with)"
-            click.echo(f"  {k:19s} {v if v == 'n/a' else _fmt(v)}{note}")
+            click.echo(f"  {k:18s} {v if v == 'n/a' else _fmt(v)}{note}")
     if r.metrics:
         fired = r.metrics.get("fired")
         k3e, k3s = r.metrics.get("k3_expected", math.nan), r.metrics.get("k3_kl")

@@ -11,6 +11,7 @@ import enum
 import functools
 import math
 import traceback
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,7 @@ class Evaluation:
     # a setting it refuses): it could not run here, which says nothing of the paths (not recorded)
     setup: bool = False
     threads: int | None = None  # torch threads of the process that ran the case (a repro replays with them)
+    seconds: float | None = None  # how long its build, paths and metrics took, where it ran (`run_case`)
 
     @property
     def k3(self) -> float:
@@ -289,6 +291,7 @@ def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
 def run_case(pair: TargetPair, case: Case, device: str = "cpu",
              threshold: float = DEFAULT_THRESHOLD, keep_outcomes: bool = False) -> Evaluation:
     state = process_state()
+    began = time.perf_counter()
     try:
         trainer, rollout = run_paths(pair, case, device)
         ev = judge(pair, case, trainer, rollout, threshold)
@@ -303,6 +306,7 @@ def run_case(pair: TargetPair, case: Case, device: str = "cpu",
     finally:
         restore_process_state(pair.name, state)
     ev.threads = state[1]  # (torch.get_num_threads() when the case started)
+    ev.seconds = time.perf_counter() - began
     if not keep_outcomes:
         ev.trainer = ev.rollout = None
     return ev

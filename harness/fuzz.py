@@ -156,6 +156,27 @@ class PairResult:
     # cap (`Worker.memory_seen`, `Executor.memory_note`); "" when nothing was seen
     memory_note: str = ""
     interrupted: bool = False  # Ctrl-C / SIGTERM came while it ran, or before it started
+    # the largest sizes its cases reached, each axis on its own: (sequences, a prompt, a response, prompt
+    # and response tokens of one case). What a clean verdict covered: a bug past a size switch (a batch
+    # bucket, a chunked prefill, a workspace) is found only by cases past it
+    largest: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    def note_size(self, case: Case) -> None:
+        """Count a case the pair ran into `largest`."""
+        lens, prompts = case.seq_lens, case.prompt_lens
+        p = max(prompts) if prompts else 0
+        size = (len(lens), p, max(lens) if lens else 0, sum(lens) + (sum(prompts) if p else 0))
+        if size != self.largest:
+            self.largest = tuple(max(a, b) for a, b in zip(self.largest, size))  # type: ignore[assignment]
+
+    @property
+    def largest_text(self) -> str:
+        """'largest: 32 sequences, prompt 160, response 64, 2310 tokens in a case' (each axis's own maximum)."""
+        b, p, r, t = self.largest
+        if not b:
+            return ""
+        return (f"largest: {b} sequence{'s' * (b != 1)}, " + (f"prompt {p}, " if p else "")
+                + f"response {r}, {t} tokens in a case")
 
     @property
     def time_note(self) -> str:
@@ -177,6 +198,9 @@ class PairResult:
     @property
     def rate(self) -> float:
         return self.examples / self.seconds if self.seconds > 0 else 0.0
+
+
+SLOW_CASE_SECONDS = 1.0  # `CampaignConfig.slow_case_seconds`
 
 
 @dataclass
@@ -202,6 +226,11 @@ class CampaignConfig:
     # with a budget: once every unit has run its max_examples, the time left goes to the units that
     # found nothing as further rounds (see the module note; `profiles.fills_budget` says when it is on)
     fill_budget: bool = False
+    # A pair whose cases take at least this many seconds each (after its first) skips Hypothesis's
+    # shrinking: its first failure goes straight to the polish pass, whose few dozen moves reach the
+    # simplest trigger where Hypothesis's hundreds of small steps cost minutes (at a real vocabulary a
+    # campaign's shrink of 16 cases was cut short at 71 s; the polish from there took 14 cases, 6.5 s)
+    slow_case_seconds: float = SLOW_CASE_SECONDS
 
     def timeout_for(self, pair: str, own: float | None = None) -> float:
         """The per-case timeout of a pair: the command line's for this pair (`--timeout GLOB=S`), else
@@ -484,6 +513,12 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     n_uniform = uniform_per_example(pair, cfg)
     uniform_rng = random.Random(seed ^ 0x5DEECE66D) if n_uniform > 0 else None
     hit: dict[str, Evaluation] = {}
+    timing = [0.0, 0]  # seconds and count of the cases evaluated after the first (`slow`)
+
+    def slow() -> bool:
+        """Whether a case of this pair costs `cfg.slow_case_seconds` or more on average, over the cases
+        after its first (whose cold start says nothing of it: not slow until one more has run)."""
+        return bool(timing[1]) and timing[0] / timing[1] >= cfg.slow_case_seconds
 
     def run(case: Case) -> Evaluation | float:
         key = _cache_key(case)
@@ -501,6 +536,10 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             raise _OutOfTime from None
         if ev.setup or (result.examples == 0 and breaks_contract(ev)):
             raise _Setup(ev)
+        if result.examples:  # (after the cold start: what a case costs, for `slow`; as the process that ran it
+            # timed it: waiting here may include cases handed ahead of it)
+            timing[0] += ev.seconds if ev.seconds is not None else time.monotonic() - began
+            timing[1] += 1
         if result.examples == 0:  # the cold start: charged to everyone's remaining time, not this share
             result.warmup = time.monotonic() - began
             if limit["deadline"] is not None:
@@ -509,6 +548,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                     limit["deadline"] = min(limit["deadline"], wall)
         cache[key] = ev if ev.failed else ev.score
         result.examples += 1
+        result.note_size(case)
         if not math.isnan(ev.k3):  # (inf: a sampled token the trainer excludes, the largest there is)
             result.max_k3 = max(result.max_k3, ev.k3)
         if not math.isnan(ev.score):
@@ -563,6 +603,9 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         # this example's uniform cases are drawn before it runs (from its params), so that they can
         # be queued behind it; none once something has failed (Hypothesis is shrinking it)
         calls[0] += 1
+        if smallest and slow():  # Hypothesis is shrinking a failure of a slow pair: the polish pass takes over
+            hit["ev"] = next(iter(smallest.values()))
+            raise _UniformHit
         after = [uniform_cases(pair.axes, uniform_rng, params=case.params, log_gap=True)
                  for _ in range(n_uniform)] if uniform_rng is not None and not smallest else []
         handed = hand_ahead([case, *after]) if pending or after else 0
@@ -578,6 +621,10 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             # half of a campaign).
             target(score, label="score")
         if isinstance(ev, Evaluation) and ev.failed:
+            if slow():  # no Hypothesis shrinking: the polish pass shrinks it (`CampaignConfig.slow_case_seconds`)
+                pending.clear()
+                hit["ev"] = ev
+                raise _UniformHit
             raise _RAISE[ev.symptom](ev)
         pending.extend(after)
         rest = after[max(0, handed - 1):]  # those not handed yet (all of them when the case was not)
@@ -1222,6 +1269,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.seconds += r.seconds
     into.max_k3 = max(into.max_k3, r.max_k3)
     into.max_score = max(into.max_score, r.max_score)
+    into.largest = tuple(max(a, b) for a, b in zip(into.largest, r.largest))  # type: ignore[assignment]
     into.entropy_sum += r.entropy_sum
     into.entropy_cases += r.entropy_cases
     into.setup_error = into.setup_error or r.setup_error
@@ -1439,6 +1487,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 elif said == "clean" and unit in fill:  # (a later round may still find something)
                     said = "clean so far (more rounds follow if time is left)"
                 log(f"  {unit.label}: {said} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
+                    + (f"; {r.largest_text}" if r.largest_text and not r.findings else "")
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "")
                     + (f"; {r.time_note}" if r.time_note else "") + ")"

@@ -74,6 +74,10 @@ def campaign_metrics(result: Any) -> dict[str, float]:
     for r in results:  # per pair, as the morning report reads them
         out[f"pair.{r.pair}.cases"] = float(r.examples)
         out[f"pair.{r.pair}.cases_per_second"] = float(r.rate)
+        largest = getattr(r, "largest", None)
+        if largest and largest[0]:  # what its cases covered, each size axis's maximum (`PairResult.largest`)
+            for name, v in zip(("sequences", "prompt", "response", "tokens"), largest):
+                out[f"pair.{r.pair}.largest_{name}"] = float(v)
         for verdict, suffix in FLAGS.items():
             if r.verdict == verdict:
                 out[f"pair.{r.pair}{suffix}"] = 1.0

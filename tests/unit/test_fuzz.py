@@ -747,7 +747,9 @@ def test_a_missed_demonstration_with_router_replay_says_replay_removes_a_routing
     plain = missed_hint(r, 1e-3)
     assert plain.endswith("more examples, budget or wider axes?")
     replayed = missed_hint(r, 1e-3, SimpleNamespace(profiles=SimpleNamespace(replay=True)))
-    assert "with router replay" in replayed and "needs the pair without replay" in replayed
+    assert "with router replay" in replayed and "demonstrated by the pair without replay" in replayed
+    # an expert or combine difference is not sent to the pair without replay (it needs trained weights)
+    assert "moe_aggregate.*" in replayed and "trained weights" in replayed
 
 
 def test_a_missed_demonstration_over_a_near_uniform_model_says_so():
@@ -794,3 +796,24 @@ def test_merged_results_count_every_round_and_keep_the_finding_that_wrote_the_fi
     unwritten = PairResult("p", "aligned", examples=5, findings=[finding(2, True, path)])  # (harness fuzz: the first
     _merge(unwritten, PairResult("p", "aligned", examples=5, findings=[finding(3, True, None)]))  # is the one recorded)
     assert [f.case.seed for f in unwritten.findings] == [2]
+
+
+def test_a_slow_pairs_first_failure_goes_straight_to_the_polish_pass():
+    """`CampaignConfig.slow_case_seconds`: a pair whose cases cost that much skips Hypothesis's shrinking
+    (hundreds of small steps, minutes at a real vocabulary) and the polish pass shrinks its first failure:
+    every case run after the first sighting is a polish evaluation. Here every pair counts as slow (0 s),
+    against never (the default for fast pairs), on the same Hypothesis-only campaign."""
+    from harness.fuzz import CampaignConfig, run_campaign
+    from harness.tracking import NullTracker
+
+    def finding(slow: float):
+        cfg = CampaignConfig(pairs=[REGISTRY.get("lm_head.bf16")], seed=1, max_examples=60, write_corpus=False,
+                             isolation=False, slow_case_seconds=slow, uniform_per_example=0)
+        (f,) = run_campaign(cfg, NullTracker(), log=lambda m: None).results[0].findings
+        return f
+
+    hypothesis, polish_only = finding(1e9), finding(0.0)
+    assert hypothesis.cases_to_first == polish_only.cases_to_first  # the same campaign up to the failure
+    assert hypothesis.examples - hypothesis.cases_to_first > hypothesis.polish_evaluations  # Hypothesis shrank first
+    assert polish_only.examples - polish_only.cases_to_first == polish_only.polish_evaluations
+    assert polish_only.shrink_complete and polish_only.neighbours  # polished to the end: its neighbours pass
