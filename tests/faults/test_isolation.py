@@ -81,7 +81,8 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "harness", "fuzz", "faults.diverges", "--plugin", FAULTS, "--no-tracking", "--seed",
          "1", "--max-examples", "100000", "--corpus", str(corpus)],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "FAULTS_SLEEP": "1"},
+        # (0.6 s a case: under `CampaignConfig.slow_case_seconds`, so Hypothesis shrinks, step by step)
+        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "FAULTS_SLEEP": "0.6"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = []
     for line in proc.stderr:  # the campaign is running once the first case is in
