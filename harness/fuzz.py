@@ -160,6 +160,9 @@ class PairResult:
     # and response tokens of one case). What a clean verdict covered: a bug past a size switch (a batch
     # bucket, a chunked prefill, a workspace) is found only by cases past it
     largest: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # the most resident memory (MiB) its worker process was read at while its cases ran (sampled every
+    # `worker.MEMORY_CHECK_SECONDS`; 0: not isolated, or never read): what a machine needs for the pair
+    worker_peak_mib: float = 0.0
 
     def note_size(self, case: Case) -> None:
         """Count a case the pair ran into `largest`."""
@@ -967,6 +970,7 @@ class Executor:
         self.waited: dict[str, str] = {}  # pair -> the pair whose unfinished first case it waited behind
         self.unfinished_stack: dict[str, str] = {}  # pair -> its unfinished first case's stacks (if read)
         self._memory_retired: list[dict] = []  # `Worker.memory_seen` of workers already closed (`memory_note`)
+        self._peaks_retired: list[dict] = []  # ... and their `Worker.peak_seen` (`worker_peak`)
 
     @staticmethod
     def source(pair: TargetPair) -> str:
@@ -1028,6 +1032,7 @@ class Executor:
     def _retire(self, worker: Any) -> None:
         self._restarts += worker.restarts
         self._memory_retired.append(worker.memory_seen)
+        self._peaks_retired.append(worker.peak_seen)
         worker.close()
 
     def memory_note(self, pair: str) -> str:
@@ -1038,6 +1043,11 @@ class Executor:
         live = [w.memory_seen for w in (self.worker, *(w for _, w in self.parked.values())) if w is not None]
         seen = [m[pair] for m in (*self._memory_retired, *live) if pair in m]
         return memory_note(max(g for g, _ in seen), sum(n for _, n in seen)) if seen else ""
+
+    def worker_peak(self, pair: str) -> float:
+        """The most resident memory (MiB) a worker read while this pair's cases ran (0: never read)."""
+        live = [w.peak_seen for w in (self.worker, *(w for _, w in self.parked.values())) if w is not None]
+        return max((m[pair] for m in (*self._peaks_retired, *live) if pair in m), default=0.0)
 
     def _resume(self, source: str) -> None:
         """Make the parked worker of this source (the one furthest along) the current one."""
@@ -1270,6 +1280,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.max_k3 = max(into.max_k3, r.max_k3)
     into.max_score = max(into.max_score, r.max_score)
     into.largest = tuple(max(a, b) for a, b in zip(into.largest, r.largest))  # type: ignore[assignment]
+    into.worker_peak_mib = max(into.worker_peak_mib, r.worker_peak_mib)
     into.entropy_sum += r.entropy_sum
     into.entropy_cases += r.entropy_cases
     into.setup_error = into.setup_error or r.setup_error
@@ -1525,6 +1536,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         result.results.sort(key=lambda r: r.pair)
         for r in result.results:
             r.memory_note = executor.memory_note(r.pair) if cfg.isolation else ""
+            r.worker_peak_mib = executor.worker_peak(r.pair) if cfg.isolation else 0.0
         result.worker_restarts = executor.restarts - restarts_before
         if own_executor:
             executor.close()

@@ -211,6 +211,7 @@ class Worker:
         # stderr are hidden where a pytest item passes): [the largest growth counted for it (MiB) past the
         # allowance, replacements at the cap its growth caused]
         self.memory_seen: dict[str, list] = {}
+        self.peak_seen: dict[str, float] = {}  # pair -> the most resident MiB read while its cases ran
         self._replace_for = ""
         self._replace = ""
         self.memory_restarts = 0
@@ -502,6 +503,7 @@ class Worker:
         rss = _rss_mib(self.proc.pid)
         if rss is None:
             return
+        self.peak_seen[name] = max(self.peak_seen.get(name, 0.0), rss)
         seen = self._mem.setdefault(name, [rss, 0.0])
         if self._mem_last is not None and self._mem_last[0] == name:  # growth while this pair's cases ran
             seen[1] += rss - self._mem_last[1]  # (another pair's model loaded in between is not its own)

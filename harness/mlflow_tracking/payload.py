@@ -74,6 +74,8 @@ def campaign_metrics(result: Any) -> dict[str, float]:
     for r in results:  # per pair, as the morning report reads them
         out[f"pair.{r.pair}.cases"] = float(r.examples)
         out[f"pair.{r.pair}.cases_per_second"] = float(r.rate)
+        if getattr(r, "worker_peak_mib", 0.0):  # the most its worker process was read to hold while its cases ran
+            out[f"pair.{r.pair}.worker_peak_mib"] = float(r.worker_peak_mib)
         largest = getattr(r, "largest", None)
         if largest and largest[0]:  # what its cases covered, each size axis's maximum (`PairResult.largest`)
             for name, v in zip(("sequences", "prompt", "response", "tokens"), largest):

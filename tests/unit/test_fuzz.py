@@ -817,3 +817,24 @@ def test_a_slow_pairs_first_failure_goes_straight_to_the_polish_pass():
     assert hypothesis.examples - hypothesis.cases_to_first > hypothesis.polish_evaluations  # Hypothesis shrank first
     assert polish_only.examples - polish_only.cases_to_first == polish_only.polish_evaluations
     assert polish_only.shrink_complete and polish_only.neighbours  # polished to the end: its neighbours pass
+
+
+def test_a_campaign_says_what_sizes_its_cases_reached_and_what_its_worker_held():
+    """`PairResult.largest` (each size axis's largest case) and `worker_peak_mib` (the isolated worker's
+    resident memory while the pair's cases ran), in the campaign's MLflow metrics too: what a clean
+    verdict covered, and what a machine needs for the pair."""
+    from harness.fuzz import CampaignConfig, run_campaign
+    from harness.mlflow_tracking.payload import campaign_metrics
+    from harness.tracking import NullTracker
+
+    cfg = CampaignConfig(pairs=[REGISTRY.get("model.aligned")], seed=1, max_examples=12, write_corpus=False,
+                         isolation=True)
+    result = run_campaign(cfg, NullTracker(), log=lambda m: None)
+    (r,) = result.results
+    b, p, resp, tokens = r.largest
+    assert r.verdict == "clean" and b >= 2 and resp >= 2 and tokens >= resp + p, r.largest
+    lo, hi = REGISTRY.get("model.aligned").axes.n_seqs
+    assert lo <= b <= hi and r.largest_text.startswith(f"largest: {b} sequences")
+    assert r.worker_peak_mib > 50  # (torch alone is more than that)
+    m = campaign_metrics(result)
+    assert m["pair.model.aligned.largest_tokens"] == tokens and m["pair.model.aligned.worker_peak_mib"] == r.worker_peak_mib
