@@ -1527,6 +1527,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     log(f"  {unit.label}: {r.examples} more cases in {r.seconds:.1f}s of the time left"
                         + (f", {len(r.findings)} finding(s): now {by_pair[unit.pair.name].verdict}" if r.findings
                            else ""))
+            if fill:  # (their lines said "more rounds follow if time is left": say that none did)
+                log(f"  no time was left for more rounds of {', '.join(u.label for u in fill)}: "
+                    "their verdicts stand on the cases above")
     except KeyboardInterrupt:
         result.interrupted = True
         for u in queue:  # the units it came before: each pair asked for has its row ("not run", or cut short)

@@ -1075,12 +1075,19 @@ def _plots(t: Triage, folder: Path) -> list[Path]:
         pt = div.per_token
         fig, ax = plt.subplots(figsize=(8, 3))
         x = np.arange(len(pt["k3"]))
-        ax.scatter(x, np.maximum(pt["k3"], 1e-18), c=pt["sequence"], cmap="tab10", s=14)
+        from .metrics import per_token_judged
+
+        judged_rows = per_token_judged(div)  # what the verdict reads per token, as the text counts "over the line"
+        if judged_rows is not None:
+            ax.scatter(x, np.maximum(judged_rows[0], 1e-18), c=pt["sequence"], cmap="tab10", s=16,
+                       label="expected k3 / exact KL (judged)")
+        ax.scatter(x, np.maximum(pt["k3"], 1e-18), c="0.6", marker="x", s=10, label="k3 of the sampled token")
         ax.axhline(t.threshold, color="red", lw=1, ls="--", label=f"threshold {t.threshold:g}")
         ax.set_yscale("log")
         ax.set_xlabel("token (case order; colour = sequence)")
-        ax.set_ylabel("k3")
-        ax.set_title(f"{t.repro.pair}: per-token k3 of the sampled tokens (mean {t.evaluation.k3:.3g})")
+        ax.set_ylabel("per-token value")
+        ax.set_title(f"{t.repro.pair}: per token, the judged value (verdict {t.k3:.3g}) and the sampled k3 "
+                     f"(mean {t.evaluation.k3:.3g})", fontsize=9)
         ax.legend(loc="best", fontsize=8)
         fig.tight_layout()
         out.append(folder / "k3_per_token.png")
