@@ -98,6 +98,11 @@ COMPONENTS = {
 }
 
 
+# the components every HF pair's two paths differ by in layout only (the trainer packs sequences and projects
+# every position; the rollout runs each sequence and scores its response): the same values by contract
+LAYOUT_COMPONENTS = ("packing", "head_rows")
+
+
 def register_patch(name: str, fn: Callable[[Any], Any] | None = None) -> Any:
     """Register a module patch under `name`, for `Numerics(patch=name)`; usable as a decorator.
 

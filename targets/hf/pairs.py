@@ -24,7 +24,7 @@ from harness import Axes, Outcome, RoutingAxes, TargetPair
 from harness.errors import UsageError
 
 from . import paths
-from .backend import COMPONENTS, EXACT_SAMPLER, FP32, NO_PATCH, HFModel, Numerics, as_rollout, model_from
+from .backend import COMPONENTS, EXACT_SAMPLER, LAYOUT_COMPONENTS, FP32, NO_PATCH, HFModel, Numerics, as_rollout, model_from
 
 MAX_PROMPT = 12  # prompt tokens per sequence (fuzzed 0..MAX_PROMPT)
 MAX_RESPONSE = 16  # response tokens per sequence (every one decoded from the KV cache)
@@ -214,10 +214,15 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
         return hf_pair(name, spec, t, r, expected=expected, replay=replay, description=description, axes=axes,
                        devices=devices)
 
+    # (packing and head rows are the layout every HF pair's two paths differ by, the same values by contract:
+    # named apart, so that they do not read as part of what a pair plants)
     diff = [f"{k} {trainer.as_dict()[k]} vs {rollout.as_dict()[k]}" for k in COMPONENTS
-            if trainer.as_dict()[k] != rollout.as_dict()[k]]
+            if trainer.as_dict()[k] != rollout.as_dict()[k] and k not in LAYOUT_COMPONENTS]
+    layout = [f"{k} {trainer.as_dict()[k]} vs {rollout.as_dict()[k]}" for k in LAYOUT_COMPONENTS
+              if trainer.as_dict()[k] != rollout.as_dict()[k]]
     desc = description or ("trainer vs rollout: " + (", ".join(diff) if diff else "same numerics")
-                           + (", router replay" if replay else ""))
+                           + (", router replay" if replay else "")
+                           + (f" (layout, the same values by contract: {', '.join(layout)})" if layout else ""))
     return TargetPair(
         name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
         axes=axes, devices=devices, description=desc,
