@@ -231,8 +231,8 @@ class CampaignConfig:
     fill_budget: bool = False
     # A pair whose cases take at least this many seconds each (after its first) skips Hypothesis's
     # shrinking: its first failure goes straight to the polish pass, whose few dozen moves reach the
-    # simplest trigger where Hypothesis's hundreds of small steps cost minutes (at a real vocabulary a
-    # campaign's shrink of 16 cases was cut short at 71 s; the polish from there took 14 cases, 6.5 s)
+    # simplest trigger where Hypothesis's hundreds of small steps cost minutes (reports/scripts/polish_only.py:
+    # 92 cases against 464 on a Hypothesis-found model-pair finding, and a smaller case)
     slow_case_seconds: float = SLOW_CASE_SECONDS
 
     def timeout_for(self, pair: str, own: float | None = None) -> float:

@@ -292,7 +292,7 @@ def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,
 
 
 def describe_change(base: Case, moved: Case) -> str:
-    """One simpler neighbour of `base` in words: 'without sequence 3', 'its first 8 sequences',
+    """One simpler neighbour of `base` in words: 'without sequence 3', 'its first 8 of 9 sequences',
     'sequence 0: prompt 48 -> 47', 'sequences 1, 2: response 4 -> 3', 'logit_scale 9.8 -> 1',
     'every prompt its own'."""
     if moved.batch_size < base.batch_size:
