@@ -709,15 +709,17 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
         ev = worker.evaluate(pair, case, thr, timeout=max(limit, 300.0))  # (a fresh worker: imports first)
     if ev.setup:
         raise UsageError(f"{pair.name} cannot run here: {ev.error['type']}: {ev.error['message']}")
+    took = (f" (build, both paths and metrics took {ev.seconds:.2f} s, a first build of the pair's model included)"
+            if ev.seconds is not None else "")
     if not ev.failed:
-        click.echo(f"{pair.name}: the case passes ({ev.symptom.value}, {ev.headline}): nothing recorded. "
+        click.echo(f"{pair.name}: the case passes ({ev.symptom.value}, {ev.headline}): nothing recorded{took}. "
                    f"Case: {case.one_line()}")
         sys.exit(EXIT_OK)
     f = _finding(pair, ev, PairResult(pair.name, pair.expected, examples=1), complete=False)
     f.recorded_by = "harness record"  # (no campaign found it: its repro says so, `show` too)
     path = corpus.record_finding(f, corpus_dir, thr, case.seed, dev, log=echo_err)
     click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {f.state}] -> {path}"
-               + ("" if f.new or f.recurrence else " (that file keeps its own case)")
+               + ("" if f.new or f.recurrence else " (that file keeps its own case)") + took
                + f"\n  shrink it: {corpus.shrink_command_for(pair.name, path, tracking=False)}"
                + f"\n  replay:    {corpus.replay_command_for(pair.name, path)}")
     sys.exit(EXIT_FOUND)
