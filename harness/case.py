@@ -473,9 +473,9 @@ class Case:
         the neutral values its axes allow, as shrinking moves them (`shrink.neutral_within`: a pair
         that always left-pads keeps its left padding), and one response token of a sequence given to
         its prompt (the same positions, one scored token fewer), within the axes' prompt lengths."""
-        from .shrink import _with, neutral_within
+        from .shrink import _with, neutral_within, within_sizes
 
-        out = self.smaller_neighbours()
+        out = [c for c in self.smaller_neighbours() if axes is None or within_sizes(c, axes)]
         max_prompt = axes.prompt_len[1] if axes is not None else 0
         for j, n in enumerate(self.seq_lens):  # (a sequence that shares its prompt keeps it as the group has it)
             if n > 1 and self.prompt_len(j) + 1 <= max_prompt and len(self.group_of(j)) == 1:

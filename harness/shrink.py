@@ -8,7 +8,7 @@ signature:
 
 1. drop one sequence (every other sequence keeps its stream id, so its tensors are unchanged);
 2. move one knob to its neutral value (temperature 1.0, top-p 1.0, top-k off, right padding,
-   one packed row in the given order, no forced router ties; with the pair's axes: logit scale
+   one packed row in the given order, no forced router ties, probe 0, default stream ids; with the pair's axes: logit scale
    at its low bound, the first dtype, the fewest experts and the smallest router top-k);
 3. empty one prompt, halve one prompt or response, then drop ..., 8, 4, 2, 1 of their last tokens
    (a bug past a block boundary need not fire at every length above it; the 2^k steps for the
@@ -60,7 +60,21 @@ def neutral_within(axes: Any = None) -> dict[str, Any]:
 
 
 def moves(case: Case, axes: Any = None) -> Iterator[Case]:
-    """Simpler neighbours, the biggest simplifications first."""
+    """Simpler neighbours, the biggest simplifications first; with `axes`, only those inside them (a
+    pair that declares prompts of 1-16 tokens is never shown a repro without one)."""
+    for c in _moves(case, axes):
+        if axes is None or within_sizes(c, axes):
+            yield c
+
+
+def within_sizes(case: Case, axes: Any) -> bool:
+    """Whether a case's batch, response and prompt lengths are inside the axes' lower bounds."""
+    lo_p = axes.prompt_len[0]
+    return (case.batch_size >= axes.n_seqs[0] and min(case.seq_lens, default=0) >= axes.seq_len[0]
+            and (lo_p <= 0 or min(case.prompt_len(j) for j in range(case.batch_size)) >= lo_p))
+
+
+def _moves(case: Case, axes: Any = None) -> Iterator[Case]:
     for i in range(case.batch_size if case.batch_size > 1 else 0):
         yield case.drop_sequence(i)
     neutral_of = neutral_within(axes)
@@ -79,6 +93,10 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
                 yield case.replace(top_k=r.top_k[0])
             if case.n_experts > r.n_experts[0] and case.top_k < r.n_experts[0]:
                 yield case.replace(n_experts=r.n_experts[0])
+    if case.probe:
+        yield case.replace(probe=0)  # (a field a pair may never read: a repro should not show it as a trigger)
+    if case.seq_ids and not case.prompt_ids:
+        yield case.replace(seq_ids=())  # the default streams 0..n-1 (other tensors: a plain case if it still fails)
     if case.prompt_ids:
         yield case.replace(prompt_ids=())  # every sequence its own prompt: no group
     if case.row_capacity:

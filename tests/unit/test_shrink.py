@@ -4,9 +4,9 @@ from harness.shrink import polish
 
 
 def test_polish_drops_bystanders_and_moves_knobs_to_neutral():
-    # the bug: any sequence of >= 39 tokens with temperature != 1 diverges
+    # the bug: a sequence of >= 39 tokens with temperature != 1 diverges, where stream 9's tensors are
     def fails(c):
-        return max(c.seq_lens) >= 39 and c.temperature != 1.0
+        return max(c.seq_lens) >= 39 and c.temperature != 1.0 and 9 in c.ids
 
     start = Case(seed=7, seq_lens=(1, 39, 5), prompt_lens=(3, 0, 9), seq_ids=(4, 9, 2), temperature=0.5,
                  top_p=0.9, sample_top_k=7, pad_side="left", row_capacity=45, order=(2, 1, 0))
@@ -47,7 +47,7 @@ def test_polish_reaches_a_kernel_switch_size_that_no_one_step_neighbour_shows():
     got, _, complete = polish(Case(seed=3, seq_lens=(40,)), lambda c: c.seq_lens[0] in (17, 40))
     assert complete and got.seq_lens == (17,), got.one_line()  # a response: 17 = one past 16
     got, _, complete = polish(Case(seed=3, seq_lens=(2,) * 13, seq_ids=tuple(range(20, 33))),
-                              lambda c: c.batch_size in (9, 13))
+                              lambda c: c.batch_size in (9, 13) and 20 in c.ids)  # (stream 20's tensors)
     assert complete and got.batch_size == 9 and got.seq_ids == tuple(range(20, 29)), got.one_line()
 
 
@@ -144,6 +144,14 @@ def test_the_polish_moves_stay_inside_the_pairs_axes():
     # and the whole polish: a failure that needs nothing but a batch of two shrinks inside them
     out, _, _ = polish(case, lambda c: c.batch_size >= 2, axes=axes)
     assert out.pad_side == "left" and out.temperature == 0.9 and out.sample_top_k == 4 and out.seq_lens == (1, 1)
+    # and their sizes' lower bounds: a pair that declares prompts of 2-16 tokens and batches of 2 or more
+    # is never shown a case without a prompt or with one sequence, whatever fails
+    sized = Axes(n_seqs=(2, 8), seq_len=(2, 16), prompt_len=(2, 16))
+    start = Case(seed=1, seq_lens=(9, 5, 3), prompt_lens=(12, 7, 2))
+    assert all(c.batch_size >= 2 and min(c.seq_lens) >= 2 and min(c.prompt_lens) >= 2 for c in moves(start, sized))
+    out, _, complete = polish(start, lambda c: True, axes=sized)
+    assert complete and out.seq_lens == (2, 2) and out.prompt_lens == (2, 2), out.one_line()
+    assert all(c.batch_size >= 2 and min(c.prompt_lens, default=0) >= 2 for c in out.simpler_neighbours(sized))
 
 
 def test_polish_gives_response_tokens_to_the_prompt_for_a_bug_past_a_position():
@@ -213,3 +221,14 @@ def test_polish_shortens_equal_lengths_together_for_a_bug_that_needs_them_equal(
     got, _, complete = polish(Case(seed=3, seq_lens=(6, 6)), lambda c: c.batch_size == 2 and c.seq_lens[0] ==
                               c.seq_lens[1] >= 2, axes=axes)
     assert complete and got.seq_lens == (2, 2), got.one_line()
+
+
+def test_polish_clears_a_probe_and_stream_ids_the_failure_does_not_need():
+    """A uniform case's `probe` and drawn stream ids are shown in its repro as if they were the trigger
+    (a slot bug in the last of three sequences read `probe=2`): where the case fails without them, the
+    repro has the plain ones (probe 0, streams 0..n-1); where it needs them, it keeps them."""
+    got, _, complete = polish(Case(seed=1, seq_lens=(1, 1, 1), probe=2, seq_ids=(7, 8, 9)), lambda c: c.batch_size == 3)
+    assert complete and got.probe == 0 and got.seq_ids == () and got.one_line() == "seed=1 seq_lens=[1, 1, 1]"
+    got, _, _ = polish(Case(seed=1, seq_lens=(1, 1, 1), probe=2, seq_ids=(7, 8, 9)),
+                       lambda c: c.batch_size == 3 and c.probe == 2 and 9 in c.ids)
+    assert got.probe == 2 and 9 in got.ids
