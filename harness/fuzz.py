@@ -163,6 +163,9 @@ class PairResult:
     # the most resident memory (MiB) its worker process was read at while its cases ran (sampled every
     # `worker.MEMORY_CHECK_SECONDS`; 0: not isolated, or never read): what a machine needs for the pair
     worker_peak_mib: float = 0.0
+    # the largest worst-sequence mean (`Divergence.k3_expected_seq_max`, `kl_seq_max`) of its cases judged over
+    # the batch: above the line, some sample diverged where the batch mean did not (`missed_hint`, `seq_note`)
+    max_seq_score: float = 0.0
 
     def note_size(self, case: Case) -> None:
         """Count a case the pair ran into `largest`."""
@@ -413,6 +416,11 @@ def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
     if r.max_score < NOISE_FLOOR:
         return (f"max judged {r.max_score:.2g}: its paths agreed to float rounding on every case; check that "
                 "the rollout really runs what differs")
+    if r.max_seq_score > threshold:
+        return (f"max judged {mean_text(r.max_score)} of the line {threshold:g} over a batch, but one sequence's own "
+                f"mean reached {mean_text(r.max_seq_score)}: a bug in some samples of a batch, diluted by the others' "
+                "tokens? TargetPair(verdict_over='sequence') judges each sequence (README: 'Over the batch, or per "
+                "sequence')")
     entropy = r.entropy_sum / r.entropy_cases if r.entropy_cases else math.nan
     if entropy < LOW_ENTROPY:
         return (f"max judged {mean_text(r.max_score)} of the line {threshold:g}, over a near-deterministic rollout "
@@ -556,6 +564,9 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             result.max_k3 = max(result.max_k3, ev.k3)
         if not math.isnan(ev.score):
             result.max_score = max(result.max_score, ev.score)
+            d = ev.divergence
+            if d is not None and d.verdict_over == "batch" and d.k3_expected_seq_max == d.k3_expected_seq_max:
+                result.max_seq_score = max(result.max_seq_score, d.k3_expected_seq_max, d.kl_seq_max)
         if ev.divergence is not None and math.isfinite(ev.divergence.entropy):
             result.entropy_sum += ev.divergence.entropy
             result.entropy_cases += 1
@@ -1281,6 +1292,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.max_score = max(into.max_score, r.max_score)
     into.largest = tuple(max(a, b) for a, b in zip(into.largest, r.largest))  # type: ignore[assignment]
     into.worker_peak_mib = max(into.worker_peak_mib, r.worker_peak_mib)
+    into.max_seq_score = max(into.max_seq_score, r.max_seq_score)
     into.entropy_sum += r.entropy_sum
     into.entropy_cases += r.entropy_cases
     into.setup_error = into.setup_error or r.setup_error
@@ -1499,6 +1511,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     said = "clean so far (more rounds follow if time is left)"
                 log(f"  {unit.label}: {said} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
                     + (f"; {r.largest_text}" if r.largest_text and not r.findings else "")
+                    + (f"; one sequence's own mean reached {r.max_seq_score:.3g}, over the line: judged over the batch"
+                       if r.max_seq_score > cfg.threshold and not r.findings else "")
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "")
                     + (f"; {r.time_note}" if r.time_note else "") + ")"

@@ -675,6 +675,7 @@ def _pair_result_json(r: Any) -> dict:
         "examples_asked": r.examples_asked, "examples_short": r.examples_short,
         "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for, "setup_error": r.setup_error,
         "memory_note": r.memory_note, "largest": list(r.largest), "worker_peak_mib": r.worker_peak_mib,
+        "max_seq_score": r.max_seq_score,
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
             "symptom": f.symptom.value, "status": f.status,
@@ -742,7 +743,8 @@ def _pair_result(d: dict) -> Any:
                       examples_asked=d.get("examples_asked", 0), examples_short=d.get("examples_short", 0),
                       seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""),
                       setup_error=d.get("setup_error", ""), memory_note=d.get("memory_note", ""),
-                      largest=tuple(d.get("largest") or (0, 0, 0, 0)), worker_peak_mib=d.get("worker_peak_mib", 0.0))
+                      largest=tuple(d.get("largest") or (0, 0, 0, 0)), worker_peak_mib=d.get("worker_peak_mib", 0.0),
+                      max_seq_score=d.get("max_seq_score", 0.0))
 
 
 # ---------------------------------------------------------------------------------------------

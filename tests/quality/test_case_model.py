@@ -90,6 +90,10 @@ def test_a_verdict_over_sequences_catches_a_cache_hit_bug_the_batch_mean_dilutes
     assert len(set(small.prompt_ids)) == 1 and small.batch_size == 2, small.one_line()  # one fill, one hit
     assert run_case(per_seq, small.drop_sequence(0)).failed is False  # the hit alone is a miss: clean
 
+    # the twin judged over the batch records what its worst sequences reached (a MISSED one's hint reads it)
+    twin = campaign("example.prefix_cache_fp8_hit.batch", 20, PREFIX)
+    assert twin.max_seq_score >= twin.max_score > 0 and result.max_seq_score == 0.0  # (per sequence: judged)
+
     corpus = tmp_path / "corpora"
     code, out, err = harness_cli("fuzz", "example.prefix_cache_fp8_hit", "--plugin", str(PREFIX), "--seed", "1",
                                  "--max-examples", "60", "--corpus", str(corpus), "--no-tracking", "--no-isolation")

@@ -746,6 +746,10 @@ def test_a_missed_demonstration_with_router_replay_says_replay_removes_a_routing
                    entropy_cases=50)
     plain = missed_hint(r, 1e-3)
     assert plain.endswith("more examples, budget or wider axes?")
+    diluted = PairResult(pair="p", expected="diverges", examples=50, max_score=6.7e-4, max_seq_score=2.3e-3,
+                         entropy_sum=100.0, entropy_cases=50)  # one sample over the line, the batch under it
+    assert "one sequence's own mean reached 0.0023" in missed_hint(diluted, 1e-3)
+    assert "verdict_over='sequence'" in missed_hint(diluted, 1e-3)
     replayed = missed_hint(r, 1e-3, SimpleNamespace(profiles=SimpleNamespace(replay=True)))
     assert "with router replay" in replayed and "demonstrated by the pair without replay" in replayed
     # an expert or combine difference is not sent to the pair without replay (it needs trained weights)
