@@ -805,6 +805,8 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         click.echo(f"  -> sequences {', '.join(map(str, g))} share one prompt ({r.case.prompt_len(g[0])} tokens, "
                    f"{owner}); in batch order, the first of them is the one a prefix cache is filled by")
     if r.neighbours and not r.case_edited:
+        from .shrink import EDGE_MARGIN
+
         click.echo(f"  simpler cases shrinking ran (none fails as this one does: {r.symptom} starts here; "
                    f"judged = the verdict's value, line {r.threshold:g}):")
         rows = [(n["change"] + (f" (+{n['cases'] - 1} more like it)" if n.get("cases", 1) > 1 else ""), n)
@@ -813,7 +815,8 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         for text, n in rows:
             many = n.get("cases", 1) > 1
             what = ("pass" if many else "passes") if n.get("symptom", "none") == "none" else \
-                f"fails another way ({n['symptom']})"
+                (f"fails too, by less than {EDGE_MARGIN}x the line (a knob is bisected only as far as that margin "
+                 "holds)" if n["symptom"] == r.symptom else f"fails another way ({n['symptom']})")
             click.echo(f"    {text:{width}s}  {what}, judged{' at most' if many else ''} {_fmt(n.get('judged'))}")
     try:
         load_plugins(plugins)

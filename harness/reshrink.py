@@ -58,7 +58,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
     from .errors import HarnessError
     from .fuzz import Executor, _Signals, signature
     from .pairs import REGISTRY
-    from .shrink import neighbours_of, polish
+    from .shrink import EDGE_MARGIN, neighbours_of, polish
     from .worker import DEFAULT_TIMEOUT, OutOfTime, Worker
 
     try:
@@ -134,7 +134,12 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
             return False
 
         try:
-            case, evals, complete = polish(repro.case, fails, max_evals=max_evals, deadline=end, axes=pair.axes)
+            def strong(case: Any) -> bool:  # (the case `fails` just ran) fails by the margin, or not as a divergence
+                got = results.get(case.key())
+                return got is not None and (got[1] != "divergence" or got[0] >= EDGE_MARGIN * thr)
+
+            case, evals, complete = polish(repro.case, fails, max_evals=max_evals, deadline=end, axes=pair.axes,
+                                           strong=strong)
         except KeyboardInterrupt:
             with signals.critical():
                 if best["case"] != repro.case:

@@ -22,7 +22,9 @@ signature:
    each), smallest first: a bug past a switch need not fire at every size above it;
 4. move a continuous knob halfway to neutral (temperature and top-p toward 1, logit scale toward
    its low bound, the tie gap toward 0): repeated, this bisects to
-   the knob value nearest neutral that still fails (a temperature bug shrinks to T = 1.03, not 0.5);
+   the knob value nearest neutral that still fails (a temperature bug shrinks to T = 1.03, not 0.5;
+   in a campaign, the value nearest neutral that still fails by `EDGE_MARGIN`: a repro a CPU's last
+   bits cannot move under the line);
 5. step a discrete knob down (sampling top-k toward 1, router top-k and expert count toward their
    low bounds, the expert count kept above top-k), halfway and by one: a bug from top-k >= 4
    shrinks to top-k = 4;
@@ -281,12 +283,36 @@ def _with(case: Case, j: int, prompt: int | None = None, response: int | None = 
     return case.replace(seq_lens=tuple(lens), prompt_lens=tuple(prompts) if any(prompts) else (), row_capacity=cap)
 
 
+EDGE_MARGIN = 1.5  # a knob bisected toward neutral stops where the judged value stays this far over the line
+
+CONTINUOUS = ("logit_scale", "temperature", "top_p", "tie_gap")
+
+
+def bisects(case: Case, cand: Case, axes: Any = None) -> bool:
+    """Whether `cand` is `case` with one continuous knob moved part of the way toward neutral (a
+    halfway step, `_halfway`; not the whole way): what walks a repro to the edge of its failure."""
+    a, b = case.to_json(), cand.to_json()
+    diff = [k for k in a if a[k] != b.get(k)]
+    if len(diff) != 1 or diff[0] not in CONTINUOUS:
+        return False
+    neutral = neutral_within(axes)
+    full = {"temperature": neutral["temperature"], "top_p": neutral["top_p"],
+            "logit_scale": float(axes.logit_scale[0]) if axes is not None else None,
+            "tie_gap": float(axes.routing.min_gap) if axes is not None and axes.routing is not None else 0.0}
+    return b[diff[0]] != full[diff[0]]
+
+
 def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,
-           deadline: float | None = None, axes: Any = None) -> tuple[Case, int, bool]:
+           deadline: float | None = None, axes: Any = None,
+           strong: Callable[[Case], bool] | None = None) -> tuple[Case, int, bool]:
     """The simplest failing case reachable from `case` by accepted moves.
 
     `fails(c)` says whether c still fails the same way. Returns (case, evaluations, complete):
     complete is False when the budget or the deadline (time.monotonic()) stopped the pass early.
+    `strong(c)` (for a c that fails): whether it fails by a margin (`EDGE_MARGIN` over the line). With
+    it, a continuous knob's halfway steps are kept only while the case fails by that margin: bisected
+    to the very edge, a repro read k3 0.00100001 against the line 0.001, under it on a CPU whose last
+    bits differ (a full move to neutral, and every other move, is kept at any margin).
     """
     evals = 0
     seen: set[str] = {case.key()}
@@ -304,7 +330,7 @@ def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,
             return case, evals, False
         seen.add(key)
         evals += 1
-        if fails(cand):
+        if fails(cand) and (strong is None or strong(cand) or not bisects(case, cand, axes)):
             case, since_accept = cand, 0
             at -= 1  # the move list of the new case starts over at this position
 

@@ -232,3 +232,23 @@ def test_polish_clears_a_probe_and_stream_ids_the_failure_does_not_need():
     got, _, _ = polish(Case(seed=1, seq_lens=(1, 1, 1), probe=2, seq_ids=(7, 8, 9)),
                        lambda c: c.batch_size == 3 and c.probe == 2 and 9 in c.ids)
     assert got.probe == 2 and 9 in got.ids
+
+
+def test_a_bisected_knob_stops_where_the_failure_keeps_a_margin():
+    """With `strong` (a campaign's: fails by `EDGE_MARGIN` over the line), halfway steps of a continuous
+    knob are kept only while the case fails by that margin: the logit scale stops where the judged
+    value is still 1.5x the line, not at 1.2x (nearer the edge, where another CPU's last bits may read
+    it clean); the full move to the low bound is still kept at any margin."""
+    from harness import Axes
+    from harness.shrink import EDGE_MARGIN
+
+    axes = Axes(logit_scale=(1.0, 16.0))
+    judged = lambda c: 1e-3 * (c.logit_scale / 1.7) ** 2  # noqa: E731 - over the line above scale 1.7
+    start = Case(seed=1, seq_lens=(1,), logit_scale=12.0)
+    got, _, complete = polish(start, lambda c: judged(c) > 1e-3, axes=axes,
+                              strong=lambda c: judged(c) >= EDGE_MARGIN * 1e-3)
+    assert complete and judged(got) >= EDGE_MARGIN * 1e-3 and got.logit_scale < 4, got.logit_scale  # 12 -> 3.46
+    edge, _, _ = polish(start, lambda c: judged(c) > 1e-3, axes=axes)
+    assert 1e-3 < judged(edge) < EDGE_MARGIN * 1e-3 and edge.logit_scale < got.logit_scale  # without: 1.86, 1.2x
+    got, _, _ = polish(start, lambda c: True, axes=axes, strong=lambda c: False)
+    assert got.logit_scale == 1.0  # the full move to the low bound: kept whatever the margin
