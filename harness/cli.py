@@ -251,7 +251,8 @@ def list_cmd(as_json: bool, plugins: tuple[str, ...]) -> None:
         # (a model pair runs the precisions its paths name, not the case's dtype, unless it draws several)
         if p.kind != "model" or len(axes["dtypes"]) > 1:
             ax += f"; dtypes {'/'.join(axes['dtypes'])}"
-        rows.append((p.name, p.kind, p.expected, ",".join(p.devices), ax))
+        expected = p.expected + (" (per sequence)" if p.verdict_over == "sequence" else "")  # (the verdict's means)
+        rows.append((p.name, p.kind, expected, ",".join(p.devices), ax))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])

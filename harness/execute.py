@@ -108,7 +108,9 @@ def headline(metrics: Any, error: dict | None) -> str:
         batch = _num(get("kl" if name == "kl" else "k3_expected", math.nan))
         if name == "k3" and math.isnan(batch):
             batch = _num(get("k3_kl", math.nan))
-        return f"{name}={mean_text(value)} (worst sequence; batch mean {mean_text(batch)})"
+        worst = get("worst_sequence", None)
+        which = f" {int(worst)}" if isinstance(worst, (int, float)) and worst == worst else ""
+        return f"{name}={mean_text(value)} (worst sequence{which}; batch mean {mean_text(batch)})"
     return f"{name}={mean_text(value)}"
 
 

@@ -76,7 +76,7 @@ import numpy as np
 
 # Keys of `Divergence.as_dict()`, in display order (all numeric; see `Divergence.fired`).
 METRIC_KEYS = (
-    "k3_kl", "k3_expected", "k3_seq_max", "k3_expected_seq_max", "kl", "kl_seq_max", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
+    "k3_kl", "k3_expected", "k3_seq_max", "k3_expected_seq_max", "kl", "kl_seq_max", "worst_sequence", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
     "chi2_token", "pearson", "entropy", "kl_excluded", "flip_rate", "tie_flip_rate", "nonfinite_trainer", "nonfinite_rollout",
     "n_tokens",
 )
@@ -126,6 +126,7 @@ class Divergence:
     # sequences (`TargetPair.verdict_over="sequence"`) judges (the worst sequence of the batch)
     k3_expected_seq_max: float = math.nan
     kl_seq_max: float = math.nan
+    worst_sequence: int = 0  # the sequence (batch index) whose own mean of the two is the largest
     # Which mean crossed the verdict's threshold: "k3", "kl", "k3+kl", or "" (set by the verdict,
     # `execute.judge`; a string, so it is not one of METRIC_KEYS).
     fired: str = ""
@@ -617,13 +618,16 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
         # the worst sequence's own means of the exact per-row values (a verdict over sequences judges them;
         # one sequence: the batch means themselves; rows all +0.0, as an aligned pair's: 0)
         k3e_mean, kl_mean = _mean(k3_rows), _mean(kl)
+        worst = 0
         if b == 1:
             k3e_seq_max, kl_seq_max = k3e_mean, kl_mean
         elif not k3_rows.any() and not kl.any():  # (NaN is truthy: such rows take the sums)
             k3e_seq_max = kl_seq_max = 0.0
         else:
-            k3e_seq_max = float((np.bincount(seg, weights=k3_rows, minlength=b) / counts).max())
-            kl_seq_max = float((np.bincount(seg, weights=kl, minlength=b) / counts).max())
+            k3e_seq = np.bincount(seg, weights=k3_rows, minlength=b) / counts
+            kl_seq = np.bincount(seg, weights=kl, minlength=b) / counts
+            k3e_seq_max, kl_seq_max = float(k3e_seq.max()), float(kl_seq.max())
+            worst = int(np.nanargmax(np.fmax(k3e_seq, kl_seq))) if not np.isnan(np.fmax(k3e_seq, kl_seq)).all() else 0
         pt = np.exp(lt)
         pr = pt if equal else np.exp(lr)
         ct, cr = pt - _mean(pt), pr - _mean(pr)
@@ -637,6 +641,7 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
             k3_expected=k3e_mean,
             k3_expected_seq_max=k3e_seq_max,
             kl_seq_max=kl_seq_max,
+            worst_sequence=worst,
             max_abs_dlogp=0.0 if equal else float(np.abs(d).max()),
             probs_diff_max=0.0 if equal else float(np.abs(pt - pr).max()),
             log_ppl_diff=_mean(d_seq),

@@ -79,7 +79,7 @@ def test_a_verdict_over_sequences_catches_a_cache_hit_bug_the_batch_mean_dilutes
     d = by_seq.divergence
     assert by_seq.failed and not by_batch.failed, (by_seq.headline, by_batch.headline)
     assert d.k3_expected < 1e-3 < d.k3_expected_seq_max, (d.k3_expected, d.k3_expected_seq_max)
-    assert "worst sequence; batch mean" in by_seq.headline
+    assert f"worst sequence {d.worst_sequence}; batch mean" in by_seq.headline and d.worst_sequence > 0  # a hit
     k3e = d.per_token["k3_expected"]
     assert k3e[:7].max() < 1e-9  # the first sample filled the cache: exact but for float32 layout noise
 
@@ -101,6 +101,6 @@ def test_a_verdict_over_sequences_catches_a_cache_hit_bug_the_batch_mean_dilutes
     (repro,) = corpus.rglob("*.json")
     assert json.loads(repro.read_text())["metrics"]["verdict_over"] == "sequence"
     code, out, err = harness_cli("replay", str(repro), "--plugin", str(PREFIX))
-    assert "(worst sequence; batch mean" in out and "bit-for-bit yes" in out, out + err
+    assert "(worst sequence 1; batch mean" in out and "bit-for-bit yes" in out, out + err  # the hit of two
     code, out, err = harness_cli("show", str(repro), "--plugin", str(PREFIX))
     assert code == 0 and "the worst sequence's mean" in out, out + err

@@ -56,7 +56,7 @@ def test_the_worst_sequences_own_means_and_a_verdict_over_sequences():
     d = compare(Outcome(logprobs=t), Outcome(logprobs=r), (4, 2, 3), torch.zeros(9, dtype=torch.long))
     k3e, kl = d.per_token["k3_expected"], d.per_token["kl"]
     assert d.k3_expected_seq_max == pytest.approx(k3e[6:].mean(), rel=1e-12) and k3e[:6].max() == 0.0
-    assert d.kl_seq_max == pytest.approx(kl[6:].mean(), rel=1e-12)
+    assert d.kl_seq_max == pytest.approx(kl[6:].mean(), rel=1e-12) and d.worst_sequence == 2
     assert d.k3_expected == pytest.approx(k3e.mean(), rel=1e-12)  # the batch's: a third of the worst sequence's
     line = (d.k3_expected + d.k3_expected_seq_max) / 2
     assert kl.mean() < line and judged_means(d) == (d.k3_expected, d.kl) and fired(d, line) == ""
