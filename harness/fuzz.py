@@ -526,7 +526,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     uniform_rng = random.Random(seed ^ 0x5DEECE66D) if n_uniform > 0 else None
     hit: dict[str, Evaluation] = {}
     timing = [0.0, 0]  # seconds and count of the cases evaluated after the first (`slow`)
-    first_failure: dict[str, Any] = {}  # signature -> the cache key of its first failing Hypothesis case
+    first_failure: dict[str, Any] = {}  # signature -> the cache key of its first failing Hypothesis case (`prop`)
 
     def slow() -> bool:
         """Whether a case of this pair costs `cfg.slow_case_seconds` or more on average, over the cases
@@ -641,13 +641,14 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 pending.clear()
                 hit["ev"] = ev
                 raise _UniformHit
-            if ev.symptom is Symptom.DIVERGENCE and not ev.score >= EDGE_MARGIN * cfg.threshold:
+            key = _cache_key(case)
+            first = first_failure.setdefault(signature(pair.name, ev), key)
+            if ev.symptom is Symptom.DIVERGENCE and not ev.score >= EDGE_MARGIN * cfg.threshold and first != key:
                 # over the line by less than the margin: a finding when it is the first of its kind, but not a step
                 # Hypothesis's shrinker may take (it walked a repro to k3 0.00100001 against the line 0.001, which
                 # another CPU's last bits read clean); the same case is judged the same way when replayed
-                if first_failure.setdefault(signature(pair.name, ev), _cache_key(case)) != _cache_key(case):
-                    pending.extend(after)
-                    return
+                pending.extend(after)
+                return
             raise _RAISE[ev.symptom](ev)
         pending.extend(after)
         rest = after[max(0, handed - 1):]  # those not handed yet (all of them when the case was not)
