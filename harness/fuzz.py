@@ -526,7 +526,11 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     uniform_rng = random.Random(seed ^ 0x5DEECE66D) if n_uniform > 0 else None
     hit: dict[str, Evaluation] = {}
     timing = [0.0, 0]  # seconds and count of the cases evaluated after the first (`slow`)
-    first_failure: dict[str, Any] = {}  # signature -> the cache key of its first failing Hypothesis case (`prop`)
+    # for the margin rule in `prop`: signature -> the cache key of its first failing Hypothesis case, and the
+    # smallest size among the failing cases Hypothesis was given; case key -> whether it was given as failing
+    first_failure: dict[str, Any] = {}
+    smallest_taken: dict[str, tuple] = {}
+    steps: dict[Any, bool] = {}
 
     def slow() -> bool:
         """Whether a case of this pair costs `cfg.slow_case_seconds` or more on average, over the cases
@@ -642,13 +646,22 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 hit["ev"] = ev
                 raise _UniformHit
             key = _cache_key(case)
-            first = first_failure.setdefault(signature(pair.name, ev), key)
-            if ev.symptom is Symptom.DIVERGENCE and not ev.score >= EDGE_MARGIN * cfg.threshold and first != key:
-                # over the line by less than the margin: a finding when it is the first of its kind, but not a step
-                # Hypothesis's shrinker may take (it walked a repro to k3 0.00100001 against the line 0.001, which
-                # another CPU's last bits read clean); the same case is judged the same way when replayed
+            sig = signature(pair.name, ev)
+            size = (case.batch_size, case.n_tokens, sum(case.prompt_lens))
+            taken = steps.get(key)
+            if taken is None:
+                # Over the line by less than the margin: a finding when it is the first of its kind, and a step
+                # Hypothesis's shrinker may take when it makes the case smaller, but not one that only moves a
+                # knob (it walked a repro's logit scale to k3 0.00100001 against the line 0.001, which another
+                # CPU's last bits read clean). Decided once per case: a replay of it is judged the same way.
+                taken = steps[key] = (ev.symptom is not Symptom.DIVERGENCE or ev.score >= EDGE_MARGIN * cfg.threshold
+                                      or first_failure.setdefault(sig, key) == key
+                                      or size < smallest_taken.get(sig, size))
+            if not taken:
                 pending.extend(after)
                 return
+            smallest_taken[sig] = min(smallest_taken.get(sig, size), size)
+            first_failure.setdefault(sig, key)
             raise _RAISE[ev.symptom](ev)
         pending.extend(after)
         rest = after[max(0, handed - 1):]  # those not handed yet (all of them when the case was not)

@@ -95,10 +95,6 @@ def _moves(case: Case, axes: Any = None) -> Iterator[Case]:
                 yield case.replace(top_k=r.top_k[0])
             if case.n_experts > r.n_experts[0] and case.top_k < r.n_experts[0]:
                 yield case.replace(n_experts=r.n_experts[0])
-    if case.probe:
-        yield case.replace(probe=0)  # (a field a pair may never read: a repro should not show it as a trigger)
-    if case.seq_ids and not case.prompt_ids:
-        yield case.replace(seq_ids=())  # the default streams 0..n-1 (other tensors: a plain case if it still fails)
     if case.prompt_ids:
         yield case.replace(prompt_ids=())  # every sequence its own prompt: no group
     if case.row_capacity:
@@ -169,6 +165,13 @@ def _moves(case: Case, axes: Any = None) -> Iterator[Case]:
         r = axes.routing
         yield from _fewer(case, "top_k", r.top_k[0])
         yield from _fewer(case, "n_experts", max(r.n_experts[0], case.top_k + 1))
+    # last: the probe and the stream ids, which a pair may never read (a repro should not show them as a
+    # trigger), after every size and knob move: new streams are other tensors, and a size move the drawn
+    # ones allow (a one-token trigger) may be gone with them
+    if case.probe:
+        yield case.replace(probe=0)
+    if case.seq_ids and not case.prompt_ids:
+        yield case.replace(seq_ids=())  # the default streams 0..n-1
     for name, strategy in (getattr(axes, "params", None) or {}).items():
         if name not in case.params:
             continue
