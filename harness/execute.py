@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .case import Case
-from .metrics import Divergence, _num, compare, fired, judged_means, verdict_mean, with_routing
+from .metrics import Divergence, _num, compare, fired, judged_k3, judged_means, verdict_mean, with_routing
 from .pairs import Outcome, TargetPair
 
 DEFAULT_THRESHOLD = 1e-3  # mean k3 (or mean exact KL) above which two paths are not equivalent
@@ -105,9 +105,8 @@ def headline(metrics: Any, error: dict | None) -> str:
             return (f"k3=inf (a sampled token the trainer excludes: rollout mass there {excl:.3g}; "
                     f"expected k3 {k3e:.3g} over the tokens the trainer keeps, kl {kl:.3g})")
     if get("verdict_over", "batch") == "sequence":  # the worst sequence's mean, and the batch's beside it
-        batch = _num(get("kl" if name == "kl" else "k3_expected", math.nan))
-        if name == "k3" and math.isnan(batch):
-            batch = _num(get("k3_kl", math.nan))
+        batch = _num(get("kl", math.nan)) if name == "kl" else judged_k3(get("k3_expected", math.nan),
+                                                                            get("k3_kl", math.nan))
         worst = get("worst_sequence", None)
         which = f" {int(worst)}" if isinstance(worst, (int, float)) and worst == worst else ""
         return f"{name}={mean_text(value)} (worst sequence{which}; batch mean {mean_text(batch)})"

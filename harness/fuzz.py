@@ -165,7 +165,7 @@ class PairResult:
     # `worker.MEMORY_CHECK_SECONDS`; 0: not isolated, or never read): what a machine needs for the pair
     worker_peak_mib: float = 0.0
     # the largest worst-sequence mean (`Divergence.k3_expected_seq_max`, `kl_seq_max`) of its cases judged over
-    # the batch: above the line, some sample diverged where the batch mean did not (`missed_hint`, `seq_note`)
+    # the batch: above the line, some sample diverged where the batch mean did not (`missed_hint`, and its pair's line in `run_campaign`)
     max_seq_score: float = 0.0
 
     def note_size(self, case: Case) -> None:
@@ -173,8 +173,7 @@ class PairResult:
         lens, prompts = case.seq_lens, case.prompt_lens
         p = max(prompts) if prompts else 0
         size = (len(lens), p, max(lens) if lens else 0, sum(lens) + (sum(prompts) if p else 0))
-        if size != self.largest:
-            self.largest = tuple(max(a, b) for a, b in zip(self.largest, size))  # type: ignore[assignment]
+        self.largest = tuple(map(max, self.largest, size))  # type: ignore[assignment]
 
     @property
     def largest_text(self) -> str:
@@ -648,6 +647,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             key = _cache_key(case)
             sig = signature(pair.name, ev)
             size = (case.batch_size, case.n_tokens, sum(case.prompt_lens))
+            first = first_failure.setdefault(sig, key)
             taken = steps.get(key)
             if taken is None:
                 # Over the line by less than the margin: a finding when it is the first of its kind, and a step
@@ -655,13 +655,12 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 # knob (it walked a repro's logit scale to k3 0.00100001 against the line 0.001, which another
                 # CPU's last bits read clean). Decided once per case: a replay of it is judged the same way.
                 taken = steps[key] = (ev.symptom is not Symptom.DIVERGENCE or ev.score >= EDGE_MARGIN * cfg.threshold
-                                      or first_failure.setdefault(sig, key) == key
+                                      or first == key
                                       or size < smallest_taken.get(sig, size))
             if not taken:
                 pending.extend(after)
                 return
             smallest_taken[sig] = min(smallest_taken.get(sig, size), size)
-            first_failure.setdefault(sig, key)
             raise _RAISE[ev.symptom](ev)
         pending.extend(after)
         rest = after[max(0, handed - 1):]  # those not handed yet (all of them when the case was not)

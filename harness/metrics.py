@@ -76,7 +76,8 @@ import numpy as np
 
 # Keys of `Divergence.as_dict()`, in display order (all numeric; see `Divergence.fired`).
 METRIC_KEYS = (
-    "k3_kl", "k3_expected", "k3_seq_max", "k3_expected_seq_max", "kl", "kl_seq_max", "worst_sequence", "max_abs_dlogp", "probs_diff_max", "log_ppl_diff", "ppl_ratio",
+    "k3_kl", "k3_expected", "k3_seq_max", "k3_expected_seq_max", "kl", "kl_seq_max", "worst_sequence", "max_abs_dlogp",
+    "probs_diff_max", "log_ppl_diff", "ppl_ratio",
     "chi2_token", "pearson", "entropy", "kl_excluded", "flip_rate", "tie_flip_rate", "nonfinite_trainer", "nonfinite_rollout",
     "n_tokens",
 )
@@ -627,7 +628,8 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
             k3e_seq = np.bincount(seg, weights=k3_rows, minlength=b) / counts
             kl_seq = np.bincount(seg, weights=kl, minlength=b) / counts
             k3e_seq_max, kl_seq_max = float(k3e_seq.max()), float(kl_seq.max())
-            worst = int(np.nanargmax(np.fmax(k3e_seq, kl_seq))) if not np.isnan(np.fmax(k3e_seq, kl_seq)).all() else 0
+            both = np.fmax(k3e_seq, kl_seq)  # (NaN only where both are)
+            worst = 0 if np.isnan(both).all() else int(np.nanargmax(both))
         pt = np.exp(lt)
         pr = pt if equal else np.exp(lr)
         ct, cr = pt - _mean(pt), pr - _mean(pr)

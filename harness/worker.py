@@ -351,10 +351,10 @@ class Worker:
                 if kind == "pass":  # a passing case: its metrics (see `serve`)
                     from .metrics import METRIC_KEYS, Divergence
 
-                    values, fired, over, flips, seconds = payload
+                    values, fired, flips, seconds = payload
                     return Evaluation(pair.name, case, Symptom.NONE, divergence=Divergence(
-                        **dict(zip(METRIC_KEYS, values)), fired=fired, verdict_over=over, flips_per_layer=flips),
-                        seconds=seconds)
+                        **dict(zip(METRIC_KEYS, values)), fired=fired, flips_per_layer=flips,
+                        verdict_over=getattr(pair, "verdict_over", "batch")), seconds=seconds)
                 if kind == "ok":
                     return payload
                 raise WorkerError(payload)
@@ -611,8 +611,7 @@ def serve(conn: Any, device: str, plugins: tuple[str, ...], threads: int, log: s
             # a passing case's verdict is all the campaign keeps: its metrics as plain values (the campaign
             # has the case; pickling the whole Evaluation cost 20x more, on every case)
             d = ev.divergence
-            conn.send(("pass", (tuple(getattr(d, k) for k in METRIC_KEYS), d.fired, d.verdict_over, d.flips_per_layer,
-                                ev.seconds)))
+            conn.send(("pass", (tuple(getattr(d, k) for k in METRIC_KEYS), d.fired, d.flips_per_layer, ev.seconds)))
             continue
         if ev.failed:  # what the pair ran on, for its repro's environment (imported here, not in the campaign)
             from .corpus import backend_versions
