@@ -21,9 +21,11 @@ way on every push). With CUDA it
    calls per case), metrics ms, verdict (`clean`, `caught`, `MISSED` for a demonstration a short
    campaign did not catch, `REGRESSION` for an aligned pair that diverged, `BROKEN` for a pair that
    raised or returned NaN/inf, `CANNOT RUN` for one that raised a harness error: a checkpoint that is
-   gone, a setting it refuses).
+   gone, a setting it refuses), `NOT ON GPU` for a pair that declares `cuda` but whose case ran
+   without it: no torch CUDA memory allocated while both paths ran and the outcomes on the CPU (a
+   `build` that ignores its `device`: such a pair would otherwise pass the check on the CPU).
 
-Exit: 0 when the tests pass and no pair is a REGRESSION, BROKEN or CANNOT RUN (a MISSED demonstration is
+Exit: 0 when the tests pass and no pair is a REGRESSION, BROKEN, CANNOT RUN or NOT ON GPU (a MISSED demonstration is
 reported, not failed: the campaigns are short), 1 otherwise, 2 for a usage error. Nothing is written
 to the corpus or MLflow. `--device cpu` runs steps 2-4 on the CPU (to try the check anywhere).
 """
@@ -71,7 +73,7 @@ class PairCheck:
 
     @property
     def failed(self) -> bool:
-        return self.verdict in ("REGRESSION", "BROKEN", "CANNOT RUN")
+        return self.verdict in ("REGRESSION", "BROKEN", "CANNOT RUN", "NOT ON GPU")
 
 
 @dataclass
@@ -148,12 +150,43 @@ def bare_seconds(pair: Any, cases: list, device: str) -> float:
     return time.perf_counter() - start
 
 
-def metrics_ms(pair: Any, case: Any, device: str, repeats: int = 3) -> float:
-    """Median wall milliseconds of the metrics step (`execute.judge`) on one case's outcomes."""
+def off_device(device: str, outcomes: tuple, allocated: int) -> str:
+    """Why a case asked to run on `device` (cuda) did not, or "": torch allocated no CUDA memory
+    while its paths ran (`allocated` bytes, the peak over the baseline) and no tensor of its
+    outcomes is on the device. A path that runs on the GPU outside torch (ONNX Runtime's CUDA
+    provider) and hands back CPU tensors reads the same: it is told to return them on the device."""
+    import torch
+
+    if not device.startswith("cuda") or allocated > 0:
+        return ""
+    held = [t for o in outcomes for t in (o.logprobs, o.hidden, o.tokens) if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "cuda" for t in held):
+        return ""
+    return (f"asked to run on {device}, both paths ran without it: torch allocated no CUDA memory during the case "
+            f"and its outcomes came back on {', '.join(sorted({str(t.device) for t in held})) or 'no device'}. "
+            "`build(case, device)` must put the inputs and the modules on `device`; a pair that only runs on the "
+            "CPU declares devices=('cpu',); a path that runs on the GPU outside torch returns its outcomes on "
+            "the device (torch.from_dlpack)")
+
+
+def metrics_ms(pair: Any, case: Any, device: str, repeats: int = 3, where: list | None = None) -> float:
+    """Median wall milliseconds of the metrics step (`execute.judge`) on one case's outcomes; with
+    `where`, appends `off_device`'s finding on that case (CUDA only)."""
     from .execute import judge, run_paths
 
+    allocated = 0
+    if device.startswith("cuda"):
+        import torch
+
+        _sync(device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     trainer, rollout = run_paths(pair, case, device)
     _sync(device)
+    if device.startswith("cuda"):
+        allocated = torch.cuda.max_memory_allocated() - base
+    if where is not None:
+        where.append(off_device(device, (trainer, rollout), allocated))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -204,10 +237,13 @@ def check_pair_campaign(pair: Any, device: str, seed: int, max_examples: int, se
         except Exception as e:  # noqa: BLE001
             out.note = out.note or f"bare calls raised {type(e).__name__}: {e}"
     if seen:
+        where: list = []
         try:
-            out.metrics_ms = metrics_ms(pair, max(seen, key=lambda c: (c.n_tokens, c.batch_size)), device)
+            out.metrics_ms = metrics_ms(pair, max(seen, key=lambda c: (c.n_tokens, c.batch_size)), device, where=where)
         except Exception as e:  # noqa: BLE001
             out.note = out.note or f"metrics step raised {type(e).__name__}: {e}"
+        if where and where[0] and not out.failed:
+            out.verdict, out.note = "NOT ON GPU", where[0]
     return out
 
 

@@ -107,3 +107,17 @@ def test_cuda_n_under_a_schedulers_visible_devices_is_that_allocations_nth_gpu(m
     gpucheck.run_tests(10, index=1)
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == "1"
 
+
+
+def test_a_pair_whose_cuda_case_never_touched_the_gpu_is_named_not_on_gpu():
+    # (the check's own data, tried without a GPU: what `metrics_ms` measures on CUDA is passed in)
+    from harness import Outcome
+    from harness.gpucheck import off_device
+
+    on_cpu = (Outcome(logprobs=torch.zeros(3, 5)), Outcome(logprobs=torch.zeros(3, 5), tokens=torch.zeros(3, dtype=int)))
+    why = off_device("cuda", on_cpu, allocated=0)
+    assert "asked to run on cuda, both paths ran without it" in why and "came back on cpu" in why
+    assert "devices=('cpu',)" in why and "torch.from_dlpack" in why
+    assert off_device("cuda", on_cpu, allocated=4096) == ""  # torch used the GPU; the outcomes were moved back
+    assert off_device("cpu", on_cpu, allocated=0) == ""
+    assert PairCheck("a.pair", "aligned", verdict="NOT ON GPU").failed
