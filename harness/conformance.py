@@ -60,10 +60,105 @@ CANDIDATES = 16  # cases drawn to find one with two or more sequences for the pe
 RUN_WATCHERS: list[Any] = []
 
 
-def _run_paths(pair: TargetPair, case: Case, device: str) -> tuple[Any, Any]:
+def _run_paths(pair: TargetPair, case: Case, device: str, reads: set | None = None) -> tuple[Any, Any]:
+    """Both paths on the case; with `reads`, the knobs they read go into it (`_Watched`)."""
     for watch in RUN_WATCHERS:
         watch(case)
-    return run_paths(pair, case, device)
+    if reads is None:
+        return run_paths(pair, case, device)
+    watched = _Watched.of(case)
+    _Watched.reads = reads
+    try:
+        return run_paths(pair, watched, device)
+    finally:
+        _Watched.reads = None
+
+
+# The case fields each fuzzed axis sets: an axis whose fields neither path (nor its readout) reads
+# changes nothing the pair computes (`unread_axes`).
+AXIS_FIELDS = {"pad_sides": ("pad_side",), "temperature": ("temperature",), "top_p": ("top_p",),
+               "sample_top_k": ("sample_top_k",), "logit_scale": ("logit_scale",),
+               "packing": ("row_capacity", "order"), "routing ties": ("tie_fraction", "tie_gap"),
+               "dtypes": ("dtype",), "prompt_len": ("prompt_lens",), "prompt_group": ("prompt_ids",)}
+_WATCHED_FIELDS = frozenset(f for fields in AXIS_FIELDS.values() for f in fields)
+
+
+class _ReadParams(dict):
+    """A case's params that note which keys were read (`_Watched`)."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if _Watched.reads is not None:
+            _Watched.reads.add(f"params.{key}")
+        return super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if _Watched.reads is not None:
+            _Watched.reads.add(f"params.{key}")
+        return super().get(key, default)
+
+    def _all(self) -> None:
+        if _Watched.reads is not None:
+            _Watched.reads.update(f"params.{k}" for k in self)
+
+    def items(self) -> Any:
+        self._all()
+        return super().items()
+
+    def values(self) -> Any:
+        self._all()
+        return super().values()
+
+    def __iter__(self) -> Any:
+        self._all()
+        return super().__iter__()
+
+
+class _Watched(Case):
+    """A case that notes which knob fields are read while `reads` is set (the contract check's runs:
+    a helper of the case that reads a knob for the pair counts as the pair reading it)."""
+
+    reads: set | None = None
+
+    @classmethod
+    def of(cls, case: Case) -> "_Watched":
+        out = cls(**{f: getattr(case, f) for f in case.__dataclass_fields__})
+        object.__setattr__(out, "params", _ReadParams(case.params))
+        return out
+
+    def __getattribute__(self, name: str) -> Any:
+        reads = _Watched.reads
+        if reads is not None and name in _WATCHED_FIELDS:
+            reads.add(name)
+        return object.__getattribute__(self, name)
+
+
+def unread_axes(pair: TargetPair, reads: set, n_cases: int) -> list[str]:
+    """A warning for each axis the pair fuzzes (its bounds allow more than one value) whose case
+    fields neither path read over the check's runs: drawing it spends cases on a change the pair
+    never sees, and a clean verdict seems to cover it."""
+    ax = pair.axes
+    fuzzed = {"pad_sides": len(ax.pad_sides) > 1, "packing": ax.packing, "dtypes": len(ax.dtypes) > 1,
+              "routing ties": ax.routing is not None and ax.routing.tie_fraction[1] > 0,
+              "prompt_len": ax.prompt_len[1] > 0, "prompt_group": ax.prompt_group[1] > 1,
+              **{k: getattr(ax, k)[0] != getattr(ax, k)[1] for k in ("temperature", "top_p", "sample_top_k",
+                                                                     "logit_scale")}}
+    fixes = {"pad_sides": f"pad_sides=({ax.pad_sides[0]!r},)", "packing": "packing=False",
+             "dtypes": f"dtypes=({ax.dtypes[0]!r},)", "routing ties": "routing=RoutingAxes(..., tie_fraction=(0.0, 0.0))",
+             "prompt_len": "prompt_len=(0, 0)", "prompt_group": "prompt_group=(1, 1)",
+             "temperature": "temperature=(1.0, 1.0)", "top_p": "top_p=(1.0, 1.0)", "sample_top_k": "sample_top_k=(0, 0)",
+             "logit_scale": f"logit_scale=({ax.logit_scale[0]}, {ax.logit_scale[0]})"}
+    out = []
+    for axis, fields in AXIS_FIELDS.items():
+        if fuzzed[axis] and not reads.intersection(fields):
+            out.append(f"axes.{axis}: the pair fuzzes it, but neither path read case.{' or case.'.join(fields)} "
+                       f"on the {n_cases} case(s) checked: the cases spent on it change nothing the pair computes, "
+                       f"and a clean verdict seems to cover what it never ran. Read it (through the case's helpers or "
+                       f"the field) or declare Axes({fixes[axis]}).")
+    for key in ax.params:
+        if f"params.{key}" not in reads:
+            out.append(f"axes.params[{key!r}]: the pair draws it, but neither path read case.params[{key!r}] on the "
+                       f"{n_cases} case(s) checked; read it or drop it from params.")
+    return out
 
 
 class ConformanceError(AssertionError):
@@ -409,10 +504,11 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
     checked = sample_cases(pair, n_cases, seed)
     kept: dict[str, tuple[Case, tuple[Any, Any]]] = {}  # the metamorphic checks' cases -> their outcomes
     unnormalised: set[str] = set()
+    reads: set[str] = set()  # the knob fields the paths read (`unread_axes`)
     for case in checked:
         where = f"case {case.one_line()}"
         try:
-            t1, r1 = _run_paths(pair, case, device)
+            t1, r1 = _run_paths(pair, case, device, reads)
             t2, r2 = _run_paths(pair, case, device)
         except HarnessError:  # its own setup (a checkpoint without weights): it cannot run, no contract to judge
             raise
@@ -450,6 +546,8 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
                 unnormalised.add(role)  # (warned once per path)
     if not problems:
         problems += _metamorphic(pair, checked, kept, device, seed)
+        for note in unread_axes(pair, reads, len(checked)):
+            warnings.warn(note, ConformanceWarning, stacklevel=2)
     if problems:
         raise ConformanceError(f"target pair {pair.name!r} breaks the contract:\n  - " + "\n  - ".join(problems))
     return checked

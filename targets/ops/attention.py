@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from harness import Axes, Outcome, Readout, TargetPair, register
 
-from ._common import cuda_available, low_dtype, pack, pad, split, unpack, unpad
+from ._common import ONE_SIDE, cuda_available, low_dtype, pack, pad, split, unpack, unpad
 
 HEAD_DIM = 16
 QK_SCALE = 2.0  # q and k standard deviation: attention about as peaked as in trained models
@@ -157,7 +157,7 @@ def fused_backends(inp):
 
 # --- pairs ----------------------------------------------------------------------------------------
 AXES_PACKED = Axes(n_seqs=(1, 4), seq_len=(1, 16), packing=True, logit_scale=(1.0, 16.0))
-AXES_DECODE = Axes(n_seqs=(1, 2), seq_len=(2, 32), logit_scale=(1.0, 16.0))
+AXES_DECODE = Axes(n_seqs=(1, 2), seq_len=(2, 32), logit_scale=(1.0, 16.0), pad_sides=ONE_SIDE)
 READOUT = Readout(vocab=256)
 
 register(TargetPair(

@@ -26,6 +26,8 @@ import torch
 
 from harness import Axes, Outcome, TargetPair, register
 
+from ._common import ONE_SIDE
+
 HIDDEN = 64  # reduction dimension
 VOCAB = 512  # output features
 CHUNKS = 4  # split-K factor of the switched kernel
@@ -69,7 +71,7 @@ def switching(heuristic, dtype):
 
 
 # --- pairs ----------------------------------------------------------------------------------------
-AXES = Axes(n_seqs=(1, 32), seq_len=(1, 4), logit_scale=(1.0, 32.0))
+AXES = Axes(n_seqs=(1, 32), seq_len=(1, 4), logit_scale=(1.0, 32.0), pad_sides=ONE_SIDE)
 
 register(TargetPair(
     name="batch_switch.split_k_gt8", kind="op", expected="diverges", build=build, trainer=one_pass_fp32,

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from harness import Axes, Outcome, Readout, TargetPair, register
 
-from ._common import cuda_available, low_dtype
+from ._common import ONE_SIDE, cuda_available, low_dtype
 
 K_IN = 64  # reduction dimension (hidden size in)
 N_OUT = 32  # output features (hidden size out)
@@ -92,8 +92,9 @@ def full_strict_fp32(inp):
 
 # --- pairs ----------------------------------------------------------------------------------------
 CHUNKS = st.sampled_from([2, 4, 8])  # split-K factor: K_IN / chunks per partial product
-AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 64.0))
-AXES_SPLIT = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 64.0), params={"chunks": CHUNKS})
+AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 64.0), pad_sides=ONE_SIDE)
+AXES_SPLIT = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 64.0), params={"chunks": CHUNKS},
+                  pad_sides=ONE_SIDE)
 READOUT = Readout(vocab=256)
 
 register(TargetPair(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from harness import Axes, Outcome, TargetPair, register
 
-from ._common import low_dtype
+from ._common import ONE_SIDE, low_dtype
 
 HIDDEN = 64
 VOCAB = 512
@@ -67,9 +67,9 @@ def processed(inp):
 
 
 # --- pairs ----------------------------------------------------------------------------------------
-AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), temperature=(0.5, 2.0))
+AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), temperature=(0.5, 2.0), pad_sides=ONE_SIDE)
 AXES_PROCESSED = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), temperature=(0.5, 2.0),
-                      top_p=(0.8, 1.0))
+                      top_p=(0.8, 1.0), pad_sides=ONE_SIDE)
 
 register(TargetPair(
     name="lm_head.aligned", kind="op", expected="aligned", build=build, trainer=head_fp32,

@@ -28,6 +28,8 @@ import torch
 
 from harness import Axes, Outcome, Readout, Routing, RoutingAxes, TargetPair, register
 
+from ._common import ONE_SIDE
+
 HIDDEN = 128
 
 
@@ -58,6 +60,7 @@ AXES = Axes(
     n_seqs=(1, 4), seq_len=(1, 32),
     routing=RoutingAxes(n_experts=(4, 16), top_k=(1, 8), max_gap=0.0, tie_fraction=(0.0, 0.0)),
     logit_scale=(1.0, 64.0), dtypes=("bfloat16",),  # the bf16 combine sits near the line: peaked readouts show it
+    pad_sides=ONE_SIDE,
 )
 READOUT = Readout(vocab=512)
 
@@ -186,18 +189,15 @@ def routed_fp32_replay(inp, rollout_outcome):
 AXES_ORDER = Axes(
     n_seqs=(1, 4), seq_len=(1, 32),
     routing=RoutingAxes(n_experts=(8, 16), top_k=(3, 8), max_gap=0.0, tie_fraction=(0.0, 0.0)),
-    logit_scale=(1.0, 64.0), dtypes=("bfloat16",),
-)
+    logit_scale=(1.0, 64.0), dtypes=("bfloat16",), pad_sides=ONE_SIDE)
 AXES_RESIDUAL = Axes(
     n_seqs=(1, 4), seq_len=(1, 32),
     routing=RoutingAxes(n_experts=(4, 16), top_k=(1, 8), max_gap=0.0, tie_fraction=(0.0, 0.0)),
-    logit_scale=(1.0, 64.0), dtypes=("bfloat16",),
-)
+    logit_scale=(1.0, 64.0), dtypes=("bfloat16",), pad_sides=ONE_SIDE)
 AXES_ROUTED = Axes(
     n_seqs=(1, 4), seq_len=(1, 16),
     routing=RoutingAxes(n_experts=(4, 16), top_k=(1, 8), max_gap=1e-2, tie_fraction=(0.0, 1.0)),
-    logit_scale=(1.0, 64.0), dtypes=("bfloat16",),
-)
+    logit_scale=(1.0, 64.0), dtypes=("bfloat16",), pad_sides=ONE_SIDE)
 
 register(TargetPair(
     name="moe_aggregate.order", kind="op", expected="diverges", build=build_ids,

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from harness import Axes, Outcome, Readout, TargetPair, register
 
-from ._common import low_dtype
+from ._common import ONE_SIDE, low_dtype
 
 HIDDEN = 64
 EPS = 1e-6  # the norm's epsilon (Llama/Qwen default)
@@ -69,8 +69,9 @@ def norm_fused(inp):
 
 # --- pairs ----------------------------------------------------------------------------------------
 LOG10_RMS = st.sampled_from([0.0, -1.0, -2.0, -3.0, -4.0])  # activation RMS 1 .. 1e-4 (0 = simplest)
-AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 64.0))
-AXES_EPS = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), params={"log10_rms": LOG10_RMS})
+AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 64.0), pad_sides=ONE_SIDE)
+AXES_EPS = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), params={"log10_rms": LOG10_RMS},
+                pad_sides=ONE_SIDE)
 READOUT = Readout(vocab=256)
 
 register(TargetPair(

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from harness import Axes, Outcome, Readout, TargetPair, register
 
-from ._common import low_dtype, packed_offsets
+from ._common import ONE_SIDE, low_dtype, packed_offsets
 
 HEAD_DIM = 32
 THETA = 10000.0
@@ -102,8 +102,9 @@ def low_run_on(inp):
 
 # --- pairs ----------------------------------------------------------------------------------------
 START = st.sampled_from([0, 64, 256, 1024, 4096])  # position of each sequence's first token (0 = simplest)
-AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), params={"start": START})
-AXES_PACKED = Axes(n_seqs=(1, 4), seq_len=(1, 16), packing=True, logit_scale=(1.0, 16.0), params={"start": START})
+AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 16.0), params={"start": START}, pad_sides=ONE_SIDE)
+AXES_PACKED = Axes(n_seqs=(1, 4), seq_len=(1, 16), packing=True, logit_scale=(1.0, 16.0), params={"start": START},
+                   pad_sides=ONE_SIDE)
 READOUT = Readout(vocab=256)
 
 register(TargetPair(

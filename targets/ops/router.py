@@ -31,7 +31,7 @@ import torch
 from harness import Axes, Outcome, Readout, Routing, RoutingAxes, TargetPair, register
 from harness.strategies import near_tie_logits
 
-from ._common import low_dtype
+from ._common import ONE_SIDE, low_dtype
 
 HIDDEN = 32
 
@@ -96,8 +96,7 @@ def replay_fp32(inp, rollout_outcome):
 AXES = Axes(
     n_seqs=(1, 4), seq_len=(1, 16),
     routing=RoutingAxes(n_experts=(4, 16), top_k=(1, 4), max_gap=1e-2, tie_fraction=(0.0, 1.0)),
-    logit_scale=(1.0, 8.0),
-)
+    logit_scale=(1.0, 8.0), pad_sides=ONE_SIDE)
 READOUT = Readout(vocab=256)
 
 register(TargetPair(

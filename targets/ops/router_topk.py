@@ -15,6 +15,8 @@ import dataclasses
 import torch
 
 from harness import Axes, Outcome, Readout, Routing, RoutingAxes, TargetPair, register
+
+from ._common import ONE_SIDE
 from harness.strategies import near_tie_hidden
 
 HIDDEN = 32
@@ -76,8 +78,7 @@ def trainer_replay(inp, rollout_outcome):
 AXES = Axes(
     n_seqs=(1, 4), seq_len=(1, 16),
     routing=RoutingAxes(n_experts=(4, 16), top_k=(1, 4), max_gap=1e-2, tie_fraction=(0.0, 1.0)),
-    logit_scale=(1.0, 8.0), dtypes=("bfloat16",),
-)
+    logit_scale=(1.0, 8.0), dtypes=("bfloat16",), pad_sides=ONE_SIDE)
 # The replay twin's residual (gate weights from the bf16 GEMM's logits, the experts replayed) grows
 # with peakedness: the quality test's campaign (seed 1, 300 examples), climbing the expected k3, found
 # a one-token case at logit scale 4.87 reaching 1.01x the line (tests/quality/test_op_detection.py

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from harness import Axes, Outcome, Readout, TargetPair, register
 
-from ._common import low_dtype
+from ._common import ONE_SIDE, low_dtype
 
 K_IN = 128  # reduction dimension, split over the shards
 N_OUT = 32  # output features
@@ -87,7 +87,7 @@ def tree_low(inp):
 
 # --- pairs ----------------------------------------------------------------------------------------
 SHARDS = st.sampled_from([2, 4, 8])  # tensor-parallel ranks (2 = simplest)
-AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 64.0), params={"shards": SHARDS})
+AXES = Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 64.0), params={"shards": SHARDS}, pad_sides=ONE_SIDE)
 READOUT = Readout(vocab=256)
 
 register(TargetPair(

@@ -181,7 +181,8 @@ def _head_pair(name, trainer_rows=lambda lp, case: lp, rollout_rows=lambda lp, c
         return lambda inp: Outcome(logprobs=rows(torch.log_softmax(3 * inp["h"] @ inp["w"], -1), inp["case"]))
 
     return TargetPair(name=name, kind="op", expected="aligned", build=build, trainer=path(trainer_rows),
-                      rollout=path(rollout_rows), axes=Axes(n_seqs=(1, 4), seq_len=(1, 6)))
+                      rollout=path(rollout_rows), axes=Axes(n_seqs=(1, 4), seq_len=(1, 6), pad_sides=("right",),
+                                                            logit_scale=(1.0, 1.0)))
 
 
 def test_a_pair_drawing_per_sequence_passes_the_permutation_check():
@@ -264,7 +265,7 @@ def _sampling_pair(name, whole_batch):
         return Outcome(logprobs=lp, tokens=tokens)
 
     return TargetPair(name=name, kind="op", expected="aligned", build=build, trainer=trainer, rollout=rollout,
-                      axes=Axes(n_seqs=(4, 6), seq_len=(2, 5)))
+                      axes=Axes(n_seqs=(4, 6), seq_len=(2, 5), pad_sides=("right",), logit_scale=(1.0, 1.0)))
 
 
 def test_a_rollout_sampling_from_one_whole_batch_stream_is_warned_about():
@@ -357,3 +358,41 @@ def test_row_distances_are_taken_in_chunks_with_the_same_values(monkeypatch):
         monkeypatch.setattr(conformance, "_TV_CHUNK", chunk)
         assert conformance._distinct_scale(lp) == float(tv.median())
         assert torch.equal(conformance._tv_rows(lp[i[:50]], lp[j[:50]]), tv[:50])
+
+
+def test_an_axis_the_pair_fuzzes_but_never_reads_is_warned_about_with_its_fix():
+    import torch
+    from hypothesis import strategies as st
+
+    from harness import Axes, Outcome, TargetPair
+    from harness.conformance import ConformanceWarning
+
+    def build(case, device):  # reads the temperature and one of its two params (the one through .get)
+        x = case.token_randn(8, "x") * case.params.get("scale", 1.0)
+        return torch.log_softmax(x / case.temperature, -1)
+
+    def pair(axes):
+        return TargetPair(name="unread.axes", kind="op", expected="aligned", build=build,
+                          trainer=lambda x: Outcome(logprobs=x.clone()), rollout=lambda x: Outcome(logprobs=x.clone()),
+                          axes=axes)
+
+    axes = Axes(n_seqs=(1, 3), seq_len=(1, 4), temperature=(0.5, 2.0), logit_scale=(1.0, 1.0),
+                params={"scale": st.sampled_from([1.0, 2.0]), "unused": st.integers(0, 3)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_pair(pair(axes), n_cases=3)
+    notes = [str(w.message) for w in caught if issubclass(w.category, ConformanceWarning)]
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("axes.pad_sides: the pair fuzzes it, but neither path read case.pad_side on the 3 case(s)")
+    assert "declare Axes(pad_sides=('right',))" in notes[0]
+    assert notes[1].startswith("axes.params['unused']: the pair draws it, but neither path read")
+    # read, held fixed, or read by the harness itself (a readout scales by the logit scale): nothing to say
+    from harness import Readout
+
+    read = TargetPair(name="read.axes", kind="op", expected="aligned", build=build, readout=Readout(vocab=16),
+                      trainer=lambda x: Outcome(hidden=x.clone()), rollout=lambda x: Outcome(hidden=x.clone()),
+                      axes=Axes(n_seqs=(1, 3), seq_len=(1, 4), temperature=(0.5, 2.0), pad_sides=("left",),
+                                params={"scale": st.sampled_from([1.0, 2.0])}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConformanceWarning)
+        check_pair(read, n_cases=3)
