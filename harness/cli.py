@@ -562,7 +562,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         elsewhere = machine_differences(r.environment, dev)
         beyond = res.beyond_noise() if elsewhere else {}
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
-                f"-> now {verdict} {ev.headline}; bit-for-bit "
+                f"-> now {verdict} {ev.headline_like(r.metrics)}; bit-for-bit "
                 + ("yes" if res.compared and res.bit_for_bit else "no" if res.compared else
                    "not compared (its case was edited since it was recorded: the recorded metrics are another "
                    "case's; `harness rerecord FILE` records this case's)" if r.case_edited else
@@ -738,7 +738,7 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
     """Print a repro for a person: case, tensor shapes, metrics, and the command that replays it."""
     import math
 
-    from .corpus import load_plugin_for, load_repro, shrink_command_for
+    from .corpus import load_plugin_for, load_repro, replay_command_for, shrink_command_for
     from .env import resolve_device
     from .execute import boundary_swap_note
     from .metrics import judged_means
@@ -834,8 +834,9 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
             click.echo(f"inputs: not built here (a {r.symptom} repro: `harness replay` runs it in a worker process)")
         elif not (show_inputs if show_inputs is not None else pair.kind == "op"):
             # (a model pair's build loads its weights: seconds and the model's memory, for a list of shapes)
-            click.echo(f"inputs: not built (a {pair.kind} pair: its build loads the model; `harness show --inputs "
-                       f"{file}` lists them)" if show_inputs is None else "inputs: not built (--no-inputs)")
+            again = replay_command_for(r.pair, file).replace("harness replay", "harness show --inputs", 1)
+            click.echo(f"inputs: not built (a {pair.kind} pair: its build loads the model; `{again}` lists them)"
+                       if show_inputs is None else "inputs: not built (--no-inputs)")
         else:
             try:
                 with torch.inference_mode():

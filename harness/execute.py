@@ -74,10 +74,16 @@ class Evaluation:
         fired on a case whose sampled k3 is small), or the error's type and first line."""
         return headline(self.divergence, self.error)
 
+    def headline_like(self, recorded: Any) -> str:
+        """`headline`, for a case that no longer fails, in the mean its recorded metrics fired on
+        (`kl=2e-10` for a repro recorded at kl=0.007, not its k3)."""
+        return headline(self.divergence, self.error, like=recorded)
 
-def headline(metrics: Any, error: dict | None) -> str:
+
+def headline(metrics: Any, error: dict | None, like: Any = None) -> str:
     """`Evaluation.headline` from a divergence or a metrics dict (a repro's, a worker's report) and
-    an error dict."""
+    an error dict; with `like` (recorded metrics), a case that fires on neither mean shows the one
+    those fired on."""
     if error:
         lines = str(error.get("message", "")).strip().splitlines()
         first = lines[0] if lines else ""
@@ -94,6 +100,8 @@ def headline(metrics: Any, error: dict | None) -> str:
     if bad:  # NaN or +inf out of a path: the means say nothing, where it came from does
         return "NaN/inf from the " + " and the ".join(bad)
     name, value = verdict_mean(metrics)
+    if like and not get("fired", "") and verdict_mean(like)[0] != name:
+        name, value = verdict_mean(like)[0], judged_means(metrics)[1]  # (verdict_mean's other name: "kl")
     if name == "k3" and value == math.inf:
         # fired by one draw landing where the trainer gives probability 0, not by the exact means:
         # say so, and what those are (under the line when that draw made the finding)

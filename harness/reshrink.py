@@ -108,7 +108,7 @@ def shrink_file(path: Path, budget: float, max_evals: int, device: str = "cpu", 
                 f"{first.error['message']})")
             return "skipped"
         if not _fails_as_recorded(repro, first):
-            now = first.headline if first.failed else f"passes ({first.headline})"
+            now = first.headline if first.failed else f"passes ({first.headline_like(repro.metrics)})"
             log(f"does not fail   {path}  (recorded {repro.symptom}"
                 + (f" {repro.error.get('type')}" if repro.error and repro.symptom in ("error", "crash") else "")
                 + f"; its case now gives {first.symptom.value if first.failed else 'no failure'}: {now}; "

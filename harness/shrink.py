@@ -368,6 +368,10 @@ def describe_change(base: Case, moved: Case) -> str:
     a, b = base.to_json(), moved.to_json()
     if base.prompt_ids and not moved.prompt_ids:
         parts.append("every prompt its own")
+    elif a.get("prompt_ids") != b.get("prompt_ids"):
+        parts.append(f"other prompt streams: prompt ids {_ids(a.get('prompt_ids'))} -> {_ids(b.get('prompt_ids'))}")
+    if base.ids != moved.ids:  # (the same sizes and knobs, other tensors: the polish's default-streams move)
+        parts.append(f"other random streams: sequence ids {_ids(base.ids)} -> {_ids(moved.ids)}")
     for name in a:
         if name in ("seq_lens", "prompt_lens", "seq_ids", "prompt_ids", "schema") or a.get(name) == b.get(name):
             continue
@@ -378,6 +382,10 @@ def describe_change(base: Case, moved: Case) -> str:
         elif name != "row_capacity" or not parts:  # (a packing capacity follows the lengths it no longer fits)
             parts.append(f"{name} {_short(a[name])} -> {_short(b.get(name))}")
     return "; ".join(parts) or "the same case"
+
+
+def _ids(v: Any) -> str:
+    return ", ".join(map(str, v)) if v else "default"
 
 
 def _short(v: Any) -> str:

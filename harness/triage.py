@@ -66,6 +66,12 @@ row is tied to the position that produced it by correlating its largest values w
 position's root output, or, where the path names them (`Outcome.intermediates[ROW_POSITIONS]`: (T,
 3) int64 (call, batch row, position) per row), by that: a row cut to top-2 has too few finite
 values to be tied by correlation. Pairs without these get the rest of the report.
+
+*Named intermediates* (a path that is not torch: an ONNX Runtime session, an engine's own kernels):
+`Outcome.intermediates` maps names to tensors (torch or numpy), the same names and shapes on both
+paths; every name both give is compared (relative L2 error over its rows, in the trainer's order)
+against FLOOR_FACTOR x its error in a registered `aligned` pair of the same family (name prefix),
+at least MIN_FLOOR, and the first over its floor is where the divergence starts.
 """
 
 from __future__ import annotations
@@ -187,6 +193,11 @@ class Triage:
     plots: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     first_over: str = ""  # the earliest token over the line (`first_over_line`): where a position bug starts
+    # the tensors both outcomes name in `Outcome.intermediates` (`per_intermediate`): the table for a
+    # path that is not torch (an ONNX Runtime session, an engine's own kernels), in the trainer's order
+    intermediates: list[ModuleRow] = field(default_factory=list)
+    first_intermediate: str | None = None
+    intermediates_floor_from: str = ""
 
     @property
     def first_layer(self) -> str | None:
@@ -696,6 +707,88 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
     return rows, first, first_nonfinite(t_cap, r_cap), notes
 
 
+def _as_rows(x: Any) -> list[Any] | None:
+    """A named intermediate as a list of 1-D float rows (its first dimension; a scalar or 1-D tensor
+    is one row), or None when it is no numeric tensor (numpy arrays are taken too)."""
+    import numpy as np
+    import torch
+
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(x)
+    if not isinstance(x, torch.Tensor) or x.dtype == torch.bool or x.is_complex():
+        return None
+    x = x.detach().to("cpu")
+    if x.dim() <= 1 or x.shape[0] == 0:
+        return [x.reshape(-1)]
+    return list(x.reshape(x.shape[0], -1))
+
+
+def intermediate_errors(trainer: Any, rollout: Any) -> tuple[dict[str, tuple[float, int]], list[str]]:
+    """Name -> (relative L2 error, rows) of the tensors both outcomes name in `intermediates` with one
+    shape (`ROW_POSITIONS` aside), in the trainer's order; and what was named but not compared."""
+    a = {k: v for k, v in (getattr(trainer, "intermediates", None) or {}).items() if k != ROW_POSITIONS}
+    b = {k: v for k, v in (getattr(rollout, "intermediates", None) or {}).items() if k != ROW_POSITIONS}
+    out: dict[str, tuple[float, int]] = {}
+    unlike, only = [], [k for k in list(a) + list(b) if (k in a) != (k in b)]
+    for name in a:
+        if name not in b:
+            continue
+        ra, rb = _as_rows(a[name]), _as_rows(b[name])
+        if ra is None or rb is None or tuple(getattr(a[name], "shape", ())) != tuple(getattr(b[name], "shape", ())):
+            unlike.append(f"{name} (trainer {tuple(getattr(a[name], 'shape', ()))}, rollout "
+                          f"{tuple(getattr(b[name], 'shape', ()))})")
+            continue
+        out[name] = (_rel_error(ra, rb), len(ra))
+    notes = []
+    if unlike:
+        notes.append("named intermediates: " + ", ".join(unlike[:6]) + (", ..." if len(unlike) > 6 else "")
+                     + " differ in shape or are not numeric tensors, so they are not compared (one name, one shape, "
+                     "the same meaning on both paths)")
+    if only:
+        notes.append("named intermediates: only one path names " + ", ".join(only[:6])
+                     + (", ..." if len(only) > 6 else "") + "; nothing to compare them with")
+    return out, notes
+
+
+def intermediates_reference(pair: Any, case: Any, device: str, registry: Any, names: set[str]
+                            ) -> tuple[dict[str, float], str]:
+    """The errors of the same named intermediates in a registered `aligned` pair of the same family
+    (`myort.aligned` for `myort.fp16_logits`) that names some of them: the noise floor of a path
+    whose layout or library differs by design. ({}, "") when none does."""
+    from .execute import run_case
+
+    listing = getattr(registry, "all", None)
+    if listing is None or not names:
+        return {}, ""
+    family = pair.name.split(".")[0]
+    candidates = sorted(p.name for p in listing() if p.expected == "aligned" and p.kind == pair.kind
+                        and p.name != pair.name and p.name.split(".")[0] == family and device in p.devices)
+    for name in candidates[:REFERENCE_CANDIDATES]:
+        try:
+            ev = run_case(registry.get(name), case, device, keep_outcomes=True)
+        except Exception:  # noqa: BLE001 - a pair that cannot run this case is no reference
+            continue
+        if ev.trainer is None or ev.rollout is None:
+            continue
+        errs, _ = intermediate_errors(ev.trainer, ev.rollout)
+        if names & set(errs):
+            return {k: v[0] for k, v in errs.items()}, name
+    return {}, ""
+
+
+def per_intermediate(pair: Any, ev: Any, device: str, registry: Any) -> tuple[list[ModuleRow], str | None, str,
+                                                                             list[str]]:
+    """The named-intermediates table (error vs floor, in the trainer's order), the first one over its
+    floor, what the floor was measured on, and notes."""
+    errs, notes = intermediate_errors(ev.trainer, ev.rollout)
+    if not errs:
+        return [], None, "", notes
+    floors, floor_from = intermediates_reference(pair, ev.case, device, registry, set(errs))
+    rows = [ModuleRow(name, err, max(MIN_FLOOR, FLOOR_FACTOR * floors.get(name, 0.0)), n)
+            for name, (err, n) in errs.items()]
+    return rows, next((r.name for r in rows if r.exceeds), None), floor_from, notes
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Localization by swapping one component at a time, then delta debugging
 # ---------------------------------------------------------------------------------------------
@@ -888,6 +981,17 @@ def _at(t: Triage) -> str:
             else f"at {t.first_module} (first divergent module)")
 
 
+def _intermediate_at(t: Triage) -> str:
+    """Where the named intermediates put the divergence, as the verdict says it."""
+    floor = t.intermediates_floor_from or f"the absolute minimum {MIN_FLOOR:g}"
+    if t.first_intermediate is None:
+        return (f"no named intermediate exceeds its noise floor ({floor}); the paths differ after the last one the "
+                "outcomes name")
+    row = next(r for r in t.intermediates if r.name == t.first_intermediate)
+    return (f"divergence starts at the named intermediate {row.name} (relative error {row.error:.3g}; the first over "
+            f"its noise floor of the {len(t.intermediates)} compared, floor from {floor})")
+
+
 def _measure(t: Triage, loc: Localization | None = None) -> str:
     """The verdict's figures: the judged k3 (the expected k3; `judged`), and the exact KL where it
     crossed the line (the case fails when either does), with their values once the minimal set is
@@ -960,6 +1064,8 @@ def verdict_line(t: Triage) -> str:
         base = _measure(t)
     if t.first_module:
         return f"{base}: divergence starts {at}, beyond the noise floor of {t.floor_from or 'the absolute minimum'}"
+    if t.intermediates and not t.modules:
+        return f"{base}: {_intermediate_at(t)}"
     if t.modules:
         return (f"{base}: no exposed module exceeds its noise floor ({t.floor_from or 'the absolute minimum'}); "
                 "the paths differ after the last compared module or outside the exposed modules")
@@ -972,9 +1078,11 @@ def verdict_line(t: Triage) -> str:
                 "here), so there are no rollout modules to compare the trainer's with, and the trainer's own "
                 "settings do not explain it: the values come from how the engine that recorded them computed them "
                 "(fuzz a pair of that engine's numerics, e.g. hf_pair(..., rollout=BF16), to find which component)")
+    named = (" (a path that is not torch, an ONNX Runtime session say, names its tensors in "
+             "`Outcome.intermediates`, the same names and shapes on both paths, and triage compares them)")
     if loc is not None:
-        return f"{base}; the pair exposes no torch modules to find where"
-    return f"{base}; the pair exposes neither numerics profiles nor torch modules to localize further"
+        return f"{base}; the pair exposes no torch modules or named intermediates to find where{named}"
+    return f"{base}; the pair exposes neither numerics profiles nor torch modules to localize further{named}"
 
 
 def noise_reference(pair: Any, case: Any, device: str, registry: Any, loc: Localization | None
@@ -1021,6 +1129,10 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
         if t.modules and reference is None:
             t.notes.append("no aligned run of the same modules was found (a registered `aligned` pair exposing "
                            f"the same modules); the noise floor is the absolute minimum {MIN_FLOOR:g}")
+        if ev.trainer is not None and ev.rollout is not None:
+            t.intermediates, t.first_intermediate, t.intermediates_floor_from, notes = per_intermediate(
+                pair, ev, device, registry)
+            t.notes += notes
     if ev.symptom is Symptom.DIVERGENCE:  # (a NaN finding or a case that now passes: nothing crosses)
         t.first_over = first_over_line(ev.divergence, repro.case, thr)
     t.verdict = verdict_line(t)
@@ -1238,6 +1350,16 @@ def write_report(t: Triage, reports: Path) -> Path:
                   + (f"{m.rest:.3g} | " if rest else "")
                   + f"{m.tokens} | {'yes' if m.exceeds else ''} |" for m in t.modules]
         lines.append("")
+    if t.intermediates:
+        floor_from = t.intermediates_floor_from or f"none found, the absolute minimum {MIN_FLOOR:g}"
+        lines += ["## Divergence per named intermediate", "",
+                  f"The tensors both paths name in `Outcome.intermediates`, in the trainer's order. Where the "
+                  f"divergence starts: **{t.first_intermediate or 'none'}**. Noise floor = {FLOOR_FACTOR:g} x the "
+                  f"same tensor's error in an aligned run ({floor_from}), at least {MIN_FLOOR:g}.", "",
+                  "| intermediate | relative error | noise floor | rows | over floor |", "|---|---:|---:|---:|---|"]
+        lines += [f"| {m.name} | {m.error:.3g} | {m.floor:.3g} | {m.tokens} | {'yes' if m.exceeds else ''} |"
+                  for m in t.intermediates]
+        lines.append("")
     if t.flips:
         lines += ["## Routing flips per layer", "",
                   f"Near-tie: the boundary score gap (k-th vs (k+1)-th) within {NEAR_TIE:g} or one step of the "
@@ -1338,7 +1460,8 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
             "id": repro.id, "pair": repro.pair, "k3": t.k3, "verdict": t.verdict, "first_module": t.first_module,
             "first_layer": t.first_layer, "floor_from": t.floor_from,
             "first_nonfinite": t.nonfinite.module if t.nonfinite else None,
-            "first_over": t.first_over or None,
+            "first_over": t.first_over or None, "first_intermediate": t.first_intermediate,
+            "intermediates": {m.name: m.error for m in t.intermediates},
             "minimal": loc.minimal if loc else None, "explained": loc.explained if loc else None,
             "k3_minimal_aligned": loc.k3_minimal_aligned if loc else None, "flips": t.flips,
             "report": str(t.report), "plots": [str(p) for p in t.plots], "seconds": t.seconds, "mlflow": attached,
@@ -1350,6 +1473,10 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
                           else ""))
         if t.nonfinite:
             click.echo(f"first module with NaN/inf: {t.nonfinite.module} ({' and '.join(t.nonfinite.paths)})")
+        if t.intermediates:
+            click.echo("named intermediates (relative error, in the trainer's order): " + ", ".join(
+                f"{m.name} {m.error:.3g}{' *' if m.exceeds else ''}" for m in t.intermediates[:12])
+                + (", ..." if len(t.intermediates) > 12 else "") + " (* over the noise floor)")
         if t.flips:
             unscored = any(v.get("unscored") for v in t.flips.values())
             click.echo(f"routing flips per layer (near-tie/other{'/no scores' if unscored else ''}): " + ", ".join(

@@ -90,10 +90,10 @@ def test_replay(path, root):
     if repro.status == "fixed" and ev.failed:
         pytest.fail(f"{path}: fixed regression is back: {ev.symptom.value} {ev.headline}", pytrace=False)
     elif repro.status == "expected" and not ev.failed:
-        pytest.fail(f"{path}: demonstration no longer diverges ({ev.headline}): detection power lost", pytrace=False)
+        pytest.fail(f"{path}: demonstration no longer diverges ({ev.headline_like(repro.metrics)}): detection power lost", pytrace=False)
     elif repro.status == "open" and not ev.failed:
         spec = repro.plugin_spec()
-        pytest.fail(f"{path}: open regression no longer diverges ({ev.headline}): close it as fixed, `harness "
+        pytest.fail(f"{path}: open regression no longer diverges ({ev.headline_like(repro.metrics)}): close it as fixed, `harness "
                     f"regressions close {repro.id} --status fixed{f' --plugin {spec}' if spec else ''} --corpus-file "
                     f"{path} --note 'fixed by ...'`", pytrace=False)
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?

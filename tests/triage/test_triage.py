@@ -238,9 +238,51 @@ def test_triage_without_profiles_or_modules_still_reports(tmp_path):
     c = Case(seed=1, seq_lens=(16,), n_experts=8, top_k=2, tie_fraction=1.0, tie_gap=1e-4, logit_scale=8.0)
     t = triage(made_repro(pair.name, c))
     assert t.localization is None and t.modules == []
-    assert t.verdict.endswith("the pair exposes neither numerics profiles nor torch modules to localize further")
+    assert "the pair exposes neither numerics profiles nor torch modules to localize further (a path that is not " \
+           "torch, an ONNX Runtime session say, names its tensors in `Outcome.intermediates`" in t.verdict
     assert t.flips and sum(v["near_tie"] for v in t.flips.values()) > 0
     assert write_report(t, tmp_path).exists()
+
+
+def test_named_intermediates_of_a_path_that_is_not_torch_say_where_the_divergence_starts(tmp_path):
+    """Two paths without torch modules (numpy here, as an ONNX Runtime session's outputs would be) name
+    their stages in `Outcome.intermediates`: triage compares them in the trainer's order, takes the
+    noise floor from the family's aligned pair, and names the first stage over it (the rollout's
+    projection that drops an input feature), not the float16 activation before it, whose error the
+    aligned pair has too (over the absolute minimum floor: without the reference it would be named)."""
+    import numpy as np
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+    from harness.pairs import Registry
+
+    def build(case, device):
+        return {"x": case.token_randn(16, "x").double().numpy(), "w": np.random.default_rng(0).normal(size=(16, 32))}
+
+    def path(role, bug=False):
+        def run(inp):
+            x, w = inp["x"], inp["w"]
+            act = np.tanh(x) if role == "trainer" else np.tanh(x.astype(np.float16)).astype(np.float64)  # (T, 16)
+            logits = act[:, :-1] @ w[:-1] if bug else act @ w  # (T, 32); the bug: the last feature dropped
+            named = {"act": act, "logits": logits, **({"rollout_only": act} if bug else {})}
+            return Outcome(logprobs=torch.log_softmax(torch.from_numpy(logits), -1), intermediates=named)
+        return run
+
+    reg = Registry()
+    axes = Axes(n_seqs=(1, 2), seq_len=(1, 8), pad_sides=("right",), logit_scale=(1.0, 1.0))
+    for name, bug in (("npy.aligned", False), ("npy.dropped_feature", True)):
+        reg.register(TargetPair(name=name, kind="op", expected="aligned", build=build, trainer=path("trainer"),
+                                rollout=path("rollout", bug), axes=axes))
+    c = Case(seed=4, seq_lens=(6, 3))
+    t = triage(made_repro("npy.dropped_feature", c), registry=reg)
+    assert t.evaluation.failed and [m.name for m in t.intermediates] == ["act", "logits"], t.intermediates
+    act, logits = t.intermediates
+    assert 1e-5 < act.error < act.floor and t.intermediates_floor_from == "npy.aligned"
+    assert logits.error > 0.05 and logits.exceeds and logits.tokens == 9 and t.first_intermediate == "logits"
+    assert "divergence starts at the named intermediate logits (relative error" in t.verdict, t.verdict
+    assert any("only one path names rollout_only" in n for n in t.notes), t.notes
+    text = write_report(t, tmp_path).read_text()
+    assert "## Divergence per named intermediate" in text and "| logits |" in text
 
 
 @pytest.mark.slow

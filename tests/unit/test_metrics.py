@@ -338,6 +338,10 @@ def test_verdict_mean_is_the_mean_that_fired():
     assert verdict_mean({**m, "k3_expected": 0.2, "fired": "k3+kl"}) == ("k3", 0.2)
     assert verdict_mean({**m, "kl": 0.5, "k3_expected": 0.2, "fired": "k3+kl"}) == ("kl", 0.5)
     assert verdict_mean({"k3_kl": 1e-9, "k3_expected": 2e-9, "kl": 2e-9, "fired": ""}) == ("k3", 2e-9)
+    # a case that no longer fires, beside a repro recorded firing on the KL: its KL, not its k3
+    now = {"k3_kl": 5.3e-14, "k3_expected": 4e-14, "kl": 2e-10, "fired": ""}
+    assert headline(now, None) == "k3=4e-14" and headline(now, None, like=m) == "kl=2e-10"
+    assert headline(now, None, like={**m, "fired": "k3"}) == "k3=4e-14"
     assert judged_k3(float("nan"), 0.01) == 0.01 and judged_k3(1e-3, float("inf")) == float("inf")
     assert severity("divergence", float("inf"), 1e-3) == "high"
     err = {"type": "ValueError", "message": "trainer logprobs have shape (0, 64), expected (1, vocab)\nmore"}

@@ -81,6 +81,10 @@ def test_the_neighbours_shrinking_ran_say_where_a_size_threshold_is():
     assert describe_change(base, base.first_sequences(1)) == "its first 1 of 3 sequences"
     assert describe_change(base, base.replace(prompt_ids=())) == "every prompt its own"
     assert describe_change(base, base.replace(temperature=1.0)) == "temperature 0.5 -> 1"
+    # the same sizes and knobs on other tensors is not "the same case" (it read so, as if the repro were flaky)
+    drawn = Case(seed=1, seq_lens=(2, 2), seq_ids=(5, 9), prompt_lens=(3, 3), prompt_ids=(5, 5))
+    assert describe_change(drawn, drawn.replace(seq_ids=())) == "other random streams: sequence ids 5, 9 -> 0, 1"
+    assert describe_change(drawn, drawn.replace(prompt_ids=(9, 9))) == "other prompt streams: prompt ids 5, 5 -> 9, 9"
 
 
 def test_one_line_names_the_sequences_streams():
