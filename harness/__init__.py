@@ -21,6 +21,7 @@ from .pairs import (
     RoutingAxes,
     TargetPair,
     register,
+    token_outcome,
 )
 
 
@@ -34,4 +35,5 @@ def check_pair(pair: TargetPair | str, **kwargs):
 __all__ = [
     "Axes", "Case", "CaseError", "HarnessError", "Outcome", "PairError", "Profiles", "REGISTRY", "Readout",
     "Routing", "RoutingAxes", "TargetPair", "UsageError", "__version__", "check_pair", "register",
+    "token_outcome",
 ]

@@ -202,6 +202,10 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
         raise ValueError(f"{pair.name}: {role} logprobs have shape {tuple(out.logprobs.shape)}, but the rollout is a "
                          f"recording (Outcome.recorded): both paths give ({case.n_tokens}, 2) two-outcome rows, column 0 "
                          "the recorded token's log-probability and column 1 log(1 - p) (targets.hf.paths.two_outcome)")
+    if recorded and twin is None and out.tokens is None:
+        raise ValueError(f"{pair.name}: the rollout's outcome holds its tokens' log-probabilities only "
+                         "(Outcome.recorded, `harness.token_outcome`) but not the tokens: pass "
+                         "token_outcome(logp, tokens=sampled_ids), one id per row in case order")
     if out.routing is None:  # (no router: as the default, an empty dict)
         out.routing = {}
     if out.routing:

@@ -146,6 +146,21 @@ ROW_POSITIONS = "row_positions"
 KEPT_POSITIONS = "harness_kept_positions"
 
 
+def token_outcome(logp_token: Any, tokens: Any = None, routing: dict | None = None) -> Outcome:
+    """The Outcome of a path that reports only its sampled tokens' log-probabilities, as an inference
+    engine asked for `logprobs=0` does: (T,) log-probabilities, one per token in case order, as
+    (T, 2) two-outcome rows {that token, everything else} (column 1 log(1 - p)) with `recorded=True`.
+    The rollout passes its sampled `tokens`; the trainer passes its own log-probabilities at those
+    tokens (`full.gather(1, rollout.tokens[:, None])[:, 0]`, a trainer that reads the rollout). The
+    verdict then reads the sampled tokens' mean k3 (no expectation over a vocabulary to take: a
+    noisier estimate than a full row gives) and the two-outcome KL."""
+    import torch
+
+    lp = torch.as_tensor(logp_token).detach().to(torch.float64).reshape(-1)
+    rows = torch.stack([lp, torch.log(-torch.expm1(lp.clamp_max(0.0)))], 1)  # (T, 2)
+    return Outcome(logprobs=rows, tokens=tokens, routing=routing or {}, recorded=True)
+
+
 @dataclass(frozen=True)
 class Profiles:
     """The triage protocol for your own pair (`TargetPair.profiles`): what each path runs, component

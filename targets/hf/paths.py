@@ -360,10 +360,9 @@ def two_outcome(lp_token: Any) -> Any:
     The metrics' sums over a row's vocabulary see exactly these two terms: spread over (T, V) with
     -inf elsewhere they would add only exact zeros, so the values are the same bit for bit, at
     16 bytes per token instead of 8 V (1.2 GB per 1,000 tokens at V = 151936, on each side)."""
-    import torch
+    from harness.pairs import token_outcome
 
-    lp = lp_token.to(torch.float64)
-    return torch.stack([lp, torch.log(-torch.expm1(lp.clamp_max(0.0)))], 1)
+    return token_outcome(lp_token).logprobs
 
 
 def recorded_outcome(inp: HFInputs) -> Outcome:

@@ -1,3 +1,4 @@
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -315,3 +316,50 @@ def test_a_plugin_file_imports_a_module_beside_it_in_the_campaign_and_its_worker
     code, out, err = harness_cli("fuzz", "sib.pair", "--plugin", str(tmp_path / "plug.py"), "--max-examples", "3",
                                  "--no-tracking", "--corpus", str(tmp_path / "corpus"), cwd=tmp_path.parent)
     assert code == 0 and "sib.pair: clean" in out + err, out + err
+
+
+def test_a_path_that_reports_only_its_sampled_tokens_logprobs_is_judged_on_them():
+    """An engine asked for the sampled tokens' log-probabilities only (`token_outcome`): the verdict
+    reads those tokens' mean k3, the same value as full rows give for the same tokens."""
+    import torch
+
+    from harness import Axes, Case, Outcome, TargetPair, token_outcome
+    from harness.execute import run_case
+
+    def build(case, device):
+        h = case.token_randn(16, "h")
+        return {"h": h, "w": torch.randn(16, 64, generator=torch.Generator().manual_seed(2)) * 0.6,
+                "u": case.token_uniforms("sample")}
+
+    def rows(inp, low):
+        w = inp["w"].bfloat16().float() if low else inp["w"]
+        return torch.log_softmax(inp["h"] @ w, -1)
+
+    def rollout_full(inp):  # samples by inverse CDF on the case's uniforms
+        lp = rows(inp, low=True)
+        c = lp.double().exp().cumsum(-1)
+        tok = torch.searchsorted(c, inp["u"][:, None] * c[:, -1:], right=True).squeeze(-1).clamp_(max=63)
+        return Outcome(logprobs=lp, tokens=tok)
+
+    def rollout_tokens_only(inp):
+        full = rollout_full(inp)
+        return token_outcome(full.logprobs.gather(1, full.tokens[:, None])[:, 0], tokens=full.tokens)
+
+    def trainer_tokens_only(inp, rollout):
+        return token_outcome(rows(inp, low=False).gather(1, rollout.tokens[:, None])[:, 0])
+
+    axes = Axes(n_seqs=(1, 3), seq_len=(1, 8), pad_sides=("right",), logit_scale=(1.0, 1.0))
+    full = TargetPair(name="tok.full", kind="op", expected="diverges", build=build, axes=axes, rollout=rollout_full,
+                      trainer=lambda inp: Outcome(logprobs=rows(inp, low=False)))
+    only = TargetPair(name="tok.only", kind="op", expected="diverges", build=build, axes=axes,
+                      rollout=rollout_tokens_only, trainer=trainer_tokens_only)
+    case = Case(seed=7, seq_lens=(8, 5, 3))
+    a, b = run_case(full, case).divergence, run_case(only, case).divergence
+    assert b.k3_kl == pytest.approx(a.k3_kl, rel=1e-12) and a.k3_kl > 0
+    assert math.isnan(b.k3_expected) and b.per_token["token"].tolist() == a.per_token["token"].tolist()
+    # the rollout must say which tokens its log-probabilities are of
+    nameless = TargetPair(name="tok.nameless", kind="op", expected="diverges", build=build, axes=axes,
+                          rollout=lambda inp: token_outcome(torch.zeros(case.n_tokens) - 1.0),
+                          trainer=trainer_tokens_only)
+    ev = run_case(nameless, case)
+    assert ev.symptom.value == "error" and "but not the tokens: pass token_outcome(logp, tokens=" in ev.error["message"]
