@@ -744,7 +744,7 @@ def intermediate_errors(trainer: Any, rollout: Any) -> tuple[dict[str, tuple[flo
         notes.append("named intermediates: " + ", ".join(unlike[:6]) + (", ..." if len(unlike) > 6 else "")
                      + " differ in shape or are not numeric tensors, so they are not compared (one name, one shape, "
                      "the same meaning on both paths)")
-    if only:
+    if only and out:  # (a path's own bookkeeping, with nothing named on both, is not a table left short)
         notes.append("named intermediates: only one path names " + ", ".join(only[:6])
                      + (", ..." if len(only) > 6 else "") + "; nothing to compare them with")
     return out, notes

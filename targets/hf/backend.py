@@ -693,6 +693,13 @@ class CallContext:
     # on one path alone, its higher expert leading there: an aligned float32 pair flipped on it)
     floor_at: dict[tuple[str, str], Any] | None = None
     raised: dict[tuple[str, str], list] = field(default_factory=dict)  # (kind, layer) -> [keys, ...] raised here
+    # the expert pairs each tie nudge's rounds moved between, by position: recorded by the rollout
+    # (`pairs_at` None: {(kind, layer): [(keys (n,), pairs (rounds, n, 2)), ...]}) and followed by the
+    # trainer (`pairs_at`: {(kind, layer): (keys (m,), pairs (rounds, m, 2))}): which pair a row's
+    # nudge moves is a choice among its router's ranked experts, and two paths whose routers differ
+    # slightly (a stale weight copy) chose differently on near-equal ranks and moved it far apart
+    pairs: dict[tuple[str, str], list] = field(default_factory=dict)
+    pairs_at: dict[tuple[str, str], tuple] | None = None
     captured: dict[str, list] = field(default_factory=dict)  # layer -> [(keys, experts, logits), ...]
     phase: str = ""  # "prefill", "decode", "trainer" or "check": what `current_phase()` says during the forward
     # the rows the LM head computes: None = every position; else an int64 index into the forward's
@@ -792,33 +799,50 @@ class Runner:
         def pre(module: Any, args: tuple) -> tuple:
             x = args[0].reshape(-1, module.weight.shape[-1])  # (N, H)
             ctx = self.ctx
-            k, bias = int(module.top_k), getattr(module, "bias", None)
+            k, w, bias = int(module.top_k), module.weight, getattr(module, "bias", None)
             force = None
             if ctx.tie_layer == i and ctx.forced is not None and ctx.keys is not None:
                 valid = ctx.keys >= 0  # (N,) real positions
                 force = valid.clone()
                 force[valid] = ctx.forced.to(valid.device)[ctx.keys[valid]]
                 if bool(force.any()):
-                    x = tie_nudge(x, module.weight, force, ctx.gap, k, bias, router=module)
+                    x = nudge("forced", x, w, force, ctx.gap, k, bias, module)
             if ctx.floor and ctx.keys is not None and _groups(module) != (1, 1):
                 # a group-limited router's kept groups: a near tie between the last kept and the first
                 # dropped group is decided by layout noise too (an aligned float32 pair of a DeepSeek-V3
                 # checkpoint flipped experts this way). A forced nudge often ends at one: its Newton steps
                 # on the expert boundary converge to the kink where the kept groups change. Raised to
                 # the floor, the higher group leading (a forced row may then sit off its exact gap)
-                close = floored("group", lambda: group_gap(x, module.weight, bias, module) < TIE_FLOOR)
+                close = floored("group", lambda: group_gap(x, w, bias, module) < TIE_FLOOR)
                 if bool(close.any()):
-                    x = group_nudge(x, module.weight, close, TIE_FLOOR, bias, router=module)
+                    x = group_nudge(x, w, close, TIE_FLOOR, bias, router=module)
             if ctx.floor and ctx.keys is not None:
                 # a natural near tie closer than the floor is decided by layout noise (a float32
                 # eager/sdpa pair flipped an expert this way): raised to the floor, the higher expert
                 # id leading, as forced ties are, so both paths choose alike; a bf16 router still flips
-                close = floored("expert", lambda: boundary_gap(x, module.weight, k, bias, module) < TIE_FLOOR)
+                close = floored("expert", lambda: boundary_gap(x, w, k, bias, module) < TIE_FLOOR)
                 if force is not None:
                     close &= ~force
                 if bool(close.any()):
-                    x = tie_nudge(x, module.weight, close, TIE_FLOOR, k, bias, router=module)
+                    x = nudge("expert", x, w, close, TIE_FLOOR, k, bias, module)
             return (x.to(module.weight.dtype),)
+
+        def nudge(kind: str, x: Any, w: Any, rows: Any, gap: float, k: int, bias: Any, module: Any) -> Any:
+            """`tie_nudge` of these rows, moving between the expert pairs the rollout's nudge chose at
+            the same positions (`CallContext.pairs`), which the rollout records."""
+            import torch
+
+            ctx = self.ctx
+            given = None
+            at = ctx.pairs_at.get((kind, layer)) if ctx.pairs_at is not None else None
+            if at is not None:
+                given = follow_pairs(ctx.keys, rows, *at)
+            record: list = []
+            out = tie_nudge(x, w, rows, gap, k, bias, router=module, pairs=given, record=record)
+            if ctx.pairs_at is None and record:
+                ctx.pairs.setdefault((kind, layer), []).append(
+                    (ctx.keys[rows].cpu(), torch.stack(record)[:, rows].cpu()))
+            return out
 
         return pre
 
@@ -1057,8 +1081,27 @@ def boundary_gap(x: Any, w: Any, k: int, bias: Any = None, router: Any = None) -
     return torch.nan_to_num(top[:, k - 1] - top[:, k], nan=math.inf)
 
 
+def follow_pairs(keys: Any, rows: Any, rec_keys: Any, rec_pairs: Any) -> Any:
+    """(rounds, N, 2) int64: for each of the N rows (`keys`) among `rows`, the expert pairs recorded
+    at its position (`rec_keys` (m,), `rec_pairs` (rounds, m, 2)); -1 where none was recorded."""
+    import torch
+
+    dev = keys.device
+    out = torch.full((rec_pairs.shape[0], keys.numel(), 2), -1, dtype=torch.int64, device=dev)
+    if rec_keys.numel() == 0:
+        return out
+    order = torch.argsort(rec_keys)
+    sk = rec_keys[order].to(dev)
+    at = torch.searchsorted(sk, keys).clamp_max(sk.numel() - 1)  # (N,)
+    hit = rows & (sk[at] == keys)
+    if bool(hit.any()):
+        src = order.to(dev)[at[hit]]
+        out[:, hit] = rec_pairs.to(dev)[:, src]
+    return out
+
+
 def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None, rounds: int | None = None,
-              router: Any = None) -> Any:
+              router: Any = None, pairs: Any = None, record: list | None = None) -> Any:
     """Router input x (N, H) moved, for forced rows, so that the router's selection scores
     (`selection_scores` of x @ w.T (+ bias): the logits of a softmax router) have their top-k boundary
     (k-th vs (k+1)-th expert) at exactly `gap` in float64 (the higher expert id leads): the move is
@@ -1068,18 +1111,27 @@ def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None,
     off the boundary).
     Row-wise, so a position gets the same nudge whichever batch it runs in (`harness.strategies.
     near_tie_hidden` picks its rows from a stream over the whole tensor; here rows are positions keyed
-    per sequence, and a forward sees a different set of them on each path)."""
+    per sequence, and a forward sees a different set of them on each path).
+    `pairs` ((rounds, N, 2) int64, -1 = choose): the (leading, trailing) expert pair each round
+    moves a row between, another path's choice (`follow_pairs`); `record`: a list each round's
+    (N, 2) pairs are appended to."""
     import torch
 
     xs, wf = x.to(torch.float64), w.to(torch.float64)  # (N, H), (E, H)
     bf = bias.to(torch.float64) if bias is not None else 0.0  # (E,): gpt-oss's router has one
     sigmoid = _sigmoid_router(router)
-    for _ in range(rounds if rounds is not None else 8 if sigmoid else 3):
+    for i in range(rounds if rounds is not None else 8 if sigmoid else 3):
         logits = xs @ wf.T + bf  # (N, E)
         scores = selection_scores(router, logits) if sigmoid else logits
         top = torch.topk(scores, k + 1, dim=-1).indices  # (N, k+1)
         a, b = top[:, k - 1], top[:, k]
         win, run = torch.maximum(a, b), torch.minimum(a, b)
+        if pairs is not None and i < pairs.shape[0]:
+            given = pairs[i].to(win.device)  # (N, 2)
+            win = torch.where(given[:, 0] >= 0, given[:, 0], win)
+            run = torch.where(given[:, 1] >= 0, given[:, 1], run)
+        if record is not None:
+            record.append(torch.stack([win, run], -1))
         d = wf[win] - wf[run]  # (N, H)
         now = scores.gather(1, win[:, None]) - scores.gather(1, run[:, None])  # (N, 1)
         if sigmoid:  # d(score_win - score_run)/d(alpha) along d

@@ -151,9 +151,18 @@ def make_inputs(case: Any, spec: HFModel, device: str) -> HFInputs:
 
 
 def _ctx(inp: HFInputs, keys: Any, replay: dict | None = None, phase: str = "",
-         floor_at: dict | None = None) -> CallContext:
+         floor_at: dict | None = None, pairs_at: dict | None = None) -> CallContext:
     return CallContext(keys=keys, forced=inp.forced, tie_layer=inp.tie_layer, gap=inp.gap, replay=replay,
-                       floor=inp.tie_floor, phase=phase, floor_at=floor_at, sampling=Sampling(*sampling(inp.case)))
+                       floor=inp.tie_floor, phase=phase, floor_at=floor_at, pairs_at=pairs_at,
+                       sampling=Sampling(*sampling(inp.case)))
+
+
+def _pairs(parts: dict) -> dict:
+    """{(kind, layer): (keys (m,), pairs (rounds, m, 2))}: the expert pairs the rollout's tie nudges
+    moved between, over all its forwards (`CallContext.pairs`)."""
+    import torch
+
+    return {k: (torch.cat([p[0] for p in v]), torch.cat([p[1] for p in v], 1)) for k, v in parts.items()}
 
 
 def _raised(parts: dict) -> dict:
@@ -237,7 +246,7 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
     out = run(ctx, input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=True)
     cache = _cache_of(out)
     logits = out.logits[:, -1].float()  # (B, V)
-    captured, raised = ctx.captured, ctx.raised
+    captured, raised, pairs = ctx.captured, ctx.raised, ctx.pairs
     steps = max(inp.resp_lens)
     u = [torch.rand(r, generator=seq_generator(case, j, "sample")) for j, r in enumerate(inp.resp_lens)]
     lp_rows: list[list] = [[] for _ in range(b)]
@@ -258,7 +267,7 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
         mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.int64)], dim=1)
         pos = torch.tensor([[lens[j] + i] for j in range(b)])
         ctx = _ctx(inp, step_keys.to(dev), phase="decode")
-        ctx.captured, ctx.raised = captured, raised
+        ctx.captured, ctx.raised, ctx.pairs = captured, raised, pairs
         out = run(ctx, input_ids=tok[:, None].to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev),
                   cache=cache, use_cache=True)
         cache = _cache_of(out)
@@ -270,7 +279,8 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
     where = torch.tensor([(i, j, lp_max - 1 if i == 0 else 0) for j, r in enumerate(inp.resp_lens) for i in range(r)],
                          dtype=torch.int64).reshape(-1, 3)
     return Outcome(logprobs=logprobs, tokens=tokens, routing=routing,
-                   intermediates={"route_table": tables, "tie_floor_at": _raised(raised), ROW_POSITIONS: where})
+                   intermediates={"route_table": tables, "tie_floor_at": _raised(raised), "tie_pairs_at": _pairs(pairs),
+                                  ROW_POSITIONS: where})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,13 +327,14 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
         table = {k: v.to(dev) for k, v in (rollout_outcome.intermediates.get("route_table") or {}).items()}
     # the tie floor where the rollout applied it (its decisions, not this path's own: see CallContext)
     floor_at = (rollout_outcome.intermediates or {}).get("tie_floor_at")
+    pairs_at = (rollout_outcome.intermediates or {}).get("tie_pairs_at")  # (and the expert pairs its nudges moved)
     sel_r, sel_c = [], []
     for j, (p, rlen) in enumerate(zip(inp.prompts, inp.resp_lens)):
         r, o = at[j]
         sel_r += [r] * rlen
         sel_c += list(range(o + len(p) - 1, o + len(p) - 1 + rlen))
     sel_r, sel_c = torch.tensor(sel_r, dtype=torch.int64), torch.tensor(sel_c, dtype=torch.int64)
-    ctx = _ctx(inp, keys.reshape(-1).to(dev), table, phase="trainer", floor_at=floor_at)
+    ctx = _ctx(inp, keys.reshape(-1).to(dev), table, phase="trainer", floor_at=floor_at, pairs_at=pairs_at)
     if nx.head_rows == "scored":  # (1, T): the head at the positions that score the response tokens only
         ctx.keep = (sel_r * width + sel_c)[None]
     kwargs = {"use_cache": False} if nx.use_cache == "off" else {}

@@ -846,12 +846,12 @@ def test_a_campaign_says_what_sizes_its_cases_reached_and_what_its_worker_held()
 
 def test_hypothesis_does_not_shrink_a_divergence_to_the_edge_of_the_line():
     """A failure by less than `shrink.EDGE_MARGIN` over the line is a finding when it comes first, but not a
-    step Hypothesis's shrinker may take: before, this campaign's repro read 1.0017x the line (its logit
-    scale shrunk to the edge, where another CPU's last bits may read it clean)."""
+    step Hypothesis's shrinker may take: without the margin, this campaign's repro reads 1.0009x the line (its
+    logit scale shrunk to the edge, where another CPU's last bits may read it clean); with it, 1.52x."""
     from harness.fuzz import CampaignConfig, run_campaign
     from harness.tracking import NullTracker
 
-    cfg = CampaignConfig(pairs=[REGISTRY.get("moe_aggregate.bf16")], seed=1, max_examples=80, write_corpus=False,
+    cfg = CampaignConfig(pairs=[REGISTRY.get("moe_aggregate.bf16")], seed=7, max_examples=80, write_corpus=False,
                          isolation=False, uniform_per_example=0)
     (f,) = run_campaign(cfg, NullTracker(), log=lambda m: None).results[0].findings
     assert f.evaluation.score > 1.2e-3 and f.case.n_tokens == 1, (f.evaluation.score, f.case.one_line())
