@@ -435,6 +435,11 @@ def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
                 "(transformers' default init in a checkpoint) gives every token about the same probability, so a "
                 "precision difference moves almost nothing; test trained weights, or a config-built model with the "
                 "harness's realistic init (HFModel.from_config(config), its default)")
+    if r.max_score < FAR_UNDER * threshold:
+        return (f"max judged {mean_text(r.max_score)}, {threshold / r.max_score:.2g}x under the line {threshold:g} at "
+                "its largest: the paths differ (above float rounding), by far too little for more cases of these axes "
+                "to bring it over; a difference this small is within the line's tolerance unless what the cases do "
+                "not draw amplifies it (trained weights, much longer sequences). `--threshold` lower measures it")
     if getattr(getattr(pair, "profiles", None), "replay", False):  # (an HF pair with router replay)
         return (f"max judged {mean_text(r.max_score)} of the line {threshold:g}, with router replay: the trainer "
                 "reuses the rollout's experts, which removes a difference in routing itself; what is left is how the "
@@ -447,6 +452,7 @@ def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
 
 
 NEAR_UNIFORM = 0.9  # a mean entropy above this fraction of log V: the rollout's outputs are nearly uniform
+FAR_UNDER = 1e-2  # a largest judged mean under this fraction of the line: no case of these axes is near it
 
 
 def _vocab_of(pair: Any) -> int | None:

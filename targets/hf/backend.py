@@ -605,7 +605,7 @@ def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
             _said_idle.add(nx.patch)
             print(f"warning: module patch {nx.patch!r} ({_where(fn)}) changed nothing the harness can see in the "
                   f"{type(model).__name__}: no module replaced, no forward overridden, no hook registered, no "
-                  "attribute, parameter, buffer or config value changed. Its path runs the unpatched model, so a pair comparing it is aligned by "
+                  "attribute, parameter, buffer or config value changed or written. Its path runs the unpatched model, so a pair comparing it is aligned by "
                   "construction; check what the patch selects (a typo in a module or attribute name?).",
                   file=sys.stderr, flush=True)
         model = model if patched is None else patched
@@ -628,14 +628,22 @@ def _visible_state(model: Any) -> tuple:
     """What a module patch can change that the harness sees: each module's object, class, its class's
     forward (a monkeypatched class method), its own attributes (a forward set on it, a scaling factor,
     a flag, private ones too) and the hooks registered on it (forward, pre-forward, backward), each
-    parameter's and buffer's object and the sum of its values (a patch that quantises weights in
-    place), the global module hooks, and the config's values. (A change to a module-level function of
+    parameter's and buffer's object, the sum of its values (a patch that quantises weights in place)
+    and its count of in-place writes (a weight sync that loads the same values: a round trip through
+    an engine's layout is a patch that writes them, whatever they come out as), the global module
+    hooks, and the config's values. (A change to a module-level function of
     the modelling code is not seen.)"""
     import torch
     from torch.nn.modules import module as torch_module
 
     def total(t: Any) -> float:
         return float(t.detach().double().sum()) if isinstance(t, torch.Tensor) and t.numel() else 0.0
+
+    def version(t: Any) -> int:  # in-place writes (a weight sync's load_state_dict of equal values) count
+        try:
+            return int(t._version) if isinstance(t, torch.Tensor) else -1
+        except RuntimeError:  # (an inference tensor keeps no version counter)
+            return -1
 
     def attrs(m: Any) -> tuple:  # its own attributes (a scaling factor, a flag its forward reads, a new method)
         return tuple(sorted((k, v if isinstance(v, (int, float, str, bool, type(None))) else id(v))
@@ -646,8 +654,8 @@ def _visible_state(model: Any) -> tuple:
 
     kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     mods = tuple((name, id(m), type(m), getattr(type(m), "forward", None), attrs(m), hooks(m, kinds),
-                  tuple((k, id(v), total(v)) for k, v in m._parameters.items()),
-                  tuple((k, id(v), total(v)) for k, v in m._buffers.items()))
+                  tuple((k, id(v), total(v), version(v)) for k, v in m._parameters.items()),
+                  tuple((k, id(v), total(v), version(v)) for k, v in m._buffers.items()))
                  for name, m in model.named_modules())
     global_hooks = hooks(torch_module, ("_global_forward_hooks", "_global_forward_pre_hooks",
                                         "_global_backward_hooks", "_global_backward_pre_hooks"))

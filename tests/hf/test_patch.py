@@ -321,9 +321,12 @@ def test_a_patch_that_changes_nothing_is_named_and_one_that_changes_anything_is_
     def pre_hook(model):
         model.model.layers[0].mlp.register_forward_pre_hook(lambda mod, args: args)
 
+    def sync(model):  # a correct weight sync: the same values written back (a trial's healthy pair was warned)
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+
     spec = HFModel.from_config(TINY["qwen3_moe"], init_seed=5)
     for name, fn, idle in (("test_typo", typo, True), ("test_scale", scale, False), ("test_flag", flag, False),
-                           ("test_hook", hook, False), ("test_pre_hook", pre_hook, False)):
+                           ("test_hook", hook, False), ("test_pre_hook", pre_hook, False), ("test_sync", sync, False)):
         register_patch(name, fn)
         try:
             capsys.readouterr()

@@ -624,6 +624,10 @@ def test_a_missed_demonstration_says_whether_its_paths_differed_at_all():
     assert "agreed to float rounding" in same and "more examples" not in same
     under = missed_hint(PairResult("x.weak", "diverges", examples=300, max_score=4e-4), 1e-3)
     assert "max judged 0.0004 of the line 0.001" in under and "more examples" in under
+    # real but far under the line (a rollout one optimizer step stale at 1e-5): not "more examples" either
+    far = missed_hint(PairResult("x.stale", "diverges", examples=300, max_score=5e-8, entropy_sum=600.0,
+                                 entropy_cases=300), 1e-3)
+    assert far.startswith("max judged 5e-08, 2e+04x under the line 0.001 at its largest") and "more examples" not in far
 
 
 def test_a_demonstration_missed_over_a_near_deterministic_rollout_says_so_not_more_examples(tmp_path):
