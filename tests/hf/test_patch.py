@@ -390,3 +390,25 @@ def test_an_engines_own_sampler_is_a_component_caught_and_localized():
     finally:
         for name in ("test_late_temperature", "test_nucleus_one_short", "test_engine_exact"):
             SAMPLERS.pop(name, None)
+
+
+def test_a_weight_sync_is_a_patch_its_bugs_are_caught_and_the_module_named(capsys):
+    """`tests/hf/plugin_sync.py`: the trainer's weights through an engine's layout and back. The
+    correct round trip is aligned to float rounding (and not warned about as a patch that changed
+    nothing); k and v fused in the wrong order in one layer, an expert left uncopied and a router cast
+    to bf16 each fail within three cases; triage names the attention of the layer the swap is in."""
+    from harness import REGISTRY, Case
+    from harness.corpus import Repro
+    from harness.execute import run_case
+    from harness.triage import triage
+
+    REGISTRY.load_plugin(str(Path(__file__).parent / "plugin_sync.py"))
+    cases = [Case(seed=s, seq_lens=(9, 5, 12), prompt_lens=(4, 0, 7)) for s in range(3)]
+    scores = {name: [run_case(REGISTRY.get(name), c).score for c in cases]
+              for name in ("sync.aligned", "sync.kv_swap", "sync.stale_expert", "sync.router_bf16")}
+    assert max(scores.pop("sync.aligned")) < 1e-9 and "changed nothing" not in capsys.readouterr().err
+    assert all(max(v) > 1e-3 for v in scores.values()), scores
+    repro = Repro(path=None, id="kv", pair="sync.kv_swap", symptom="divergence", signature="", status="expected",
+                  threshold=1e-3, case=cases[0], metrics={}, error=None, environment={}, loader={}, found={})
+    t = triage(repro)
+    assert t.first_module and t.first_module.startswith("model.layers.1.self_attn."), t.first_module
