@@ -559,7 +559,17 @@ def _first_sentence(e: BaseException) -> str:
 
 @functools.lru_cache(maxsize=32)
 def path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
-    """The model as one path runs it (a copy of the base converted to its numerics) with hooks."""
+    """The model as one path runs it (a copy of the base converted to its numerics) with hooks. Made
+    outside inference mode (a pair's build runs in it): the copy's parameters are then ordinary
+    tensors, whose count of in-place writes tells a patch that wrote them (a weight sync loading the
+    values it was given) from one that changed nothing (`_visible_state`)."""
+    import torch
+
+    with torch.inference_mode(False):
+        return _path_model(spec, model_key, device)
+
+
+def _path_model(spec: HFModel, model_key: tuple, device: str) -> "Runner":
     import torch
 
     nx = Numerics.from_model_key(model_key)
