@@ -81,8 +81,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Device both paths run on (default: cpu).")
     group.addoption("--harness-threshold", type=float, default=None, metavar="K3",
                     help="Mean k3 above which a case diverges (default: 1e-3).")
-    group.addoption("--harness-corpus", default="corpora", metavar="DIR",
-                    help="Where repros are written (default: corpora).")
+    group.addoption("--harness-corpus", default=None, metavar="DIR",
+                    help="Where repros are written (default: corpora); the corpus tests/test_corpus.py replays "
+                         "(default: the harness repository's own), relative to the working directory.")
     group.addoption("--harness-out", default=os.path.join("reports", "fuzz"), metavar="DIR",
                     help="Where the summary and copies of new repros go (default: reports/fuzz).")
     group.addoption("--harness-plugin", action="append", default=[], metavar="FILE.py|MODULE",
@@ -147,7 +148,7 @@ class FuzzSession:
 
         threshold = opt("harness_threshold")
         self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLD
-        self.corpus = Path(opt("harness_corpus"))
+        self.corpus = Path(opt("harness_corpus") or "corpora")
         self.streams = opt("harness_streams")
         self.uniform_per_example = opt("harness_uniform_per_example")
         if self.uniform_per_example is not None and not 0 <= self.uniform_per_example <= 1000:
@@ -435,7 +436,7 @@ class FuzzSession:
             parts.append(f"--harness-device {self.device_option}")
         if self.streams != 1:
             parts.append(f"--harness-streams {self.streams}")
-        if opt("harness_corpus") != "corpora":
+        if opt("harness_corpus") is not None:
             parts.append(f"--harness-corpus={shlex.quote(str(opt('harness_corpus')))}")
         parts += [f"--harness-timeout {shlex.quote(t)}" for t in self.timeouts]
         if not self.isolation:
@@ -819,7 +820,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"{' and '.join(given)} choose(s) what a fuzz campaign runs: add --harness-fuzz "
                                     "(without it pytest runs the test suite, which these options do not split).")
         corpus = config.getoption("harness_corpus")
-        if corpus != "corpora" and not Path(corpus).expanduser().is_dir():  # (tests/test_corpus.py replays it)
+        if corpus is not None and not Path(corpus).expanduser().is_dir():  # (tests/test_corpus.py replays it)
             raise pytest.UsageError(f"--harness-corpus={corpus}: no such folder, so there is no corpus to replay; give "
                                     "the folder your campaigns write repros to (the one `harness fuzz --corpus` or "
                                     "`pytest --harness-fuzz --harness-corpus` was given).")

@@ -35,9 +35,11 @@ CORPUS = Path(__file__).resolve().parents[1] / "corpora"
 
 
 def corpus_root(config) -> Path:
-    """The corpus these tests replay: `--harness-corpus=DIR` when given, else this repository's corpora/."""
-    given = config.getoption("harness_corpus", default="corpora")
-    if given in (None, "corpora"):
+    """The corpus these tests replay: `--harness-corpus=DIR` when given (relative to the working
+    directory: `--harness-corpus=corpora` from another repository is that repository's), else this
+    repository's corpora/."""
+    given = config.getoption("harness_corpus", default=None)
+    if given is None:
         return CORPUS
     return Path(given).expanduser().resolve()  # (the harness's pytest plugin refused a folder that is not there)
 

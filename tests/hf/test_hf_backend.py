@@ -588,8 +588,8 @@ def test_a_group_limited_routers_kept_groups_are_not_decided_by_layout_noise(mon
 
         nudge = backend.tie_nudge
 
-        def nudge_to_the_kink(x, w, forced, gap, k, bias=None, rounds=None, router=None):
-            y = nudge(x, w, forced, gap, k, bias, rounds=rounds, router=router)
+        def nudge_to_the_kink(x, w, forced, gap, k, bias=None, rounds=None, router=None, **kw):
+            y = nudge(x, w, forced, gap, k, bias, rounds=rounds, router=router, **kw)
             return group_nudge(y, w, forced, 1e-9, bias, router=router) if backend._groups(router) != (1, 1) else y
 
         monkeypatch.setattr(backend, "tie_nudge", nudge_to_the_kink)
