@@ -321,14 +321,15 @@ def test_the_corpus_tests_replay_a_repro_of_a_plugin_kept_outside_the_repository
     gone = corpus_tests(f"--harness-corpus={outside / 'nowhere'}")
     said = gone.stdout + gone.stderr
     assert gone.returncode == 4 and "no such folder" in said and "corpus_root" not in said, said
-    # the harness's own corpus tests run from another repository with `--harness-corpus=corpora`: that
-    # repository's corpora/ (the literal value had meant the harness's own: 26 passed, none of theirs)
+    # another repository runs the packaged corpus tests with `--harness-corpus=corpora`: its own corpora/
+    # (the literal value had meant the harness repository's: 26 passed, none of theirs), and with no
+    # option, the corpora/ of the working directory
     shutil.copytree(outside / "corpus", outside / "corpora")
-    theirs = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             str(ROOT / "tests" / "test_corpus.py"), f"--harness-plugin={plugin}",
-                             "--harness-corpus=corpora"], cwd=outside, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert theirs.returncode == 0 and "2 passed" in theirs.stdout, theirs.stdout + theirs.stderr
+    for extra in (["--harness-corpus=corpora"], []):
+        theirs = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                                 "harness.corpus_tests", f"--harness-plugin={plugin}", *extra], cwd=outside,
+                                capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        assert theirs.returncode == 0 and "2 passed" in theirs.stdout, theirs.stdout + theirs.stderr
     # a damaged repro fails its own test with what is wrong, not the harness's source around a raise
     damaged = next((outside / "corpus").rglob("*.json"))
     damaged.write_text(damaged.read_text()[:300])
