@@ -112,6 +112,8 @@ def check_recorded_metrics(path, repro, result) -> None:
     torch, numpy, CPU); elsewhere within last-bit noise (`beyond_noise`: the same symptom and
     error, a k3 within 1%); a fixed repro's metrics are the bug's (not compared)."""
     elsewhere = machine_differences(repro.environment)
+    spec = repro.plugin_spec()
+    again = f"harness rerecord{f' --plugin {spec}' if spec else ''}"
     if result.nondeterministic:  # its pair gave other values on the same case when it was found
         assert not result.failure_mismatches(), (
             f"{path}: replay fails another way than recorded, as (recorded, replayed): "
@@ -119,12 +121,12 @@ def check_recorded_metrics(path, repro, result) -> None:
     elif not elsewhere:
         assert result.bit_for_bit, (f"{path}: replay differs from the recorded metrics, as (recorded, replayed): "
                                     f"{result.mismatches}; if the change is expected (a new torch, a metric "
-                                    "computed differently), `harness rerecord` rewrites them")
+                                    f"computed differently), `{again} {path}` rewrites them")
     else:
         beyond = result.beyond_noise()
         assert not beyond, (f"{path}: replay differs from the recorded metrics beyond another machine's last bits, "
                             f"as (recorded, replayed): {beyond} (recorded on: {'; '.join(elsewhere)}); if the change "
-                            "is expected, `harness rerecord --accept-changes` rewrites them")
+                            f"is expected, `{again} --accept-changes {path}` rewrites them")
 
 
 def test_corpus_files_are_named_by_signature(root):

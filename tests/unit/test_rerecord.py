@@ -372,3 +372,17 @@ def test_a_hugging_face_repro_without_transformers_asks_for_the_extra_not_a_rena
 
     why = load_plugin_for(load_repro(path), registry=Registry())
     assert "install the hf extra" in why and "renamed" not in why
+
+
+def test_the_corpus_tests_name_the_rerecord_command_of_the_file_that_moved(tmp_path):
+    from harness.corpus import load_repro, replay
+    from harness.corpus_tests import check_recorded_metrics
+
+    src = next((ROOT / "corpora" / "rmsnorm.cast_order").glob("*.json"))
+    data = json.loads(src.read_text())
+    data["metrics"]["kl"] = 2 * data["metrics"]["kl"] + 1e-6  # moved beyond any machine's last bits
+    path = tmp_path / src.name
+    path.write_text(json.dumps(data))
+    with pytest.raises(AssertionError) as e:
+        check_recorded_metrics(path, load_repro(path), replay(load_repro(path)))
+    assert f" {path}` rewrites them" in str(e.value) and "`harness rerecord" in str(e.value), str(e.value)
