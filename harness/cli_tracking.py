@@ -37,10 +37,27 @@ def _day(iso: str) -> str:
     return iso.replace("T", " ")[:16] if iso else "-"
 
 
+def corpus_status(r: dict[str, Any]) -> str | None:
+    """The status the regression's corpus file says (its `corpus_path`, from the working directory),
+    None where there is no such file here or it does not read."""
+    from pathlib import Path
+
+    p = r.get("corpus_path")
+    if not p:
+        return None
+    try:
+        status = json.loads(Path(p).read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return status if isinstance(status, str) else None
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     head = ("id", "pair", "symptom", "k3 / kl", "first seen", "last seen", "count", "status", "severity (worst seen)")
     body = [(r["id"], r["pair"], r["symptom"], _fmt_mean(r), _day(r["first_seen"]), _day(r["last_seen"]),
-             str(r["seen_count"]), r["status"] + (" (recurrence)" if r["recurrence"] else ""), r["severity"])
+             str(r["seen_count"]), r["status"] + (" (recurrence)" if r["recurrence"] else "")
+             + (f"; corpus file: {r['corpus_status']}" if r.get("corpus_status") not in (None, r["status"]) else ""),
+             r["severity"])
             for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body])
@@ -62,6 +79,8 @@ def regressions(ctx: click.Context, status: str | None, pair: str | None, as_jso
     from .mlflow_tracking import list_regressions, resolve_uri
 
     rows = list_regressions(tracking_uri, status=status, pair=pair)
+    for r in rows:
+        r["corpus_status"] = corpus_status(r)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -73,6 +92,14 @@ def regressions(ctx: click.Context, status: str | None, pair: str | None, as_jso
     click.echo(f"\n{len(rows)} regression(s) in {resolve_uri(tracking_uri)}. "
                "`harness regressions show ID` for one, with the command that replays it (`harness replay "
                "--run-id ID`, and `--plugin FILE` for a plugin's pair).")
+    apart = [r for r in rows if r["corpus_status"] not in (None, r["status"])]
+    if apart:  # (a file restored with git, a close that reached one side only): the replay tests judge the file
+        click.echo(f"{len(apart)} regression(s) whose corpus file says another status than the store: "
+                   + ", ".join(f"{r['id']} (store {r['status']}, file {r['corpus_status']})" for r in apart[:6])
+                   + (", ..." if len(apart) > 6 else "") + ". The corpus tests judge the file: where it says fixed or "
+                   "wontfix, `harness regressions close ID --status <that>` brings the store in step (fixed replays "
+                   "the repro first); where it says open, the next campaign that sees the bug updates the store, or "
+                   "restore the file's closed status with git.")
 
 
 @regressions.command("show")

@@ -214,6 +214,13 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     code, out, err = run_cli(capsys, "regressions", "show", f.id)  # the close note is history now, not a reason
     assert code == 0 and "reopened " in out and "the close note said: fixed by abc123" in out, out
     assert "as fixed:" not in out
+    # the store reopened it, its corpus file still says fixed (restored with git, say): the list says so
+    code, out, err = run_cli(capsys, "regressions")
+    assert code == 0 and "open (recurrence); corpus file: fixed" in out, out
+    assert f"1 regression(s) whose corpus file says another status than the store: {f.id} (store open, file fixed)" \
+        in out, out
+    code, out, err = run_cli(capsys, "regressions", "--json")
+    assert json.loads(out)[0]["corpus_status"] == "fixed"
 
     # the same campaign uploading the same finding again (a retried sync) changes nothing, nor does
     # an earlier campaign's upload repeated after a later one (a restored spool)
