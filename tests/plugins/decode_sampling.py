@@ -9,7 +9,8 @@ from harness.sampling import process_logits, sample_rows
 
 VOCAB, HIDDEN = 256, 32
 AXES = Axes(n_seqs=(1, 8), seq_len=(1, 48), prompt_len=(0, 16), logit_scale=(1.0, 16.0),
-            temperature=(0.5, 2.0), top_p=(0.8, 1.0), sample_top_k=(0, 64))
+            temperature=(0.5, 2.0), top_p=(0.8, 1.0), sample_top_k=(0, 64),
+            pad_sides=("right",))  # (each sequence decodes on its own: no padded batch)
 
 
 def build(case, device):

@@ -16,7 +16,7 @@ from harness.sampling import process_logits, sample_rows
 
 VOCAB, HIDDEN = 256, 32
 AXES = Axes(n_seqs=(1, 8), seq_len=(1, 16), prompt_len=(1, 16), prompt_group=(1, 4), logit_scale=(1.0, 16.0),
-            temperature=(0.5, 2.0))
+            temperature=(0.5, 2.0), pad_sides=("right",))  # (each request decodes on its own: no padded batch)
 
 
 def build(case, device):
