@@ -30,10 +30,11 @@ from pathlib import Path
 import click
 
 
-def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False) -> tuple[str, str]:
+def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False,
+                  reason: str | None = None) -> tuple[str, str]:
     """(outcome, detail) for one file: outcome is "rewritten", "unchanged", "verdict changed", "metrics
     changed" (a metric moved beyond last-bit noise, `ReplayResult.beyond_noise`: left alone unless
-    `accept_changes`) or "skipped"."""
+    `accept_changes`) or "skipped". `reason`: the person's, kept in the history entry of a rewrite."""
     from . import corpus
     from .env import METRICS_ON, machine_differences, record_metrics_machine, recorded_threads
     from .errors import HarnessError
@@ -60,7 +61,8 @@ def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False)
         return "unchanged", "fixed: its metrics are the bug's, kept as they are"
     if fixed_clean:  # edited: the bug's metrics stay; the fingerprint becomes the edited case's
         repro.case_edited = False
-        repro.history.append({"event": "rerecorded", "at": corpus.now_iso(), "note": "case edited by hand, "
+        repro.history.append({"event": "rerecorded", "at": corpus.now_iso(), **({"why": reason} if reason else {}),
+                              "note": "case edited by hand, "
                               "fingerprint renewed; fixed: its metrics stay those of the bug"})
         repro.save(path)
         return "rewritten", "fixed: case fingerprint renewed, the bug's metrics kept"
@@ -74,7 +76,8 @@ def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False)
         # recorded without a fact, or on another machine, and reproduced bit for bit here: the
         # metrics are this machine's too, and a replay here can hold them to their last bit
         repro.environment = record_metrics_machine(repro.environment, device, threads)
-        repro.history.append({"event": "rerecorded", "at": corpus.now_iso(), "differed_in": elsewhere,
+        repro.history.append({"event": "rerecorded", "at": corpus.now_iso(), **({"why": reason} if reason else {}),
+                              "differed_in": elsewhere,
                               "note": "metrics reproduced bit for bit on this machine; its facts recorded in "
                                       f"environment.{METRICS_ON}"})
         repro.save(path)
@@ -106,7 +109,7 @@ def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False)
         threads = torch.get_num_threads()
         repro.environment = {**repro.environment, "torch_threads": threads}
     repro.environment = record_metrics_machine(repro.environment, device, threads)
-    entry = {"event": "rerecorded", "at": corpus.now_iso()}
+    entry = {"event": "rerecorded", "at": corpus.now_iso(), **({"why": reason} if reason else {})}
     if elsewhere:
         entry["differed_in"] = elsewhere
     if not edited:  # (an edited case's replaced metrics are in its "case edited" entry)
@@ -130,7 +133,11 @@ def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False)
                    "plugin kept outside this repository needs it.")
 @click.option("--accept-changes", is_flag=True, help="Also rewrite metrics that moved beyond last-bit noise (more "
               "than 1%) with the verdict unchanged: a metric now computed differently. The history keeps the old.")
-def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, ...], accept_changes: bool) -> None:
+@click.option("--note", "reason", default=None, metavar="TEXT",
+              help="Why the metrics moved (a new torch, a reduction order changed on purpose): kept in each "
+                   "rewritten file's history entry.")
+def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, ...], accept_changes: bool,
+                     reason: str | None) -> None:
     """Replay repros and rewrite their recorded metrics where the verdict is unchanged."""
     from . import corpus
     from .cli import load_plugins
@@ -143,7 +150,7 @@ def rerecord_command(paths: tuple[Path, ...], device: str, plugins: tuple[str, .
     counts: dict[str, int] = {}
     for f in files:
         try:
-            outcome, detail = rerecord_file(f, device, accept_changes)
+            outcome, detail = rerecord_file(f, device, accept_changes, reason)
         except OSError as e:  # a full disk, a read-only folder: the file is as it was (writes are atomic)
             outcome, detail = "not written", (f"{e.strerror or e} (errno {e.errno}); the file is unchanged: free "
                                               "space or make its folder writable, then run again")

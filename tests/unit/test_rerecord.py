@@ -226,10 +226,11 @@ def test_a_metric_moved_beyond_noise_is_not_rerecorded_unless_accepted(tmp_path,
     assert path.read_text() == before
     code, out, err = harness_cli("rerecord", str(path))
     assert code == 1 and "metrics changed" in out, out + err
-    outcome, detail = rerecord_file(path, accept_changes=True)
-    assert outcome == "rewritten" and "metric(s) moved: k3_expected" in detail
+    code, out, err = harness_cli("rerecord", "--accept-changes", "--note", "reduction order changed on purpose",
+                                 str(path))
+    assert code == 0 and "rewritten" in out and "metric(s) moved: k3_expected" in out, out + err
     last = json.loads(path.read_text())["history"][-1]
-    assert last["changed_beyond_noise"] == ["k3_expected"]
+    assert last["changed_beyond_noise"] == ["k3_expected"] and last["why"] == "reduction order changed on purpose"
     assert last["replaced_metrics"]["k3_expected"] == data["metrics"]["k3_expected"]
 
 
