@@ -1352,10 +1352,12 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
 
 def warm_hypothesis() -> None:
     """Hypothesis's one-off scan of the process's local modules for constants (it draws them now and
-    then), done before a campaign's clock starts. Left to the first draw, it took 0.38 s of the first
-    pair's time share (the built-in pairs loaded; more under pytest, whose test modules are local
-    too): a short budget's first pair ran no case ("not run"). The same modules are loaded either way,
-    so the constants, and the draws, are the same. (Hypothesis's internals: without them, nothing.)"""
+    then), done before a campaign's clock starts. Left to the first draw, it took the first pair's
+    time share: 0.4-1.1 s in a folder without Hypothesis's cache of them (`.hypothesis/constants/`: a
+    fresh CI checkout, pytest's tmp dirs), 0.03-0.14 s with it (`reports/scripts/hypothesis_scan.py`),
+    more under pytest, whose test modules are local too; a 2 s campaign's first pair ran no case ("not
+    run"). The same modules are loaded either way, so the constants, and the draws, are the same.
+    (Hypothesis's internals: without them, nothing.)"""
     try:
         from hypothesis.internal.conjecture.providers import _get_local_constants
     except ImportError:

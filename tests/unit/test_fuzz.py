@@ -862,9 +862,9 @@ def test_hypothesis_does_not_shrink_a_divergence_to_the_edge_of_the_line():
 
 
 def test_hypothesis_scans_the_local_modules_before_a_campaigns_clock_starts():
-    """Hypothesis's first draw in a process scans every local module's source for constants (0.38 s with
-    the built-in pairs loaded, more under pytest): left to the first draw it took the first pair's time
-    share, and a 2 s campaign's pair read "not run" on a loaded machine."""
+    """Hypothesis's first draw in a process scans every local module's source for constants (0.4-1.1 s in a
+    folder without its cache, reports/scripts/hypothesis_scan.py): left to the first draw it took the first
+    pair's time share, and a 2 s campaign's pair read "not run" on a loaded machine."""
     import sys
 
     providers = pytest.importorskip("hypothesis.internal.conjecture.providers")
