@@ -383,7 +383,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     click.echo(f"\n{result.examples} cases in {result.seconds:.1f}s, {n} finding(s); seed {result.seed}.")
     peaks = sorted(((r.worker_peak_mib, r.pair) for r in result.results if r.worker_peak_mib), reverse=True)
     if peaks:  # (what sizing a machine for these pairs needs; the campaign process itself holds no model)
-        click.echo("worker memory (most resident while a pair's cases ran): "
+        click.echo("worker memory (peak resident while a pair's cases ran): "
                    + ", ".join(f"{p} {m:.0f} MiB" for m, p in peaks[:4]) + (f", ... ({len(peaks)} pairs)"
                                                                              if len(peaks) > 4 else ""))
     elsewhere = [r.pair for r in result.results if caught_elsewhere_maybe(r, cfg)]  # other streams: other shards'

@@ -161,8 +161,8 @@ class PairResult:
     # and response tokens of one case). What a clean verdict covered: a bug past a size switch (a batch
     # bucket, a chunked prefill, a workspace) is found only by cases past it
     largest: tuple[int, int, int, int] = (0, 0, 0, 0)
-    # the most resident memory (MiB) its worker process was read at while its cases ran (sampled every
-    # `worker.MEMORY_CHECK_SECONDS`; 0: not isolated, or never read): what a machine needs for the pair
+    # the peak resident memory (MiB) of its worker process while its cases ran (`Worker.peak_seen`: the
+    # process's VmHWM, started over for each pair; 0: not isolated): what a machine needs for the pair
     worker_peak_mib: float = 0.0
     # the largest worst-sequence mean (`Divergence.k3_expected_seq_max`, `kl_seq_max`) of its cases judged over
     # the batch: above the line, some sample diverged where the batch mean did not (`missed_hint`, and its pair's line in `run_campaign`)
@@ -1078,6 +1078,7 @@ class Executor:
     def _retire(self, worker: Any) -> None:
         self._restarts += worker.restarts
         self._memory_retired.append(worker.memory_seen)
+        worker.settle_peak()
         self._peaks_retired.append(worker.peak_seen)
         worker.close()
 
@@ -1091,9 +1092,12 @@ class Executor:
         return memory_note(max(g for g, _ in seen), sum(n for _, n in seen)) if seen else ""
 
     def worker_peak(self, pair: str) -> float:
-        """The most resident memory (MiB) a worker read while this pair's cases ran (0: never read)."""
-        live = [w.peak_seen for w in (self.worker, *(w for _, w in self.parked.values())) if w is not None]
-        return max((m[pair] for m in (*self._peaks_retired, *live) if pair in m), default=0.0)
+        """The peak resident memory (MiB) of a worker while this pair's cases ran (0: never read)."""
+        workers = [w for w in (self.worker, *(w for _, w in self.parked.values())) if w is not None]
+        for w in workers:
+            w.settle_peak()
+        return max((m[pair] for m in (*self._peaks_retired, *(w.peak_seen for w in workers)) if pair in m),
+                   default=0.0)
 
     def _resume(self, source: str) -> None:
         """Make the parked worker of this source (the one furthest along) the current one."""

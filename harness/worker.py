@@ -101,6 +101,29 @@ def _rss_mib(pid: int) -> float | None:
         return None
 
 
+def _peak_mib(pid: int) -> float | None:
+    """The most resident memory of a process since it started or since `_reset_peak` (Linux's VmHWM),
+    in MiB; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / 1024  # (kB)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_peak(pid: int) -> bool:
+    """Start a process's VmHWM over from its resident size now (Linux 4.0+: `clear_refs` 5)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class WorkerError(HarnessError):
     """A worker cannot run a pair at all (the pair does not load there): a setup error, not a finding."""
 
@@ -211,7 +234,10 @@ class Worker:
         # stderr are hidden where a pytest item passes): [the largest growth counted for it (MiB) past the
         # allowance, replacements at the cap its growth caused]
         self.memory_seen: dict[str, list] = {}
-        self.peak_seen: dict[str, float] = {}  # pair -> the most resident MiB read while its cases ran
+        # pair -> the most resident MiB while its cases ran: the process's peak (VmHWM), started over when
+        # another pair's first case is sent to an idle worker (`_peak_for`), else its size at each check
+        self.peak_seen: dict[str, float] = {}
+        self._peak_pair = ""  # the pair the process's peak since it was last started over belongs to
         self._replace_for = ""
         self._replace = ""
         self.memory_restarts = 0
@@ -314,6 +340,8 @@ class Worker:
             self._ensure_started(wall)
             if not self.queue:
                 self._clear_log()
+                if pair.name != self._peak_pair:  # (nothing in flight: the peak so far is the other pair's)
+                    self._peak_for(pair.name)
             try:
                 self.conn.send(("case", pair.name, pair.source, case, threshold))
                 break
@@ -503,7 +531,8 @@ class Worker:
         rss = _rss_mib(self.proc.pid)
         if rss is None:
             return
-        self.peak_seen[name] = max(self.peak_seen.get(name, 0.0), rss)
+        peak = _peak_mib(self.proc.pid) if name == self._peak_pair else None
+        self.peak_seen[name] = max(self.peak_seen.get(name, 0.0), rss, peak or 0.0)
         seen = self._mem.setdefault(name, [rss, 0.0])
         if self._mem_last is not None and self._mem_last[0] == name:  # growth while this pair's cases ran
             seen[1] += rss - self._mem_last[1]  # (another pair's model loaded in between is not its own)
@@ -526,6 +555,19 @@ class Worker:
             self._replace = (f"the worker process running {name}'s cases holds {rss:.0f} MiB, above the cap of "
                              f"{cap:.0f} MiB")
             self._replace_for = name
+
+    def settle_peak(self) -> None:
+        """Count the process's peak since it was last started over for the pair it belongs to (its last
+        cases ran after the last check)."""
+        if self.proc is not None and self._peak_pair:
+            peak = _peak_mib(self.proc.pid)
+            if peak is not None:
+                self.peak_seen[self._peak_pair] = max(self.peak_seen.get(self._peak_pair, 0.0), peak)
+
+    def _peak_for(self, name: str) -> None:
+        """The next cases are `name`'s: settle the peak so far for its pair, start the peak over."""
+        self.settle_peak()
+        self._peak_pair = name if self.proc is not None and _reset_peak(self.proc.pid) else ""
 
     def _wait_ready(self, wall: float | None) -> bool:
         limit = _START_TIMEOUT if wall is None else max(0.0, min(_START_TIMEOUT, wall - time.monotonic()))

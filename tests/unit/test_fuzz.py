@@ -848,6 +848,34 @@ def test_a_campaign_says_what_sizes_its_cases_reached_and_what_its_worker_held()
     assert m["pair.model.aligned.largest_tokens"] == tokens and m["pair.model.aligned.worker_peak_mib"] == r.worker_peak_mib
 
 
+def test_a_pairs_worker_memory_is_its_peak_not_what_stays_resident_after_a_case(tmp_path):
+    """A path whose temporaries are large and freed before it returns (a trainer's (T, V) logits): the
+    worker's size read between cases missed them (a trial's 18k-token cases peaked at 3468 MiB, the
+    summary said 618). It is the process's peak (VmHWM), started over for each pair."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc (Linux)")
+    from harness.fuzz import CampaignConfig, run_campaign
+    from harness.tracking import NullTracker
+
+    plugin = tmp_path / "mem_pairs.py"
+    plugin.write_text(
+        "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+        "def build(case, device):\n    return torch.log_softmax(case.token_randn(8, 'x'), -1)\n"
+        "def heavy(x):  # 400 MiB of float32 touched, then freed before the outcome goes back\n"
+        "    big = torch.ones(100 * 2**20)\n    return Outcome(logprobs=x + 0 * float(big[-1]))\n"
+        "for name, rollout in (('mem.heavy', heavy), ('mem.light', lambda x: Outcome(logprobs=x.clone()))):\n"
+        "    register(TargetPair(name=name, kind='op', expected='aligned', build=build, rollout=rollout,\n"
+        "        trainer=lambda x: Outcome(logprobs=x), axes=Axes(n_seqs=(1, 2), seq_len=(1, 3), pad_sides=('right',))))\n")
+    REGISTRY.load_plugin(str(plugin))
+    cfg = CampaignConfig(pairs=[REGISTRY.get("mem.heavy"), REGISTRY.get("mem.light")], seed=1, max_examples=3,
+                         write_corpus=False, isolation=True)
+    result = run_campaign(cfg, NullTracker(), log=lambda m: None)
+    peak = {r.pair: r.worker_peak_mib for r in result.results}
+    assert peak["mem.heavy"] > peak["mem.light"] + 300, peak
+
+
 def test_hypothesis_does_not_shrink_a_divergence_to_the_edge_of_the_line():
     """A failure by less than `shrink.EDGE_MARGIN` over the line is a finding when it comes first, but not a
     step Hypothesis's shrinker may take: without the margin, this campaign's repro reads 1.0009x the line (its
