@@ -824,7 +824,7 @@ class Runner:
                 force = valid.clone()
                 force[valid] = ctx.forced.to(valid.device)[ctx.keys[valid]]
                 if bool(force.any()):
-                    x = nudge("forced", x, w, force, ctx.gap, k, bias, module)
+                    x = nudge("forced", x, force, ctx.gap, module)
             if ctx.floor and ctx.keys is not None and _groups(module) != (1, 1):
                 # a group-limited router's kept groups: a near tie between the last kept and the first
                 # dropped group is decided by layout noise too (an aligned float32 pair of a DeepSeek-V3
@@ -842,15 +842,16 @@ class Runner:
                 if force is not None:
                     close &= ~force
                 if bool(close.any()):
-                    x = nudge("expert", x, w, close, TIE_FLOOR, k, bias, module)
+                    x = nudge("expert", x, close, TIE_FLOOR, module)
             return (x.to(module.weight.dtype),)
 
-        def nudge(kind: str, x: Any, w: Any, rows: Any, gap: float, k: int, bias: Any, module: Any) -> Any:
+        def nudge(kind: str, x: Any, rows: Any, gap: float, module: Any) -> Any:
             """`tie_nudge` of these rows, moving between the expert pairs the rollout's nudge chose at
             the same positions (`CallContext.pairs`), which the rollout records."""
             import torch
 
             ctx = self.ctx
+            w, k, bias = module.weight, int(module.top_k), getattr(module, "bias", None)
             given = None
             at = ctx.pairs_at.get((kind, layer)) if ctx.pairs_at is not None else None
             if at is not None:
