@@ -860,8 +860,8 @@ def test_a_rollout_with_slightly_other_weights_meets_forced_ties_where_the_train
     """A rollout running weights 1e-3 off the trainer's (a weight sync one step stale), with router
     replay: forced near ties must not amplify that. Each path's tie nudge moved a row between the two
     experts its own router ranked k-th and (k+1)-th, and where ranks were close the two paths chose
-    different pairs and moved the router input far apart (a user's stale-sync repro read k3 0.0991
-    with forced exact ties, 8e-5 without them); the trainer now follows the rollout's pairs."""
+    different pairs and moved the router input far apart (here seeds 4 and 5 read 0.0099 and 0.0154
+    forced, 1e-4 plain: reports/scripts/forced_ties_stale.py); the trainer now follows the rollout's pairs."""
     from targets.hf import register_patch
     from targets.hf.configs import TINY
 

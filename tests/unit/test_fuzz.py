@@ -850,8 +850,8 @@ def test_a_campaign_says_what_sizes_its_cases_reached_and_what_its_worker_held()
 
 def test_a_pairs_worker_memory_is_its_peak_not_what_stays_resident_after_a_case(tmp_path):
     """A path whose temporaries are large and freed before it returns (a trainer's (T, V) logits): the
-    worker's size read between cases missed them (a trial's 18k-token cases peaked at 3468 MiB, the
-    summary said 618). It is the process's peak (VmHWM), started over for each pair."""
+    worker's size read between cases missed them (this test's heavy pair read 188 MiB before). It is the
+    process's peak (VmHWM), started over for each pair."""
     import sys
 
     if not sys.platform.startswith("linux"):
