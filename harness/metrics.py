@@ -629,7 +629,8 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
             kl_seq = np.bincount(seg, weights=kl, minlength=b) / counts
             k3e_seq_max, kl_seq_max = float(k3e_seq.max()), float(kl_seq.max())
             both = np.fmax(k3e_seq, kl_seq)  # (NaN only where both are)
-            worst = 0 if np.isnan(both).all() else int(np.nanargmax(both))
+            top = both.max()  # (NaN when any is: then the largest of the others, as nanargmax)
+            worst = int(both.argmax()) if top == top else 0 if np.isnan(both).all() else int(np.nanargmax(both))
         pt = np.exp(lt)
         pr = pt if equal else np.exp(lr)
         ct, cr = pt - _mean(pt), pr - _mean(pr)
@@ -663,7 +664,7 @@ def _compare(trainer: Any, rollout: Any, seq_lens: tuple[int, ...], tokens: Any,
             n_tokens=n,
             per_token={
                 "sequence": seg,
-                "position": np.arange(n) - np.repeat(np.cumsum(seq_lens) - seq_lens, seq_lens) if n else np.zeros(0, int),
+                "position": np.arange(n) - (np.cumsum(seq_lens) - seq_lens)[seg] if n else np.zeros(0, int),
                 "token": tok,
                 "logp_trainer": lt,
                 "logp_rollout": lr,

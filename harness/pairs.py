@@ -235,6 +235,15 @@ class Axes:
     # sequences per prompt (a group of samples of one prompt, as GRPO draws them: `case.prompt_ids`);
     # (1, 1) = every sequence its own prompt (neutral)
     prompt_group: tuple[int, int] = (1, 1)
+    # Caps on what a case holds (None: none). `max_context`: every sequence's prompt + response tokens
+    # (a model's context, less any token the pair adds). A draw over it keeps its prompt and cuts its
+    # response to fit (so the longest positions are drawn often), the prompt too where the shortest
+    # response does not fit. `max_tokens`: the prompt + response tokens of the whole batch (what a
+    # trainer's token-budget micro-batcher holds; the memory of a real-vocabulary case grows with it).
+    # A draw over it keeps its first sequences that fit (at least n_seqs' low), then cuts responses,
+    # then prompts, from the last sequence back. Shrinking never lengthens a sequence or the batch.
+    max_context: int | None = None
+    max_tokens: int | None = None
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"n_seqs": list(self.n_seqs), "seq_len": list(self.seq_len)}
@@ -242,6 +251,9 @@ class Axes:
             out["prompt_len"] = list(self.prompt_len)
         if self.prompt_group != (1, 1):
             out["prompt_group"] = list(self.prompt_group)
+        for name in ("max_context", "max_tokens"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         if self.packing:
             out["packing"] = True
         if len(self.pad_sides) > 1:
@@ -261,6 +273,26 @@ class Axes:
         out["dtypes"] = list(self.dtypes)
         if self.params:
             out["params"] = {k: repr(v) for k, v in self.params.items()}
+        return out
+
+    def shortest_sequence(self) -> int:
+        """The fewest prompt + response tokens a sequence can hold within these axes."""
+        return self.prompt_len[0] + self.seq_len[0]
+
+    def _cap_problems(self) -> list[str]:
+        out: list[str] = []
+        ok = all(isinstance(v, tuple) and len(v) == 2 and all(_int(x) for x in v)
+                 for v in (self.n_seqs, self.seq_len, self.prompt_len))
+        least = self.shortest_sequence() if ok else 1
+        for name, floor, what in (
+                ("max_context", least, f"the shortest sequence the axes allow (prompt_len low + seq_len low = {least})"),
+                ("max_tokens", least * (self.n_seqs[0] if ok else 1),
+                 f"the smallest batch the axes allow (n_seqs low x the shortest sequence = "
+                 f"{self.n_seqs[0] if ok else '?'} x {least})")):
+            v = getattr(self, name)
+            if v is not None and not (_int(v) and v >= floor):
+                out.append(f"axes.{name}={v!r} must be None (no cap) or an integer at least {what}: "
+                           f"raise it, or lower those low bounds")
         return out
 
     def problems(self) -> list[str]:
@@ -290,6 +322,7 @@ class Axes:
         float_range("top_p", lambda x: x > 0, lambda x: x <= 1, "0 < low <= high <= 1 (1.0 is neutral: off)")
         if not isinstance(self.packing, bool):
             out.append(f"axes.packing={self.packing!r} must be True or False")
+        out.extend(self._cap_problems())
         if (not isinstance(self.dtypes, tuple) or not self.dtypes
                 or any(not isinstance(d, str) or d not in DTYPES for d in self.dtypes)):
             out.append(f"axes.dtypes={self.dtypes!r} must be a non-empty tuple drawn from {DTYPES}, "

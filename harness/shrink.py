@@ -70,10 +70,17 @@ def moves(case: Case, axes: Any = None) -> Iterator[Case]:
 
 
 def within_sizes(case: Case, axes: Any) -> bool:
-    """Whether a case's batch, response and prompt lengths are inside the axes' lower bounds."""
+    """Whether a case's batch, response and prompt lengths are inside the axes' lower bounds and
+    under their caps (`Axes.max_context`, `max_tokens`)."""
     lo_p = axes.prompt_len[0]
-    return (case.batch_size >= axes.n_seqs[0] and min(case.seq_lens, default=0) >= axes.seq_len[0]
-            and (lo_p <= 0 or min(case.prompt_len(j) for j in range(case.batch_size)) >= lo_p))
+    if not (case.batch_size >= axes.n_seqs[0] and min(case.seq_lens, default=0) >= axes.seq_len[0]
+            and (lo_p <= 0 or min(case.prompt_len(j) for j in range(case.batch_size)) >= lo_p)):
+        return False
+    c, t = getattr(axes, "max_context", None), getattr(axes, "max_tokens", None)
+    if c is None and t is None:
+        return True
+    totals = [case.prompt_len(j) + n for j, n in enumerate(case.seq_lens)]
+    return (c is None or max(totals, default=0) <= c) and (t is None or sum(totals) <= t)
 
 
 def _moves(case: Case, axes: Any = None) -> Iterator[Case]:

@@ -161,6 +161,7 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
     topks = sample_top_ks(*axes.sample_top_k) if axes.sample_top_k[0] != axes.sample_top_k[1] else None
     dtypes = st.sampled_from(axes.dtypes) if len(axes.dtypes) > 1 else None
     group_sizes = st.integers(*axes.prompt_group) if axes.prompt_group[1] > 1 else None
+    capped = axes.max_context is not None or axes.max_tokens is not None
 
     @st.composite
     def draw_case(draw: Any) -> Case:
@@ -173,6 +174,9 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
             if has_prompts:
                 prompt_lens.append(_packed_size(b[6:10], *axes.prompt_len, prompt_bounds))
             seq_ids.append(int.from_bytes(b[4:6], "big"))
+        if capped:
+            n = fit_caps(seq_lens, prompt_lens, axes)
+            del seq_lens[n:], prompt_lens[n:], seq_ids[n:]
         fields: dict[str, Any] = {"seq_lens": tuple(seq_lens)}
         if has_prompts and any(prompt_lens):
             fields["prompt_lens"] = tuple(prompt_lens)
@@ -204,19 +208,76 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
         if axes.params:
             fields["params"] = {k: draw(axes.params[k]) for k in sorted(axes.params)}
         if group_sizes is not None:  # (drawn only where the axis is on: other pairs draw what they drew)
-            _group(fields, draw(group_sizes), interleaved=draw(st.booleans()))
+            _group(fields, draw(group_sizes), interleaved=draw(st.booleans()), axes=axes)
         fields["seed"] = draw(seeds)
         return Case(**fields)
 
     return draw_case()
 
 
-def _group(fields: dict[str, Any], size: int, interleaved: bool = False) -> None:
+def fit_caps(seq_lens: list[int], prompt_lens: list[int], axes: Any, groups: list[int] | None = None) -> int:
+    """Fit drawn sequences to the axes' caps, in place; returns how many of them the case keeps.
+
+    `Axes.max_context`: a sequence over it keeps its prompt and has its response cut to fit (at
+    least the axes' shortest response), then its prompt. `Axes.max_tokens`: the first sequences
+    that fit are kept (at least n_seqs' low; never with `groups`), then responses are cut, then
+    prompts, from the last sequence back. `prompt_lens` may be empty (no prompts). `groups`: for
+    each sequence, the index of the sequence whose prompt it shares (a cut prompt is cut for each
+    sequence of its group). Both caps stay reachable: `Axes.problems` refuses a cap below the
+    shortest sequence (batch) the axes allow.
+    """
+    n = len(seq_lens)
+    s_lo, p_lo = axes.seq_len[0], axes.prompt_len[0]
+    prompts = prompt_lens if prompt_lens else [0] * n
+    owner = groups if groups is not None else list(range(n))
+
+    def set_prompt(j: int, value: int) -> None:
+        for i in range(n):
+            if owner[i] == owner[j]:
+                prompts[i] = value
+
+    c = axes.max_context
+    if c is not None:
+        for j in range(n):
+            if prompts[j] + seq_lens[j] > c:
+                seq_lens[j] = max(s_lo, c - prompts[j])
+                if prompts[j] + seq_lens[j] > c:
+                    set_prompt(j, c - seq_lens[j])
+    t = axes.max_tokens
+    keep = n
+    if t is not None:
+        total = sum(seq_lens) + sum(prompts)
+        if groups is None:
+            while keep > axes.n_seqs[0] and total > t:
+                keep -= 1
+                total -= seq_lens[keep] + prompts[keep]
+        for j in reversed(range(keep)):  # responses, then prompts, from the last sequence back
+            if total <= t:
+                break
+            cut = min(total - t, seq_lens[j] - s_lo)
+            seq_lens[j] -= cut
+            total -= cut
+        for j in reversed(range(keep)):
+            if total <= t:
+                break
+            members = sum(1 for i in range(keep) if owner[i] == owner[j])
+            cut = min(-(-(total - t) // members), prompts[j] - p_lo)
+            if cut > 0:
+                set_prompt(j, prompts[j] - cut)
+                total -= cut * members
+    if prompt_lens:
+        prompt_lens[:] = prompts
+    return keep
+
+
+def _group(fields: dict[str, Any], size: int, interleaved: bool = False, axes: Any = None) -> None:
     """Sequences in groups of `size` share the prompt of their group's first sequence
     (`Case.prompt_ids`: its stream id; its prompt length): consecutive (A A B B), or `interleaved`
     (A B A B: requests of several prompts arriving in turn at an engine's prefix cache); size 1
-    leaves every prompt its own. A row capacity drawn before is raised to the longest sequence where
-    a shared prompt made one longer (one row when that holds everything)."""
+    leaves every prompt its own. Where a shared prompt made a sequence longer than the axes' caps
+    allow (`Axes.max_context`, `max_tokens`), responses are cut, then shared prompts (for their whole
+    group). A row capacity drawn before is raised to the longest sequence where a shared prompt made
+    one longer (one row when that holds everything)."""
     if size <= 1:
         return
     n = len(fields["seq_lens"])
@@ -230,6 +291,11 @@ def _group(fields: dict[str, Any], size: int, interleaved: bool = False) -> None
     prompts = fields.get("prompt_lens") or ()
     if prompts:
         fields["prompt_lens"] = prompts = tuple(prompts[f] for f in firsts)
+        if axes is not None and (axes.max_context is not None or axes.max_tokens is not None):
+            lens, shared = list(fields["seq_lens"]), list(prompts)
+            fit_caps(lens, shared, axes, groups=firsts)
+            prompts = tuple(shared)
+            fields["seq_lens"], fields["prompt_lens"] = tuple(lens), prompts
     cap = fields.get("row_capacity", 0)
     if cap:
         totals = [a + (prompts[j] if prompts else 0) for j, a in enumerate(fields["seq_lens"])]
@@ -272,6 +338,13 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
     if axes.prompt_len != (0, 0):
         prompts = tuple(rng.randint(*axes.prompt_len) for _ in range(n))
         fields["prompt_lens"] = prompts if any(prompts) else ()
+    if axes.max_context is not None or axes.max_tokens is not None:
+        lens, shared = list(seq_lens), list(fields.get("prompt_lens") or ())
+        n = fit_caps(lens, shared, axes)
+        fields["seq_lens"], fields["seq_ids"] = tuple(lens[:n]), fields["seq_ids"][:n]
+        if shared:
+            fields["prompt_lens"] = tuple(shared[:n]) if any(shared[:n]) else ()
+        seq_lens = fields["seq_lens"]
     fields["probe"] = rng.randrange(n)
     if axes.packing:
         totals = [a + (fields.get("prompt_lens") or (0,) * n)[j] for j, a in enumerate(seq_lens)]
@@ -297,7 +370,7 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
     if params:
         fields["params"] = dict(params)
     if axes.prompt_group[1] > 1:  # (drawn only where the axis is on: other pairs draw what they drew)
-        _group(fields, rng.randint(*axes.prompt_group), interleaved=rng.random() < 0.5)
+        _group(fields, rng.randint(*axes.prompt_group), interleaved=rng.random() < 0.5, axes=axes)
     return Case(**fields)
 
 

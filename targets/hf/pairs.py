@@ -34,18 +34,30 @@ MAX_SEQS = 16
 
 
 def default_axes(model: Any, max_seqs: int = MAX_SEQS, max_prompt: int = MAX_PROMPT,
-                 max_response: int = MAX_RESPONSE) -> Axes:
+                 max_response: int = MAX_RESPONSE, max_context: int | None = None,
+                 max_tokens: int | None = None) -> Axes:
     """Batch, prompt and response lengths, packing, sampling and (MoE) near-tie axes for a model (an
     `HFModel`, a checkpoint directory or a config, as `hf_pair` takes). A checkpoint directory that is
     not there gets the axes of a model without experts: its pairs cannot run until it is (see
-    `hf_pair`), and a plugin widening their axes still registers them."""
+    `hf_pair`), and a plugin widening their axes still registers them.
+
+    max_context: each sequence's prompt + response tokens at most this (`Axes.max_context`). Left
+    None, it is the model's max_position_embeddings less the first token where the longest prompt
+    and response together would pass it (so long prompts and long responses are both drawn, never
+    both at once). max_tokens: the batch's prompt + response tokens at most this (`Axes.max_tokens`:
+    a real vocabulary's logits grow with it)."""
     from hypothesis import strategies as st
 
-    moe = None if _checkpoint_gone(model) else model_from(model).moe()
+    gone = _checkpoint_gone(model)
+    moe = None if gone else model_from(model).moe()
+    if max_context is None and not gone:
+        max_pos = int(model_from(model).fields().get("max_position_embeddings") or 0)
+        if max_pos and 1 + max_prompt + max_response > max_pos:
+            max_context = max_pos - 1
     kw: dict[str, Any] = dict(
         n_seqs=(1, max_seqs), seq_len=(1, max_response), packing=True,
         logit_scale=(1.0, 1.0),  # peakedness comes from the model (realistic init or a trained checkpoint)
-        dtypes=("bfloat16",),
+        dtypes=("bfloat16",), max_context=max_context, max_tokens=max_tokens,
     )
     extra = {"prompt_len": (0, max_prompt), "pad_sides": ("left",), "temperature": (0.7, 1.0),
              "top_p": (1.0, 1.0), "sample_top_k": (0, 0)}  # top-p: see README (nucleus boundary)
@@ -189,12 +201,17 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
 
     axes = axes or default_axes(spec)
     max_pos = int(spec.fields().get("max_position_embeddings") or 0)
-    longest = 1 + getattr(axes, "prompt_len", (0, 0))[1] + axes.seq_len[1]  # first token + prompt + response
+    reach = getattr(axes, "prompt_len", (0, 0))[1] + axes.seq_len[1]  # prompt + response
+    if getattr(axes, "max_context", None) is not None:
+        reach = min(reach, axes.max_context)
+    longest = 1 + reach  # first token + prompt + response
     if max_pos and longest > max_pos:
         raise UsageError(f"hf_pair {name!r}: its axes reach sequences of {longest} tokens (a first token, prompts up "
-                         f"to {getattr(axes, 'prompt_len', (0, 0))[1]}, responses up to {axes.seq_len[1]}), past the "
-                         f"model's max_position_embeddings ({max_pos}): positions beyond it test what the model was "
-                         "never built for. Lower max_prompt / max_response in default_axes(...), or raise "
+                         f"to {getattr(axes, 'prompt_len', (0, 0))[1]}, responses up to {axes.seq_len[1]}"
+                         f"{'' if getattr(axes, 'max_context', None) is None else f', max_context {axes.max_context}'}"
+                         f"), past the model's max_position_embeddings ({max_pos}): positions beyond it test what the "
+                         f"model was never built for. Cap each sequence with max_context={max_pos - 1} in "
+                         "default_axes(...) or Axes(...), lower max_prompt / max_response, or raise "
                          "max_position_embeddings in the config.")
 
     def build(case: Any, device: str) -> paths.HFInputs:

@@ -7,6 +7,7 @@ Skipped with a reason where transformers is not installed (`pip install -e '.[hf
 from __future__ import annotations
 
 import math
+import random
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ transformers = pytest.importorskip("transformers", reason="the HF backend needs 
 
 import torch  # noqa: E402
 
-from harness import REGISTRY, Case, check_pair  # noqa: E402
+from harness import REGISTRY, Axes, Case, check_pair  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
 from harness.execute import run_case  # noqa: E402
 from harness.fuzz import CampaignConfig, run_campaign  # noqa: E402
@@ -248,11 +249,24 @@ def test_axes_past_the_models_positions_are_refused_and_wider_axes_reach_far_pos
     from targets.hf import hf_pairs
     from targets.hf.pairs import default_axes
     from targets.hf.backend import model_from
+    from harness.strategies import uniform_cases
 
     cfg = dict(model_type="llama", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
-    with pytest.raises(UsageError, match=r"reach sequences of 97 tokens .* max_position_embeddings \(64\)"):
-        hf_pair("user.long", cfg, axes=default_axes(model_from(cfg), max_prompt=48, max_response=48))
+    hand = Axes(n_seqs=(1, 4), seq_len=(1, 48), prompt_len=(0, 48))
+    with pytest.raises(UsageError, match=r"reach sequences of 97 tokens .* max_position_embeddings \(64\)"
+                                         r".* max_context=63"):
+        hf_pair("user.long", cfg, axes=hand)
+    # default_axes caps each sequence at the model's positions: long prompts and long responses, not both
+    capped = default_axes(model_from(cfg), max_prompt=48, max_response=48)
+    assert capped.max_context == 63
+    hf_pair("user.long", cfg, axes=capped)
+    rng = random.Random(3)
+    drawn = [uniform_cases(capped, rng) for _ in range(200)]
+    longest = [max(c.prompt_len(j) + n for j, n in enumerate(c.seq_lens)) for c in drawn]
+    assert max(longest) == 63 and sum(t == 63 for t in longest) > 20, longest
+    assert max(max(c.seq_lens) for c in drawn) >= 40 and max(c.prompt_len(j) for c in drawn
+                                                              for j in range(c.batch_size)) >= 40
     wide = default_axes(model_from(cfg), max_prompt=40, max_response=23)  # 1 + 40 + 23 = 64: allowed
     pairs = hf_pairs("user.wide", cfg, axes=wide)
     assert all(p.axes is wide for p in pairs)

@@ -194,3 +194,79 @@ def test_a_gap_floor_bounds_the_draws_and_is_where_the_gap_shrinks_to():
     problems = Axes(routing=RoutingAxes(max_gap=1e-3, min_gap=1e-2)).problems()  # (a pair's validate raises them)
     assert problems == ["axes.routing.min_gap=0.01 must lie in [0, max_gap=0.001] (the smallest boundary gap drawn; "
                         "0 reaches the exact tie)"]
+
+
+CAPPED = Axes(n_seqs=(2, 8), seq_len=(1, 40), prompt_len=(2, 40), packing=True, prompt_group=(1, 3),
+              max_context=48, max_tokens=150)
+
+
+def _check_capped(case):
+    totals = [case.prompt_len(j) + n for j, n in enumerate(case.seq_lens)]
+    assert max(totals) <= 48 and sum(totals) <= 150, (totals, case)
+    assert case.batch_size >= 2 and min(case.seq_lens) >= 1 and min(case.prompt_len(j) for j in range(case.batch_size)) >= 2
+    for group in case.groups:  # a shared prompt has one length
+        assert len({case.prompt_len(j) for j in group}) == 1, case
+    assert case.row_capacity == 0 or max(totals) <= case.row_capacity < sum(totals), case
+    assert len(case.ids) == case.batch_size and 0 <= case.probe < case.batch_size
+    assert Case.from_json(case.to_json()) == case
+    return totals
+
+
+@settings(max_examples=150, deadline=None)
+@given(cases(CAPPED))
+def test_capped_cases_stay_under_their_caps(case):
+    _check_capped(case)
+
+
+def test_uniform_capped_cases_stay_under_their_caps_and_reach_them():
+    import random
+
+    from harness.strategies import uniform_cases
+
+    rng = random.Random(5)
+    drawn = [_check_capped(uniform_cases(CAPPED, rng)) for _ in range(400)]
+    # a sequence over the context cap is cut to it (the last positions are drawn often), and a batch over
+    # the token cap keeps the sequences that fit: both caps are reached, and long responses still occur
+    assert sum(max(t) == 48 for t in drawn) > 100
+    assert sum(sum(t) >= 140 for t in drawn) > 20
+    c = uniform_cases(CAPPED, random.Random(7))
+    assert max(c.seq_lens) <= 46
+
+
+def test_caps_cut_responses_first_then_prompts_and_keep_the_first_sequences():
+    from harness.strategies import fit_caps
+
+    ax = Axes(n_seqs=(1, 8), seq_len=(2, 100), prompt_len=(1, 100), max_context=50, max_tokens=120)
+    lens, prompts = [40, 30, 45, 60], [30, 10, 49, 5]
+    keep = fit_caps(lens, prompts, ax)
+    # context: 30 + 40 -> response 20; 49 + 45 -> response 2 (its least), then prompt 48; 5 + 60 -> response 45
+    # tokens: 50 + 40 + 50 + 50 = 190 over 120: the last two sequences go (three would hold 140)
+    assert (keep, lens[:keep], prompts[:keep]) == (2, [20, 30], [30, 10])
+    lens, prompts = [40, 40, 40], [40, 40, 40]
+    ax = Axes(n_seqs=(3, 8), seq_len=(2, 100), prompt_len=(1, 100), max_tokens=60)
+    assert fit_caps(lens, prompts, ax) == 3 and sum(lens) + sum(prompts) == 60
+    assert lens == [2, 2, 2] and prompts == [40, 13, 1]  # 126 after the responses: 39, then 27 off the prompts
+    # shared prompts (each sequence names the sequence whose prompt it shares) are cut for their group
+    lens, prompts = [2, 2, 2], [40, 40, 40]
+    ax = Axes(n_seqs=(1, 8), seq_len=(2, 100), prompt_len=(1, 100), max_tokens=60)
+    assert fit_caps(lens, prompts, ax, groups=[0, 0, 0]) == 3 and prompts == [18, 18, 18]
+
+
+def test_caps_below_what_the_axes_allow_are_refused_with_the_fix():
+    bad = Axes(n_seqs=(4, 8), seq_len=(3, 9), prompt_len=(5, 9), max_context=7, max_tokens=20)
+    text = " ".join(bad.problems())
+    assert "axes.max_context=7" in text and "prompt_len low + seq_len low = 8" in text
+    assert "axes.max_tokens=20" in text and "4 x 8" in text
+    assert Axes(n_seqs=(4, 8), seq_len=(3, 9), prompt_len=(5, 9), max_context=8, max_tokens=32).problems() == []
+    assert Axes(max_context=12).describe()["max_context"] == 12 and "max_tokens" not in Axes().describe()
+
+
+def test_shrinking_never_leaves_the_caps():
+    from harness.shrink import moves, within_sizes
+
+    ax = Axes(n_seqs=(1, 8), seq_len=(1, 40), prompt_len=(0, 40), max_context=30, max_tokens=80)
+    case = Case(seed=1, seq_lens=(5, 3, 12), prompt_lens=(25, 25, 8), prompt_ids=(0, 0, 2), seq_ids=(0, 1, 2))
+    out = list(moves(case, ax))
+    assert within_sizes(case, ax) and len(out) > 10 and all(within_sizes(c, ax) for c in out)
+    assert not within_sizes(case.replace(seq_lens=(6, 3, 12)), ax)  # 31 tokens in sequence 0
+    assert not within_sizes(case.replace(seq_lens=(5, 3, 14), prompt_lens=(25, 25, 9)), ax)  # 81 in the batch
