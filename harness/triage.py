@@ -292,6 +292,7 @@ class _Recorder:
         self.root = root
         self.calls: list[_Call] = []
         self.order: list[str] = []
+        self.choices: set[str] = set()  # outputs that are ids a module chose (`name[i]`, integer)
         self.handles: list[Any] = []
         self._depth = 0
 
@@ -364,6 +365,7 @@ class _Recorder:
             t = t.detach()
             if not t.is_floating_point() and t.dtype != torch.bool:
                 t = t.sort(-1).values
+                self.choices.add(key)
             call.raw[key] = t.to(torch.float32, copy=True)
             if key not in self.order:
                 self.order.append(key)
@@ -480,6 +482,7 @@ class PathCapture:
     matched: int  # outcome rows tied to a position
     tokens: int  # outcome rows a position can be tied to (named by the path, or with at least 3 finite values)
     n_rows: int = 0  # outcome rows
+    choices: set[str] = field(default_factory=set)  # outputs that are ids a module chose (`name[i]`)
 
 
 def _gather(rec: _Recorder, out: Any) -> PathCapture:
@@ -506,7 +509,7 @@ def _gather(rec: _Recorder, out: Any) -> PathCapture:
                     nonfinite[name] = nonfinite.get(name, 0) + bad
     # the rows a position can be tied to: every one the path named, else those with 3 finite values
     tiable = len(named) if named is not None else int((torch.isfinite(target).sum(-1) >= 3).sum())
-    return PathCapture(rows, list(rec.order), nonfinite, len(where), tiable, int(target.shape[0]))
+    return PathCapture(rows, list(rec.order), nonfinite, len(where), tiable, int(target.shape[0]), set(rec.choices))
 
 
 def capture(pair: Any, case: Any, device: str, why: list[str] | None = None
@@ -699,6 +702,17 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
     rows = [ModuleRow(name, err, max(MIN_FLOOR, FLOOR_FACTOR * floors.get(name, 0.0)), n,
                       others.get(name, float("nan"))) for name, (err, n) in errs.items()]
     first = next((r.name for r in rows if r.starts), None)
+    if first is not None and first.endswith("]"):
+        # a module whose outputs are values and the ids it chose from them (a router: its weights and
+        # experts): where the ids differ too, the choice is where the divergence starts, the values
+        # beside it follow from it (a rollout selecting experts without its selection bias)
+        base = first[:first.rindex("[")]
+        chosen = next((r.name for r in rows if r.starts and r.name.startswith(base + "[")
+                       and r.name in t_cap.choices | r_cap.choices), None)
+        if chosen is not None and chosen != first:
+            notes.append(f"per-module table: {base}'s outputs {first} and {chosen} both differ; {chosen} is the ids "
+                         f"it chose, so the divergence is named there: a different choice changes the values beside it")
+            first = chosen
     cut = [r.name for r in rows if r.error == math.inf]
     if cut:
         notes.append("per-module table: an error of inf is an output non-finite on one path where the other's is "

@@ -473,6 +473,42 @@ def test_a_config_transformers_refuses_to_build_is_a_pair_that_cannot_run_naming
     assert "cannot be built by transformers" in r.setup_error and "not a multiple" in r.setup_error, r.setup_error
 
 
+def test_a_config_built_sigmoid_router_has_a_selection_bias_a_rollout_without_it_diverges():
+    """realistic_init draws DeepSeek-V3's `e_score_correction_bias` (a buffer the model starts at 0,
+    non-zero in every trained checkpoint): at 0, a rollout whose weight sync drops it selected
+    exactly the trainer's experts and such a bug could never be caught on a config-built model."""
+    from targets.hf import HFModel, register_patch
+    from targets.hf.backend import base_model, router_modules
+
+    cfg = {**small_moe("deepseek_v3"), "num_hidden_layers": 2}
+    spec = HFModel.from_config(cfg, init_seed=4)
+    biases = [r.e_score_correction_bias for _, r in router_modules(base_model(spec))]
+    assert len(biases) == 2 and all(0.03 < float(b.std()) < 0.3 for b in biases), biases
+
+    def drop_bias(model):  # (a weight sync that leaves the buffer out: the engine's stays at 0)
+        for module in model.modules():
+            if getattr(module, "e_score_correction_bias", None) is not None:
+                module.e_score_correction_bias.zero_()
+
+    register_patch("test.drop_selection_bias", drop_bias)
+    pair = hf_pair("user.dsv3.no_bias", spec, FP32, FP32.replace(patch="test.drop_selection_bias"), expected="diverges")
+    judged = [run_case(pair, rl_case(seed=seed)).k3 for seed in range(3)]
+    assert max(judged) > 1e-2, judged
+    assert run_case(hf_pair("user.dsv3.aligned", spec, FP32, FP32), rl_case(seed=0)).k3 < 1e-8
+    # triage names the router's choice (its experts), not the weights that follow from it
+    from harness.corpus import Repro
+    from harness.triage import triage
+
+    from harness.pairs import Registry
+
+    own = Registry()
+    own.register(pair)
+    repro = Repro(path=None, id="nb", pair=pair.name, symptom="divergence", signature="", status="expected",
+                  threshold=1e-3, case=rl_case(seed=0), metrics={}, error=None, environment={}, loader={}, found={})
+    t = triage(repro, registry=own)
+    assert t.first_module == "model.layers.0.mlp.gate[2]", (t.first_module, [(m.name, m.error) for m in t.modules][:12])
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 def test_near_ties_sit_at_a_sigmoid_routers_own_selection_boundary(groups):
     """DeepSeek-V3 / GLM-4.5 routers rank experts by sigmoid(logit) + a selection bias, within the
@@ -485,6 +521,7 @@ def test_near_ties_sit_at_a_sigmoid_routers_own_selection_boundary(groups):
     [(_, router)] = router_modules(base_model(HFModel.from_config(cfg, init_seed=groups)))
     g = torch.Generator().manual_seed(7)
     bias = 0.3 * torch.randn(router.e_score_correction_bias.shape, generator=g)
+    own = router.e_score_correction_bias.clone()  # (the shared model's own, drawn by realistic_init)
     router.e_score_correction_bias.copy_(bias)
     try:
         x = torch.randn(64, router.weight.shape[-1], generator=g)
@@ -500,7 +537,7 @@ def test_near_ties_sit_at_a_sigmoid_routers_own_selection_boundary(groups):
             chosen = router(y.float())[2][at]  # the router's own experts, (rows, k)
             assert bool((chosen == first[:, None]).any(-1).all()) and not bool((chosen == second[:, None]).any(-1).any())
     finally:
-        router.e_score_correction_bias.zero_()
+        router.e_score_correction_bias.copy_(own)
 
 
 def test_a_natural_router_near_tie_is_not_decided_by_layout_noise(monkeypatch):
@@ -580,6 +617,7 @@ def test_a_group_limited_routers_kept_groups_are_not_decided_by_layout_noise(mon
     spec = HFModel.from_config(cfg, init_seed=91)
     routers = router_modules(base_model(spec))
     g = torch.Generator().manual_seed(5)
+    own = [router.e_score_correction_bias.clone() for _, router in routers]
     for _, router in routers:
         router.e_score_correction_bias.copy_(0.1 * torch.randn(router.e_score_correction_bias.shape, generator=g))
     try:
@@ -612,8 +650,8 @@ def test_a_group_limited_routers_kept_groups_are_not_decided_by_layout_noise(mon
             ev = run_case(pair, rl_case(seed=seed, tie_fraction=0.7, tie_gap=0.0, params={"tie_layer": seed % 2}))
             assert ev.error is None and ev.k3 < 1e-8 and ev.divergence.kl < 1e-8, (seed, ev.divergence)
     finally:
-        for _, router in routers:
-            router.e_score_correction_bias.zero_()
+        for (_, router), bias in zip(routers, own):
+            router.e_score_correction_bias.copy_(bias)
 
 
 def test_a_mistyped_model_type_makes_the_pair_unable_to_run_not_a_regression():

@@ -164,7 +164,9 @@ def test_a_router_whose_logits_agree_but_whose_choice_does_not_is_named_by_its_o
     rows = {m.name: m for m in t.modules}
     assert rows["blocks.0.router"].error == 0.0  # the logits: equal on both paths
     assert rows["blocks.0.router[1]"].error > 1e-2 and rows["blocks.0.router[2]"].error > 1e-2
-    assert t.first_module == "blocks.0.router[1]" and t.floor_from == "planted.tiny_moe.aligned"
+    # the weights and the experts both differ: the choice is named (the weights follow from it)
+    assert t.first_module == "blocks.0.router[2]" and t.floor_from == "planted.tiny_moe.aligned"
+    assert any("blocks.0.router[2] is the ids it chose" in n for n in t.notes), t.notes
     assert not any(m.exceeds for m in t.modules[:t.modules.index(rows["blocks.0.router[1]"])])
     aligned = triage(made_repro("planted.tiny_moe.aligned", case))
     assert aligned.first_module is None and max(m.error for m in aligned.modules) < 1e-6
