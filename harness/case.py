@@ -133,7 +133,12 @@ class Case:
         a size threshold on total tokens (a workspace switch past 512) reads off it."""
         text = f"{self.batch_size} sequence(s), {self.n_tokens} scored token(s)"
         prompt = sum(self.prompt_len(j) for j in range(self.batch_size))
-        return text + (f" + {prompt} prompt = {self.n_tokens + prompt} in all" if prompt else "")
+        text += f" + {prompt} prompt = {self.n_tokens + prompt} in all" if prompt else ""
+        prompts = {self.prompt_len(j) for j in range(self.batch_size)}
+        if self.batch_size > 1 and len(prompts) > 1:  # (a padded prefill holds more than the tokens)
+            text += (f"; padded to the longest prompt, a prefill holds {self.batch_size} x {max(prompts)} = "
+                     f"{self.batch_size * max(prompts)} prompt positions")
+        return text
 
     def total_len(self, j: int) -> int:
         """Prompt plus response tokens of sequence j (what a packed trainer row holds of it)."""

@@ -319,7 +319,8 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
          threshold: float, device: str, corpus_dir: Path, shard: str | None, tracking_uri: str | None,
          no_tracking: bool, profile: str | None, timeouts: tuple[str, ...], no_isolation: bool, streams: int,
          uniform_per_example: int | None, plugins: tuple[str, ...]) -> None:
-    """Fuzz pairs (all registered pairs when none are named); shrink and record what diverges."""
+    """Fuzz pairs (none named: the pairs of the --plugin files given, else every registered pair); shrink and
+    record what diverges."""
     from .env import resolve_device
     from .fuzz import NOT_HERE, CampaignConfig, caught_elsewhere_maybe, run_campaign, setup_reason, summary_table
     from .pairs import REGISTRY, is_glob
@@ -338,7 +339,10 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     load_plugins(plugins)
     dev = resolve_device(device)
     pair_names = (*pair_names, *pair_options)
-    pairs = [p for p in REGISTRY.select(pair_names) if dev in p.devices]
+    chosen, note = REGISTRY.select_default(pair_names)
+    if note:
+        echo_err(note)
+    pairs = [p for p in chosen if dev in p.devices]
     if not pairs:
         raise UsageError(f"none of the selected pairs runs on {dev}; run `harness list` to see their devices.")
     from .fuzz import campaign_units
@@ -376,6 +380,13 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
         echo_err(f"  finding [{f.status}, {state}] {f.pair}: {f.symptom.value}, {f.evaluation.headline}, minimal case "
                  f"{f.case.one_line()}{notes}\n    replay: "
                  + (replay_command_for(f.pair, f.path) if f.path else "(not written: saved as JSON on stderr above)"))
+        sev = getattr(f, "severe", None)
+        if sev:
+            echo_err(f"    severe: its cases reached {sev['peak']:.3g}, {sev['peak'] / max(f.evaluation.score, 1e-300):.0f}x "
+                     f"this one; its worst, shrunk keeping it over {sev['bar']:.3g}: {sev['case'].one_line()} "
+                     f"({sev['evaluation'].headline}): a second bug of the pair, or this one where it is worst"
+                     + (": `" + replay_command_for(f.pair, f.path).replace("harness replay", "harness triage --severe", 1)
+                        + "`" if f.path else ""))
 
     result = run_campaign(cfg, tracker=tracker, on_finding=announce)
     click.echo(summary_table(result))
@@ -819,6 +830,16 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
                 (f"fails too, by less than {EDGE_MARGIN}x the line (a knob is bisected only as far as that margin "
                  "holds)" if n["symptom"] == r.symptom else f"fails another way ({n['symptom']})")
             click.echo(f"    {text:{width}s}  {what}, judged{' at most' if many else ''} {_fmt(n.get('judged'))}")
+    sev = (r.found or {}).get("severe")
+    if isinstance(sev, dict):
+        from .corpus import severe_case
+
+        worst = severe_case(r)
+        click.echo(f"  severe case: this finding's campaign reached {_fmt(sev.get('peak'))}; its worst case, shrunk keeping "
+                   f"it over {_fmt(sev.get('bar'))}, is {worst.one_line() if worst else '(not a valid case)'} "
+                   f"({sev.get('headline', '')}). Shrinking keeps the simplest trigger over the line: where several "
+                   f"bugs share a pair that is the mildest. `harness triage --severe{f' --plugin {r.plugin_spec()}' if r.plugin_spec() else ''} {file}` names "
+                   "the components of this one: other components than the minimal case's are a second bug")
     try:
         load_plugins(plugins)
         why = load_plugin_for(r)

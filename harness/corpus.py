@@ -631,7 +631,31 @@ def found_json(finding: Any, campaign_seed: int) -> dict[str, Any]:
     by = getattr(finding, "recorded_by", "")  # a case given by hand (`harness record`): no campaign found it
     if by:
         out["by"] = str(by)
+    if getattr(finding, "severe", None):
+        out["severe"] = severe_json(finding.severe)
     return out
+
+
+def severe_json(severe: dict[str, Any]) -> dict[str, Any]:
+    """`Finding.severe` as a repro's `found.severe`: the campaign's worst case of the signature, shrunk
+    keeping its judged mean over `bar` (`harness.fuzz.SEVERE_FACTOR`), what it judged then, and the
+    campaign's peak it was shrunk from."""
+    ev = severe["evaluation"]
+    return {"case": severe["case"].to_json(), "judged": float(ev.score), "headline": ev.headline,
+            "bar": float(severe["bar"]), "peak": float(severe["peak"]), "shrink_complete": bool(severe["complete"])}
+
+
+def severe_case(repro: Any) -> Any:
+    """The severe case a repro's campaign kept (`found.severe`), or None."""
+    from .case import Case
+
+    sev = (repro.found or {}).get("severe")
+    if not isinstance(sev, dict) or not isinstance(sev.get("case"), dict):
+        return None
+    try:
+        return Case.from_json(sev["case"])
+    except Exception:  # noqa: BLE001 - a hand-edited severe case is named where it is used
+        return None
 
 
 def _stderr(msg: str) -> None:
@@ -907,6 +931,11 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
         old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, device,
                               evaluated_threads(finding.evaluation), deterministic=getattr(finding, "deterministic", True),
                               neighbours=getattr(finding, "neighbours", None), campaign_seed=campaign_seed)
+        changed = True
+    sev = getattr(finding, "severe", None)
+    had = old.found.get("severe") if isinstance(old.found.get("severe"), dict) else None
+    if sev and (had is None or float(sev["evaluation"].score) > float(had.get("judged") or 0.0)):
+        old.found["severe"] = severe_json(sev)  # (the most severe a campaign of it has seen)
         changed = True
     if changed:
         old.save(path)

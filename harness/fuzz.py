@@ -102,6 +102,11 @@ class Finding:
     # what the simpler neighbours of the minimal case gave when shrinking ran them (`shrink.neighbours_of`;
     # empty when shrinking was cut short): where the failure starts, e.g. one prompt token fewer passes
     neighbours: list = field(default_factory=list)
+    # the campaign's worst case of this signature, shrunk keeping its judged mean over a bar far above
+    # the minimal case's (`SEVERE_FACTOR`): {"case", "evaluation", "bar", "peak", "complete"}; None when
+    # no case reached SEVERE_FACTOR x the minimal one. A second bug of the pair that the shrinker passed
+    # over for a milder one (or the same bug where it is worst): `harness triage --severe` tells which
+    severe: dict | None = None
 
     @property
     def id(self) -> str:
@@ -373,6 +378,11 @@ _RAISE = {Symptom.DIVERGENCE: _Diverged, Symptom.NONFINITE: _NonFinite, Symptom.
 # the 1:1 mix that leaves Hypothesis half the cases.
 UNIFORM_PER_EXAMPLE = {"op": 3, "model": 1}
 MAX_SIGNATURES = 16  # distinct failures one pair's campaign reports (each is shrunk and written)
+# A divergence whose campaign reached SEVERE_FACTOR x its minimal case's judged mean has its worst
+# case shrunk too, kept over max(SEVERE_FACTOR x the minimal's, the worst's / SEVERE_FACTOR) (`Finding.severe`):
+# shrinking keeps the simplest trigger over the line, which is the mildest of several bugs in one pair
+# (not for demonstrations, `expected="diverges"`: their bug is known, and the time is the other pairs')
+SEVERE_FACTOR = 10.0
 
 
 def pair_verdict(expected: str, symptoms: list[str], cases: int, setup_error: bool = False,
@@ -520,6 +530,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     cache: dict[Any, Evaluation | float] = {}
     smallest: dict[str, Evaluation] = {}  # signature -> smallest failing evaluation seen so far
     peak: dict[str, float] = {}  # signature -> the largest judged mean of its failing cases (`Finding.peak`)
+    peak_case: dict[str, Case] = {}  # signature -> the case that gave it
     first_seen: dict[str, tuple[int, float]] = {}  # signature -> (cases run, seconds) at its first sighting
     cut = {"shrink": False}
     start = time.monotonic()
@@ -585,6 +596,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             sig = signature(pair.name, ev)
             first_seen.setdefault(sig, (result.examples, time.monotonic() - start))
             if not math.isnan(ev.score):
+                if ev.score > peak.get(sig, -math.inf):
+                    peak_case[sig] = case
                 peak[sig] = max(peak.get(sig, ev.score), ev.score)
             if sig not in smallest or _size(case) <= _size(smallest[sig].case):
                 smallest[sig] = ev
@@ -719,12 +732,19 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         by_sig.setdefault(sig, ev)  # cut-short run) is kept at its smallest
     findings = []
     queue = list(by_sig.items())
+    severe = None
     while queue:
         sig, ev = queue.pop(0)
         evals = 0
         if not cut["shrink"] and polish_evals > 0:
             try:
                 ev, evals, complete = _polish(pair, ev, sig, run, limit["deadline"], polish_evals, cfg.threshold)
+                top = peak.get(sig, math.nan)
+                if (complete and pair.expected != "diverges" and ev.symptom is Symptom.DIVERGENCE
+                        and sig in peak_case and math.isfinite(top)
+                        and top >= SEVERE_FACTOR * max(ev.score, cfg.threshold)):
+                    severe = _severe(pair, ev, sig, peak_case[sig], top, run, limit["deadline"], polish_evals,
+                                     cfg.threshold)
             except _Setup as e:  # it stopped running while a finding was shrunk: kept at its smallest so far
                 result.setup_error = setup_message(e.evaluation)
                 cut["shrink"], evals, ev, complete = True, 0, smallest.get(sig, ev), False
@@ -736,6 +756,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             if not complete and limit["deadline"] is not None and time.monotonic() > limit["deadline"]:
                 cut["shrink"] = True
         f = _finding(pair, ev, result, complete=not cut["shrink"], peak=peak)
+        f.severe, severe = severe, None
         if evals and f.shrink_complete:
             f.neighbours = _neighbours(pair, ev.case, cache)
         f.cases_to_first, f.seconds_to_first = first_seen.get(sig, (result.examples, 0.0))
@@ -786,6 +807,39 @@ def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], An
     got = run(case) if not out_of_time["hit"] else ev
     best = got if isinstance(got, Evaluation) and got.failed else ev
     return best, evals, complete and not out_of_time["hit"]
+
+
+def _severe(pair: TargetPair, ev: Evaluation, sig: str, worst: Case, peak: float, run: Callable[[Case], Any],
+            deadline: float | None, max_evals: int, threshold: float) -> dict | None:
+    """The campaign's worst case of a divergence (judged `peak`), shrunk by the polish pass keeping the
+    same signature and a judged mean over the bar (max(SEVERE_FACTOR x the minimal case's, peak /
+    SEVERE_FACTOR)); None when it does not stay over it or shrinks to the minimal case itself."""
+    from .shrink import polish
+
+    bar = max(SEVERE_FACTOR * max(ev.score, threshold), peak / SEVERE_FACTOR)
+    stop = {"hit": False}
+
+    def fails(case: Case) -> bool:
+        if stop["hit"]:
+            return False
+        try:
+            got = run(case)
+        except _OutOfTime:
+            stop["hit"] = True
+            return False
+        return (isinstance(got, Evaluation) and got.failed and signature(pair.name, got) == sig
+                and got.score >= bar)
+
+    if not fails(worst):
+        return None
+    case, _, complete = polish(worst, fails, max_evals=max_evals, deadline=deadline, axes=pair.axes)
+    try:
+        got = run(case)  # (from the campaign's cache: polish ran it)
+    except _OutOfTime:
+        return None
+    if case == ev.case or not isinstance(got, Evaluation) or not got.failed or not got.score >= bar:
+        return None
+    return {"case": case, "evaluation": got, "bar": bar, "peak": peak, "complete": complete and not stop["hit"]}
 
 
 def _neighbours(pair: TargetPair, case: Case, cache: dict) -> list[dict[str, Any]]:

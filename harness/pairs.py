@@ -733,6 +733,21 @@ class Registry:
                 chosen[pat] = self.get(pat)
         return [chosen[n] for n in sorted(chosen)]
 
+    def select_default(self, patterns: Iterable[str] = ()) -> tuple[list[TargetPair], str]:
+        """What a campaign runs: the pairs matching `patterns`; with none, the pairs of the plugins given
+        (`load_plugin`) when they register any, else every pair. Returns (pairs, a note saying so when the
+        plugins' pairs stood in for every pair): a user's nightly with its own plugin runs its own pairs,
+        not the built-in demonstrations (whose repros would land in its corpus)."""
+        patterns = list(patterns)
+        pairs = self.select(patterns)
+        if patterns or not self.plugins:
+            return pairs, ""
+        own = [p for p in pairs if p.source in self.plugins]
+        if not own:
+            return pairs, ""
+        return own, (f"no pairs named: running the {len(own)} pair(s) of {', '.join(self.plugins)} "
+                     f"(name pairs, or '*' for all {len(pairs)} registered, to run others)")
+
     def all(self) -> list[TargetPair]:
         return self.select()
 

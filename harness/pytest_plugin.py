@@ -245,7 +245,11 @@ class FuzzSession:
         for spec in self.plugins:
             REGISTRY.load_plugin(spec)
         dev = self.device()
-        return [p for p in REGISTRY.select(self.globs) if dev in p.devices]
+        chosen, note = REGISTRY.select_default(self.globs)
+        if note and not self.is_worker and not getattr(self, "_said_default", False):
+            self._said_default = True
+            _log(note.replace("(name pairs", "(--harness-pairs GLOB").replace("'*' for all", "'*' for all of the"))
+        return [p for p in chosen if dev in p.devices]
 
     def select(self) -> list:
         """This shard's pairs that run on the device, in name order (the same in every process): those
@@ -632,9 +636,16 @@ def _describe(f: Any, session: FuzzSession) -> str:
     cut = ""
     if not f.shrink_complete and f.path:  # (the budget or an interrupt stopped its shrinking: it goes on)
         cut = f"\n    shrinking was cut short: `{_shrink_command(session, f.pair, str(f.path))}` goes on"
+    sev = getattr(f, "severe", None)
+    severe = ""
+    if sev:  # (the worst case, shrunk far above the minimal one: maybe a second bug of the pair)
+        cmd = session.replay_command(f.path).replace("harness replay", "harness triage --severe", 1) if f.path else ""
+        severe = (f"\n    severe: its cases reached {sev['peak']:.3g}; the worst, shrunk keeping it over {sev['bar']:.3g}: "
+                  f"{sev['case'].one_line()} ({sev['evaluation'].headline}): a second bug, or this one where it is "
+                  f"worst" + (f": `{cmd}`" if cmd else ""))
     return (f"  finding {f.id} [{state}] {f.symptom.value}: {f.evaluation.headline}\n"
             f"    {'case so far' if cut else 'minimal case'}: {f.case.one_line()}\n"
-            f"    replay: {session.replay_command(f.path)}" + cut)
+            f"    replay: {session.replay_command(f.path)}" + cut + severe)
 
 
 def _log(msg: str) -> None:
@@ -667,7 +678,7 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 # Results across processes (plain JSON types: execnet carries nothing else)
 # ---------------------------------------------------------------------------------------------
 def _pair_result_json(r: Any) -> dict:
-    from harness.corpus import metrics_json
+    from harness.corpus import metrics_json, severe_json
 
     return {
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
@@ -685,6 +696,7 @@ def _pair_result_json(r: Any) -> dict:
             "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
             "cases_to_first": f.cases_to_first, "seconds_to_first": f.seconds_to_first,
             "shrink_seconds": f.shrink_seconds,
+            **({"severe": severe_json(f.severe)} if getattr(f, "severe", None) else {}),
         } for f in r.findings],
     }
 
@@ -715,6 +727,8 @@ def _merge_streams(results: list[dict]) -> list[dict]:
 
 def _pair_result(d: dict) -> Any:
     from harness.case import Case
+    from types import SimpleNamespace
+
     from harness.corpus import decode_float
     from harness.execute import Evaluation, Symptom
     from harness.fuzz import Finding, PairResult
@@ -738,6 +752,11 @@ def _pair_result(d: dict) -> Any:
                                 recurrence=fd["recurrence"], cases_to_first=fd.get("cases_to_first", 0),
                                 seconds_to_first=fd.get("seconds_to_first", 0.0),
                                 shrink_seconds=fd.get("shrink_seconds", 0.0)))
+        sev = fd.get("severe")
+        if isinstance(sev, dict):  # (as `Finding.severe`: what reports and the corpus read of its evaluation)
+            findings[-1].severe = {"case": Case.from_json(sev["case"]), "bar": sev["bar"], "peak": sev["peak"],
+                                   "complete": sev["shrink_complete"],
+                                   "evaluation": SimpleNamespace(score=sev["judged"], headline=sev["headline"])}
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
                       entropy_sum=d.get("entropy_sum", 0.0), entropy_cases=d.get("entropy_cases", 0),
@@ -812,6 +831,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from harness.worker import ENTRY_POINT
 
     ENTRY_POINT[0] = True  # (a worker that fails to start is not a user's script's missing main guard)
+    # MLflow's sqlite store queries with a loader strategy SQLAlchemy deprecates: a warning in every session
+    # that tracks (also filtered where the store is opened; pytest resets that filter around each test)
+    config.addinivalue_line("filterwarnings", r"ignore:The ``noload`` loader strategy is deprecated")
     if not _enabled(config):
         args = [str(a) for a in getattr(config.invocation_params, "args", ())]  # (the command line, not addopts)
         given = [flag for flag in ("--shard", "--harness-shard", "--harness-pairs")

@@ -76,6 +76,7 @@ at least MIN_FLOOR, and the first over its floor is where the divergence starts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -1423,9 +1424,13 @@ def attach_to_mlflow(t: Triage, run_id: str, uri: str | None) -> str:
 @click.option("--reports", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="The report goes to REPORTS/<finding id>/report.md.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--severe", is_flag=True, help="Triage the repro's severe case instead of its minimal case: the "
+              "campaign's worst case, shrunk keeping it far above the minimal case (`found.severe`, shown by "
+              "`harness show`). Where its verdict names other components than the minimal case's, the pair has a "
+              "second bug. The report goes to REPORTS/<finding id>-severe/; nothing is attached to MLflow.")
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE", help="Load pairs from a plugin.")
 def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | None, no_tracking: bool, device: str,
-                   threshold: float | None, reports: Path, as_json: bool, plugins: tuple[str, ...]) -> None:
+                   threshold: float | None, reports: Path, as_json: bool, severe: bool, plugins: tuple[str, ...]) -> None:
     """Localize a divergence: per-module table, swap-one-component localization, routing flips, report."""
     from .cli import load_plugins
     from .corpus import load_repro
@@ -1462,10 +1467,24 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         why = corpus.load_plugin_for(repro)
         if why is not None:
             raise UsageError(f"repro {file or run_id} cannot be triaged here: {why}.")
+    if severe:
+        from .corpus import severe_case
+
+        case = severe_case(repro)
+        if case is None:
+            why = ("its severe case is not a valid case (edited by hand?)" if (repro.found or {}).get("severe")
+                   else "its campaign kept no severe case: no failing case of it reached "
+                        "harness.fuzz.SEVERE_FACTOR x the minimal case's judged mean")
+            raise UsageError(f"repro {file or run_id} has no severe case to triage: {why}. Triage its minimal "
+                             "case without --severe.")
+        sev = repro.found["severe"]
+        click.echo(f"severe case of {repro.id}: {case.one_line()} (judged {sev.get('judged', float('nan')):.3g} when "
+                   f"found, kept over {sev.get('bar', float('nan')):.3g}; the minimal case's is the repro's)")
+        repro = dataclasses.replace(repro, id=f"{repro.id}-severe", case=case, tracking={})
     t = triage(repro, resolve_device(device), threshold)
     write_report(t, reports)
     attached = None
-    rid = (repro.tracking or {}).get("run_id") or run_id  # the MLflow run id, also when ID was a finding id
+    rid = (repro.tracking or {}).get("run_id") or (None if severe else run_id)  # (also when ID was a finding id)
     if rid and not no_tracking:
         attached = attach_to_mlflow(t, rid, tracking_uri or (repro.tracking or {}).get("uri"))
     if as_json:

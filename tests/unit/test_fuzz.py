@@ -903,3 +903,49 @@ def test_hypothesis_scans_the_local_modules_before_a_campaigns_clock_starts():
     import harness.shrink  # noqa: F401 - (a module loaded since the last scan, if none was)
     warm_hypothesis()
     assert providers._sys_modules_len == len(sys.modules)
+
+
+def test_a_second_bug_far_above_the_minimal_one_is_kept_as_the_findings_severe_case(tmp_path, harness_cli):
+    """Shrinking keeps the simplest trigger over the line: with two bugs in one rollout that is the
+    milder (a head 3% off, at temperature 1), and the temperature bug that reached 100x it was shrunk
+    away. The campaign shrinks its worst case too, kept far above the minimal one: the severe case
+    names the second bug, the repro keeps it, `show` prints it and `triage --severe` localizes it."""
+    plugin = PLUGINS / "two_bugs.py"
+    corpus = tmp_path / "corpus"
+    code, out, err = harness_cli("fuzz", "user.two_bugs", "--plugin", str(plugin), "--seed", "1", "--max-examples",
+                                 "60", "--corpus", str(corpus), "--no-tracking", cwd=tmp_path)
+    assert code == 1, err
+    [path] = iter_corpus(corpus)
+    repro = load_repro(path)
+    assert repro.case.temperature == 1.0 and repro.metrics["k3_expected"] < 0.01  # the mild bug, minimal
+    sev = repro.found["severe"]
+    worst = Case.from_json(sev["case"])
+    assert worst.temperature != 1.0 and worst.batch_size == 1 and worst.n_tokens == 1, worst
+    assert sev["judged"] >= sev["bar"] >= 10 * repro.metrics["k3_expected"] and sev["peak"] >= sev["judged"] / 10
+    assert "severe: its cases reached" in err and "harness triage --severe --plugin" in err, err
+    code, out, err = harness_cli("show", str(path), "--plugin", str(plugin), cwd=tmp_path)
+    assert code == 0 and "severe case: this finding's campaign reached" in out and worst.one_line() in out, out
+    code, out, err = harness_cli("triage", "--severe", str(path), "--plugin", str(plugin), "--no-tracking",
+                                 "--reports", str(tmp_path / "reports"), cwd=tmp_path)
+    assert code == 0 and f"severe case of {repro.id}" in out and (tmp_path / "reports" / f"{repro.id}-severe").is_dir()
+    # the judged value of the severe case, replayed, is the one recorded
+    assert f"expected k3 {sev['judged']:.3g}" in out, out
+    # a repro without one says so
+    clean = tmp_path / "plain.json"
+    data = json.loads(path.read_text())
+    del data["found"]["severe"]
+    clean.write_text(json.dumps(data))
+    code, out, err = harness_cli("triage", "--severe", str(clean), "--plugin", str(plugin), "--no-tracking",
+                                 "--reports", str(tmp_path / "reports"), cwd=tmp_path)
+    assert code == 2 and "has no severe case to triage" in err, err
+
+
+def test_a_campaign_with_a_plugin_and_no_pairs_named_runs_the_plugins_pairs(tmp_path, harness_cli):
+    """A user's nightly with its own plugin runs its own pairs, not the 70 built-in ones (whose
+    demonstrations' repros would land in its corpus); '*' still runs them all."""
+    plugin = PLUGINS / "two_bugs.py"
+    code, out, err = harness_cli("fuzz", "--plugin", str(plugin), "--max-examples", "3", "--seed", "2",
+                                 "--corpus", str(tmp_path / "corpus"), "--no-tracking", cwd=tmp_path)
+    assert code in (0, 1) and f"no pairs named: running the 1 pair(s) of {plugin}" in err, err
+    table = [line.split()[0] for line in out.splitlines() if line and not line.startswith(("pair ", "\n"))]
+    assert "user.two_bugs" in table and not any(name.startswith(("moe_", "hf.", "model.")) for name in table), out

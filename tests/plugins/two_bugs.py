@@ -1,0 +1,32 @@
+"""Two bugs in one rollout: a mild one on every case (its head 3% off: about 1.4x the line on one
+token), a severe one where the temperature is not 1 (applied twice: 0.04 at temperature 0.84, 0.16 at
+0.5). Shrinking keeps the simplest trigger over the line, the mild one at temperature 1; the
+campaign's severe case (`Finding.severe`) is the temperature bug (tests/unit/test_fuzz.py)."""
+import torch
+
+from harness import Axes, Outcome, TargetPair, register
+
+HIDDEN, VOCAB = 32, 128
+
+
+def build(case, device):
+    h = case.token_randn(HIDDEN, "hidden", device=device)
+    w = case.randn((HIDDEN, VOCAB), "head", device=device) / HIDDEN**0.5
+    noise = case.randn((HIDDEN, VOCAB), "noise", device=device) / HIDDEN**0.5
+    return {"h": h, "w": w, "noise": noise, "t": case.temperature}
+
+
+def trainer(inp):
+    return Outcome(logprobs=torch.log_softmax(3.0 * (inp["h"] @ inp["w"]) / inp["t"], -1))
+
+
+def rollout(inp):
+    logits = 3.0 * (inp["h"] @ (inp["w"] + 0.03 * inp["noise"]))  # mild: the head a little off
+    t = inp["t"]
+    return Outcome(logprobs=torch.log_softmax(logits / (t * t if t != 1.0 else t), -1))  # severe: t applied twice
+
+
+register(TargetPair(name="user.two_bugs", kind="op", expected="aligned", build=build, trainer=trainer, rollout=rollout,
+                    axes=Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 1.0), pad_sides=("right",),
+                              temperature=(0.5, 1.5)),
+                    description="a head a little off, and the temperature applied twice"))
