@@ -1460,12 +1460,22 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     signals = _Signals()
     by_pair: dict[str, PairResult] = {}
 
+    def eta(unit: Any, r: PairResult) -> str:
+        """How long the unit's examples would still take at its rate so far, where that is over a minute
+        and no budget bounds it (a slow model pair given --max-examples alone)."""
+        if end is not None or cfg.fill_budget or r.rate <= 0 or not cfg.max_examples or r.examples < 8:
+            return ""  # (the first cases' rate is the cold start's)
+        cases = examples_of(unit) * (1 + uniform_per_example(unit.pair, cfg))  # (each example's uniform cases too)
+        left = max(0, cases - r.examples) / r.rate
+        return (f"; about {left / 60:.0f} min more for its {examples_of(unit)} examples at this rate "
+                "(--budget bounds it)") if left > 60 else ""
+
     def progress_of(unit: Any, before: tuple[PairResult, ...] = ()) -> Callable[[PairResult, bool], None]:
         """A unit's progress lines; `before`: its earlier runs (a round's), counted in what `on_progress` gets."""
         def progress(r: PairResult, done: bool) -> None:
             if not done:  # (the unit's label: a pair's streams count their cases apart)
                 log(f"  {unit.label}: {r.examples} cases, {r.rate:.1f}/s, max judged {r.max_score:.3g} "
-                    f"(sampled k3 {r.max_k3:.3g})")
+                    f"(sampled k3 {r.max_k3:.3g})" + eta(unit, r))
                 if on_progress is not None:
                     so_far = PairResult(r.pair, r.expected)
                     for b in (*before, r):
