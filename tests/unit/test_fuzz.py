@@ -949,3 +949,33 @@ def test_a_campaign_with_a_plugin_and_no_pairs_named_runs_the_plugins_pairs(tmp_
     assert code in (0, 1) and f"no pairs named: running the 1 pair(s) of {plugin}" in err, err
     table = [line.split()[0] for line in out.splitlines() if line and not line.startswith(("pair ", "\n"))]
     assert "user.two_bugs" in table and not any(name.startswith(("moe_", "hf.", "model.")) for name in table), out
+
+
+def test_a_campaign_without_a_budget_says_how_long_its_examples_would_still_take():
+    """--max-examples alone on a slow pair: the progress lines estimate the minutes left at its rate."""
+    import time as _time
+
+    from harness import Axes, Outcome, TargetPair
+
+    began = []
+
+    def build(case, device):
+        return torch.zeros(sum(case.seq_lens), 8)
+
+    def path(x):
+        began.append(began[0] if began else _time.monotonic())
+        if _time.monotonic() - began[0] > 2.6:
+            raise KeyboardInterrupt
+        _time.sleep(0.02)
+        return Outcome(logprobs=torch.log_softmax(x, -1))
+
+    pair = TargetPair(name="t.slow_eta", kind="op", expected="aligned", build=build, trainer=path, rollout=path,
+                      axes=Axes(n_seqs=(1, 2), seq_len=(1, 4), pad_sides=("right",), logit_scale=(1.0, 1.0)))
+    lines = []
+    cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=2000, isolation=False)
+    try:  # (the interrupt ends the campaign, as a Ctrl-C would)
+        run_campaign(cfg, tracker=NullTracker(), log=lines.append)
+    except KeyboardInterrupt:
+        pass
+    said = [line for line in lines if "min more for its 2000 examples at this rate" in line]
+    assert said, lines
