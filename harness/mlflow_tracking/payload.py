@@ -206,6 +206,9 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
         "peak_judged": w if isinstance(w := _worst(judged, getattr(f, "peak", None)), (int, float))
         and math.isfinite(w) else None,
         "threshold": threshold,
+        # the worst case shrunk far above the minimal one (`Finding.severe`): maybe a second bug of the pair
+        **({"severe_case_line": f.severe["case"].one_line(brief=True), "severe_judged": float(f.severe["evaluation"].score)}
+           if getattr(f, "severe", None) and math.isfinite(float(f.severe["evaluation"].score)) else {}),
         "seen_at": now_iso(),
         "case": case.to_json(),
         "case_line": case.one_line(brief=True),  # (a recording's params cut: the note stays under MLflow's limit)
@@ -309,6 +312,10 @@ def regression_note(p: dict[str, Any], run_id: str | None, uri: str | None = Non
         f"**Minimal case.** `{p['case_line']}`"
         + ("" if p.get("shrink_complete", True) else " (shrinking was cut short, by the budget or an interrupt: "
                                                        "`harness shrink` of its corpus file goes on)"), "",
+        *([f"**Severe case.** `{p['severe_case_line']}` (judged {p['severe_judged']:.3g}): the worst case, shrunk "
+           "keeping it far above the minimal one; shrinking keeps the mildest of several bugs in one pair, so a "
+           f"second bug shows here: `harness triage --severe{plugin} {corpus or 'FILE'}` names its components.", ""]
+          if p.get("severe_case_line") else []),
         "**Replay.**", "", "```",
     ]
     if run_id:

@@ -912,8 +912,9 @@ def test_a_second_bug_far_above_the_minimal_one_is_kept_as_the_findings_severe_c
     names the second bug, the repro keeps it, `show` prints it and `triage --severe` localizes it."""
     plugin = PLUGINS / "two_bugs.py"
     corpus = tmp_path / "corpus"
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     code, out, err = harness_cli("fuzz", "user.two_bugs", "--plugin", str(plugin), "--seed", "1", "--max-examples",
-                                 "60", "--corpus", str(corpus), "--no-tracking", cwd=tmp_path)
+                                 "60", "--corpus", str(corpus), "--tracking-uri", store, cwd=tmp_path)
     assert code == 1, err
     [path] = iter_corpus(corpus)
     repro = load_repro(path)
@@ -923,6 +924,8 @@ def test_a_second_bug_far_above_the_minimal_one_is_kept_as_the_findings_severe_c
     assert worst.temperature != 1.0 and worst.batch_size == 1 and worst.n_tokens == 1, worst
     assert sev["judged"] >= sev["bar"] >= 10 * repro.metrics["k3_expected"] and sev["peak"] >= sev["judged"] / 10
     assert "severe: its cases reached" in err and "harness triage --severe --plugin" in err, err
+    code, out, _ = harness_cli("regressions", "show", repro.id, "--tracking-uri", store, cwd=tmp_path)
+    assert code == 0 and f"**Severe case.** `{worst.one_line(brief=True)}`" in out, out
     code, out, err = harness_cli("show", str(path), "--plugin", str(plugin), cwd=tmp_path)
     assert code == 0 and "severe case: this finding's campaign reached" in out and worst.one_line() in out, out
     code, out, err = harness_cli("triage", "--severe", str(path), "--plugin", str(plugin), "--no-tracking",
