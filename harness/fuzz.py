@@ -187,7 +187,7 @@ class PairResult:
         if not b:
             return ""
         return (f"largest: {b} sequence{'s' * (b != 1)}, " + (f"prompt {p}, " if p else "")
-                + f"response {r}, {t} tokens in a case")
+                + f"response {r}, {t} tokens in a case" + (" (each the largest of its own axis)" if p else ""))
 
     @property
     def time_note(self) -> str:
@@ -382,7 +382,10 @@ MAX_SIGNATURES = 16  # distinct failures one pair's campaign reports (each is sh
 # case shrunk too, kept over max(SEVERE_FACTOR x the minimal's, the worst's / SEVERE_FACTOR) (`Finding.severe`):
 # shrinking keeps the simplest trigger over the line, which is the mildest of several bugs in one pair
 # (not for demonstrations, `expected="diverges"`: their bug is known, and the time is the other pairs')
-SEVERE_FACTOR = 10.0
+SEVERE_FACTOR = 5.0
+# uniform cases a campaign runs on after a divergence is shrunk, looking for one SEVERE_FACTOR x worse (within
+# the pair's remaining examples and time share): the search itself stops at its first failure
+SEVERE_SEARCH_CASES = 300
 
 
 def pair_verdict(expected: str, symptoms: list[str], cases: int, setup_error: bool = False,
@@ -730,6 +733,22 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         by_sig[signature(pair.name, ev)] = ev
     for sig, ev in smallest.items():  # a failure Hypothesis did not report (a uniform case, or a
         by_sig.setdefault(sig, ev)  # cut-short run) is kept at its smallest
+    def seek_severe(sig: str, ev: Evaluation, bar: float) -> None:
+        """Uniform cases after a divergence is shrunk, while its pair's examples (with their uniform cases)
+        and time share last, at most SEVERE_SEARCH_CASES, until one of its signature reaches `bar`: the
+        search stopped at the first failure, so a worse second bug may not have been drawn yet."""
+        n = SEVERE_SEARCH_CASES
+        if asked:
+            n = min(n, max(0, asked - calls[0]) * (1 + n_uniform))
+        rng = random.Random(seed ^ 0x5E7E7E)
+        for _ in range(n):
+            if peak.get(sig, 0.0) >= bar or (limit["deadline"] is not None and time.monotonic() > limit["deadline"]):
+                return
+            try:
+                run(uniform_cases(pair.axes, rng, params=ev.case.params, log_gap=True))
+            except _OutOfTime:
+                return
+
     findings = []
     queue = list(by_sig.items())
     severe = None
@@ -739,12 +758,14 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if not cut["shrink"] and polish_evals > 0:
             try:
                 ev, evals, complete = _polish(pair, ev, sig, run, limit["deadline"], polish_evals, cfg.threshold)
-                top = peak.get(sig, math.nan)
-                if (complete and pair.expected != "diverges" and ev.symptom is Symptom.DIVERGENCE
-                        and sig in peak_case and math.isfinite(top)
-                        and top >= SEVERE_FACTOR * max(ev.score, cfg.threshold)):
-                    severe = _severe(pair, ev, sig, peak_case[sig], top, run, limit["deadline"], polish_evals,
-                                     cfg.threshold)
+                if complete and pair.expected != "diverges" and ev.symptom is Symptom.DIVERGENCE:
+                    bar = SEVERE_FACTOR * max(ev.score, cfg.threshold)
+                    if not peak.get(sig, 0.0) >= bar:  # (a finding stops the search: look on for a worse case)
+                        seek_severe(sig, ev, bar)
+                    top = peak.get(sig, math.nan)
+                    if sig in peak_case and math.isfinite(top) and top >= bar:
+                        severe = _severe(pair, ev, sig, peak_case[sig], top, run, limit["deadline"], polish_evals,
+                                         cfg.threshold)
             except _Setup as e:  # it stopped running while a finding was shrunk: kept at its smallest so far
                 result.setup_error = setup_message(e.evaluation)
                 cut["shrink"], evals, ev, complete = True, 0, smallest.get(sig, ev), False

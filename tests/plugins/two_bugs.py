@@ -30,3 +30,20 @@ register(TargetPair(name="user.two_bugs", kind="op", expected="aligned", build=b
                     axes=Axes(n_seqs=(1, 4), seq_len=(1, 16), logit_scale=(1.0, 1.0), pad_sides=("right",),
                               temperature=(0.5, 1.5)),
                     description="a head a little off, and the temperature applied twice"))
+
+
+def rollout_rare(inp):  # the same mild bug; the severe one only in batches of exactly 5 sequences
+    logits = 3.0 * (inp["h"] @ (inp["w"] + 0.03 * inp["noise"]))
+    if inp["n"] == 5:  # (a kernel's batch-size bucket)
+        logits = logits * 1.5
+    return Outcome(logprobs=torch.log_softmax(logits, -1))
+
+
+def build_rare(case, device):
+    return {**build(case, device), "t": 1.0, "n": case.batch_size}
+
+
+register(TargetPair(name="user.two_bugs_rare", kind="op", expected="aligned", build=build_rare, trainer=trainer,
+                    rollout=rollout_rare,
+                    axes=Axes(n_seqs=(1, 8), seq_len=(1, 16), logit_scale=(1.0, 1.0), pad_sides=("right",)),
+                    description="a head a little off, and logits 1.5x too large in batches of 5 sequences"))

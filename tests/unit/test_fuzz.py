@@ -982,3 +982,24 @@ def test_a_campaign_without_a_budget_says_how_long_its_examples_would_still_take
         pass
     said = [line for line in lines if "min more for its 2000 examples at this rate" in line]
     assert said, lines
+
+
+def test_after_a_finding_the_campaign_looks_on_for_a_worse_case(monkeypatch):
+    """A slow pair's search stops at its first failure, here the simplest case: a bug only batches of
+    exactly 5 sequences have (`user.two_bugs_rare`) was not drawn before it. Uniform cases after the
+    shrink, within the pair's examples, find it, and it becomes the severe case."""
+    import harness.fuzz as fuzz
+
+    REGISTRY.load_plugin(str(PLUGINS / "two_bugs.py"))
+    pair = REGISTRY.get("user.two_bugs_rare")
+    # as for a model pair whose cases take a second or more: its first failure (here the first example,
+    # the simplest case, on the mild bug) goes straight to the polish pass, and no other case runs before
+    cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=60, isolation=False, uniform_per_example=0,
+                         slow_case_seconds=0.0)
+    monkeypatch.setattr(fuzz, "SEVERE_SEARCH_CASES", 0)
+    [f] = fuzz.fuzz_pair(pair, cfg, seed=fuzz.pair_seed(1, pair.name), deadline=None).findings
+    assert f.case.batch_size != 5 and f.severe is None and f.peak < fuzz.SEVERE_FACTOR * f.evaluation.score
+    monkeypatch.undo()
+    [f] = fuzz.fuzz_pair(pair, cfg, seed=fuzz.pair_seed(1, pair.name), deadline=None).findings
+    assert f.case.batch_size != 5 and f.severe is not None, f
+    assert f.severe["case"].seq_lens == (1,) * 5 and f.severe["evaluation"].score > 50 * f.evaluation.score
