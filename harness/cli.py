@@ -572,13 +572,17 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         rec_k3 = r.metrics.get("k3_kl")
         elsewhere = machine_differences(r.environment, dev)
         beyond = res.beyond_noise() if elsewhere else {}
+        now_fixed = res.compared and not res.bit_for_bit and not ev.failed and r.status == "open" \
+            and not res.nondeterministic  # (an open repro of a fixed bug: its metrics moved as a fix moves them)
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
                 f"-> now {verdict} {ev.headline_like(r.metrics)}; bit-for-bit "
-                + ("yes" if res.compared and res.bit_for_bit else "no" if res.compared else
+                + ("no: it no longer fails (fixed? `harness regressions close "
+                   f"{r.id} --status fixed` once it is)" if now_fixed else
+                   "yes" if res.compared and res.bit_for_bit else "no" if res.compared else
                    "not compared (its case was edited since it was recorded: the recorded metrics are another "
                    "case's; `harness rerecord FILE` records this case's)" if r.case_edited else
                    "not compared (a fixed repro that replays clean: its recorded metrics are the bug's)"))
-        if not res.bit_for_bit:
+        if not res.bit_for_bit and not now_fixed:
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
                                      ((k, *v) for k, v in list(res.mismatches.items())[:4])) + ")"
             if res.nondeterministic:  # no replay reproduces its metrics: only its failure is compared

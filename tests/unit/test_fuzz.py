@@ -941,6 +941,13 @@ def test_a_second_bug_far_above_the_minimal_one_is_kept_as_the_findings_severe_c
     code, out, err = harness_cli("triage", "--severe", str(clean), "--plugin", str(plugin), "--no-tracking",
                                  "--reports", str(tmp_path / "reports"), cwd=tmp_path)
     assert code == 2 and "has no severe case to triage" in err, err
+    # the mild bug fixed: its open repro replays clean, said as such, not as a list of moved metrics
+    fixed = tmp_path / "fixed" / "two_bugs.py"
+    fixed.parent.mkdir()
+    fixed.write_text(plugin.read_text().replace('0.03 * inp["noise"]', '0.0 * inp["noise"]'))
+    code, out, err = harness_cli("replay", str(path), "--plugin", str(fixed), cwd=tmp_path)
+    assert code == 0 and "-> now clean" in out and "bit-for-bit no: it no longer fails (fixed? `harness regressions " \
+        f"close {repro.id} --status fixed` once it is)" in out and "k3_kl:" not in out, out
 
 
 def test_a_campaign_with_a_plugin_and_no_pairs_named_runs_the_plugins_pairs(tmp_path, harness_cli):
