@@ -263,6 +263,17 @@ def test_collect_only_lists_the_items_and_writes_nothing(tmp_path):
     assert not out_dir.exists() and not (tmp_path / "mlflow.db").exists()  # no summary, no empty campaign run
 
 
+def test_a_plugin_and_no_pairs_named_collects_the_plugins_pairs_only(tmp_path):
+    """A user's nightly with its own plugin (the README's `# your own pairs` line) runs its pairs, not
+    every built-in one (whose demonstrations' repros would land in the user's corpus)."""
+    plugin = ROOT / "tests" / "plugins" / "two_bugs.py"
+    rc, out = run_pytest(["--harness-fuzz", "--co", "-q", f"--harness-plugin={plugin}", "--harness-no-tracking"],
+                         cwd=tmp_path)
+    items = [line for line in out.splitlines() if "harness-fuzz::" in line]
+    assert sorted(i.split("::")[-1] for i in items) == ["user.two_bugs", "user.two_bugs_rare"], out
+    assert f"running the 2 pair(s) of {plugin}" in out, out
+
+
 def test_xdist_one_summary_one_campaign_run(tmp_path):
     """Two workers share the pairs; the controller aggregates one summary and one campaign run."""
     from mlflow import MlflowClient
