@@ -1425,6 +1425,9 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
             # two streams found one signature (pytest-xdist items, each writing as it finds): the one that
             # wrote the corpus file stands for it, so the summary's case is the file's
             into.findings[i] = f
+        if i is not None and f.severe is not None and (into.findings[i].severe is None or float(
+                f.severe["evaluation"].score) > float(into.findings[i].severe["evaluation"].score)):
+            into.findings[i].severe = f.severe  # (the worst any stream saw, as the corpus file keeps it)
     into.findings.extend(fresh)
     return fresh
 
