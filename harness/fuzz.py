@@ -533,7 +533,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     cache: dict[Any, Evaluation | float] = {}
     smallest: dict[str, Evaluation] = {}  # signature -> smallest failing evaluation seen so far
     peak: dict[str, float] = {}  # signature -> the largest judged mean of its failing cases (`Finding.peak`)
-    peak_case: dict[str, Case] = {}  # signature -> the case that gave it
+    peak_case: dict[str, Evaluation] = {}  # signature -> the evaluation that gave it
     first_seen: dict[str, tuple[int, float]] = {}  # signature -> (cases run, seconds) at its first sighting
     cut = {"shrink": False}
     start = time.monotonic()
@@ -600,7 +600,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
             first_seen.setdefault(sig, (result.examples, time.monotonic() - start))
             if not math.isnan(ev.score):
                 if ev.score > peak.get(sig, -math.inf):
-                    peak_case[sig] = case
+                    peak_case[sig] = ev
                 peak[sig] = max(peak.get(sig, ev.score), ev.score)
             if sig not in smallest or _size(case) <= _size(smallest[sig].case):
                 smallest[sig] = ev
@@ -796,9 +796,10 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
 
 
 def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], Any], deadline: float | None,
-            max_evals: int, threshold: float) -> tuple[Evaluation, int, bool]:
+            max_evals: int, threshold: float, bar: float | None = None) -> tuple[Evaluation, int, bool]:
     """The polish pass (`harness.shrink`) on one finding: its simplest trigger, same signature, its
-    continuous knobs bisected only as far as it fails by `shrink.EDGE_MARGIN` over `threshold`."""
+    continuous knobs bisected only as far as it fails by `shrink.EDGE_MARGIN` over `threshold`.
+    With `bar`, a smaller case counts only when its judged mean stays at or over it (`_severe`)."""
     from .shrink import polish
 
     out_of_time: dict[str, Any] = {"hit": False, "setup": None}
@@ -814,7 +815,8 @@ def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], An
         except _Setup as e:  # the pair stopped running: stop here, and say so (below)
             out_of_time["hit"], out_of_time["setup"] = True, e
             return False
-        return isinstance(got, Evaluation) and got.failed and signature(pair.name, got) == sig
+        return (isinstance(got, Evaluation) and got.failed and signature(pair.name, got) == sig
+                and (bar is None or got.score >= bar))
 
     def strong(case: Case) -> bool:  # (run again: from the cache) fails by the margin, or not as a divergence
         got = run(case)
@@ -822,7 +824,7 @@ def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], An
                                                 or got.score >= EDGE_MARGIN * threshold)
 
     case, evals, complete = polish(ev.case, fails, max_evals=max_evals, deadline=deadline, axes=pair.axes,
-                                   strong=strong)
+                                   strong=strong if bar is None else None)
     if out_of_time["setup"] is not None:
         raise out_of_time["setup"]
     got = run(case) if not out_of_time["hit"] else ev
@@ -830,37 +832,16 @@ def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], An
     return best, evals, complete and not out_of_time["hit"]
 
 
-def _severe(pair: TargetPair, ev: Evaluation, sig: str, worst: Case, peak: float, run: Callable[[Case], Any],
-            deadline: float | None, max_evals: int, threshold: float) -> dict | None:
-    """The campaign's worst case of a divergence (judged `peak`), shrunk by the polish pass keeping the
-    same signature and a judged mean over the bar (max(SEVERE_FACTOR x the minimal case's, peak /
-    SEVERE_FACTOR)); None when it does not stay over it or shrinks to the minimal case itself."""
-    from .shrink import polish
-
+def _severe(pair: TargetPair, ev: Evaluation, sig: str, worst: Evaluation, peak: float,
+            run: Callable[[Case], Any], deadline: float | None, max_evals: int, threshold: float) -> dict | None:
+    """The campaign's worst evaluation of a divergence (judged `peak`), shrunk by the polish pass keeping
+    the same signature and a judged mean over the bar (max(SEVERE_FACTOR x the minimal case's, peak /
+    SEVERE_FACTOR)); None when it shrinks to the minimal case itself."""
     bar = max(SEVERE_FACTOR * max(ev.score, threshold), peak / SEVERE_FACTOR)
-    stop = {"hit": False}
-
-    def fails(case: Case) -> bool:
-        if stop["hit"]:
-            return False
-        try:
-            got = run(case)
-        except _OutOfTime:
-            stop["hit"] = True
-            return False
-        return (isinstance(got, Evaluation) and got.failed and signature(pair.name, got) == sig
-                and got.score >= bar)
-
-    if not fails(worst):
+    got, _, complete = _polish(pair, worst, sig, run, deadline, max_evals, threshold, bar=bar)
+    if got.case == ev.case or not got.score >= bar:
         return None
-    case, _, complete = polish(worst, fails, max_evals=max_evals, deadline=deadline, axes=pair.axes)
-    try:
-        got = run(case)  # (from the campaign's cache: polish ran it)
-    except _OutOfTime:
-        return None
-    if case == ev.case or not isinstance(got, Evaluation) or not got.failed or not got.score >= bar:
-        return None
-    return {"case": case, "evaluation": got, "bar": bar, "peak": peak, "complete": complete and not stop["hit"]}
+    return {"case": got.case, "evaluation": got, "bar": bar, "peak": peak, "complete": complete}
 
 
 def _neighbours(pair: TargetPair, case: Case, cache: dict) -> list[dict[str, Any]]:
