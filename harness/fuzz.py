@@ -733,6 +733,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         by_sig[signature(pair.name, ev)] = ev
     for sig, ev in smallest.items():  # a failure Hypothesis did not report (a uniform case, or a
         by_sig.setdefault(sig, ev)  # cut-short run) is kept at its smallest
+
     def seek_severe(sig: str, ev: Evaluation, bar: float) -> None:
         """Uniform cases after a divergence is shrunk, while its pair's examples (with their uniform cases)
         and time share last, at most SEVERE_SEARCH_CASES, until one of its signature reaches `bar`: the
