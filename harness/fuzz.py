@@ -842,7 +842,8 @@ def _severe(pair: TargetPair, ev: Evaluation, sig: str, worst: Evaluation, peak:
     got, _, complete = _polish(pair, worst, sig, run, deadline, max_evals, threshold, bar=bar)
     if got.case == ev.case or not got.score >= bar:
         return None
-    return {"case": got.case, "evaluation": got, "bar": bar, "peak": peak, "complete": complete}
+    # (its shrinking may have run a case worse than the peak it started from)
+    return {"case": got.case, "evaluation": got, "bar": bar, "peak": max(peak, got.score), "complete": complete}
 
 
 def _neighbours(pair: TargetPair, case: Case, cache: dict) -> list[dict[str, Any]]:

@@ -198,6 +198,7 @@ class Triage:
     # path that is not torch (an ONNX Runtime session, an engine's own kernels), in the trainer's order
     intermediates: list[ModuleRow] = field(default_factory=list)
     first_intermediate: str | None = None
+    of_severe: bool = False  # of the repro's severe case (`triage --severe`), not its minimal case
     intermediates_floor_from: str = ""
 
     @property
@@ -315,7 +316,12 @@ class _Recorder:
             return
         shape = (0, 0)
         for t in [kwargs.get("input_ids"), kwargs.get("inputs_embeds"), *args, *kwargs.values()]:
-            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t.dim() == 1 and not t.is_floating_point() and t.dtype != torch.bool and t.numel():
+                shape = (1, int(t.shape[0]))  # 1-D token ids (a model without a batch dimension): one row
+                break
+            if t.dim() >= 2:
                 shape = (int(t.shape[0]), int(t.shape[1]))
                 break
         self.calls.append(_Call(*shape))
@@ -1306,10 +1312,14 @@ def write_report(t: Triage, reports: Path) -> Path:
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",
              f"- case: `{r.case.one_line()}`",
              *([f"- {t.first_over}"] if t.first_over else []),
-             f"- replay: `{_replay_command(r)}`; triage again: `{_triage_command(r)}`",
+             f"- replay: `{_replay_command(r)}`"
+             + (" (its minimal case); this report is of its severe case (`found.severe`), triage again: "
+                f"`{_triage_command(r).replace('harness triage', 'harness triage --severe', 1)}`" if t.of_severe
+                else f"; triage again: `{_triage_command(r)}`"),
              f"- judged k3 ({judged_what}) now {t.k3:.6g}, exact KL "
              f"{getattr(ev.divergence, 'kl', float('nan')):.6g} (threshold {t.threshold:g}, either over it fails); "
-             f"the sampled tokens' mean k3 {ev.k3:.6g} (recorded {r.metrics.get('k3_kl', '-')}); "
+             f"the sampled tokens' mean k3 {ev.k3:.6g}"
+             + ("" if t.of_severe else f" (recorded {r.metrics.get('k3_kl', '-')})") + "; "
              f"triage took {t.seconds:.1f}s", ""]
     if ev.divergence is not None:
         d = ev.divergence
@@ -1480,8 +1490,10 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         sev = repro.found["severe"]
         click.echo(f"severe case of {repro.id}: {case.one_line()} (judged {sev.get('judged', float('nan')):.3g} when "
                    f"found, kept over {sev.get('bar', float('nan')):.3g}; the minimal case's is the repro's)")
-        repro = dataclasses.replace(repro, id=f"{repro.id}-severe", case=case, tracking={})
+        # (the recorded metrics are the minimal case's: not this case's to compare with)
+        repro = dataclasses.replace(repro, id=f"{repro.id}-severe", case=case, tracking={}, metrics={})
     t = triage(repro, resolve_device(device), threshold)
+    t.of_severe = severe
     write_report(t, reports)
     attached = None
     rid = (repro.tracking or {}).get("run_id") or (None if severe else run_id)  # (also when ID was a finding id)

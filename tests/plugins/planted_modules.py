@@ -131,7 +131,12 @@ _TINY = TinyLM().eval()
 _TINY_BUGGY = with_bug(_TINY, "blocks.1", BiasedLinear)
 
 
-def tiny_pair(name: str, expected: str, rollout_model: nn.Module, description: str) -> TargetPair:
+def tiny_pair(name: str, expected: str, rollout_model: nn.Module, description: str, flat: bool = False) -> TargetPair:
+    """`flat`: both paths call the model on 1-D token ids ((T,) -> (T, V) logits), as a model without a
+    batch dimension does."""
+    def call(model, ids):  # (1, n) -> (n, V), or flat (n,) -> (n, V)
+        return model(ids[0]) if flat else model(ids)[0]
+
     def build(case, device):
         ids = [torch.randint(0, VOCAB, (n,), generator=case.seq_generator(j, "ids")) for j, n in enumerate(case.seq_lens)]
         return {"ids": ids, "scale": case.logit_scale,
@@ -139,12 +144,12 @@ def tiny_pair(name: str, expected: str, rollout_model: nn.Module, description: s
 
     def trainer(inp):  # every sequence packed into one call; log-probabilities at the case's scale
         ids = torch.cat(inp["ids"]).to(inp["device"])[None]  # (1, T)
-        return Outcome(logprobs=torch.log_softmax(inp["modules"]["trainer"](ids)[0] * inp["scale"], -1))
+        return Outcome(logprobs=torch.log_softmax(call(inp["modules"]["trainer"], ids) * inp["scale"], -1))
 
     def rollout(inp):  # one call per sequence, last sequence first
         rows: list = [None] * len(inp["ids"])
         for j in reversed(range(len(inp["ids"]))):
-            logits = inp["modules"]["rollout"](inp["ids"][j].to(inp["device"])[None])[0]  # (n, V)
+            logits = call(inp["modules"]["rollout"], inp["ids"][j].to(inp["device"])[None])  # (n, V)
             rows[j] = torch.log_softmax(logits * inp["scale"], -1)
         return Outcome(logprobs=torch.cat(rows))
 
@@ -155,6 +160,8 @@ def tiny_pair(name: str, expected: str, rollout_model: nn.Module, description: s
 register(tiny_pair("planted.tiny_lm.aligned", "aligned", _TINY, "a plain torch LM, packed vs per-sequence calls"))
 register(tiny_pair("planted.tiny_lm.block_bias", "diverges", _TINY_BUGGY,
                    "planted code-level bug: the rollout's blocks.1 adds a constant"))
+register(tiny_pair("planted.tiny_lm.flat_block_bias", "diverges", _TINY_BUGGY,
+                   "the same bug, both paths calling the model on 1-D token ids", flat=True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -156,6 +156,16 @@ def test_a_plain_torch_model_needs_no_argument_in_its_call():
     assert aligned.first_module is None and max(m.error for m in aligned.modules) < 1e-6
 
 
+def test_a_model_called_on_1d_token_ids_gets_its_per_module_table():
+    """A model without a batch dimension ((T,) ids in, (T, V) logits out): the call's positions come
+    from its 1-D integer ids. Its first 2-D tensor was taken for (batch, positions) before (an
+    attention mask, or here the logits), and the table was empty, blaming truncated rows."""
+    case = Case(seed=3, seq_lens=(5, 3, 2), logit_scale=2.0)
+    t = triage(made_repro("planted.tiny_lm.flat_block_bias", case))
+    assert [m.name for m in t.modules] == ["embed", "blocks.0", "blocks.1", "head", ROOT_MODULE], t.notes
+    assert all(m.tokens == 10 for m in t.modules) and t.first_module == "blocks.1"
+
+
 def test_a_router_whose_logits_agree_but_whose_choice_does_not_is_named_by_its_other_outputs():
     """A module returning several tensors has a row per output (`name[i]`): a router bug that leaves
     its logits equal shows at its weights / chosen experts, before the experts and the block."""
