@@ -974,6 +974,24 @@ def _label(loc: Localization, comps: list[str]) -> str:
     return " + ".join(labels.get(c, c) for c in comps)
 
 
+def residual_note(t: "Triage") -> str:
+    """What the other differing components leave once the minimal set is aligned, where it is well
+    above what aligning every component leaves: each may be a bug of its own, under the line on this
+    case (a repro shows its pair's mildest trigger, and the worst bug shows there; another hides
+    under it). "" when nothing is left."""
+    loc = t.localization
+    if loc is None or not loc.explained:
+        return ""
+    rest = [c for c in loc.differing if c not in loc.minimal]
+    left, floor = loc.k3_minimal_aligned, loc.k3_all_aligned
+    if not rest or not math.isfinite(left) or left < 1e-6 or left < 10 * max(floor if math.isfinite(floor) else 0, 1e-12):
+        return ""
+    each = ", ".join(_label(loc, [c]) for c in rest)
+    return (f"with {_label(loc, loc.minimal)} aligned, k3 {left:.3g} remains (every component aligned: {floor:.3g}): "
+            f"the other differing component(s) still move this case, under the line here: {each}. Each may be a "
+            "bug of its own: fix this one and the next campaign's repro is theirs, or give one a pair of its own")
+
+
 def judged(ev: Any) -> float:
     """The k3 the verdict judged on an evaluation: the expected k3 (exact over the vocabulary), the
     sampled tokens' mean without it, +inf when a sampled token is one the trainer excludes (the worst
@@ -1309,6 +1327,7 @@ def write_report(t: Triage, reports: Path) -> Path:
                        + f" gives k3 = inf; expected over the tokens the trainer keeps: {expected_k3:.6g}")
     lines = [f"# Triage of {r.id}: {r.pair}", "",
              f"**Verdict:** {t.verdict}", "",
+             *([residual_note(t), ""] if residual_note(t) else []),
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",
              f"- case: `{r.case.one_line()}`",
              *([f"- {t.first_over}"] if t.first_over else []),
@@ -1509,6 +1528,7 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
             "intermediates": {m.name: m.error for m in t.intermediates},
             "minimal": loc.minimal if loc else None, "explained": loc.explained if loc else None,
             "k3_minimal_aligned": loc.k3_minimal_aligned if loc else None, "flips": t.flips,
+            "residual": residual_note(t) or None,
             "report": str(t.report), "plots": [str(p) for p in t.plots], "seconds": t.seconds, "mlflow": attached,
         }, indent=2, default=str))
     else:
@@ -1528,6 +1548,8 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
                 f"{l} {v['near_tie']}/{v['other']}" + (f"/{v.get('unscored', 0)}" if unscored else "")
                 for l, v in t.flips.items()))
         click.echo(f"verdict: {t.verdict}")
+        if residual_note(t):
+            click.echo(residual_note(t))
         if t.first_over:
             click.echo(t.first_over)
         for line in missing_table_lines(t):

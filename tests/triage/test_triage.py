@@ -20,6 +20,7 @@ from harness import REGISTRY, Case
 from harness.corpus import Repro, iter_corpus, load_repro
 from harness.execute import Symptom
 from harness.triage import ROOT as ROOT_MODULE
+from harness.triage import residual_note
 from harness.triage import (FLOOR_FACTOR, Localization, ModuleRow, Swap, Triage, ddmin, judged, layer_of,
                             routing_split, triage, verdict_line, write_report)
 
@@ -79,6 +80,7 @@ def test_triage_names_moe_aggregation_and_the_layer_it_starts_in(tmp_path):
     assert t.verdict.startswith("MoE aggregation precision, from layers.0 (first divergent module layers.0.moe): "
                                 "expected k3 ")
     assert "all layers" not in t.verdict
+    assert residual_note(t) == ""  # its only differing component is the minimal set
     assert t.first_module == "layers.0.moe"  # attention and norms of layer 0 agree bit for bit
     assert t.floor_from == "the pair with every differing component aligned"
     report = write_report(t, tmp_path)
@@ -191,6 +193,19 @@ def test_a_nonfinite_finding_names_the_first_module_with_nan_or_inf(tmp_path):
     assert "did not evaluate" not in t.verdict
     text = write_report(t, tmp_path).read_text()
     assert "## Non-finite values" in text and "**layers.1.moe_norm**" in text
+
+
+def test_what_the_other_differing_components_leave_is_said_where_it_is_above_the_floor(tmp_path):
+    """A bf16 rollout differs in several components; its minimal set (activations and router scores)
+    explains the case, and what the others (MoE aggregation, LM head, KV cache) leave once it is
+    aligned is said: each may be a bug of its own under the line on this case."""
+    t = triage(corpus_repro("model.bf16_rollout"))
+    note = residual_note(t)
+    loc = t.localization
+    assert loc.explained and loc.k3_minimal_aligned > 10 * max(loc.k3_all_aligned, 1e-12), loc
+    assert note.startswith("with ") and f"aligned, k3 {loc.k3_minimal_aligned:.3g} remains" in note
+    assert "MoE aggregation precision" in note and "LM-head precision" in note and "bug of its own" in note
+    assert note in write_report(t, tmp_path).read_text()
 
 
 def test_layer_names_and_single_layer_verdicts():
