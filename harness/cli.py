@@ -382,8 +382,10 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
                  + (replay_command_for(f.pair, f.path) if f.path else "(not written: saved as JSON on stderr above)"))
         sev = getattr(f, "severe", None)
         if sev:
+            from .corpus import severe_keeping
+
             echo_err(f"    severe: its cases reached {sev['peak']:.3g}, {sev['peak'] / max(f.evaluation.score, 1e-300):.0f}x "
-                     f"this one; its worst, shrunk keeping it over {sev['bar']:.3g}: {sev['case'].one_line()} "
+                     f"this one; its worst, shrunk keeping {severe_keeping(sev['bar'])}: {sev['case'].one_line()} "
                      f"({sev['evaluation'].headline}): a second bug of the pair, or this one where it is worst"
                      + (": `" + replay_command_for(f.pair, f.path).replace("harness replay", "harness triage --severe", 1)
                         + "`" if f.path else ""))
@@ -839,8 +841,10 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         from .corpus import severe_case
 
         worst = severe_case(r)
+        from .corpus import severe_keeping
+
         click.echo(f"  severe case: this finding's campaign reached {_fmt(sev.get('peak'))}; its worst case, shrunk keeping "
-                   f"it over {_fmt(sev.get('bar'))}, is {worst.one_line() if worst else '(not a valid case)'} "
+                   f"{severe_keeping(sev.get('bar', 'nan'))}, is {worst.one_line() if worst else '(not a valid case)'} "
                    f"({sev.get('headline', '')}). Shrinking keeps the simplest trigger over the line: where several "
                    f"bugs share a pair that is the mildest. `harness triage --severe{f' --plugin {r.plugin_spec()}' if r.plugin_spec() else ''} {file}` names "
                    "the components of this one: other components than the minimal case's are a second bug")

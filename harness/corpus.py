@@ -640,9 +640,16 @@ def severe_json(severe: dict[str, Any]) -> dict[str, Any]:
     """`Finding.severe` as a repro's `found.severe`: the campaign's worst case of the signature, shrunk
     keeping its judged mean over `bar` (`harness.fuzz.SEVERE_FACTOR`), what it judged then, and the
     campaign's peak it was shrunk from."""
-    ev = severe["evaluation"]
-    return {"case": severe["case"].to_json(), "judged": float(ev.score), "headline": ev.headline,
-            "bar": float(severe["bar"]), "peak": float(severe["peak"]), "shrink_complete": bool(severe["complete"])}
+    ev = severe["evaluation"]  # (judged, bar and peak are inf where a sampled token is one the trainer excludes)
+    return {"case": severe["case"].to_json(), "judged": encode_float(float(ev.score)), "headline": ev.headline,
+            "bar": encode_float(float(severe["bar"])), "peak": encode_float(float(severe["peak"])),
+            "shrink_complete": bool(severe["complete"])}
+
+
+def severe_keeping(bar: Any) -> str:
+    """What a severe case's shrink kept: 'it over 0.0324', or a sampled token the trainer excludes."""
+    bar = float(decode_float(bar))
+    return "a sampled token the trainer excludes (k3 inf)" if bar == math.inf else f"it over {bar:.3g}"
 
 
 def severe_case(repro: Any) -> Any:
@@ -728,9 +735,13 @@ def _record_finding(finding: Any, corpus_dir: Path, threshold: float, campaign_s
         if gone or edited or blocked:  # every repro of this signature replays clean now: another bug
             path = _own_signature(finding, base, folder)
             if gone:
+                status = {p: old.status for p, old in candidates}
+                still = [p for p in gone if status.get(p) != "fixed"]  # (a closed one needs nothing done)
                 log(f"  {finding.pair}: this {finding.symptom.value} is not the one in {', '.join(map(str, gone))} "
-                    f"(that case no longer fails: if its bug is fixed, `harness regressions close` it); "
-                    f"recorded as a new repro, {path}")
+                    + ("(that case no longer fails: if its bug is fixed, `harness regressions close` "
+                       + (f"{', '.join(p.stem for p in still)}" if len(still) < len(gone) else "it") + "); "
+                       if still else "(closed as fixed, and its case passes); ")
+                    + f"recorded as a new repro, {path}")
             if edited:  # not "fixed": its case is no longer the one it was recorded with
                 log(f"  {finding.pair}: the case of {', '.join(map(str, edited))} was edited by hand since it was "
                     f"recorded and passes now, so it cannot tell whether this {finding.symptom.value} is its bug; "
@@ -934,7 +945,7 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
         changed = True
     sev = getattr(finding, "severe", None)
     had = old.found.get("severe") if isinstance(old.found.get("severe"), dict) else None
-    if sev and (had is None or float(sev["evaluation"].score) > float(had.get("judged") or 0.0)):
+    if sev and (had is None or float(sev["evaluation"].score) > float(decode_float(had.get("judged")) or 0.0)):
         old.found["severe"] = severe_json(sev)  # (the most severe a campaign of it has seen)
         changed = True
     if changed:

@@ -383,8 +383,8 @@ MAX_SIGNATURES = 16  # distinct failures one pair's campaign reports (each is sh
 # shrinking keeps the simplest trigger over the line, which is the mildest of several bugs in one pair
 # (not for demonstrations, `expected="diverges"`: their bug is known, and the time is the other pairs')
 SEVERE_FACTOR = 5.0
-# uniform cases a campaign runs on after a divergence is shrunk, looking for one SEVERE_FACTOR x worse (within
-# the pair's remaining examples and time share): the search itself stops at its first failure
+# uniform cases a campaign runs on after a divergence is shrunk, looking for a worse one (within the pair's
+# remaining examples and time share): the search itself stops at its first failure
 SEVERE_SEARCH_CASES = 300
 
 
@@ -734,16 +734,18 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     for sig, ev in smallest.items():  # a failure Hypothesis did not report (a uniform case, or a
         by_sig.setdefault(sig, ev)  # cut-short run) is kept at its smallest
 
-    def seek_severe(sig: str, ev: Evaluation, bar: float) -> None:
+    def seek_severe(ev: Evaluation) -> None:
         """Uniform cases after a divergence is shrunk, while its pair's examples (with their uniform cases)
-        and time share last, at most SEVERE_SEARCH_CASES, until one of its signature reaches `bar`: the
-        search stopped at the first failure, so a worse second bug may not have been drawn yet."""
+        and time share last, at most SEVERE_SEARCH_CASES: the search stopped at its first failure, so a
+        worse second bug may not have been drawn yet. All of them run (`run` keeps the worst case of each
+        signature): stopping at the first case SEVERE_FACTOR x worse kept the first bug at peaked logits
+        where a second one, worse still, came later."""
         n = SEVERE_SEARCH_CASES
         if asked:
             n = min(n, max(0, asked - calls[0]) * (1 + n_uniform))
         rng = random.Random(seed ^ 0x5E7E7E)
         for _ in range(n):
-            if peak.get(sig, 0.0) >= bar or (limit["deadline"] is not None and time.monotonic() > limit["deadline"]):
+            if limit["deadline"] is not None and time.monotonic() > limit["deadline"]:
                 return
             try:
                 run(uniform_cases(pair.axes, rng, params=ev.case.params, log_gap=True))
@@ -759,12 +761,11 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if not cut["shrink"] and polish_evals > 0:
             try:
                 ev, evals, complete = _polish(pair, ev, sig, run, limit["deadline"], polish_evals, cfg.threshold)
-                if complete and pair.expected != "diverges" and ev.symptom is Symptom.DIVERGENCE:
-                    bar = SEVERE_FACTOR * max(ev.score, cfg.threshold)
-                    if not peak.get(sig, 0.0) >= bar:  # (a finding stops the search: look on for a worse case)
-                        seek_severe(sig, ev, bar)
+                if (complete and pair.expected != "diverges" and ev.symptom is Symptom.DIVERGENCE
+                        and math.isfinite(ev.score)):  # (inf: a sampled token the trainer excludes, the worst there is)
+                    seek_severe(ev)  # (a finding stops the search: look on for a worse case)
                     top = peak.get(sig, math.nan)
-                    if sig in peak_case and math.isfinite(top) and top >= bar:
+                    if sig in peak_case and top >= SEVERE_FACTOR * max(ev.score, cfg.threshold):
                         severe = _severe(pair, ev, sig, peak_case[sig], top, run, limit["deadline"], polish_evals,
                                          cfg.threshold)
             except _Setup as e:  # it stopped running while a finding was shrunk: kept at its smallest so far

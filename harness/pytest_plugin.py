@@ -640,7 +640,9 @@ def _describe(f: Any, session: FuzzSession) -> str:
     severe = ""
     if sev:  # (the worst case, shrunk far above the minimal one: maybe a second bug of the pair)
         cmd = session.replay_command(f.path).replace("harness replay", "harness triage --severe", 1) if f.path else ""
-        severe = (f"\n    severe: its cases reached {sev['peak']:.3g}; the worst, shrunk keeping it over {sev['bar']:.3g}: "
+        from harness.corpus import severe_keeping
+
+        severe = (f"\n    severe: its cases reached {sev['peak']:.3g}; the worst, shrunk keeping {severe_keeping(sev['bar'])}: "
                   f"{sev['case'].one_line()} ({sev['evaluation'].headline}): a second bug, or this one where it is "
                   f"worst" + (f": `{cmd}`" if cmd else ""))
     return (f"  finding {f.id} [{state}] {f.symptom.value}: {f.evaluation.headline}\n"
@@ -754,9 +756,10 @@ def _pair_result(d: dict) -> Any:
                                 shrink_seconds=fd.get("shrink_seconds", 0.0)))
         sev = fd.get("severe")
         if isinstance(sev, dict):  # (as `Finding.severe`: what reports and the corpus read of its evaluation)
-            findings[-1].severe = {"case": Case.from_json(sev["case"]), "bar": sev["bar"], "peak": sev["peak"],
-                                   "complete": sev["shrink_complete"],
-                                   "evaluation": SimpleNamespace(score=sev["judged"], headline=sev["headline"])}
+            findings[-1].severe = {"case": Case.from_json(sev["case"]), "bar": decode_float(sev["bar"]),
+                                   "peak": decode_float(sev["peak"]), "complete": sev["shrink_complete"],
+                                   "evaluation": SimpleNamespace(score=decode_float(sev["judged"]),
+                                                                 headline=sev["headline"])}
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
                       entropy_sum=d.get("entropy_sum", 0.0), entropy_cases=d.get("entropy_cases", 0),

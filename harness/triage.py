@@ -1507,8 +1507,13 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
             raise UsageError(f"repro {file or run_id} has no severe case to triage: {why}. Triage its minimal "
                              "case without --severe.")
         sev = repro.found["severe"]
-        click.echo(f"severe case of {repro.id}: {case.one_line()} (judged {sev.get('judged', float('nan')):.3g} when "
-                   f"found, kept over {sev.get('bar', float('nan')):.3g}; the minimal case's is the repro's)")
+        from .corpus import decode_float
+
+        judged_then, bar = (float(decode_float(sev.get(k, "nan"))) for k in ("judged", "bar"))
+        from .corpus import severe_keeping
+
+        click.echo(f"severe case of {repro.id}: {case.one_line()} (judged {judged_then:.3g} when "
+                   f"found, shrunk keeping {severe_keeping(bar)}; the minimal case's is the repro's)")
         # (the recorded metrics are the minimal case's: not this case's to compare with)
         repro = dataclasses.replace(repro, id=f"{repro.id}-severe", case=case, tracking={}, metrics={})
     t = triage(repro, resolve_device(device), threshold)

@@ -207,8 +207,8 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
         and math.isfinite(w) else None,
         "threshold": threshold,
         # the worst case shrunk far above the minimal one (`Finding.severe`): maybe a second bug of the pair
-        **({"severe_case_line": f.severe["case"].one_line(brief=True), "severe_judged": float(f.severe["evaluation"].score)}
-           if getattr(f, "severe", None) and math.isfinite(float(f.severe["evaluation"].score)) else {}),
+        **({"severe_case_line": f.severe["case"].one_line(brief=True),
+            "severe_judged": _judged_text(float(f.severe["evaluation"].score))} if getattr(f, "severe", None) else {}),
         "seen_at": now_iso(),
         "case": case.to_json(),
         "case_line": case.one_line(brief=True),  # (a recording's params cut: the note stays under MLflow's limit)
@@ -312,7 +312,7 @@ def regression_note(p: dict[str, Any], run_id: str | None, uri: str | None = Non
         f"**Minimal case.** `{p['case_line']}`"
         + ("" if p.get("shrink_complete", True) else " (shrinking was cut short, by the budget or an interrupt: "
                                                        "`harness shrink` of its corpus file goes on)"), "",
-        *([f"**Severe case.** `{p['severe_case_line']}` (judged {p['severe_judged']:.3g}): the worst case, shrunk "
+        *([f"**Severe case.** `{p['severe_case_line']}` (judged {p['severe_judged']}): the worst case, shrunk "
            "keeping it far above the minimal one; shrinking keeps the mildest of several bugs in one pair, so a "
            f"second bug shows here: `harness triage --severe{plugin} {corpus or 'FILE'}` names its components.", ""]
           if p.get("severe_case_line") else []),
@@ -361,3 +361,6 @@ def _append_note(note: str, section: str) -> str:
     return note
 
 
+def _judged_text(x: float) -> str:
+    """A judged mean as the note prints it (inf: a sampled token the trainer excludes)."""
+    return "inf (a sampled token the trainer excludes)" if x == math.inf else f"{x:.3g}"

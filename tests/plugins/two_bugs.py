@@ -1,6 +1,6 @@
 """Two bugs in one rollout: a mild one on every case (its head 3% off: about 1.4x the line on one
-token), a severe one where the temperature is not 1 (applied twice: 0.04 at temperature 0.84, 0.16 at
-0.5). Shrinking keeps the simplest trigger over the line, the mild one at temperature 1; the
+token), a severe one where the temperature is not 1 (applied twice: on one token of seed 1887070260,
+0.053 at temperature 1.22 and 0.25 at 0.5). Shrinking keeps the simplest trigger over the line, the mild one at temperature 1; the
 campaign's severe case (`Finding.severe`) is the temperature bug (tests/unit/test_fuzz.py)."""
 import torch
 
