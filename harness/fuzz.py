@@ -402,6 +402,12 @@ def pair_verdict(expected: str, symptoms: list[str], cases: int, setup_error: bo
     return "caught" if symptoms else ("MISSED" if cases else "not run")
 
 
+def rate_text(rate: float) -> str:
+    """Cases per second as tables print it: one decimal, two significant digits under 0.1 (a real-vocabulary
+    model pair at a case a minute read "0.0")."""
+    return f"{rate:.2g}" if 0 < rate < 0.1 else f"{rate:.1f}"
+
+
 def time_note(asked: int, short: int, cases: int) -> str:
     """Why a pair ran fewer examples than asked: "its time share ran out after N of M examples", or
     "... before its first case finished" when no case came back (an example begun is not a case run);
@@ -1482,7 +1488,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         """A unit's progress lines; `before`: its earlier runs (a round's), counted in what `on_progress` gets."""
         def progress(r: PairResult, done: bool) -> None:
             if not done:  # (the unit's label: a pair's streams count their cases apart)
-                log(f"  {unit.label}: {r.examples} cases, {r.rate:.1f}/s, max judged {r.max_score:.3g} "
+                log(f"  {unit.label}: {r.examples} cases, {rate_text(r.rate)}/s, max judged {r.max_score:.3g} "
                     f"(sampled k3 {r.max_k3:.3g})" + eta(unit, r))
                 if on_progress is not None:
                     so_far = PairResult(r.pair, r.expected)
@@ -1762,10 +1768,10 @@ def summary_table(result: CampaignResult) -> str:
                    if result.config is not None and caught_elsewhere_maybe(r, result.config) else r.verdict) \
             + (f" ({r.time_note})" if r.time_note and not r.findings else "")
         if r.setup_error and not r.findings:  # (what it raised: once, in the error line after the table)
-            rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", "-", "-",
+            rows.append((r.pair, r.expected, verdict, str(r.examples), rate_text(r.rate), "-", "-",
                          "cannot run here: see the error below"))
             continue
-        rows.append((r.pair, r.expected, verdict, str(r.examples), f"{r.rate:.1f}", f"{r.max_score:.3g}",
+        rows.append((r.pair, r.expected, verdict, str(r.examples), rate_text(r.rate), f"{r.max_score:.3g}",
                      f"{r.max_k3:.3g}",
                      ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "
                                f"{f.seconds_to_first:.1f}s; "

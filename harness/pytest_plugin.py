@@ -1173,6 +1173,8 @@ def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -
     """The summary table's rows; `cannot_run`, where given, is what a CANNOT RUN pair's findings
     column says instead of what it raised (said once elsewhere: the item's failure, or below the
     table)."""
+    from harness.fuzz import rate_text
+
     rows = []
     for d in sorted(results, key=lambda d: d["pair"]):
         verdict = d["verdict"]
@@ -1190,7 +1192,7 @@ def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -
             (cannot_run if cannot_run is not None and d.get("setup_error") and d["verdict"] == "CANNOT RUN"
              else _setup_headline(d.get("setup_error", "")))
         found = "; ".join(x for x in (found, d.get("memory_note", "")) if x) or "-"
-        rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), f"{rate:.1f}", _fmt(d.get("max_score", 0.0)),
+        rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), rate_text(rate), _fmt(d.get("max_score", 0.0)),
                      _fmt(d["max_k3"]), d.get("worker", "main"), found))
     return rows
 

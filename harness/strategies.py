@@ -174,8 +174,9 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
             if has_prompts:
                 prompt_lens.append(_packed_size(b[6:10], *axes.prompt_len, prompt_bounds))
             seq_ids.append(int.from_bytes(b[4:6], "big"))
-        if capped:
-            n = fit_caps(seq_lens, prompt_lens, axes)
+        if capped:  # (a batch over max_tokens keeps its first sequences, or, drawn, all of them shorter)
+            keep_batch = draw(st.booleans()) if axes.max_tokens is not None else False
+            n = fit_caps(seq_lens, prompt_lens, axes, keep_batch=keep_batch)
             del seq_lens[n:], prompt_lens[n:], seq_ids[n:]
         fields: dict[str, Any] = {"seq_lens": tuple(seq_lens)}
         if has_prompts and any(prompt_lens):
@@ -215,13 +216,16 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
     return draw_case()
 
 
-def fit_caps(seq_lens: list[int], prompt_lens: list[int], axes: Any, groups: list[int] | None = None) -> int:
+def fit_caps(seq_lens: list[int], prompt_lens: list[int], axes: Any, groups: list[int] | None = None,
+             keep_batch: bool = False) -> int:
     """Fit drawn sequences to the axes' caps, in place; returns how many of them the case keeps.
 
     `Axes.max_context`: a sequence over it keeps its prompt and has its response cut to fit (at
     least the axes' shortest response), then its prompt. `Axes.max_tokens`: the first sequences
     that fit are kept (at least n_seqs' low; never with `groups`), then responses are cut, then
-    prompts, from the last sequence back. `prompt_lens` may be empty (no prompts). `groups`: for
+    prompts, from the last sequence back. With `keep_batch` (half of the draws: long sequences
+    would otherwise crowd out large batches), every sequence the cap can hold at its shortest is
+    kept and their lengths above the shortest are scaled down together to fit. `prompt_lens` may be empty (no prompts). `groups`: for
     each sequence, the index of the sequence whose prompt it shares (a cut prompt is cut for each
     sequence of its group). Both caps stay reachable: `Axes.problems` refuses a cap below the
     shortest sequence (batch) the axes allow.
@@ -247,7 +251,16 @@ def fit_caps(seq_lens: list[int], prompt_lens: list[int], axes: Any, groups: lis
     keep = n
     if t is not None:
         total = sum(seq_lens) + sum(prompts)
-        if groups is None:
+        least = s_lo + p_lo  # (a sequence at its shortest)
+        if groups is None and keep_batch and total > t:
+            keep = max(min(n, axes.n_seqs[0]), min(n, t // max(least, 1)))
+            room = sum(seq_lens[:keep]) + sum(prompts[:keep]) - keep * least  # tokens above the shortest
+            f = min(1.0, max(0, t - keep * least) / room) if room > 0 else 0.0
+            for j in range(keep):
+                seq_lens[j] = s_lo + int((seq_lens[j] - s_lo) * f)
+                prompts[j] = p_lo + int((prompts[j] - p_lo) * f)
+            total = sum(seq_lens[:keep]) + sum(prompts[:keep])
+        elif groups is None:
             while keep > axes.n_seqs[0] and total > t:
                 keep -= 1
                 total -= seq_lens[keep] + prompts[keep]
@@ -340,7 +353,7 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
         fields["prompt_lens"] = prompts if any(prompts) else ()
     if axes.max_context is not None or axes.max_tokens is not None:
         lens, shared = list(seq_lens), list(fields.get("prompt_lens") or ())
-        n = fit_caps(lens, shared, axes)
+        n = fit_caps(lens, shared, axes, keep_batch=axes.max_tokens is not None and rng.random() < 0.5)
         fields["seq_lens"], fields["seq_ids"] = tuple(lens[:n]), fields["seq_ids"][:n]
         if shared:
             fields["prompt_lens"] = tuple(shared[:n]) if any(shared[:n]) else ()

@@ -229,6 +229,8 @@ def test_uniform_capped_cases_stay_under_their_caps_and_reach_them():
     # the token cap keeps the sequences that fit: both caps are reached, and long responses still occur
     assert sum(max(t) == 48 for t in drawn) > 100
     assert sum(sum(t) >= 140 for t in drawn) > 20
+    # half the batches over max_tokens keep their sequences, shorter: large batches are drawn too
+    assert sum(len(t) >= 6 and sum(t) >= 120 for t in drawn) > 20
     c = uniform_cases(CAPPED, random.Random(7))
     assert max(c.seq_lens) <= 46
 
@@ -246,6 +248,12 @@ def test_caps_cut_responses_first_then_prompts_and_keep_the_first_sequences():
     ax = Axes(n_seqs=(3, 8), seq_len=(2, 100), prompt_len=(1, 100), max_tokens=60)
     assert fit_caps(lens, prompts, ax) == 3 and sum(lens) + sum(prompts) == 60
     assert lens == [2, 2, 2] and prompts == [40, 13, 1]  # 126 after the responses: 39, then 27 off the prompts
+    # keep_batch: every sequence kept, the lengths above the shortest scaled down together
+    lens, prompts = [40, 30, 45, 60], [30, 10, 49, 5]
+    ax = Axes(n_seqs=(1, 8), seq_len=(2, 100), prompt_len=(1, 100), max_tokens=120)
+    assert fit_caps(lens, prompts, ax, keep_batch=True) == 4 and sum(lens) + sum(prompts) <= 120
+    assert min(lens) >= 2 and min(prompts) >= 1 and sum(lens) + sum(prompts) >= 110, (lens, prompts)
+    assert lens[3] > lens[1] and prompts[2] > prompts[3]  # (the order of the lengths is kept)
     # shared prompts (each sequence names the sequence whose prompt it shares) are cut for their group
     lens, prompts = [2, 2, 2], [40, 40, 40]
     ax = Axes(n_seqs=(1, 8), seq_len=(2, 100), prompt_len=(1, 100), max_tokens=60)
