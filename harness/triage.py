@@ -166,6 +166,9 @@ class Localization:
     aligned_profiles: tuple[dict, dict] = ({}, {})  # (trainer, rollout) with every component aligned
     minimal_aligned_profiles: tuple[dict, dict] = ({}, {})  # ... with only the minimal set aligned
     kl_minimal_aligned: float = float("nan")  # exact KL with the minimal set aligned
+    # each other differing component -> k3 with it aligned too, beside the minimal set (`residual_note`):
+    # which of them still move the case; filled where the minimal set leaves well above the all-aligned k3
+    residual_by: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -931,9 +934,19 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
     min_aligned = k3(*aligned(minimal)) if minimal else float("nan")
     all_aligned = k3(*aligned(differing)) if differing else k3_found
     explained = bool(minimal) and not run(*aligned(minimal))[2]
+    residual_by = {}
+    if explained and _residual_left(min_aligned, all_aligned):
+        residual_by = {c: k3(*aligned(minimal + [c])) for c in differing if c not in minimal}
     return Localization(differing, swaps, minimal, only, min_aligned, all_aligned, len(cache), explained,
                         aligned(differing), aligned(minimal),
-                        kl_minimal_aligned=run(*aligned(minimal))[1] if minimal else float("nan"))
+                        kl_minimal_aligned=run(*aligned(minimal))[1] if minimal else float("nan"),
+                        residual_by=residual_by)
+
+
+def _residual_left(left: float, floor: float) -> bool:
+    """Whether aligning the minimal set leaves k3 well above aligning every component (over 10x the
+    floor and at least 1e-6): the other differing components still move the case."""
+    return math.isfinite(left) and left >= 1e-6 and left >= 10 * max(floor if math.isfinite(floor) else 0.0, 1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -984,12 +997,21 @@ def residual_note(t: "Triage") -> str:
         return ""
     rest = [c for c in loc.differing if c not in loc.minimal]
     left, floor = loc.k3_minimal_aligned, loc.k3_all_aligned
-    if not rest or not math.isfinite(left) or left < 1e-6 or left < 10 * max(floor if math.isfinite(floor) else 0, 1e-12):
+    if not rest or not _residual_left(left, floor):
         return ""
-    each = ", ".join(_label(loc, [c]) for c in rest)
+    # a component moves the case when aligning it too takes away a tenth or more of what is left
+    moving = [c for c in rest if c in loc.residual_by and loc.residual_by[c] <= 0.9 * left]
+    idle = [c for c in rest if c in loc.residual_by and c not in moving]
+    if loc.residual_by and not moving:  # (only together, not one by one)
+        moving, idle = rest, []
+    each = ", ".join(_label(loc, [c]) + (f" (aligning it too: {loc.residual_by[c]:.3g})" if c in loc.residual_by else "")
+                     for c in moving)
     return (f"with {_label(loc, loc.minimal)} aligned, k3 {left:.3g} remains (every component aligned: {floor:.3g}): "
-            f"the other differing component(s) still move this case, under the line here: {each}. Each may be a "
-            "bug of its own: fix this one and the next campaign's repro is theirs, or give one a pair of its own")
+            f"{'this' if len(moving) == 1 else 'these'} other differing component{'' if len(moving) == 1 else 's'} "
+            f"still move{'s' if len(moving) == 1 else ''} this case, under the line here: {each}"
+            + (f" ({_label(loc, idle).replace(' + ', ', ')}: no change on this case)" if idle else "")
+            + ". Each may be a bug of its own: fix this one and the next campaign's repro is theirs, or give one a "
+            "pair of its own")
 
 
 def judged(ev: Any) -> float:
