@@ -680,7 +680,7 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 # Results across processes (plain JSON types: execnet carries nothing else)
 # ---------------------------------------------------------------------------------------------
 def _pair_result_json(r: Any) -> dict:
-    from harness.corpus import metrics_json, severe_json
+    from harness.corpus import encode_float, metrics_json, severe_json
 
     return {
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
@@ -697,7 +697,7 @@ def _pair_result_json(r: Any) -> dict:
             "examples": f.examples, "shrink_complete": f.shrink_complete,
             "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
             "cases_to_first": f.cases_to_first, "seconds_to_first": f.seconds_to_first,
-            "shrink_seconds": f.shrink_seconds,
+            "shrink_seconds": f.shrink_seconds, "peak": encode_float(float(f.peak)),
             **({"severe": severe_json(f.severe)} if getattr(f, "severe", None) else {}),
         } for f in r.findings],
     }
@@ -753,7 +753,8 @@ def _pair_result(d: dict) -> Any:
                                 path=Path(fd["path"]) if fd["path"] else None, new=fd["new"],
                                 recurrence=fd["recurrence"], cases_to_first=fd.get("cases_to_first", 0),
                                 seconds_to_first=fd.get("seconds_to_first", 0.0),
-                                shrink_seconds=fd.get("shrink_seconds", 0.0)))
+                                shrink_seconds=fd.get("shrink_seconds", 0.0),
+                                peak=float(decode_float(fd.get("peak", "nan")))))  # (severity reads it)
         sev = fd.get("severe")
         if isinstance(sev, dict):  # (as `Finding.severe`: what reports and the corpus read of its evaluation)
             findings[-1].severe = {"case": Case.from_json(sev["case"]), "bar": decode_float(sev["bar"]),
