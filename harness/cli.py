@@ -838,16 +838,16 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
             click.echo(f"    {text:{width}s}  {what}, judged{' at most' if many else ''} {_fmt(n.get('judged'))}")
     sev = (r.found or {}).get("severe")
     if isinstance(sev, dict):
-        from .corpus import severe_case
+        from .corpus import severe_case, severe_keeping
 
         worst = severe_case(r)
-        from .corpus import severe_keeping
-
-        click.echo(f"  severe case: this finding's campaign reached {_fmt(sev.get('peak'))}; its worst case, shrunk keeping "
-                   f"{severe_keeping(sev.get('bar', 'nan'))}, is {worst.one_line() if worst else '(not a valid case)'} "
-                   f"({sev.get('headline', '')}). Shrinking keeps the simplest trigger over the line: where several "
-                   f"bugs share a pair that is the mildest. `harness triage --severe{f' --plugin {r.plugin_spec()}' if r.plugin_spec() else ''} {file}` names "
-                   "the components of this one: other components than the minimal case's are a second bug")
+        plugin = f" --plugin {r.plugin_spec()}" if r.plugin_spec() else ""
+        click.echo(f"  severe case: this finding's campaign reached {_fmt(sev.get('peak'))}; its worst case, shrunk "
+                   f"keeping {severe_keeping(sev.get('bar', 'nan'))}, is "
+                   f"{worst.one_line() if worst else '(not a valid case)'} ({sev.get('headline', '')}). Shrinking keeps "
+                   "the simplest trigger over the line: where several bugs share a pair that is the mildest. "
+                   f"`harness triage --severe{plugin} {file}` names the components of this one: other components "
+                   "than the minimal case's are a second bug")
     try:
         load_plugins(plugins)
         why = load_plugin_for(r)
