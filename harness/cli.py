@@ -382,11 +382,9 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
                  + (replay_command_for(f.pair, f.path) if f.path else "(not written: saved as JSON on stderr above)"))
         sev = getattr(f, "severe", None)
         if sev:
-            from .corpus import severe_keeping
-
-            echo_err(f"    severe: its cases reached {sev['peak']:.3g}, {sev['peak'] / max(f.evaluation.score, 1e-300):.0f}x "
-                     f"this one; its worst, shrunk keeping {severe_keeping(sev['bar'])}: {sev['case'].one_line()} "
-                     f"({sev['evaluation'].headline}): a second bug of the pair, or this one where it is worst"
+            echo_err(f"    severe: its cases reached {sev.peak:.3g}, {sev.peak / max(f.evaluation.score, 1e-300):.0f}x "
+                     f"this one; its worst, shrunk keeping {sev.keeping}: {sev.case.one_line()} "
+                     f"({sev.headline}): a second bug of the pair, or this one where it is worst"
                      + (": `" + replay_command_for(f.pair, f.path).replace("harness replay", "harness triage --severe", 1)
                         + "`" if f.path else ""))
 
@@ -836,15 +834,14 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
                 (f"fails too, by less than {EDGE_MARGIN}x the line (a knob is bisected only as far as that margin "
                  "holds)" if n["symptom"] == r.symptom else f"fails another way ({n['symptom']})")
             click.echo(f"    {text:{width}s}  {what}, judged{' at most' if many else ''} {_fmt(n.get('judged'))}")
-    sev = (r.found or {}).get("severe")
-    if isinstance(sev, dict):
-        from .corpus import severe_case, severe_keeping
+    if (r.found or {}).get("severe") is not None:
+        from .corpus import Severe
 
-        worst = severe_case(r)
+        sev = Severe.from_json(r.found["severe"])
         plugin = f" --plugin {r.plugin_spec()}" if r.plugin_spec() else ""
-        click.echo(f"  severe case: this finding's campaign reached {_fmt(sev.get('peak'))}; its worst case, shrunk "
-                   f"keeping {severe_keeping(sev.get('bar', 'nan'))}, is "
-                   f"{worst.one_line() if worst else '(not a valid case)'} ({sev.get('headline', '')}). Shrinking keeps "
+        click.echo("  severe case: (not readable: its found.severe was edited by hand?)" if sev is None else
+                   f"  severe case: this finding's campaign reached {_fmt(sev.peak)}; its worst case, shrunk keeping "
+                   f"{sev.keeping}, is {sev.case.one_line()} ({sev.headline}). Shrinking keeps "
                    "the simplest trigger over the line: where several bugs share a pair that is the mildest. "
                    f"`harness triage --severe{plugin} {file}` names the components of this one: other components "
                    "than the minimal case's are a second bug")

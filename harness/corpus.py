@@ -632,37 +632,45 @@ def found_json(finding: Any, campaign_seed: int) -> dict[str, Any]:
     if by:
         out["by"] = str(by)
     if getattr(finding, "severe", None):
-        out["severe"] = severe_json(finding.severe)
+        out["severe"] = finding.severe.to_json()
     return out
 
 
-def severe_json(severe: dict[str, Any]) -> dict[str, Any]:
-    """`Finding.severe` as a repro's `found.severe`: the campaign's worst case of the signature, shrunk
-    keeping its judged mean over `bar` (`harness.fuzz.SEVERE_FACTOR`), what it judged then, and the
-    campaign's peak it was shrunk from."""
-    ev = severe["evaluation"]  # (judged, bar and peak are inf where a sampled token is one the trainer excludes)
-    return {"case": severe["case"].to_json(), "judged": encode_float(float(ev.score)), "headline": ev.headline,
-            "bar": encode_float(float(severe["bar"])), "peak": encode_float(float(severe["peak"])),
-            "shrink_complete": bool(severe["complete"])}
+@dataclass
+class Severe:
+    """A finding's severe case (`Finding.severe`, a repro's `found.severe`): the campaign's worst case
+    of the signature, shrunk keeping its judged mean over `bar` (`harness.fuzz.SEVERE_FACTOR`), what it
+    judged then, and the campaign's peak it was shrunk from. `judged`, `bar` and `peak` are inf where
+    a sampled token is one the trainer excludes."""
 
+    case: Case
+    judged: float
+    headline: str  # the evaluation's headline ("k3=0.0533")
+    bar: float
+    peak: float
+    complete: bool  # its shrinking finished
 
-def severe_keeping(bar: Any) -> str:
-    """What a severe case's shrink kept: 'it over 0.0324', or a sampled token the trainer excludes."""
-    bar = float(decode_float(bar))
-    return "a sampled token the trainer excludes (k3 inf)" if bar == math.inf else f"it over {bar:.3g}"
+    @property
+    def keeping(self) -> str:
+        """What its shrink kept: 'it over 0.0324', or a sampled token the trainer excludes."""
+        return "a sampled token the trainer excludes (k3 inf)" if self.bar == math.inf else f"it over {self.bar:.3g}"
 
+    def to_json(self) -> dict[str, Any]:
+        return {"case": self.case.to_json(), "judged": encode_float(float(self.judged)), "headline": self.headline,
+                "bar": encode_float(float(self.bar)), "peak": encode_float(float(self.peak)),
+                "shrink_complete": bool(self.complete)}
 
-def severe_case(repro: Any) -> Any:
-    """The severe case a repro's campaign kept (`found.severe`), or None."""
-    from .case import Case
-
-    sev = (repro.found or {}).get("severe")
-    if not isinstance(sev, dict) or not isinstance(sev.get("case"), dict):
-        return None
-    try:
-        return Case.from_json(sev["case"])
-    except Exception:  # noqa: BLE001 - a hand-edited severe case is named where it is used
-        return None
+    @classmethod
+    def from_json(cls, data: Any) -> "Severe | None":
+        """The severe case a repro or a worker's result holds, or None (none, or edited past reading)."""
+        if not isinstance(data, dict):
+            return None
+        try:
+            return cls(Case.from_json(data["case"]), float(decode_float(data["judged"])),
+                       str(data.get("headline", "")), float(decode_float(data["bar"])),
+                       float(decode_float(data["peak"])), bool(data.get("shrink_complete", True)))
+        except Exception:  # noqa: BLE001 - a hand-edited severe case is named where it is used
+            return None
 
 
 def _stderr(msg: str) -> None:
@@ -943,10 +951,9 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
                               evaluated_threads(finding.evaluation), deterministic=getattr(finding, "deterministic", True),
                               neighbours=getattr(finding, "neighbours", None), campaign_seed=campaign_seed)
         changed = True
-    sev = getattr(finding, "severe", None)
-    had = old.found.get("severe") if isinstance(old.found.get("severe"), dict) else None
-    if sev and (had is None or float(sev["evaluation"].score) > float(decode_float(had.get("judged")) or 0.0)):
-        old.found["severe"] = severe_json(sev)  # (the most severe a campaign of it has seen)
+    sev, had = getattr(finding, "severe", None), Severe.from_json(old.found.get("severe"))
+    if sev and (had is None or sev.judged > had.judged):
+        old.found["severe"] = sev.to_json()  # (the most severe a campaign of it has seen)
         changed = True
     if changed:
         old.save(path)

@@ -103,10 +103,10 @@ class Finding:
     # empty when shrinking was cut short): where the failure starts, e.g. one prompt token fewer passes
     neighbours: list = field(default_factory=list)
     # the campaign's worst case of this signature, shrunk keeping its judged mean over a bar far above
-    # the minimal case's (`SEVERE_FACTOR`): {"case", "evaluation", "bar", "peak", "complete"}; None when
-    # no case reached SEVERE_FACTOR x the minimal one. A second bug of the pair that the shrinker passed
-    # over for a milder one (or the same bug where it is worst): `harness triage --severe` tells which
-    severe: dict | None = None
+    # the minimal case's (`SEVERE_FACTOR`; `corpus.Severe`); None when no case reached SEVERE_FACTOR x
+    # the minimal one. A second bug of the pair that the shrinker passed over for a milder one (or the
+    # same bug where it is worst): `harness triage --severe` tells which
+    severe: Any = None
 
     @property
     def id(self) -> str:
@@ -841,7 +841,7 @@ def _polish(pair: TargetPair, ev: Evaluation, sig: str, run: Callable[[Case], An
 
 
 def _severe(pair: TargetPair, ev: Evaluation, sig: str, worst: Evaluation, peak: float,
-            run: Callable[[Case], Any], deadline: float | None, max_evals: int, threshold: float) -> dict | None:
+            run: Callable[[Case], Any], deadline: float | None, max_evals: int, threshold: float) -> Any:
     """The campaign's worst evaluation of a divergence (judged `peak`), shrunk by the polish pass keeping
     the same signature and a judged mean over the bar (max(SEVERE_FACTOR x the minimal case's, peak /
     SEVERE_FACTOR)); None when it shrinks to the minimal case itself."""
@@ -849,8 +849,10 @@ def _severe(pair: TargetPair, ev: Evaluation, sig: str, worst: Evaluation, peak:
     got, _, complete = _polish(pair, worst, sig, run, deadline, max_evals, threshold, bar=bar)
     if got.case == ev.case or not got.score >= bar:
         return None
+    from .corpus import Severe
+
     # (its shrinking may have run a case worse than the peak it started from)
-    return {"case": got.case, "evaluation": got, "bar": bar, "peak": max(peak, got.score), "complete": complete}
+    return Severe(got.case, got.score, got.headline, bar, max(peak, got.score), complete)
 
 
 def _neighbours(pair: TargetPair, case: Case, cache: dict) -> list[dict[str, Any]]:
@@ -1415,8 +1417,8 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
             # two streams found one signature (pytest-xdist items, each writing as it finds): the one that
             # wrote the corpus file stands for it, so the summary's case is the file's
             into.findings[i] = f
-        if i is not None and f.severe is not None and (into.findings[i].severe is None or float(
-                f.severe["evaluation"].score) > float(into.findings[i].severe["evaluation"].score)):
+        if i is not None and f.severe is not None and (into.findings[i].severe is None
+                                                       or f.severe.judged > into.findings[i].severe.judged):
             into.findings[i].severe = f.severe  # (the worst any stream saw, as the corpus file keeps it)
     into.findings.extend(fresh)
     return fresh

@@ -640,10 +640,8 @@ def _describe(f: Any, session: FuzzSession) -> str:
     severe = ""
     if sev:  # (the worst case, shrunk far above the minimal one: maybe a second bug of the pair)
         cmd = session.replay_command(f.path).replace("harness replay", "harness triage --severe", 1) if f.path else ""
-        from harness.corpus import severe_keeping
-
-        severe = (f"\n    severe: its cases reached {sev['peak']:.3g}; the worst, shrunk keeping {severe_keeping(sev['bar'])}: "
-                  f"{sev['case'].one_line()} ({sev['evaluation'].headline}): a second bug, or this one where it is "
+        severe = (f"\n    severe: its cases reached {sev.peak:.3g}; the worst, shrunk keeping {sev.keeping}: "
+                  f"{sev.case.one_line()} ({sev.headline}): a second bug, or this one where it is "
                   f"worst" + (f": `{cmd}`" if cmd else ""))
     return (f"  finding {f.id} [{state}] {f.symptom.value}: {f.evaluation.headline}\n"
             f"    {'case so far' if cut else 'minimal case'}: {f.case.one_line()}\n"
@@ -680,7 +678,7 @@ def _parse_shard(value: str | None) -> tuple[int, int] | None:
 # Results across processes (plain JSON types: execnet carries nothing else)
 # ---------------------------------------------------------------------------------------------
 def _pair_result_json(r: Any) -> dict:
-    from harness.corpus import encode_float, metrics_json, severe_json
+    from harness.corpus import encode_float, metrics_json
 
     return {
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
@@ -698,7 +696,7 @@ def _pair_result_json(r: Any) -> dict:
             "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
             "cases_to_first": f.cases_to_first, "seconds_to_first": f.seconds_to_first,
             "shrink_seconds": f.shrink_seconds, "peak": encode_float(float(f.peak)),
-            **({"severe": severe_json(f.severe)} if getattr(f, "severe", None) else {}),
+            **({"severe": f.severe.to_json()} if getattr(f, "severe", None) else {}),
         } for f in r.findings],
     }
 
@@ -729,9 +727,7 @@ def _merge_streams(results: list[dict]) -> list[dict]:
 
 def _pair_result(d: dict) -> Any:
     from harness.case import Case
-    from types import SimpleNamespace
-
-    from harness.corpus import decode_float
+    from harness.corpus import Severe, decode_float
     from harness.execute import Evaluation, Symptom
     from harness.fuzz import Finding, PairResult
     from harness.metrics import Divergence
@@ -755,12 +751,7 @@ def _pair_result(d: dict) -> Any:
                                 seconds_to_first=fd.get("seconds_to_first", 0.0),
                                 shrink_seconds=fd.get("shrink_seconds", 0.0),
                                 peak=float(decode_float(fd.get("peak", "nan")))))  # (severity reads it)
-        sev = fd.get("severe")
-        if isinstance(sev, dict):  # (as `Finding.severe`: what reports and the corpus read of its evaluation)
-            findings[-1].severe = {"case": Case.from_json(sev["case"]), "bar": decode_float(sev["bar"]),
-                                   "peak": decode_float(sev["peak"]), "complete": sev["shrink_complete"],
-                                   "evaluation": SimpleNamespace(score=decode_float(sev["judged"]),
-                                                                 headline=sev["headline"])}
+        findings[-1].severe = Severe.from_json(fd.get("severe"))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
                       entropy_sum=d.get("entropy_sum", 0.0), entropy_cases=d.get("entropy_cases", 0),

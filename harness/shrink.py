@@ -79,7 +79,7 @@ def within_sizes(case: Case, axes: Any) -> bool:
     c, t = getattr(axes, "max_context", None), getattr(axes, "max_tokens", None)
     if c is None and t is None:
         return True
-    totals = [case.prompt_len(j) + n for j, n in enumerate(case.seq_lens)]
+    totals = case.total_lens
     return (c is None or max(totals, default=0) <= c) and (t is None or sum(totals) <= t)
 
 

@@ -1349,7 +1349,7 @@ def write_report(t: Triage, reports: Path) -> Path:
                        + f" gives k3 = inf; expected over the tokens the trainer keeps: {expected_k3:.6g}")
     lines = [f"# Triage of {r.id}: {r.pair}", "",
              f"**Verdict:** {t.verdict}", "",
-             *([residual_note(t), ""] if residual_note(t) else []),
+             *([residual, ""] if (residual := residual_note(t)) else []),
              f"- pair: `{r.pair}` ({t.pair.description or t.pair.kind}), expected {t.pair.expected}, status {r.status}",
              f"- case: `{r.case.one_line()}`",
              *([f"- {t.first_over}"] if t.first_over else []),
@@ -1519,28 +1519,23 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         if why is not None:
             raise UsageError(f"repro {file or run_id} cannot be triaged here: {why}.")
     if severe:
-        from .corpus import severe_case
+        from .corpus import Severe
 
-        case = severe_case(repro)
-        if case is None:
-            why = ("its severe case is not a valid case (edited by hand?)" if (repro.found or {}).get("severe")
+        sev = Severe.from_json((repro.found or {}).get("severe"))
+        if sev is None:
+            why = ("its found.severe cannot be read (edited by hand?)" if (repro.found or {}).get("severe")
                    else "its campaign kept no severe case: no failing case of it reached "
                         "harness.fuzz.SEVERE_FACTOR x the minimal case's judged mean")
             raise UsageError(f"repro {file or run_id} has no severe case to triage: {why}. Triage its minimal "
                              "case without --severe.")
-        sev = repro.found["severe"]
-        from .corpus import decode_float
-
-        judged_then, bar = (float(decode_float(sev.get(k, "nan"))) for k in ("judged", "bar"))
-        from .corpus import severe_keeping
-
-        click.echo(f"severe case of {repro.id}: {case.one_line()} (judged {judged_then:.3g} when "
-                   f"found, shrunk keeping {severe_keeping(bar)}; the minimal case's is the repro's)")
+        click.echo(f"severe case of {repro.id}: {sev.case.one_line()} (judged {sev.judged:.3g} when "
+                   f"found, shrunk keeping {sev.keeping}; the minimal case's is the repro's)")
         # (the recorded metrics are the minimal case's: not this case's to compare with)
-        repro = dataclasses.replace(repro, id=f"{repro.id}-severe", case=case, tracking={}, metrics={})
+        repro = dataclasses.replace(repro, id=f"{repro.id}-severe", case=sev.case, tracking={}, metrics={})
     t = triage(repro, resolve_device(device), threshold)
     t.of_severe = severe
     write_report(t, reports)
+    residual = residual_note(t)
     attached = None
     rid = (repro.tracking or {}).get("run_id") or (None if severe else run_id)  # (also when ID was a finding id)
     if rid and not no_tracking:
@@ -1555,7 +1550,7 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
             "intermediates": {m.name: m.error for m in t.intermediates},
             "minimal": loc.minimal if loc else None, "explained": loc.explained if loc else None,
             "k3_minimal_aligned": loc.k3_minimal_aligned if loc else None, "flips": t.flips,
-            "residual": residual_note(t) or None,
+            "residual": residual or None,
             "report": str(t.report), "plots": [str(p) for p in t.plots], "seconds": t.seconds, "mlflow": attached,
         }, indent=2, default=str))
     else:
@@ -1575,8 +1570,8 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
                 f"{l} {v['near_tie']}/{v['other']}" + (f"/{v.get('unscored', 0)}" if unscored else "")
                 for l, v in t.flips.items()))
         click.echo(f"verdict: {t.verdict}")
-        if residual_note(t):
-            click.echo(residual_note(t))
+        if residual:
+            click.echo(residual)
         if t.first_over:
             click.echo(t.first_over)
         for line in missing_table_lines(t):

@@ -207,8 +207,8 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
         and math.isfinite(w) else None,
         "threshold": threshold,
         # the worst case shrunk far above the minimal one (`Finding.severe`): maybe a second bug of the pair
-        **({"severe_case_line": f.severe["case"].one_line(brief=True),
-            "severe_judged": _judged_text(float(f.severe["evaluation"].score))} if getattr(f, "severe", None) else {}),
+        **({"severe_case_line": f.severe.case.one_line(brief=True), "severe_judged": _judged_text(f.severe.judged)}
+           if getattr(f, "severe", None) else {}),
         "seen_at": now_iso(),
         "case": case.to_json(),
         "case_line": case.one_line(brief=True),  # (a recording's params cut: the note stays under MLflow's limit)

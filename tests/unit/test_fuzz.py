@@ -1016,12 +1016,11 @@ def test_after_a_finding_the_campaign_looks_on_for_a_worse_case(monkeypatch):
     monkeypatch.undo()
     [f] = fuzz.fuzz_pair(pair, cfg, seed=fuzz.pair_seed(1, pair.name), deadline=None).findings
     assert f.case.batch_size != 5 and f.severe is not None, f
-    assert f.severe["case"].seq_lens == (1,) * 5 and f.severe["evaluation"].score > 50 * f.evaluation.score
+    assert f.severe.case.seq_lens == (1,) * 5 and f.severe.judged > 50 * f.evaluation.score
 
 
 def test_streams_of_one_pair_keep_the_worst_severe_case_any_of_them_saw():
-    from types import SimpleNamespace
-
+    from harness.corpus import Severe
     from harness.execute import Evaluation
     from harness.fuzz import Finding, PairResult, _merge
 
@@ -1030,12 +1029,15 @@ def test_streams_of_one_pair_keep_the_worst_severe_case_any_of_them_saw():
     def finding(severe_score):
         f = Finding(pair="p", expected="aligned", symptom=Symptom.DIVERGENCE, signature="s" * 64, case=case,
                     evaluation=Evaluation(pair="p", case=case, symptom=Symptom.DIVERGENCE), examples=3)
-        f.severe = None if severe_score is None else {"case": case, "bar": 1.0, "peak": 9.0, "complete": True,
-                                                      "evaluation": SimpleNamespace(score=severe_score, headline="")}
+        f.severe = None if severe_score is None else Severe(case, severe_score, "", 1.0, 9.0, True)
         return f
 
     into = PairResult("p", "aligned", findings=[finding(None)])
     for score in (2.0, 5.0, 3.0):
         _merge(into, PairResult("p", "aligned", findings=[finding(score)]))
     [kept] = into.findings
-    assert kept.severe["evaluation"].score == 5.0
+    assert kept.severe.judged == 5.0
+    # as a repro and a worker's result hold it: inf (a sampled token the trainer excludes) included
+    sev = Severe(case, float("inf"), "k3=inf", float("inf"), float("inf"), False)
+    assert Severe.from_json(json.loads(json.dumps(sev.to_json(), allow_nan=False))) == sev
+    assert sev.keeping.startswith("a sampled token the trainer excludes") and Severe.from_json({"case": 1}) is None
