@@ -26,9 +26,9 @@ gives a random model that shape of output:
 - a sigmoid router's selection bias (`e_score_correction_bias`, a buffer the model initializes to
   0) N(0, CORRECTION_BIAS_STD^2): a trained model's load balancing leaves it non-zero, and at 0 a
   rollout that selects experts without it (or weights them with it) runs exactly the trainer's
-  experts. At 0.1, a third of the sigmoid scores' spread over the experts, it changes the top-2 of
-  the tiny DeepSeek-V3 config's router on about 30% of tokens (measured on 4000 unit-RMS inputs;
-  0.03: 11%, 0.3: 58%);
+  experts. At 0.1, a third of the sigmoid scores' spread over the experts (0.315), it changes the
+  top-2 of a tiny DeepSeek-V3 router on 28% of 4000 unit-RMS inputs (0.03: 10%, 0.3: 56%;
+  `python reports/scripts/selection_bias.py`);
 - LM head N(0, LOGIT_STD^2 / hidden): after the final RMSNorm (unit-RMS rows) the logits have
   standard deviation ~LOGIT_STD; with a 512-token vocabulary that gives a mean output entropy of
   about 1-3 nats on sampled continuations (measured in tests/hf/test_hf_backend.py). A model whose
