@@ -523,7 +523,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     with its reason and the rest are replayed; the exit is then 2 (125 under --bisect) unless one
     still diverges. A repro recorded from a plugin file inside this repository loads that file.
     A crash or timeout repro runs in a worker process: one that still crashes or hangs exits 1."""
-    from .corpus import Skipped, load_many_tolerant, load_plugin_for, missing_repro, replay as do_replay
+    from .corpus import Skipped, load_many_tolerant, load_plugin_for, missing_repro, replay as do_replay, severe_note
     from .env import machine_differences, resolve_device
     from .execute import headline
     from .metrics import verdict_mean
@@ -598,6 +598,9 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                     "these differ beyond last bits (" + ", ".join(sorted(beyond)[:4]) + "): a change to look at"))
         if res.weights:
             line += f"\n  warning: {res.weights}"
+        severe = _severe_still(r, dev) if now_fixed else None
+        if severe is not None:
+            line += f"\n  but {severe_note(severe)}"
         recorded_pkg = r.loader.get("package") if r.loader.get("kind") == "entry_point" else None
         if recorded_pkg:
             from .corpus import entry_point_package
@@ -619,6 +622,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                     "case_edited": r.case_edited, "weights_changed": bool(res.weights),
                     "recorded_elsewhere": elsewhere, "beyond_noise": sorted(beyond) if elsewhere else None,
                     "nondeterministic": res.nondeterministic,
+                    "severe_still_fails": None if severe is None else f"{severe.symptom.value} {severe.headline}",
                     "mismatches": {k: [str(a), str(b)] for k, (a, b) in res.mismatches.items()}})
         if not as_json:
             click.echo(line)
@@ -634,6 +638,17 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     if any(res.diverges for res in results):
         sys.exit(EXIT_FOUND)
     sys.exit(cannot if skipped else EXIT_OK)
+
+
+def _severe_still(repro: Any, device: str) -> Any:
+    """A repro's severe case run now, when it still fails (else None, also when it cannot run here)."""
+    from .corpus import replay_severe
+
+    try:
+        ev = replay_severe(repro, device)
+    except HarnessError:
+        return None
+    return ev if ev is not None and ev.failed else None
 
 
 def _fmt(x: Any) -> str:
@@ -710,7 +725,7 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
     from . import corpus
     from .env import resolve_device
     from .execute import DEFAULT_THRESHOLD
-    from .fuzz import PairResult, _finding
+    from .fuzz import PairResult, _finding, signature
     from .pairs import REGISTRY
     from .worker import DEFAULT_TIMEOUT, Worker
 
@@ -723,17 +738,24 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
     limit = timeout or getattr(pair, "timeout", None) or DEFAULT_TIMEOUT
     with Worker(dev, tuple(plugins), limit) as worker:
         ev = worker.evaluate(pair, case, thr, timeout=max(limit, 300.0))  # (a fresh worker: imports first)
-    if ev.setup:
-        raise UsageError(f"{pair.name} cannot run here: {ev.error['type']}: {ev.error['message']}")
-    took = (f" (build, both paths and metrics took {ev.seconds:.2f} s, a first build of the pair's model included)"
-            if ev.seconds is not None else "")
-    if not ev.failed:
-        click.echo(f"{pair.name}: the case passes ({ev.symptom.value}, {ev.headline}): nothing recorded{took}. "
-                   f"Case: {case.one_line()}")
-        sys.exit(EXIT_OK)
-    f = _finding(pair, ev, PairResult(pair.name, pair.expected, examples=1), complete=False)
-    f.recorded_by = "harness record"  # (no campaign found it: its repro says so, `show` too)
-    path = corpus.record_finding(f, corpus_dir, thr, case.seed, dev, log=echo_err)
+        if ev.setup:
+            raise UsageError(f"{pair.name} cannot run here: {ev.error['type']}: {ev.error['message']}")
+        took = (f" (build, both paths and metrics took {ev.seconds:.2f} s, a first build of the pair's model included)"
+                if ev.seconds is not None else "")
+        if not ev.failed:
+            click.echo(f"{pair.name}: the case passes ({ev.symptom.value}, {ev.headline}): nothing recorded{took}. "
+                       f"Case: {case.one_line()}")
+            sys.exit(EXIT_OK)
+        f = _finding(pair, ev, PairResult(pair.name, pair.expected, examples=1), complete=False)
+        f.recorded_by = "harness record"  # (no campaign found it: its repro says so, `show` too)
+
+        def reproduces(c: Any) -> bool:
+            """As a campaign asks it: a repro of the pair's divergences whose own case passes now holds
+            another bug, and this case gets a file of its own (not that one's recurrence)."""
+            again = worker.evaluate(pair, c, thr)
+            return again.setup or (again.failed and signature(pair.name, again) == f.base_signature)
+
+        path = corpus.record_finding(f, corpus_dir, thr, case.seed, dev, log=echo_err, reproduces=reproduces)
     click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {f.state}] -> {path}"
                + ("" if f.new or f.recurrence else " (that file keeps its own case)") + took
                + f"\n  shrink it: {corpus.shrink_command_for(pair.name, path, tracking=False)}"

@@ -149,7 +149,8 @@ def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: s
           tracking_uri: str | None, plugins: tuple[str, ...]) -> None:
     """Close a regression: set its status in MLflow and in its corpus file, with a note.
 
-    --status fixed replays the repro first and refuses one that still diverges."""
+    --status fixed replays the repro first and refuses one that still diverges; where its severe case
+    (found.severe) still fails, that case is recorded as an open repro of its own (a second bug)."""
     from .mlflow_tracking import close_regression
 
     r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file, plugins)
@@ -160,6 +161,19 @@ def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: s
     elif r["corpus_missing"]:
         click.echo(f"warning: corpus file {r['corpus_missing']} is not on this machine; update it where it lives, "
                    "or pass --corpus-file PATH.", err=True)
+    sev = r.get("severe")
+    if sev and sev["path"]:
+        for line in sev["lines"]:  # (its warnings; the line recording it says what the one below says)
+            if line.startswith("warning"):
+                click.echo(line, err=True)
+        click.echo(f"its severe case still fails ({sev['headline']}): a second bug its minimal case did not hold, "
+                   + (f"now open repro {sev['id']}: {sev['path']}" if sev["new"] else f"already in the corpus: {sev['path']}")
+                   + (f" (MLflow regression run {sev['run_id']})" if sev["run_id"] else "")
+                   + ". Commit it; `harness triage` it to see which component it is.")
+    elif sev:
+        click.echo(f"warning: its severe case still fails ({sev['headline']}): a second bug, not recorded, since the "
+                   f"corpus file is not here; record it where the corpus lives: `harness record {r['pair']} --case "
+                   f"'{sev['case']}'`.", err=True)
 
 
 @click.command()

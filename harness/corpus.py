@@ -1324,6 +1324,55 @@ def replay(repro: Repro, device: str = "cpu", threshold: float | None = None, re
     return ReplayResult(repro, ev, compare_metrics(repro, ev), weights=note)
 
 
+def replay_severe(repro: Repro, device: str = "cpu", registry: Any = None) -> Evaluation | None:
+    """The repro's severe case (`found.severe`) run now, as `replay` runs its minimal case; None where
+    it keeps none (or one edited past reading). Once the minimal case's bug is fixed, a severe case
+    that still fails is a second bug: `severe_note` says so, and `keep_severe` records it."""
+    import dataclasses
+
+    sev = Severe.from_json((repro.found or {}).get("severe"))
+    if sev is None or repro.symptom in ISOLATED_SYMPTOMS:
+        return None
+    other = dataclasses.replace(repro, case=sev.case, metrics={}, case_fingerprint="", case_edited=False)
+    return replay(other, device, registry=registry, warn=False).evaluation
+
+
+def severe_note(ev: Evaluation) -> str:
+    """What a still-failing severe case of a repro that replays clean means, in one sentence."""
+    return (f"its severe case (found.severe) still fails ({ev.symptom.value} {ev.headline}): a second bug its minimal "
+            "case does not hold; closing this repro as fixed records that case as an open repro of its own")
+
+
+def keep_severe(repro: Repro, path: Path, ev: Evaluation, device: str = "cpu", registry: Any = None,
+                log: Callable[[str], None] | None = None) -> Any:
+    """A repro just closed as fixed (the file at `path`) whose severe case still fails (`ev`, from
+    `replay_severe`): that case becomes a repro of its own in the same corpus, as a campaign finding
+    it would record it (`record_finding`: the closed repro's case passes, so this is another bug with
+    a signature of its own), open, not shrunk further, its `found.by` naming the repro it came from;
+    nothing already found is lost with the close. Returns the `Finding` (its `path`; `new` False
+    when the corpus already held it)."""
+    from .fuzz import PairResult, _finding, signature
+    from .pairs import REGISTRY
+
+    pair = (registry or REGISTRY).get(repro.pair)
+    sev = Severe.from_json(repro.found.get("severe"))
+    f = _finding(pair, ev, PairResult(pair.name, pair.expected), complete=bool(sev and sev.complete))
+    f.recorded_by = f"the severe case of {repro.id}, still failing when {repro.id} was closed as fixed"
+    if sev is not None:  # (the campaign's worst case it was shrunk from: how bad this bug got)
+        f.peak = sev.peak
+    base = f.base_signature
+    threads = recorded_threads(repro.environment)
+
+    def reproduces(case: Case) -> bool:  # (another repro of the pair's divergences: still its bug?)
+        with threads_as(threads):
+            again = run_case(pair, case, device, repro.threshold)
+        return again.failed and signature(pair.name, again) == base
+
+    record_finding(f, Path(path).parent.parent, repro.threshold, int(repro.found.get("campaign_seed", 0) or 0),
+                   device, log=log, reproduces=reproduces)
+    return f
+
+
 def load_plugin_for(repro: Repro, registry: Any = None, flag: str = "--plugin") -> str | None:
     """Make the repro's pair available: load its plugin file when `auto_plugin` allows it.
 

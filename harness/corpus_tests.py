@@ -32,7 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.corpus import builtin_extra_missing, iter_corpus, load_plugin_for, load_repro, replay
+from harness.corpus import (builtin_extra_missing, iter_corpus, load_plugin_for, load_repro, replay, replay_severe,
+                            severe_note)
 from harness.env import machine_differences
 from harness.errors import CannotEvaluate, HarnessError
 from harness.pairs import REGISTRY
@@ -98,9 +99,14 @@ def test_replay(path, root):
         pytest.fail(f"{path}: demonstration no longer diverges ({ev.headline_like(repro.metrics)}): detection power lost", pytrace=False)
     elif repro.status == "open" and not ev.failed:
         spec = repro.plugin_spec()
+        try:  # a second bug its severe case holds is not fixed with it: say so before it is closed
+            severe = replay_severe(repro)
+        except HarnessError:
+            severe = None
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline_like(repro.metrics)}): close it as fixed, `harness "
                     f"regressions close {repro.id} --status fixed{f' --plugin {spec}' if spec else ''} --corpus-file "
-                    f"{path} --note 'fixed by ...'`", pytrace=False)
+                    f"{path} --note 'fixed by ...'`"
+                    + (f"; but {severe_note(severe)}" if severe is not None and severe.failed else ""), pytrace=False)
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
     if repro.status == "open":
         pytest.xfail(f"open regression still {'diverges' if ev.divergence is not None else 'fails'}: "

@@ -405,9 +405,11 @@ def who_closes() -> str:
         return f"uid {os.getuid()}"
 
 
-def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> None:
-    """Replay a repro about to be closed as fixed; UsageError when it still diverges or cannot be run."""
-    from ..corpus import load_plugin_for, replay
+def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> Any:
+    """Replay a repro about to be closed as fixed; UsageError when it still diverges or cannot be run.
+    Returns its severe case's Evaluation when that still fails (a second bug: `corpus.keep_severe`),
+    else None."""
+    from ..corpus import load_plugin_for, replay, replay_severe
     from ..errors import HarnessError
     from ..pairs import REGISTRY
 
@@ -434,6 +436,35 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> None:
         raise UsageError(f"regression {repro.id} replays clean here, but {result.weights}. A clean replay on other "
                          "weights does not show the bug is fixed: close it where the pair runs the weights it was "
                          "recorded with, or as --status wontfix.")
+    try:
+        severe = replay_severe(repro)
+    except HarnessError:  # (its severe case cannot run here: the close goes on, and says nothing of it)
+        return None
+    return severe if severe is not None and severe.failed else None
+
+
+def keep_severe_case(store: Store, run: Any, repro: Any, path: Path, ev: Any) -> dict[str, Any]:
+    """The severe case of a regression just closed as fixed still fails: record it in the corpus as an
+    open repro of its own (`corpus.keep_severe`) and log it as a regression run beside the closed one
+    (under the same campaign run). Returns what was done: `path`, `id`, `headline`, `new`, `run_id`
+    (None when MLflow could not be written: the next campaign that meets it logs it), `lines` (what
+    recording it printed)."""
+    import uuid
+
+    from ..corpus import keep_severe
+    from .payload import finding_payload
+
+    lines: list[str] = []
+    f = keep_severe(repro, path, ev, log=lines.append)
+    out = {"path": str(f.path), "id": f.id, "headline": f"{ev.symptom.value} {ev.headline}", "new": f.new,
+           "run_id": None, "lines": lines}
+    try:
+        p = finding_payload(f, repro.threshold, int(repro.found.get("campaign_seed", 0) or 0), "cpu")
+        out["run_id"], _ = log_regression(store, p, run.data.tags.get("mlflow.parentRunId"), uuid.uuid4().hex)
+    except Exception as e:  # noqa: BLE001 - the repro is on disk; a campaign that meets it logs it
+        lines.append(f"warning: its MLflow regression run could not be written ({type(e).__name__}: {_short(e)}); "
+                     "the next campaign that meets it logs it")
+    return out
 
 
 def close_regression(ident: str, status: str, note: str, uri: str | None = None,
@@ -445,8 +476,11 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
     its threshold here (`verify=False` skips that check: for tests that need a fixed regression to
     recur). The corpus file records who closed it (git's user, else the login name) and
     the run id; a local sqlite store's path is not written there (it means nothing on another machine).
-    Returns the regression dict plus `corpus_updated` (the file written, or None) and
-    `corpus_missing` (the path that was not found here, or None).
+    A repro closed as fixed whose severe case (`found.severe`) still fails holds a second bug: that
+    case is recorded as an open repro of its own and logged beside it (`keep_severe_case`).
+    Returns the regression dict plus `corpus_updated` (the file written, or None),
+    `corpus_missing` (the path that was not found here, or None) and `severe` (what was done with a
+    still-failing severe case, or None).
     """
     from ..corpus import load_repro
 
@@ -476,9 +510,10 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
         raise UsageError(f"the corpus file {path} cannot be written here (its folder or the file is read-only), so "
                          "its status could not follow MLflow's; nothing was changed. Make it writable, or run this "
                          "where the corpus is writable.")
+    severe = None  # its severe case, still failing: a second bug, kept as a repro of its own below
     if status == "fixed" and verify:
         repro = on_disk if on_disk is not None else fetch_repro(run.info.run_id, store.uri)
-        verify_fixed(repro, plugins)
+        severe = verify_fixed(repro, plugins)
     at = now_iso()
     who = who_closes()
     updates = {
@@ -495,6 +530,10 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
     out = regression_dict(store.client.get_run(run.info.run_id))
     out["corpus_updated"] = None
     out["corpus_missing"] = None
+    out["severe"] = None
+    if severe is not None and on_disk is None:  # (no corpus file here to keep it beside)
+        out["severe"] = {"path": None, "id": None, "headline": f"{severe.symptom.value} {severe.headline}",
+                         "case": severe.case.one_line(), "new": False, "run_id": None, "lines": []}
     if on_disk is not None:
         repro = on_disk
         old = repro.status
@@ -525,6 +564,8 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
             raise UsageError(f"the corpus file {path} could not be written ({e.strerror or e}); {back}. Free the "
                              "space or fix the permissions, then close it again.") from None
         out["corpus_updated"] = str(path)
+        if severe is not None:
+            out["severe"] = keep_severe_case(store, run, repro, path, severe)
     elif path is not None:
         out["corpus_missing"] = str(path)
     return out

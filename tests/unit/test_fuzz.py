@@ -1,6 +1,9 @@
 """The campaign engine end to end: find, shrink, record, replay; symptoms; dedup; interrupts."""
 
 import json
+import os
+import subprocess
+import sys
 import math
 
 import pytest
@@ -954,6 +957,32 @@ def test_a_second_bug_far_above_the_minimal_one_is_kept_as_the_findings_severe_c
     code, out, err = harness_cli("replay", str(path), "--plugin", str(fixed), cwd=tmp_path)
     assert code == 0 and "-> now clean" in out and "bit-for-bit no: it no longer fails (fixed? `harness regressions " \
         f"close {repro.id} --status fixed` once it is)" in out and "k3_kl:" not in out, out
+    # ... and its severe case, the temperature bug, still fails: said by replay and by the corpus test
+    assert "but its severe case (found.severe) still fails (divergence k3=" in out, out
+    tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
+                             "harness.corpus_tests", f"--harness-plugin={fixed}", f"--harness-corpus={corpus}",
+                             "-k", "test_replay"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert tested.returncode == 1 and "open regression no longer diverges" in tested.stdout \
+        and "but its severe case (found.severe) still fails" in tested.stdout, tested.stdout + tested.stderr
+    # closing it as fixed keeps the severe case as an open repro of its own, in the corpus and MLflow
+    code, out, err = harness_cli("regressions", "close", repro.id, "--status", "fixed", "--note", "head fixed",
+                                 "--plugin", str(fixed), "--tracking-uri", store, cwd=tmp_path)
+    assert code == 0 and "its severe case still fails (divergence k3=" in out and "now open repro" in out, out + err
+    [second] = [p for p in iter_corpus(corpus) if p != path]
+    kept = load_repro(second)
+    assert kept.status == "open" and kept.case == worst and load_repro(path).status == "fixed"
+    assert kept.found["by"] == f"the severe case of {repro.id}, still failing when {repro.id} was closed as fixed"
+    assert kept.base_signature == repro.signature != kept.signature
+    code, out, _ = harness_cli("regressions", "--tracking-uri", store, "--status", "open", cwd=tmp_path)
+    assert code == 0 and kept.id in out and repro.id not in out, out
+    code, out, _ = harness_cli("replay", str(second), "--plugin", str(fixed), cwd=tmp_path)
+    assert code == 1 and "bit-for-bit yes" in out, out
+    # recorded again by hand, it is that repro (the closed one's case passes: not its recurrence)
+    code, out, err = harness_cli("record", "user.two_bugs", "--case", str(second), "--plugin", str(fixed),
+                                 "--corpus", str(corpus), cwd=tmp_path)
+    assert code == 1 and f"-> {second}" in out and "already in corpus" in out, out + err
+    assert load_repro(path).status == "fixed"
 
 
 def test_a_campaign_with_a_plugin_and_no_pairs_named_runs_the_plugins_pairs(tmp_path, harness_cli):
