@@ -382,8 +382,9 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
                  + (replay_command_for(f.pair, f.path) if f.path else "(not written: saved as JSON on stderr above)"))
         sev = getattr(f, "severe", None)
         if sev:
-            echo_err(f"    severe: its cases reached {sev.peak:.3g}, {sev.peak / max(f.evaluation.score, 1e-300):.0f}x "
-                     f"this one; its worst, shrunk keeping {sev.keeping}: {sev.case.one_line()} "
+            times = ("a sampled token one path gives probability 0" if sev.peak == float("inf") else
+                     f"{sev.peak / max(f.evaluation.score, 1e-300):.0f}x this one")
+            echo_err(f"    severe: its cases reached {sev.peak:.3g}, {times}; its worst, shrunk keeping {sev.keeping}: {sev.case.one_line()} "
                      f"({sev.headline}): a second bug of the pair, or this one where it is worst"
                      + (": `" + replay_command_for(f.pair, f.path).replace("harness replay", "harness triage --severe", 1)
                         + "`" if f.path else ""))
@@ -911,13 +912,16 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
                    f"\nmetrics of this case (shrunk further {shrunk[-1].get('at', '?')}, from "
                    f"{Case.from_json(shrunk[0]['replaced_case']).one_line() if shrunk[0].get('replaced_case') else '?'}):")
     for k, v in r.metrics.items():
-        if k not in ("fired", "verdict_over"):
+        if k not in ("fired", "verdict_over", "rows"):
             note = (" (a correlation needs 2 or more tokens)" if k == "pearson" and isinstance(v, float) and math.isnan(v)
                     and r.case.n_tokens < 2 else "")
+            if k in ("kl", "kl_seq_max", "entropy") and (rec or r.metrics.get("rows") == "two_outcome"):
+                note = " (of the two-outcome rows {sampled token, every other}: the rollout reports only its tokens')"
             if rec and k in ("flip_rate", "tie_flip_rate") and not r.case.params.get("rec_experts"):
                 v, note = "n/a", " (no experts recorded: nothing to compare the trainer's routing with)"
             click.echo(f"  {k:18s} {v if v == 'n/a' else _fmt(v)}{note}")
     if r.metrics:
+        two_outcome = rec or r.metrics.get("rows") == "two_outcome"
         fired = r.metrics.get("fired")
         k3e, k3s = r.metrics.get("k3_expected", math.nan), r.metrics.get("k3_kl")
         judged, judged_kl = judged_means(r.metrics)
@@ -931,8 +935,8 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
                                               "not recorded (a repro from before the exact-KL verdict)")
                    + f" (judged k3 {_fmt(judged)}: {why}; sampled tokens' mean k3 "
                    f"{_fmt(r.metrics.get('k3_kl'))}; "
-                   + (f"mean two-outcome KL {_fmt(r.metrics.get('kl'))} (a recording: only its tokens' probabilities "
-                      "are known, so a lower bound of the exact KL); " if rec else
+                   + (f"mean two-outcome KL {_fmt(r.metrics.get('kl'))} ({'a recording' if rec else 'its rollout reports its sampled tokens only'}: "
+                      "only their probabilities are known, so a lower bound of the exact KL); " if two_outcome else
                       f"mean exact KL {_fmt(r.metrics.get('kl'))}"
                       + (f", worst sequence's {_fmt(judged_kl)}; " if per_seq else "; "))
                    + f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")

@@ -81,8 +81,10 @@ def regressions(ctx: click.Context, status: str | None, pair: str | None, as_jso
     rows = list_regressions(tracking_uri, status=status, pair=pair)
     for r in rows:
         r["corpus_status"] = corpus_status(r)
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
+    if as_json:  # (strict JSON: an infinite k3 is the string "inf", as in repro files)
+        from .corpus import encode_tree
+
+        click.echo(json.dumps(encode_tree(rows), indent=2, allow_nan=False))
         return
     if not rows:
         what = " ".join(x for x in (f"status {status}" if status else "", f"pair {pair}" if pair else "") if x)
@@ -113,7 +115,9 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
 
     r = show_regression(ident, tracking_uri or ctx.obj.get("tracking_uri"))
     if as_json:
-        click.echo(json.dumps(r, indent=2))
+        from .corpus import encode_tree
+
+        click.echo(json.dumps(encode_tree(r), indent=2, allow_nan=False))
         return
     click.echo(r["note"] or f"(no note) regression {r['id']} of {r['pair']}")
     click.echo(f"\nrun {r['run_id']}  status {r['status']}  severity {r['severity']}  seen {r['seen_count']}x "

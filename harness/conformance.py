@@ -537,7 +537,8 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
         for role, out in (("rollout", r1), ("trainer", t1)):
             if out.tokens is not None:
                 tok = torch.as_tensor(out.tokens).reshape(-1)  # ((T,) or (T, 1): run_paths checked the shape)
-                if len(tok) and (int(tok.min()) < 0 or int(tok.max()) >= out.logprobs.shape[-1]):
+                recorded = getattr(r1, "recorded", False)  # (two-outcome rows: ids of the model's vocabulary)
+                if len(tok) and (int(tok.min()) < 0 or (not recorded and int(tok.max()) >= out.logprobs.shape[-1])):
                     problems.append(f"{where}: {role} tokens must be ids in [0, {out.logprobs.shape[-1]}) (the vocabulary "
                                     f"of its logprobs); got ids from {int(tok.min())} to {int(tok.max())}")
                 elif role == "rollout" and r2.tokens is not None and not torch.equal(

@@ -169,13 +169,16 @@ FIRED = ("", "k3", "kl", "k3+kl")  # `metrics.fired`: which mean crossed the thr
 
 def metrics_json(ev: Evaluation) -> dict[str, Any]:
     """The metrics of an evaluation as JSON: every METRIC_KEYS number (non-finite ones as strings)
-    and `fired`, the string saying which of the verdict's means crossed the threshold."""
+    and `fired`, the string saying which of the verdict's means crossed the threshold; `verdict_over`
+    and `rows` where they are not the default (`Divergence`)."""
     if ev.divergence is None:
         return {}
     out: dict[str, Any] = {k: encode_float(v) for k, v in ev.divergence.as_dict().items()}
     out["fired"] = str(getattr(ev.divergence, "fired", "") or "")
     if getattr(ev.divergence, "verdict_over", "batch") != "batch":  # (a batch verdict: the key left out, as before it)
         out["verdict_over"] = ev.divergence.verdict_over
+    if getattr(ev.divergence, "rows", "full") != "full":  # (two-outcome rows: its kl and entropy are of that split)
+        out["rows"] = ev.divergence.rows
     return out
 
 
@@ -1030,6 +1033,9 @@ def validate_repro_json(data: Any, where: str) -> None:
 
                 if v not in VERDICT_OVER:
                     bad("metrics.verdict_over", v, f"must be one of {VERDICT_OVER} (what the verdict's means are over)")
+            elif k == "rows":
+                if v not in ("full", "two_outcome"):
+                    bad("metrics.rows", v, "must be \"full\" or \"two_outcome\" (what a row of log-probabilities holds)")
             elif not isinstance(k, str) or not (_is_number(v) or v in NONFINITE):
                 bad(f"metrics.{k}", v, "must be a number or one of \"nan\", \"inf\", \"-inf\"")
     err = data.get("error")

@@ -291,6 +291,8 @@ def judge(pair: TargetPair, case: Case, trainer: Outcome, rollout: Outcome,
         div.k3_expected = div.k3_expected_seq_max = math.nan
     div = with_routing(div, trainer, rollout)
     div.verdict_over = getattr(pair, "verdict_over", "batch")
+    if recorded:
+        div.rows = "two_outcome"
     div.fired = fired(div, threshold)
     if div.nonfinite:
         symptom = Symptom.NONFINITE

@@ -134,6 +134,10 @@ class Divergence:
     # What the verdict's means are over: "batch" (every token of the case) or "sequence" (the worst
     # sequence's own mean; set by `execute.judge` from the pair, with `fired`)
     verdict_over: str = "batch"
+    # What a row holds: "full" (the vocabulary), or "two_outcome" (a rollout that reports its sampled
+    # tokens' log-probabilities only, `Outcome.recorded`: {that token, every other}, so `kl` and
+    # `entropy` are of that split, a lower bound of the exact KL; set by `execute.judge`)
+    rows: str = "full"
     flips_per_layer: dict[str, dict[str, int]] = field(default_factory=dict)  # layer -> counts
     per_token: dict[str, np.ndarray] = field(default_factory=dict, repr=False)  # for tables and plots
 

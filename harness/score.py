@@ -115,6 +115,34 @@ class BadRow:
         return f"line {self.line}, field {self.field!r}: {self.message}"
 
 
+def _cut_tokens(sc: Any) -> int:
+    """A scored sample's recorded tokens its trainer gives probability 0 (log at or below LOG_ZERO)."""
+    import numpy as np
+
+    pt = getattr(getattr(sc.evaluation, "divergence", None), "per_token", None) or {}
+    lt = pt.get("logp_trainer")
+    return 0 if lt is None else int(np.sum(np.asarray(lt, dtype=np.float64) <= LOG_ZERO))
+
+
+def _finite_gap(scored: list) -> tuple[float, int]:
+    """The mean over samples of mean(logp_rollout - logp_trainer) over the tokens both paths give a
+    finite log-probability above LOG_ZERO, and how many tokens the trainer gives probability 0 (left out)."""
+    import numpy as np
+
+    gaps, cut = [], 0
+    for sc in scored:
+        pt = getattr(getattr(sc.evaluation, "divergence", None), "per_token", None) or {}
+        if "logp_trainer" not in pt or "logp_rollout" not in pt:
+            continue
+        lt = np.asarray(pt["logp_trainer"], dtype=np.float64)
+        lr = np.asarray(pt["logp_rollout"], dtype=np.float64)
+        ok = np.isfinite(lt) & np.isfinite(lr) & (lt > LOG_ZERO) & (lr > LOG_ZERO)
+        cut += int(np.sum(lt <= LOG_ZERO))
+        if ok.any():
+            gaps.append(float(np.mean(lr[ok] - lt[ok])))
+    return (float(np.mean(gaps)) if gaps else 0.0), cut
+
+
 @dataclass
 class Scored:
     sample: Sample
@@ -689,6 +717,14 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                   "before writing them: prompts[i][attention_mask[i, :P] == 1], responses[i][response_mask[i] == 1], "
                   "rollout_log_probs[i][response_mask[i] == 1] (and routed_experts to prompt + response).")
         gap = -res.batch.get("log_ppl_diff", 0.0)  # mean over samples of mean(logp_rollout - logp_trainer)
+        if not math.isfinite(gap):  # tokens the trainer gives probability 0 (a cut the engine did not make)
+            gap, cut = _finite_gap(res.scored)
+            if cut:
+                res.notes.append(
+                    f"{cut} recorded token(s) in {sum(1 for sc in res.scored if _cut_tokens(sc))} sample(s) are "
+                    "tokens the trainer gives probability 0 (k3 inf): it cuts tokens the engine kept. Check "
+                    "--temperature, --top-p and --top-k against the engine's settings (a trainer scoring at "
+                    "other ones cuts other tokens); the notes below that compare the two paths read the other tokens.")
         replays = replay or bool(getattr(getattr(pair, "profiles", None), "replay", False))
         forced = replays and any(s.sample.experts for s in res.scored)
         if not padded and gap > WRONG_MODEL_GAP:

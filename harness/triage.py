@@ -542,7 +542,7 @@ def capture(pair: Any, case: Any, device: str, why: list[str] | None = None
             rollout = finalize(pair, case, pair.rollout(inputs), "rollout")
         with _Recorder(mods["trainer"]) as rec_t:
             out = pair.trainer(inputs, rollout) if pair.trainer_reads_rollout else pair.trainer(inputs)
-            trainer = finalize(pair, case, out, "trainer")
+            trainer = finalize(pair, case, out, "trainer", twin=rollout)
         return _gather(rec_t, trainer), _gather(rec_r, rollout)
 
 

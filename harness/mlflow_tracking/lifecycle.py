@@ -122,6 +122,8 @@ def _create_regression(store: Store, p: dict[str, Any], parent_run_id: str | Non
     }
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
+    if _infinite(p.get("metrics")):
+        tags[INFINITE_TAG] = _infinite(p.get("metrics"))
     run = c.create_run(store.experiment_id, tags=tags, run_name=f"{p['pair']} {p['symptom']} {p['id']}")
     run_id = run.info.run_id
     ts = int(time.time() * 1000)
@@ -159,6 +161,8 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
         updates["harness.last_campaign_run_id"] = parent_run_id
     if (p.get("metrics") or {}).get("fired"):
         updates["harness.fired"] = str(p["metrics"]["fired"])
+    if p.get("metrics") and (_infinite(p["metrics"]) or tags.get(INFINITE_TAG)):  # (this sighting's, as the metrics)
+        updates[INFINITE_TAG] = _infinite(p["metrics"])
     rank = ["low", "medium", "high", "critical"]  # (a later campaign whose cases got worse raises it)
     was = tags.get("harness.severity")
     note = tags.get("mlflow.note.content", "")
@@ -204,8 +208,29 @@ def _int(x: Any, default: int = 0) -> int:
         return default
 
 
+# MLflow metrics are finite: the metrics of a regression's latest sighting that were +-inf (a sampled
+# token one path gives probability 0: k3 = inf) are named in this tag, comma-separated ("-name" for
+# -inf), and read back
+# as such by `regression_dict` (a list showed their k3 as nan)
+INFINITE_TAG = "harness.infinite_metrics"
+
+
+def _infinite(metrics: Any) -> str:
+    """The names of a payload's metrics that are +-inf ("inf" in JSON), comma-separated ("" if none)."""
+    from ..corpus import decode_float
+
+    out = []
+    for k, v in (metrics or {}).items():
+        v = decode_float(v)
+        if isinstance(v, float) and math.isinf(v):
+            out.append(k if v > 0 else f"-{k}")
+    return ",".join(sorted(out))
+
+
 def regression_dict(run: Any) -> dict[str, Any]:
-    t, m = run.data.tags, run.data.metrics
+    t, m = run.data.tags, dict(run.data.metrics)
+    for k in filter(None, t.get(INFINITE_TAG, "").split(",")):  # (not loggable: named in a tag, "-" for -inf)
+        m[k.lstrip("-")] = -math.inf if k.startswith("-") else math.inf
     return {
         "id": t.get("harness.finding_id", ""),
         "run_id": run.info.run_id,

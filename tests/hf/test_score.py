@@ -720,3 +720,16 @@ def test_a_temperature_left_out_is_suggested(tmp_path, harness_cli):
     res = score(tmp_path / "t07.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
                 sampling={"temperature": 0.7})
     assert not res.flagged and not any(n.startswith("sampling:") for n in res.notes), res.notes
+
+
+def test_tokens_the_trainer_cuts_are_named_not_taken_for_another_model(tmp_path):
+    """A trial scored with a top-p the engine did not use: a few recorded tokens got probability 0
+    from the trainer, the mean gap over them was inf, and the note said 'inf nats lower per token
+    ... check that --model is the policy'. They are counted and named; the gap reads the rest."""
+    record("hf.qwen3.aligned", range(2), tmp_path / "p.jsonl", top_p=0.95)
+    res = score(tmp_path / "p.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                sampling={"top_p": 0.3})
+    assert res.batch["k3_kl"] == math.inf, res.batch
+    assert not any("check that --model is the policy" in n for n in res.notes), res.notes
+    [note] = [n for n in res.notes if "tokens the trainer gives probability 0" in n]
+    assert "Check --temperature, --top-p and --top-k" in note, note

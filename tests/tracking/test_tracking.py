@@ -460,3 +460,34 @@ def test_a_tracking_uri_no_store_takes_is_a_usage_error_not_an_outage(fresh_cwd,
     code, out, err = run_cli(capsys, "fuzz", "router.aligned", "--tracking-uri", "bogus://x", "--max-examples", "2")
     assert code == 2 and "--no-tracking" in err and "Traceback" not in err
     assert not (fresh_cwd / "reports" / "pending").exists()  # nothing spooled for a store that can never exist
+
+
+def test_a_regression_whose_k3_is_infinite_lists_as_inf_not_nan(fresh_cwd, capsys):
+    """MLflow takes finite metrics only: a sampled token the trainer gives probability 0 (k3 = inf)
+    was logged without its k3, and `harness regressions` listed it as nan. The infinite ones are named
+    in a tag and read back as inf (strict JSON: the string "inf")."""
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+    from harness.mlflow_tracking import MlflowTracker
+
+    def build(case, device):  # token 0 holds nearly all of the rollout's mass
+        return case.token_randn(8, "logits") * 0.1 + 20.0 * (torch.arange(8) == 0)
+
+    def trainer(x):  # keeps token 0 out: the rollout, sampling it, gets k3 = inf
+        return Outcome(logprobs=torch.log_softmax(x.masked_fill(torch.arange(8) == 0, float("-inf")), -1))
+
+    pair = TargetPair(name="t.excluded", kind="op", expected="aligned", build=build, trainer=trainer,
+                      rollout=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)),
+                      axes=Axes(n_seqs=(1, 2), seq_len=(1, 8), pad_sides=("right",), logit_scale=(1.0, 1.0)))
+    tracker = MlflowTracker(log=lambda m: None)
+    cfg = CampaignConfig(pairs=[pair], seed=3, max_examples=10, corpus=fresh_cwd / "corpora", isolation=False)
+    [f] = run_campaign(cfg, tracker, log=lambda m: None).findings
+    assert f.evaluation.divergence.k3_kl == float("inf")
+    [run] = regression_runs(store())
+    assert "k3_kl" not in run.data.metrics and "k3_kl" in run.data.tags["harness.infinite_metrics"].split(",")
+    code, out, _ = run_cli(capsys, "regressions", "--json")
+    [row] = json.loads(out)
+    assert code == 0 and row["k3"] == "inf" and row["verdict_mean"] == ["k3", "inf"], row
+    code, out, _ = run_cli(capsys, "regressions")
+    assert code == 0 and f.id in out and " inf " in out and "nan" not in out, out

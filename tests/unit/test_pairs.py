@@ -1,3 +1,4 @@
+import dataclasses
 import math
 import subprocess
 import sys
@@ -363,3 +364,19 @@ def test_a_path_that_reports_only_its_sampled_tokens_logprobs_is_judged_on_them(
                           trainer=trainer_tokens_only)
     ev = run_case(nameless, case)
     assert ev.symptom.value == "error" and "but not the tokens: pass token_outcome(logp, tokens=" in ev.error["message"]
+    # the repro says its rows are two-outcome (`show` labels its kl and entropy as of that split)
+    from harness.corpus import metrics_json
+
+    assert metrics_json(run_case(only, case))["rows"] == "two_outcome" and "rows" not in metrics_json(run_case(full, case))
+    # the contract check takes its tokens as ids of the model's vocabulary, not of the two-column rows
+    from harness.conformance import check_pair
+
+    check_pair(dataclasses.replace(only, expected="aligned"), n_cases=4)
+    # triage's per-module capture finalizes the trainer beside the rollout, as a case does (it raised
+    # "holds its tokens' log-probabilities only ... but not the tokens" on the trainer's outcome)
+    from harness.triage import capture
+
+    head_t, head_r = torch.nn.Linear(16, 64), torch.nn.Linear(16, 64)
+    exposed = dataclasses.replace(only, name="tok.exposed", build=lambda c, d: {
+        **build(c, d), "modules": {"trainer": head_t, "rollout": head_r}})
+    assert capture(exposed, case, "cpu") is not None
