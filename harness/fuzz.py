@@ -172,6 +172,9 @@ class PairResult:
     # the largest worst-sequence mean (`Divergence.k3_expected_seq_max`, `kl_seq_max`) of its cases judged over
     # the batch: above the line, some sample diverged where the batch mean did not (`missed_hint`, and its pair's line in `run_campaign`)
     max_seq_score: float = 0.0
+    # findings left out as the pair's own noise (`FLAKY_RUNS`): each a line saying how often its minimal
+    # case failed on the same inputs; not written to the corpus or tracked (they would not replay)
+    flaky: list[str] = field(default_factory=list)
 
     def note_size(self, case: Case) -> None:
         """Count a case the pair ran into `largest`."""
@@ -382,6 +385,12 @@ MAX_SIGNATURES = 16  # distinct failures one pair's campaign reports (each is sh
 # case shrunk too, kept over max(SEVERE_FACTOR x the minimal's, the worst's / SEVERE_FACTOR) (`Finding.severe`):
 # shrinking keeps the simplest trigger over the line, which is the mildest of several bugs in one pair
 # (not for demonstrations, `expected="diverges"`: their bug is known, and the time is the other pairs')
+# A finding whose minimal case, run again on the same inputs, comes back otherwise (a pair that is not
+# a function of its case: atomics, an unseeded RNG) is run this many more times; where fewer than half
+# of all its runs fail, it is the pair's own run-to-run noise crossing the line, not a bug a repro could
+# hold: left out of the corpus and the tracker, and said (`PairResult.flaky`)
+FLAKY_RUNS = 5
+
 SEVERE_FACTOR = 5.0
 # uniform cases a campaign runs on after a divergence is shrunk, looking for a worse one (within the pair's
 # remaining examples and time share): the search itself stops at its first failure
@@ -1404,6 +1413,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.setup_error = into.setup_error or r.setup_error
     into.memory_note = into.memory_note or r.memory_note
     into.interrupted = into.interrupted or r.interrupted
+    into.flaky += [x for x in r.flaky if x not in into.flaky]
     if not rounds:  # (a further round ends when its share does, by design: not a pair cut short)
         into.streams += r.streams
         into.warmup += r.warmup
@@ -1527,25 +1537,58 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
             return ev is None or (ev.failed and signature(f.pair, ev) == (f.base_signature or f.signature))
         return check
 
-    def check_determinism(f: Finding) -> None:
+    def check_determinism(f: Finding) -> bool:
         """Run the minimal case once more: a pair that gives other values on the same case (the global
-        RNG, uninitialised memory, a race) makes a repro that will not replay; say so now, and in it."""
+        RNG, uninitialised memory, a race) makes a repro that will not replay; say so now, and in it.
+        Where that run came back clean, run it `FLAKY_RUNS` more times: True when fewer than half of
+        all its runs failed (the pair's noise crossing the line: `PairResult.flaky`)."""
         from .corpus import metrics_json
 
         if f.symptom not in (Symptom.DIVERGENCE, Symptom.NONFINITE):
-            return
+            return False
         again = run_again(f, f.case)
-        if again is not None and (again.symptom is not f.symptom or metrics_json(again) != metrics_json(f.evaluation)):
-            f.deterministic = False
-            log(f"warning: {f.pair} is not deterministic given its case: the minimal case gave "
-                f"{f.evaluation.headline}, then {again.symptom.value} {again.headline} on the same inputs (a global "
-                "RNG, uninitialised memory, a race?). Its repro will not replay bit for bit; `harness.check_pair` "
-                "names the cause.")
+        if again is None or (again.symptom is f.symptom and metrics_json(again) == metrics_json(f.evaluation)):
+            return False
+        f.deterministic = False
+        first, then = f.evaluation.score, again.score
+        runs = [f.evaluation, again]
+        if not again.failed:  # (a failure that does not come back: how often does it?)
+            for _ in range(FLAKY_RUNS - 1):
+                more = run_again(f, f.case)
+                if more is None:
+                    break
+                runs.append(more)
+        failed = sum(1 for ev in runs if ev.symptom is f.symptom)
+        scores = [ev.score for ev in runs if ev.divergence is not None and not math.isnan(ev.score)]
+        spread = (f"{min(scores):.3g} to {max(scores):.3g}" if scores else "no metrics")
+        rel = (abs(first - then) / max(abs(first), abs(then)) if math.isfinite(first) and math.isfinite(then)
+               and max(abs(first), abs(then)) > 0 else math.nan)
+        said = (f"the minimal case gave {f.evaluation.headline}, then "
+                + ("clean" if not again.failed else again.symptom.value) + f" {again.headline} on the same inputs"
+                + (f" (judged {first:.6g} then {then:.6g}, a relative difference of {rel:.2g})" if not math.isnan(rel)
+                   else ""))
+        if 2 * failed < len(runs):
+            log(f"warning: {f.pair} is not deterministic given its case, and its run-to-run noise alone crosses the "
+                f"line: {said}; it failed in {failed} of {len(runs)} runs of those inputs (judged {spread}). Not "
+                "recorded as a regression: no repro of it would replay. Make the rollout deterministic "
+                "(`harness check` names the cause), or judge the pair on a threshold above its noise; a rerun "
+                "with the same --seed may search other cases (its draws follow the noisy values).")
+            return True
+        log(f"warning: {f.pair} is not deterministic given its case: {said}" + (
+            f"; it failed in {failed} of {len(runs)} runs (judged {spread})" if len(runs) > 2 else "")
+            + " (a global RNG, uninitialised memory, a race?). Its repro will not replay bit for bit; `harness check` "
+            "names the cause, and a rerun with the same --seed may search other cases.")
+        return False
 
     def record(f: Finding) -> None:
         with signals.critical():  # (Ctrl-C waits until the finding is on disk)
-            if f.shrink_complete:  # (a campaign cut short has no time for it)
-                check_determinism(f)
+            if f.shrink_complete and check_determinism(f):  # (a campaign cut short has no time for it)
+                holder = by_pair.get(f.pair)
+                if holder is not None and f in holder.findings:  # noise, not a finding: said, never recorded
+                    holder.findings.remove(f)
+                    holder.flaky.append(f"{f.symptom.value} {f.evaluation.headline} in {f.case.one_line(brief=True)}, "
+                                        "not reproducible (the pair's noise)")
+                return
             if cfg.write_corpus:
                 try:
                     corpus_mod.record_finding(f, cfg.corpus, cfg.threshold, seed, cfg.device, log=log,
@@ -1781,7 +1824,8 @@ def summary_table(result: CampaignResult) -> str:
                                   f"shrinking cut short{' by the interrupt' if f.interrupted else ''} after "
                                   f"{f.shrink_seconds:.1f}s") + f") -> {f.path or '-'}"
                                for f in r.findings) + ("; " if r.findings and r.memory_note else "")
-                     + r.memory_note or "-"))
+                     + r.memory_note + ("; " if (r.findings or r.memory_note) and r.flaky else "")
+                     + "; ".join(f"noise: {x}" for x in r.flaky[:2]) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for row in rows:

@@ -687,7 +687,7 @@ def _pair_result_json(r: Any) -> dict:
         "examples_asked": r.examples_asked, "examples_short": r.examples_short,
         "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for, "setup_error": r.setup_error,
         "memory_note": r.memory_note, "largest": list(r.largest), "worker_peak_mib": r.worker_peak_mib,
-        "max_seq_score": r.max_seq_score,
+        "max_seq_score": r.max_seq_score, "flaky": list(r.flaky),
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
             "symptom": f.symptom.value, "status": f.status,
@@ -759,7 +759,7 @@ def _pair_result(d: dict) -> Any:
                       seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""),
                       setup_error=d.get("setup_error", ""), memory_note=d.get("memory_note", ""),
                       largest=tuple(d.get("largest") or (0, 0, 0, 0)), worker_peak_mib=d.get("worker_peak_mib", 0.0),
-                      max_seq_score=d.get("max_seq_score", 0.0))
+                      max_seq_score=d.get("max_seq_score", 0.0), flaky=list(d.get("flaky") or []))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1183,7 +1183,8 @@ def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -
                           + (" new" if f["new"] else "") for f in d["findings"]) or \
             (cannot_run if cannot_run is not None and d.get("setup_error") and d["verdict"] == "CANNOT RUN"
              else _setup_headline(d.get("setup_error", "")))
-        found = "; ".join(x for x in (found, d.get("memory_note", "")) if x) or "-"
+        found = "; ".join(x for x in (found, d.get("memory_note", ""), *(f"noise: {n}" for n in (d.get("flaky") or [])[:2]))
+                          if x) or "-"
         rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), rate_text(rate), _fmt(d.get("max_score", 0.0)),
                      _fmt(d["max_k3"]), d.get("worker", "main"), found))
     return rows
