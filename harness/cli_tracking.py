@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
 from .bench import check_out_file
 from .corpus import STATUSES
+from .errors import UsageError
 
 URI_HELP = "MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///<abs>/reports/mlflow.db)."
 
@@ -148,17 +150,32 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
 @click.option("--tracking-uri", default=None, help=URI_HELP)
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
               help="Load the regression's pair from a plugin (to replay it before closing it as fixed).")
+@click.option("--no-tracking", "no_tracking", is_flag=True,
+              help="A corpus kept without MLflow: change the --corpus-file alone (ID may be that file).")
 @click.pass_context
 def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: str | None,
-          tracking_uri: str | None, plugins: tuple[str, ...]) -> None:
+          tracking_uri: str | None, plugins: tuple[str, ...], no_tracking: bool) -> None:
     """Close a regression: set its status in MLflow and in its corpus file, with a note.
 
     --status fixed replays the repro first and refuses one that still diverges; where its severe case
     (found.severe) still fails, that case is recorded as an open repro of its own (a second bug)."""
-    from .mlflow_tracking import close_regression
+    if no_tracking:
+        from .mlflow_tracking.lifecycle import close_in_corpus
 
-    r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file, plugins)
-    click.echo(f"regression {r['id']} ({r['pair']}, run {r['run_id']}): status {r['status']} in MLflow.")
+        if corpus_file is None and ident.endswith(".json"):
+            corpus_file = ident
+        if corpus_file is None:
+            raise UsageError("--no-tracking closes the corpus file alone: pass it, --corpus-file "
+                             "corpora/<pair>/<id>.json (or give the file as ID).")
+        if not ident.endswith(".json") and Path(corpus_file).stem != ident:
+            raise UsageError(f"--corpus-file {corpus_file} is not the repro of {ident} (its name is its id); pass "
+                             f"that regression's own file, corpora/<pair>/{ident}.json. Nothing was changed.")
+        r = close_in_corpus(corpus_file, status, note, plugins)
+    else:
+        from .mlflow_tracking import close_regression
+
+        r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file, plugins)
+        click.echo(f"regression {r['id']} ({r['pair']}, run {r['run_id']}): status {r['status']} in MLflow.")
     if r["corpus_updated"]:
         click.echo(f"corpus file {r['corpus_updated']}: status {r['status']}, note added to its history "
                    "(commit it so the replay tests follow).")

@@ -950,6 +950,7 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
     size = lambda c: (c.batch_size, c.n_tokens)  # noqa: E731
     if cut_short and old.case != finding.case and (
             size(finding.case) < size(old.case) or (finding.shrink_complete and size(finding.case) <= size(old.case))):
+        finding.updated = "a smaller case"
         old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, device,
                               evaluated_threads(finding.evaluation), deterministic=getattr(finding, "deterministic", True),
                               neighbours=getattr(finding, "neighbours", None), campaign_seed=campaign_seed)
@@ -958,6 +959,7 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
     if sev and (had is None or sev.judged > had.judged):
         old.found["severe"] = sev.to_json()  # (the most severe a campaign of it has seen)
         changed = True
+        finding.updated = "a worse severe case"
     if changed:
         old.save(path)
     return path

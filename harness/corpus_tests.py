@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.corpus import (builtin_extra_missing, iter_corpus, load_plugin_for, load_repro, replay, replay_severe,
-                            severe_note)
+from harness.corpus import (_display, builtin_extra_missing, iter_corpus, load_plugin_for, load_repro, replay,
+                            replay_severe, severe_note)
 from harness.env import machine_differences
 from harness.errors import CannotEvaluate, HarnessError
 from harness.pairs import REGISTRY
@@ -105,7 +105,7 @@ def test_replay(path, root):
             severe = None
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline_like(repro.metrics)}): close it as fixed, `harness "
                     f"regressions close {repro.id} --status fixed{f' --plugin {spec}' if spec else ''} --corpus-file "
-                    f"{path} --note 'fixed by ...'`"
+                    f"{_display(path)} --note 'fixed by ...'` (add --no-tracking for a corpus kept without MLflow)"
                     + (f"; but {severe_note(severe)}" if severe is not None and severe.failed else ""), pytrace=False)
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
     if repro.status == "open":

@@ -82,6 +82,9 @@ class Finding:
     path: Path | None = None  # the corpus file
     new: bool = True  # False when the corpus already held this signature
     recurrence: bool = False  # True when the corpus held it as `fixed`
+    # what this campaign changed in a repro the corpus already held ("a smaller case", "a worse severe
+    # case"; "" when nothing): a file to commit too (pytest copies it to new-repros/)
+    updated: str = ""
     cases_to_first: int = 0  # cases the pair's stream had run when this failure was first seen
     seconds_to_first: float = 0.0  # seconds into the pair's stream when it was first seen
     shrink_seconds: float = 0.0  # from the first sighting to the minimal case (Hypothesis + polish)

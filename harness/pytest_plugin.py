@@ -369,7 +369,8 @@ class FuzzSession:
         fresh: list[Path] = []
 
         def on_finding(f: Any) -> None:
-            if (f.new or f.recurrence) and f.path is not None and Path(f.path).exists():
+            # (a known repro this campaign changed, a smaller or a worse severe case, is a file to commit too)
+            if (f.new or f.recurrence or f.updated) and f.path is not None and Path(f.path).exists():
                 dest = new_repros_dir(self) / f.pair / Path(f.path).name
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(f.path, dest)

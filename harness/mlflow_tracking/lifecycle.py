@@ -468,12 +468,46 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> Any:
     return severe if severe is not None and severe.failed else None
 
 
-def keep_severe_case(store: Store, run: Any, repro: Any, path: Path, ev: Any) -> dict[str, Any]:
+def close_in_corpus(corpus_file: str | Path, status: str, note: str, plugins: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`regressions close --no-tracking`: the corpus file alone (a corpus kept without MLflow): the same
+    checks (`fixed` replays it first and refuses one that still diverges), status and history entry,
+    and a still-failing severe case kept as a repro of its own. Returns what `close_regression` does,
+    without a run."""
+    from ..corpus import load_repro
+
+    if status not in TRIAGE_STATUSES:
+        raise UsageError(f"--status {status!r} is not one of {TRIAGE_STATUSES}.")
+    if not note or not note.strip():
+        raise UsageError("--note is empty; say why (the fix commit, or why it is accepted) so the next reader knows.")
+    path = Path(corpus_file)
+    repro = load_repro(path)  # (a missing, unreadable or invalid file: UsageError, exit 2)
+    if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
+        raise UsageError(f"--corpus-file {corpus_file} cannot be written here (its folder or the file is read-only); "
+                         "nothing was changed.")
+    severe = verify_fixed(repro, plugins) if status == "fixed" else None
+    at = now_iso()
+    old = repro.status
+    repro.status = status
+    repro.history.append({"at": at, "event": "closed", "from": old, "status": status, "note": note,
+                          "by": who_closes()})
+    try:
+        repro.save(path)
+    except OSError as e:
+        raise UsageError(f"the corpus file {path} could not be written ({e.strerror or e}); it was left as it was. "
+                         "Free the space or fix the permissions, then close it again.") from None
+    out = {"id": repro.id, "pair": repro.pair, "status": status, "run_id": None, "corpus_updated": str(path),
+           "corpus_missing": None, "severe": None}
+    if severe is not None:
+        out["severe"] = keep_severe_case(None, None, repro, path, severe)
+    return out
+
+
+def keep_severe_case(store: Store | None, run: Any, repro: Any, path: Path, ev: Any) -> dict[str, Any]:
     """The severe case of a regression just closed as fixed still fails: record it in the corpus as an
-    open repro of its own (`corpus.keep_severe`) and log it as a regression run beside the closed one
-    (under the same campaign run). Returns what was done: `path`, `id`, `headline`, `new`, `run_id`
-    (None when MLflow could not be written: the next campaign that meets it logs it), `lines` (what
-    recording it printed)."""
+    open repro of its own (`corpus.keep_severe`) and, with a `store`, log it as a regression run beside
+    the closed one (under the same campaign run). Returns what was done: `path`, `id`, `headline`,
+    `new`, `run_id` (None without a store, or when MLflow could not be written: the next campaign that
+    meets it logs it), `lines` (what recording it printed)."""
     import uuid
 
     from ..corpus import keep_severe
@@ -483,6 +517,8 @@ def keep_severe_case(store: Store, run: Any, repro: Any, path: Path, ev: Any) ->
     f = keep_severe(repro, path, ev, log=lines.append)
     out = {"path": str(f.path), "id": f.id, "headline": f"{ev.symptom.value} {ev.headline}", "new": f.new,
            "run_id": None, "lines": lines}
+    if store is None:
+        return out
     try:
         p = finding_payload(f, repro.threshold, int(repro.found.get("campaign_seed", 0) or 0), "cpu")
         out["run_id"], _ = log_regression(store, p, run.data.tags.get("mlflow.parentRunId"), uuid.uuid4().hex)

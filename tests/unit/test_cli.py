@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.corpus import iter_corpus
+from harness.corpus import iter_corpus, load_repro
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +292,40 @@ def test_harness_record_makes_a_known_failing_case_a_repro(harness_cli, tmp_path
     assert code == 0 and "the case passes" in out and not (tmp_path / "none").exists(), (out, err)
     code, out, err = harness_cli("record", "moe_aggregate.bf16", "--case", "seed=1 batch=4")
     assert code == 2 and "batch is not a case field" in err and "Traceback" not in err, err
+
+
+def test_a_corpus_kept_without_mlflow_is_closed_with_no_tracking(tmp_path, harness_cli):
+    """A nightly run with --no-tracking was told to close its fixed repro with `harness regressions
+    close`, which needs a store. `--no-tracking` closes the corpus file alone, after the same replay."""
+    src = '''import torch
+from harness import Axes, Outcome, TargetPair, register
+
+def build(case, device):
+    return case.token_randn(16, "logits")
+
+register(TargetPair(name="user.off", kind="op", expected="aligned", build=build,
+                    trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)),
+                    rollout=lambda x: Outcome(logprobs=torch.log_softmax(x * SCALE, -1)),
+                    axes=Axes(n_seqs=(1, 2), seq_len=(1, 4), pad_sides=("right",), logit_scale=(1.0, 1.0))))
+'''
+    (tmp_path / "bug.py").write_text("SCALE = 1.2\n" + src)
+    (tmp_path / "fixed.py").write_text("SCALE = 1.0\n" + src)
+    corpus = tmp_path / "corpus"
+    code, _, err = harness_cli("fuzz", "--plugin", str(tmp_path / "bug.py"), "--max-examples", "5", "--seed", "1",
+                               "--corpus", str(corpus), "--no-tracking", cwd=tmp_path)
+    assert code == 1, err
+    [path] = iter_corpus(corpus)
+    rid = path.stem
+    code, out, err = harness_cli("regressions", "close", rid, "--status", "fixed", "--note", "scale fixed",
+                                 "--no-tracking", "--plugin", str(tmp_path / "bug.py"), "--corpus-file", str(path),
+                                 cwd=tmp_path)
+    assert code == 2 and "still diverges" in err and load_repro(path).status == "open", err
+    code, out, err = harness_cli("regressions", "close", rid, "--status", "fixed", "--note", "scale fixed",
+                                 "--no-tracking", "--plugin", str(tmp_path / "fixed.py"), cwd=tmp_path)
+    assert code == 2 and "pass it, --corpus-file" in err, err
+    code, out, err = harness_cli("regressions", "close", str(path), "--status", "fixed", "--note", "scale fixed",
+                                 "--no-tracking", "--plugin", str(tmp_path / "fixed.py"), cwd=tmp_path)
+    assert code == 0 and f"corpus file {path}: status fixed" in out and "MLflow" not in out, out + err
+    repro = load_repro(path)
+    assert repro.status == "fixed" and repro.history[-1]["note"] == "scale fixed"
+    assert not (tmp_path / "reports" / "mlflow.db").exists()

@@ -1104,3 +1104,29 @@ def test_a_failure_its_own_inputs_do_not_reproduce_is_noise_not_a_regression(tmp
     assert "its run-to-run noise alone crosses the line" in warning and "then clean k3=0" in warning, warning
     assert "it failed in 1 of 6 runs of those inputs" in warning and "Not recorded as a regression" in warning
     assert "noise: divergence k3=" in summary_table(res)
+
+
+def test_a_known_repro_a_campaign_changes_is_marked_updated_for_the_nightly_upload(tmp_path):
+    """A nightly rewrote a committed repro's severe case in its workspace and uploaded nothing, so a
+    throwaway runner lost it. The finding now says what it changed (`Finding.updated`), and the
+    pytest plugin copies such a file to new-repros/ with the new ones."""
+    from harness.corpus import Severe, load_repro, record_finding
+    from harness.fuzz import Finding
+
+    pair = REGISTRY.get("rmsnorm.eps_placement")
+    case = Case(seed=1, seq_lens=(4,))
+    ev = run_case(pair, case)  # (its metrics, whatever they are: what the file holds is the point here)
+
+    def finding(judged):
+        f = Finding(pair=pair.name, expected="aligned", symptom=Symptom.DIVERGENCE, signature="a" * 64, case=case,
+                    evaluation=ev, examples=3)
+        f.severe = Severe(case, judged, f"k3={judged}", 1.0, judged, True)
+        return f
+
+    first = finding(2.0)
+    path = record_finding(first, tmp_path, 1e-3, 1, "cpu")
+    assert first.new and not first.updated
+    worse, milder = finding(5.0), finding(3.0)
+    assert record_finding(worse, tmp_path, 1e-3, 1, "cpu") == path and worse.updated == "a worse severe case"
+    assert record_finding(milder, tmp_path, 1e-3, 1, "cpu") == path and not milder.updated
+    assert load_repro(path).found["severe"]["judged"] == 5.0
