@@ -1826,6 +1826,7 @@ def summary_table(result: CampaignResult) -> str:
                                + (f"shrunk in {f.shrink_seconds:.1f}s" if f.shrink_complete else
                                   f"shrinking cut short{' by the interrupt' if f.interrupted else ''} after "
                                   f"{f.shrink_seconds:.1f}s") + f") -> {f.path or '-'}"
+                               + (" (not deterministic: will not replay bit for bit)" if not f.deterministic else "")
                                for f in r.findings) + ("; " if r.findings and r.memory_note else "")
                      + r.memory_note + ("; " if (r.findings or r.memory_note) and r.flaky else "")
                      + "; ".join(f"noise: {x}" for x in r.flaky[:2]) or "-"))

@@ -697,6 +697,7 @@ def _pair_result_json(r: Any) -> dict:
             "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
             "cases_to_first": f.cases_to_first, "seconds_to_first": f.seconds_to_first,
             "shrink_seconds": f.shrink_seconds, "peak": encode_float(float(f.peak)),
+            "deterministic": f.deterministic, "updated": f.updated,
             **({"severe": f.severe.to_json()} if getattr(f, "severe", None) else {}),
         } for f in r.findings],
     }
@@ -751,7 +752,8 @@ def _pair_result(d: dict) -> Any:
                                 recurrence=fd["recurrence"], cases_to_first=fd.get("cases_to_first", 0),
                                 seconds_to_first=fd.get("seconds_to_first", 0.0),
                                 shrink_seconds=fd.get("shrink_seconds", 0.0),
-                                peak=float(decode_float(fd.get("peak", "nan")))))  # (severity reads it)
+                                peak=float(decode_float(fd.get("peak", "nan"))),  # (severity reads it)
+                                deterministic=fd.get("deterministic", True), updated=fd.get("updated", "")))
         findings[-1].severe = Severe.from_json(fd.get("severe"))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
@@ -1181,7 +1183,10 @@ def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -
             verdict += f" ({time_note(d['examples_asked'], d['examples_short'], d['examples'])})"
         rate = d["examples"] / d["seconds"] if d["seconds"] > 0 else 0.0
         found = ", ".join(f"{f['id']} {f['symptom']} {_headline(f)}"
-                          + (" new" if f["new"] else "") for f in d["findings"]) or \
+                          + (" new" if f["new"] else "")
+                          + (" (not deterministic: will not replay bit for bit)" if f.get("deterministic") is False else "")
+                          + (f" (the corpus file got {f['updated']}: commit it, from new-repros)" if f.get("updated") else "")
+                          for f in d["findings"]) or \
             (cannot_run if cannot_run is not None and d.get("setup_error") and d["verdict"] == "CANNOT RUN"
              else _setup_headline(d.get("setup_error", "")))
         found = "; ".join(x for x in (found, d.get("memory_note", ""), *(f"noise: {n}" for n in (d.get("flaky") or [])[:2]))
