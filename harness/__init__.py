@@ -21,6 +21,7 @@ from .pairs import (
     RoutingAxes,
     TargetPair,
     register,
+    sampled_tokens_only,
     token_outcome,
 )
 
@@ -35,5 +36,6 @@ def check_pair(pair: TargetPair | str, **kwargs):
 __all__ = [
     "Axes", "Case", "CaseError", "HarnessError", "Outcome", "PairError", "Profiles", "REGISTRY", "Readout",
     "Routing", "RoutingAxes", "TargetPair", "UsageError", "__version__", "check_pair", "register",
+    "sampled_tokens_only",
     "token_outcome",
 ]

@@ -928,7 +928,8 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         per_seq = r.metrics.get("verdict_over") == "sequence"
         why = ("a sampled token the trainer excludes" if k3s == math.inf else
                "the expected k3 over the vocabulary" if isinstance(k3e, (int, float)) and not math.isnan(k3e)
-               else "the sampled tokens' mean: no expected k3 (a recording, or an older repro)")
+               else "the sampled tokens' mean: no expected k3 (a rollout that reports its sampled tokens only, a "
+                     "recording, or an older repro)")
         if per_seq:
             why += ", the worst sequence's mean: the pair judges each sequence (verdict_over='sequence')"
         click.echo("  over the threshold: " + (fired if fired else "neither mean" if fired == "" else

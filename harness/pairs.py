@@ -161,6 +161,63 @@ def token_outcome(logp_token: Any, tokens: Any = None, routing: dict | None = No
     return Outcome(logprobs=rows, tokens=tokens, routing=routing or {}, recorded=True)
 
 
+def sampled_tokens_only(pair: "TargetPair", name: str | None = None) -> "TargetPair":
+    """`pair` as an engine asked for its sampled tokens' log-probabilities only (`logprobs=0`, as vLLM
+    and SGLang report them by default) runs it: its rollout's full rows cut to the sampled tokens'
+    (`token_outcome`), and its trainer's to its own log-probabilities at those tokens, so the verdict
+    reads what an RL step's k3 reads from such an engine. The pair's paths must return full
+    log-probability rows, and its rollout its sampled tokens (a pair with a readout, or whose tokens
+    the harness draws, has no sampled token to cut to: a TypeError says so on its first case). Its
+    triage profiles, if any, rebuild it the same way. Named `name` (default `<pair>.sampled_only`)."""
+    import dataclasses
+
+    base = pair
+    new_name = name or f"{pair.name}.sampled_only"
+
+    def cut(o: Any, tokens: Any, role: str, keep_tokens: bool) -> Outcome:
+        import torch
+
+        if not isinstance(o, Outcome) or not isinstance(o.logprobs, torch.Tensor) or o.logprobs.dim() != 2:
+            raise TypeError(f"{new_name}: sampled_tokens_only needs {base.name}'s {role} to return full (T, V) "
+                            "log-probability rows (a path that returns hidden states for a readout, or rows already "
+                            "cut to its tokens, has none to cut)")
+        if tokens is None:
+            raise TypeError(f"{new_name}: sampled_tokens_only needs {base.name}'s rollout to return the tokens it "
+                            "sampled (Outcome.tokens): where the harness draws them, there is no engine-sampled token "
+                            "to report")
+        ids = torch.as_tensor(tokens).reshape(-1).to(device=o.logprobs.device, dtype=torch.int64)
+        rows = token_outcome(o.logprobs.gather(1, ids[:, None])[:, 0]).logprobs
+        return dataclasses.replace(o, logprobs=rows, recorded=True, tokens=tokens if keep_tokens else None)
+
+    def rollout(inputs: Any) -> Outcome:
+        out = base.rollout(inputs)
+        return cut(out, getattr(out, "tokens", None), "rollout", True)
+
+    def trainer(inputs: Any, rollout_outcome: Outcome) -> Outcome:
+        full = base.trainer(inputs, rollout_outcome) if base.trainer_reads_rollout else base.trainer(inputs)
+        return cut(full, rollout_outcome.tokens, "trainer", False)
+
+    profiles = pair.profiles
+    if profiles is not None:
+        profiles = _SampledOnlyProfiles(profiles, new_name)
+    return dataclasses.replace(pair, name=new_name, rollout=rollout, trainer=trainer, profiles=profiles,
+                               description=(pair.description + " " if pair.description else "")
+                               + "(the rollout reports its sampled tokens' log-probabilities only)")
+
+
+class _SampledOnlyProfiles:
+    """A pair's triage profiles, rebuilding each variant as `sampled_tokens_only` made the pair."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        self._inner, self._name = inner, name
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._inner, key)
+
+    def variant(self, trainer: Mapping[str, str], rollout: Mapping[str, str]) -> "TargetPair":
+        return sampled_tokens_only(self._inner.variant(trainer, rollout), self._name)
+
+
 @dataclass(frozen=True)
 class Profiles:
     """The triage protocol for your own pair (`TargetPair.profiles`): what each path runs, component

@@ -382,6 +382,16 @@ def test_an_engines_own_sampler_is_a_component_caught_and_localized():
         assert loc is not None and loc.minimal == ["sampler"] and loc.explained, loc
         assert "sampler 'test_late_temperature' on the rollout" in late.profiles.labels["sampler"]
         assert not run_case(late, dataclasses.replace(hot, temperature=1.0)).failed  # (T = 1: no bug to see)
+        # as an engine that reports its sampled tokens' log-probabilities only: caught on those, and
+        # triage's variants are rebuilt the same way (`sampled_tokens_only`)
+        from harness import sampled_tokens_only
+
+        only = sampled_tokens_only(late)
+        ev = run_case(only, hot)
+        assert ev.failed and ev.divergence.rows == "two_outcome", ev.divergence
+        loc = localize(only, hot, "cpu", 1e-3, ev.score)
+        assert loc is not None and loc.minimal == ["sampler"] and loc.explained, loc
+        assert only.profiles.variant(only.profiles.rollout, only.profiles.rollout).name == only.name
         short = hf_pair("sampled.nucleus", spec, FP32, FP32.replace(sampler="test_nucleus_one_short"), axes=axes)
         ev = run_case(short, dataclasses.replace(hot, top_p=0.6, temperature=1.0))
         assert ev.failed and ev.divergence.kl > 1e-3, ev.divergence

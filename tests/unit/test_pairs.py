@@ -364,6 +364,16 @@ def test_a_path_that_reports_only_its_sampled_tokens_logprobs_is_judged_on_them(
                           trainer=trainer_tokens_only)
     ev = run_case(nameless, case)
     assert ev.symptom.value == "error" and "but not the tokens: pass token_outcome(logp, tokens=" in ev.error["message"]
+    # the same pair made from the full one by `sampled_tokens_only`: the same values
+    from harness import sampled_tokens_only
+
+    made = sampled_tokens_only(full)
+    assert made.name == "tok.full.sampled_only" and made.trainer_reads_rollout
+    c = run_case(made, case).divergence
+    assert c.k3_kl == b.k3_kl and c.kl == b.kl and c.rows == "two_outcome"
+    drawn = sampled_tokens_only(dataclasses.replace(full, rollout=lambda inp: Outcome(logprobs=rows(inp, low=True))))
+    ev = run_case(drawn, case)  # (its tokens the harness draws: no engine-sampled token to cut to)
+    assert ev.symptom.value == "error" and "needs tok.full's rollout to return the tokens it sampled" in ev.error["message"]
     # the repro says its rows are two-outcome (`show` labels its kl and entropy as of that split)
     from harness.corpus import metrics_json
 
