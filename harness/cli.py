@@ -385,10 +385,17 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
             times = ("a sampled token one path gives probability 0" if sev.peak == float("inf") else
                      f"{sev.peak / max(f.evaluation.score, 1e-300):.0f}x this one")
             echo_err(f"    severe: its cases reached {sev.peak:.3g}, {times}; its worst, shrunk keeping {sev.keeping}: {sev.case.one_line()} "
-                     f"({sev.headline}): a second bug of the pair, or this one where it is worst"
+                     f"({sev.headline}): most often this bug where it is worst, a second one where triage names "
+                     "another component or module"
                      + (": `" + replay_command_for(f.pair, f.path).replace("harness replay", "harness triage --severe", 1)
                         + "`" if f.path else ""))
 
+    from .fuzz import share_threads_among_campaigns
+
+    threads = share_threads_among_campaigns(isolated=not no_isolation)
+    if threads is not None:  # (said: a repro records it, and a user comparing cases/s should know)
+        echo_err(f"torch threads per case: {threads} (one core left for the campaign beside its worker process; "
+                 "OMP_NUM_THREADS=N chooses)")
     result = run_campaign(cfg, tracker=tracker, on_finding=announce)
     click.echo(summary_table(result))
     n = len(result.findings)

@@ -1320,22 +1320,27 @@ def spare_core_per_worker() -> bool:
     return cores >= 2 * campaigns
 
 
-def share_threads_among_campaigns() -> int | None:
-    """In one of several campaigns running at once (pytest-xdist workers), give torch its share of the
-    cores, cores // campaigns threads (at least 1), unless the thread count was chosen
-    (`OMP_NUM_THREADS`, `MKL_NUM_THREADS`) or is already within the share. torch's default, a thread
-    per core in every worker, oversubscribed the machine: `pytest --harness-fuzz -n 2` on 2 cores
-    outside this repository (whose tests/conftest.py sets one thread) ran 271 cases in 15.2 s against
-    11.0 s with one thread each (`reports/scripts/xdist_threads.py`). Returns the count set, or None.
-    A repro records the count it ran with and replays with it (`environment.torch_threads`)."""
+def share_threads_among_campaigns(isolated: bool = True) -> int | None:
+    """Give torch its share of the cores: cores // campaigns threads (pytest-xdist workers: several
+    campaigns at once), less one where that leaves two or more and cases run in a worker process beside
+    the campaign (`isolated`), which draws, shrinks and judges while its worker computes; at least 1.
+    Unless the thread count was chosen (`OMP_NUM_THREADS`, `MKL_NUM_THREADS`) or is already within the
+    share. torch's default, a thread per core in every process, oversubscribed the machine:
+    `pytest --harness-fuzz -n 2` on 2 cores outside this repository (whose tests/conftest.py sets one
+    thread) ran 271 cases in 15.2 s against 11.0 s with one thread each
+    (`reports/scripts/xdist_threads.py`), and a lone `harness fuzz` of a model pair on a 2-core machine
+    loaded by other work ran many times slower on 2 threads than on 1 (its OpenMP threads spin-wait for
+    the core the campaign holds). Returns the count set, or None. A repro records the count it ran
+    with and replays with it (`environment.torch_threads`)."""
     import os
 
     cores, campaigns = cores_and_campaigns()
-    if campaigns <= 1 or any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+    if any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
         return None
     import torch
 
-    share = max(1, cores // campaigns)
+    each = cores // campaigns
+    share = max(1, each - (1 if isolated and each >= 2 else 0))
     if torch.get_num_threads() <= share:
         return None
     torch.set_num_threads(share)

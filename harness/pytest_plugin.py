@@ -642,8 +642,8 @@ def _describe(f: Any, session: FuzzSession) -> str:
     if sev:  # (the worst case, shrunk far above the minimal one: maybe a second bug of the pair)
         cmd = session.replay_command(f.path).replace("harness replay", "harness triage --severe", 1) if f.path else ""
         severe = (f"\n    severe: its cases reached {sev.peak:.3g}; the worst, shrunk keeping {sev.keeping}: "
-                  f"{sev.case.one_line()} ({sev.headline}): a second bug, or this one where it is "
-                  f"worst" + (f": `{cmd}`" if cmd else ""))
+                  f"{sev.case.one_line()} ({sev.headline}): most often this bug where it is worst, a second one "
+                  f"where triage names another component or module" + (f": `{cmd}`" if cmd else ""))
     return (f"  finding {f.id} [{state}] {f.symptom.value}: {f.evaluation.headline}\n"
             f"    {'case so far' if cut else 'minimal case'}: {f.case.one_line()}\n"
             f"    replay: {session.replay_command(f.path)}" + cut + severe)
@@ -849,11 +849,12 @@ def pytest_configure(config: pytest.Config) -> None:
     session = FuzzSession(config)
     config.stash[SESSION_KEY] = session
     config.stash[RESULTS_KEY] = []
-    if session.is_worker:
-        _stop_with_the_controller()
+    if session.is_worker or not getattr(config.option, "numprocesses", None):  # (the processes running campaigns)
+        if session.is_worker:
+            _stop_with_the_controller()
         from harness.fuzz import share_threads_among_campaigns
 
-        share_threads_among_campaigns()  # (xdist workers on one machine's cores: torch's share each)
+        share_threads_among_campaigns()  # (xdist workers on one machine's cores: torch's share each, one left per campaign)
     if not session.is_worker:
         from harness.errors import HarnessError
 
