@@ -531,7 +531,8 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     with its reason and the rest are replayed; the exit is then 2 (125 under --bisect) unless one
     still diverges. A repro recorded from a plugin file inside this repository loads that file.
     A crash or timeout repro runs in a worker process: one that still crashes or hangs exits 1."""
-    from .corpus import Skipped, load_many_tolerant, load_plugin_for, missing_repro, replay as do_replay, severe_note
+    from .corpus import (Skipped, _display, load_many_tolerant, load_plugin_for, missing_repro, replay as do_replay,
+                         severe_note)
     from .env import machine_differences, resolve_device
     from .execute import headline
     from .metrics import verdict_mean
@@ -584,8 +585,10 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             and not res.nondeterministic  # (an open repro of a fixed bug: its metrics moved as a fix moves them)
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
                 f"-> now {verdict} {ev.headline_like(r.metrics)}; bit-for-bit "
-                + ("no: it no longer fails (fixed? `harness regressions close "
-                   f"{r.id} --status fixed` once it is)" if now_fixed else
+                + ("no: it no longer fails (fixed? once it is: `harness regressions close "
+                   f"{r.id} --status fixed{f' --plugin {r.plugin_spec()}' if r.plugin_spec() else ''}"
+                   f"{f' --corpus-file {_display(r.path)}' if r.path else ''} --note 'fixed by ...'`, with "
+                   "--no-tracking for a corpus kept without MLflow)" if now_fixed else
                    "yes" if res.compared and res.bit_for_bit else "no" if res.compared else
                    "not compared (its case was edited since it was recorded: the recorded metrics are another "
                    "case's; `harness rerecord FILE` records this case's)" if r.case_edited else
@@ -844,6 +847,12 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         click.echo(f"  at neutral values (the defaults; a pair reads only the fields its code uses): "
                    f"{', '.join(at_default)}")
     click.echo(f"  -> {r.case.size_text()}")
+    if r.case.batch_size > 1:  # (where a packed trainer puts them: what a boundary bug reads off)
+        rows = r.case.packed_rows()
+        click.echo(f"  -> a packed trainer's rows (case.packed_rows(): first fit in packing order, capacity "
+                   f"{r.case.capacity} tokens{'' if r.case.row_capacity else ', row_capacity 0: every sequence in one row'}"
+                   f"): {rows}" + (f"; sequence boundaries inside a row: {', '.join(f'{a}|{b}' for row in rows for a, b in zip(row, row[1:]))}"
+                                   if any(len(row) > 1 for row in rows) else ""))
     for g in (g for g in r.case.groups if len(g) > 1):  # (prompt ids are stream ids: name the sharing plainly)
         pid = r.case.prompt_id(g[0])
         owner = (f"sequence {r.case.ids.index(pid)}'s own" if pid in r.case.ids

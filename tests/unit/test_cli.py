@@ -329,3 +329,15 @@ register(TargetPair(name="user.off", kind="op", expected="aligned", build=build,
     repro = load_repro(path)
     assert repro.status == "fixed" and repro.history[-1]["note"] == "scale fixed"
     assert not (tmp_path / "reports" / "mlflow.db").exists()
+
+
+def test_show_lays_out_a_packed_trainers_rows(found, harness_cli, tmp_path):
+    """A packing bug's repro (two sequences, one row) did not say where a packed trainer puts them:
+    `show` prints `case.packed_rows()` and the sequence boundaries inside a row."""
+    data = json.loads(found.read_text())
+    data["case"].update(seq_lens=[3, 2, 4], row_capacity=6, probe=0, seq_ids=[])
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    code, out, _ = harness_cli("show", str(edited))
+    assert code == 0 and "a packed trainer's rows (case.packed_rows(): first fit in packing order, capacity 6 " \
+        "tokens): [[0, 1], [2]]; sequence boundaries inside a row: 0|1" in out, out
