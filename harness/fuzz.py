@@ -57,7 +57,7 @@ from typing import Any, Callable
 
 from .case import Case
 from .errors import HarnessError
-from .execute import DEFAULT_THRESHOLD, Evaluation, Symptom, run_case
+from .execute import DEFAULT_THRESHOLD, Evaluation, Symptom, mean_text, run_case
 from .pairs import TargetPair
 from .shrink import EDGE_MARGIN
 from .worker import DEFAULT_TIMEOUT
@@ -178,6 +178,8 @@ class PairResult:
     # findings left out as the pair's own noise (`FLAKY_RUNS`): each a line saying how often its minimal
     # case failed on the same inputs; not written to the corpus or tracked (they would not replay)
     flaky: list[str] = field(default_factory=list)
+    # the case its largest judged mean (`max_score`) came from: how close a clean pair came to the line
+    max_case: Any = None
 
     def note_size(self, case: Case) -> None:
         """Count a case the pair ran into `largest`."""
@@ -436,6 +438,22 @@ NOISE_FLOOR = 1e-8  # judged means below this are float rounding (aligned float3
 LOW_ENTROPY = 0.3  # nats: a rollout whose mean entropy stays below this is near-deterministic
 
 
+NEAR_MISS = 0.1  # a clean pair whose cases reached this fraction of the line names its closest case
+
+
+def near_miss_line(r: PairResult, threshold: float) -> str:
+    """For a pair with no finding whose cases came within `NEAR_MISS` of the line: its closest case, and
+    how to keep it as a repro to look at (recorded under a lower threshold, where it fails); "" else."""
+    if r.findings or r.max_case is None or not math.isfinite(r.max_score) or r.max_score < NEAR_MISS * threshold \
+            or r.max_score > threshold:
+        return ""
+    lower = 10.0 ** math.floor(math.log10(r.max_score))
+    return (f"closest to the line: judged {mean_text(r.max_score)} ({r.max_score / threshold:.0%} of it) on "
+            f"{r.max_case.one_line()}; to keep it as a repro to look at (show, triage), record it under a lower line: "
+            f"`harness record {r.pair} --case '{r.max_case.one_line()}' --threshold {lower:g}` (with the --plugin "
+            "the campaign had)")
+
+
 def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
     """Why a demonstration may have been missed, from the largest judged mean its cases reached: at
     float noise its two paths compute the same thing (a patch that changes nothing it runs, a bug
@@ -606,6 +624,8 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if not math.isnan(ev.k3):  # (inf: a sampled token the trainer excludes, the largest there is)
             result.max_k3 = max(result.max_k3, ev.k3)
         if not math.isnan(ev.score):
+            if ev.score > result.max_score or result.max_case is None:
+                result.max_case = case
             result.max_score = max(result.max_score, ev.score)
             d = ev.divergence
             if d is not None and d.verdict_over == "batch" and d.k3_expected_seq_max == d.k3_expected_seq_max:
@@ -1412,6 +1432,8 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     into.examples += r.examples
     into.seconds += r.seconds
     into.max_k3 = max(into.max_k3, r.max_k3)
+    if r.max_case is not None and (r.max_score > into.max_score or into.max_case is None):
+        into.max_case = r.max_case
     into.max_score = max(into.max_score, r.max_score)
     into.largest = tuple(max(a, b) for a, b in zip(into.largest, r.largest))  # type: ignore[assignment]
     into.worker_peak_mib = max(into.worker_peak_mib, r.worker_peak_mib)
@@ -1708,6 +1730,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     + (f": {_setup_said(setup_said, unit.pair.name, unit.label, r.setup_error)}" if r.setup_error else ""))
                 if r.unfinished or r.waited_for:
                     log(f"  {unit.label}: {unfinished_note(r, cfg.timeout_for(pair.name, getattr(pair, 'timeout', None)))}")
+                near = near_miss_line(r, cfg.threshold)
+                if near:
+                    log(f"  {unit.label}: {near}")
             # Filling, once every unit has run its examples: the time left goes to the clean units, in
             # equal shares, as further rounds (not before: a quick op pair that filled its first share
             # would take the time a slow model pair after it needs for its first cases)

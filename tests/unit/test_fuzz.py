@@ -1137,3 +1137,27 @@ def test_a_known_repro_a_campaign_changes_is_marked_updated_for_the_nightly_uplo
     assert record_finding(worse, tmp_path, 1e-3, 1, "cpu") == path and worse.updated == "a worse severe case"
     assert record_finding(milder, tmp_path, 1e-3, 1, "cpu") == path and not milder.updated
     assert load_repro(path).found["severe"]["judged"] == 5.0
+
+
+def test_a_clean_pair_that_came_near_the_line_names_its_closest_case():
+    """A trial's aligned pair reached 47% of the line in one case and nothing said which: a clean pair
+    whose cases came within a tenth of the line names its closest case, and how to keep it."""
+    from harness import Axes, Outcome, TargetPair
+    from harness.fuzz import near_miss_line
+
+    pair = TargetPair(name="t.near", kind="op", expected="aligned",
+                      build=lambda case, device: case.token_randn(64, "logits") * case.logit_scale,
+                      trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)),
+                      rollout=lambda x: Outcome(logprobs=torch.log_softmax(x.bfloat16().float(), -1)),
+                      axes=Axes(n_seqs=(1, 4), seq_len=(1, 8), pad_sides=("right",), logit_scale=(1.0, 6.0)))
+    lines: list[str] = []
+    res = run_campaign(CampaignConfig(pairs=[pair], seed=1, max_examples=30, write_corpus=False, isolation=False),
+                       NullTracker(), log=lines.append)
+    [r] = res.results
+    assert not r.findings and 1e-4 <= r.max_score < 1e-3, r.max_score
+    assert run_case(pair, r.max_case).score == r.max_score  # (the case it names is the one that gave it)
+    [said] = [line for line in lines if "closest to the line" in line]
+    assert f"on {r.max_case.one_line()}; to keep it" in said and "`harness record t.near --case '" in said, said
+    assert "--threshold 0.0001`" in said
+    r.max_score = 1e-5  # (far under the line: nothing said)
+    assert near_miss_line(r, 1e-3) == ""
