@@ -149,6 +149,8 @@ def run(vocabs: tuple[int, ...], tokens: tuple[int, ...], device: str, rounds: i
                 echo(f"  skip V={v} T={t}: needs ~{need / (1 << 30):.1f} GiB")
                 continue
             n = rounds if t * v >= (1 << 24) else max(rounds, 10)
+            if t * v >= (1 << 28):  # (minutes on a CPU: said before, not after a silence)
+                echo(f"  V={v} T={t}: measuring ({n} rounds of each variant in a subprocess; minutes on a CPU) ...")
             cmd = [sys.executable, "-m", "harness.bench_metrics", str(v), str(t), device, str(n), str(threads)]
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -204,13 +206,21 @@ def metrics_bench(vocabs: tuple[int, ...], tokens: tuple[int, ...], device: str,
         (f" --threads {threads}" if threads != 1 else "")
     clock = ("wall time, synchronized" if device == "cuda" else
              f"CPU time of the measuring process, {threads or 'default'} torch thread(s)")
+    cores = os.cpu_count() or 1
+    loaded = max(load0[0], load1[0]) > cores
+    if loaded:  # (CPU time survives some load, not all: a trial's ratios ranged 0.88x to 3.4x at load 5-8 on 2 cores)
+        click.echo(f"warning: load average {max(load0[0], load1[0]):.1f} on {cores} cores: other processes competed for "
+                   "these cores (their memory bandwidth and caches too), so these ratios may be off by a few x either "
+                   "way; measure on a quiet machine before reading them against the goal.", err=True)
     body = "\n".join([
         "## Metrics cost (`harness bench metrics`)",
         "",
         f"`{cmd}` on {machine(threads or None)}, device {device}; {wall:.0f} s; load average {load0[0]:.1f} before, "
         f"{load1[0]:.1f} after. Times: {clock}, in alternating rounds, best of each (other processes "
         "share these cores: CPU time of one thread is what survives their load best; the ratios are "
-        "the figure to read).",
+        "the figure to read)."
+        + (f" **Measured under load (over {cores} on {cores} cores): the ratios may be off by a few x.**"
+           if loaded else ""),
         "",
         "`compare` (every metric: k3, exact KL, entropy, ... in float64 where it matters) against one "
         "`torch.log_softmax` over the same (T, V) fp32 tensor on the same device. Columns: tokens given "

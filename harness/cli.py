@@ -199,6 +199,9 @@ def check_command(pair_names: tuple[str, ...], cases: int, device: str, timeouts
     sys.exit(EXIT_FOUND if failed else EXIT_USAGE if cannot else EXIT_OK)
 
 
+CHECK_PROGRESS_SECONDS = 20.0  # `harness check` says how far a pair's check got at most this often
+
+
 def _check_one(pair: Any, cases: int, dev: str, worker: Any, timeout: float) -> tuple[str, str, list[str]]:
     """(verdict, text, warnings) of one pair's contract check: in `worker` (timed, see `Worker.check`),
     or in this process without one. A hang or a crash of a run is a FAIL that says where it was."""
@@ -209,7 +212,15 @@ def _check_one(pair: Any, cases: int, dev: str, worker: Any, timeout: float) -> 
     from .fuzz import Executor, stack_where
 
     cold = max(timeout, Executor.COLD_START_TIMEOUT)
-    verdict, text, warned, stack = worker.check(pair, cases, timeout, cold)
+    said = [0.0]
+
+    def progress(runs: int, seconds: float) -> None:  # (a real-vocabulary pair's check takes minutes)
+        if seconds - said[0] >= CHECK_PROGRESS_SECONDS:
+            said[0] = seconds
+            echo_err(f"  {pair.name}: {runs} run(s) of its paths in {seconds:.0f} s (each case runs twice, then "
+                     "derived cases: other inputs, the sequences permuted, a response truncated)")
+
+    verdict, text, warned, stack = worker.check(pair, cases, timeout, cold, progress)
     if verdict == "TIMEOUT":
         first = not text
         text = (f"  {text or 'before its first case'}: "

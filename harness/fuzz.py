@@ -180,6 +180,9 @@ class PairResult:
     flaky: list[str] = field(default_factory=list)
     # the case its largest judged mean (`max_score`) came from: how close a clean pair came to the line
     max_case: Any = None
+    # cases it had run when its first failure came (0: none yet): its progress lines say that the cases
+    # since are shrinking it (and searching for a worse one), not a search that found nothing
+    failing_since: int = 0
 
     def note_size(self, case: Case) -> None:
         """Count a case the pair ran into `largest`."""
@@ -636,6 +639,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if ev.failed:
             sig = signature(pair.name, ev)
             first_seen.setdefault(sig, (result.examples, time.monotonic() - start))
+            result.failing_since = result.failing_since or result.examples
             if not math.isnan(ev.score):
                 if ev.score > peak.get(sig, -math.inf):
                     peak_case[sig] = ev
@@ -1531,7 +1535,9 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         def progress(r: PairResult, done: bool) -> None:
             if not done:  # (the unit's label: a pair's streams count their cases apart)
                 log(f"  {unit.label}: {r.examples} cases, {rate_text(r.rate)}/s, max judged {r.max_score:.3g} "
-                    f"(sampled k3 {r.max_k3:.3g})" + eta(unit, r))
+                    f"(sampled k3 {r.max_k3:.3g})"
+                    + (f"; shrinking the failure found after {r.failing_since} cases, then looking for a worse case "
+                       "(smaller cases that still fail are kept; the budget bounds it)" if r.failing_since else eta(unit, r)))
                 if on_progress is not None:
                     so_far = PairResult(r.pair, r.expected)
                     for b in (*before, r):

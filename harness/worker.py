@@ -38,7 +38,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import HarnessError
 
@@ -448,12 +448,14 @@ class Worker:
         return stack
 
     # -- a contract check ------------------------------------------------------------------------
-    def check(self, pair: Any, n_cases: int, timeout: float, cold: float) -> tuple[str, str, list[str], str]:
+    def check(self, pair: Any, n_cases: int, timeout: float, cold: float,
+              progress: Callable[[int, float], None] | None = None) -> tuple[str, str, list[str], str]:
         """`harness check` of one pair in the worker (`conformance.check_pair`), each run of a case's
         paths timed as a campaign times a case: (verdict, text, warnings, stack), the verdict one of
         PASS (text: the cases checked), FAIL (text: the violations), CANNOT (its own setup failed: a
         harness error), TIMEOUT (a run past `timeout` seconds, or `cold` for the first, which pays the
-        imports; text: the case; stack: where it was) or CRASH (the worker died; text: the case)."""
+        imports; text: the case; stack: where it was) or CRASH (the worker died; text: the case).
+        `progress(runs done, seconds)`, where given, is called as each run of a case's paths begins."""
         for _ in range(2):
             try:
                 self._ensure_started(None)
@@ -466,6 +468,7 @@ class Worker:
             except (OSError, BrokenPipeError):
                 self.kill()
         step, limit, since = "", cold, time.monotonic()
+        began, runs = since, 0
         while True:
             if not self.conn.poll(max(0.0, since + limit - time.monotonic())):
                 stack = self._stacks()
@@ -487,7 +490,10 @@ class Worker:
             if kind == "step":  # a run of a case's paths begins: the one before it came back
                 if step:
                     limit = timeout
+                    runs += 1
                 step, since = payload, time.monotonic()
+                if progress is not None:
+                    progress(runs, since - began)
                 continue
             if kind == "checked":
                 return (*payload, "")

@@ -341,3 +341,39 @@ def test_show_lays_out_a_packed_trainers_rows(found, harness_cli, tmp_path):
     code, out, _ = harness_cli("show", str(edited))
     assert code == 0 and "a packed trainer's rows (case.packed_rows(): first fit in packing order, capacity 6 " \
         "tokens): [[0, 1], [2]]; sequence boundaries inside a row: 0|1" in out, out
+
+
+def test_harness_check_says_how_far_a_slow_pairs_check_got(tmp_path, monkeypatch, capsys):
+    """A real-vocabulary pair's check ran 3.5 minutes with nothing printed: a line every
+    CHECK_PROGRESS_SECONDS counts the runs of its paths so far."""
+    import harness.cli as cli
+    from harness.pairs import REGISTRY
+    from harness.worker import Worker
+
+    plugin = write(tmp_path / "slowcheck.py", "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+                   "def build(case, device):\n    return case.token_randn(16, 'x')\n"
+                   "def path(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
+                   "register(TargetPair(name='slowcheck.good', kind='op', expected='aligned', build=build, trainer=path,"
+                   " rollout=path, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))\n")
+    REGISTRY.load_plugin(plugin)
+    monkeypatch.setattr(cli, "CHECK_PROGRESS_SECONDS", 0.0)
+    with Worker(plugins=(plugin,)) as worker:
+        verdict, text, _ = cli._check_one(REGISTRY.get("slowcheck.good"), 2, "cpu", worker, 60.0)
+    err = capsys.readouterr().err
+    assert verdict == "PASS", text
+    assert "  slowcheck.good: 1 run(s) of its paths in " in err and "(each case runs twice, then derived cases" in err, err
+
+
+def test_bench_metrics_writes_its_section_and_says_when_the_machine_was_loaded(tmp_path, monkeypatch, capsys):
+    """`harness bench metrics` at one small size: the table, and, measured at a load average over the
+    core count (a trial's ratios ranged 0.88x to 3.4x at load 5-8 on 2 cores), a warning in the
+    section and on stderr."""
+    import os
+
+    from harness.bench_metrics import metrics_bench
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (99.0, 99.0, 99.0))
+    body = metrics_bench((512,), (64,), "cpu", 1, 1, None, tmp_path / "B.md", timeout=300)
+    assert "| 512 | 64 |" in body and "**Measured under load" in body, body
+    assert "warning: load average 99.0" in capsys.readouterr().err
+    assert "<!-- bench:metrics -->" in (tmp_path / "B.md").read_text()
