@@ -682,7 +682,7 @@ def _pair_result_json(r: Any) -> dict:
     from harness.corpus import encode_float, metrics_json
 
     return {
-        "pair": r.pair, "expected": r.expected, "examples": r.examples, "seconds": r.seconds,
+        "pair": r.pair, "expected": r.expected, "examples": r.examples, "cases": r.examples, "seconds": r.seconds,
         "max_k3": r.max_k3, "max_score": r.max_score, "seed": r.seed,
         "entropy_sum": r.entropy_sum, "entropy_cases": r.entropy_cases,
         "examples_asked": r.examples_asked, "examples_short": r.examples_short,
