@@ -697,7 +697,7 @@ def _pair_result_json(r: Any) -> dict:
             "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
             "cases_to_first": f.cases_to_first, "seconds_to_first": f.seconds_to_first,
             "shrink_seconds": f.shrink_seconds, "peak": encode_float(float(f.peak)),
-            "deterministic": f.deterministic, "updated": f.updated,
+            "deterministic": f.deterministic, "updated": f.updated, "known_in_tracking": f.known_in_tracking,
             **({"severe": f.severe.to_json()} if getattr(f, "severe", None) else {}),
         } for f in r.findings],
     }
@@ -1362,6 +1362,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     for c in _cut_short(fs, results):
         tr.write_line(f"{c['id']} ({c['pair']}): shrinking was cut short (by the budget or an interrupt): "
                       f"`{c['command']}` goes on")
+    commit = [(d["pair"], f) for d in results for f in d["findings"]
+              if f.get("new") or f.get("recurrence") or f.get("updated") or f.get("known_in_tracking")]
+    if commit:  # (said whatever -r says: an xfail's reason, "commit this file", is hidden without -rx)
+        why = {id(f): ("new" if f.get("new") else "reopened" if f.get("recurrence") else
+                       f"in MLflow (run {f['known_in_tracking']}) but not in this checkout's corpus"
+                       if f.get("known_in_tracking") else f"updated: {f['updated']}") for _, f in commit}
+        tr.write_line(f"repro file(s) to commit to {fs.corpus}/ (copied to {new_repros_dir(fs)}/): "
+                      + "; ".join(f"{pair}/{f['id']}.json ({why[id(f)]})" for pair, f in commit))
     origin = fs.seed_origin  # ("seed 11 (given)", "seed 7 derived from run id ...", "fresh seed 3")
     said = f"campaign {origin}" if f"seed {fs.seed}" in origin else f"campaign seed {fs.seed} ({origin})"
     tr.write_line(f"{said}; rerun: {fs.rerun()}")

@@ -342,6 +342,8 @@ def test_planted_aligned_regression_fails_then_is_known(tmp_path):
     repro = next((tmp_path / "corpus" / "planted.aligned_bias").glob("*.json"))
     assert f"replay: harness replay --plugin {PLANTED} {repro}" in out
     assert (tmp_path / "out" / "new-repros" / "planted.aligned_bias" / repro.name).exists()
+    assert f"repro file(s) to commit to {tmp_path / 'corpus'}/ (copied to {tmp_path / 'out' / 'new-repros'}/): " \
+        f"planted.aligned_bias/{repro.stem}.json (new)" in out, out
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["new_aligned_regressions"] == [repro.stem]
 
@@ -350,6 +352,7 @@ def test_planted_aligned_regression_fails_then_is_known(tmp_path):
     assert "1 xfailed" in out and "known regression(s) of planted.aligned_bias" in out
     assert f"{repro.stem} (seen again, " in out and "on this run's case; the corpus file holds its own" in out, out
     assert not (tmp_path / "out" / "new-repros").exists()  # last night's copy is gone: nothing new tonight
+    assert "repro file(s) to commit" not in out
 
     # two streams of one pair, one fresh corpus: the first to find the bug fails its item, the other
     # says the finding is this run's (not "already in the corpus"); the rerun line keeps the streams
