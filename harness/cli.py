@@ -904,6 +904,14 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         click.echo(f"\npair: {pair.description or pair.name} ({pair.kind}, expected {pair.expected})"
                    + ("; here only its trainer ran: the rollout is the recording, from the engine that wrote it"
                       if rec else ""))
+        lead, marks = getattr(pair, "lead_tokens", 0), getattr(pair, "size_marks", None) or {}
+        if lead or marks:  # (positions as the pair's sequences have them: what a window or position bug reads)
+            j = max(range(r.case.batch_size), key=r.case.total_len)
+            n = lead + r.case.total_len(j)
+            click.echo(f"positions: its longest sequence (sequence {j}) spans {n}"
+                       + (f" = {lead} token(s) the pair puts before each prompt + {r.case.prompt_len(j)} prompt + "
+                          f"{r.case.seq_lens[j]} response, positions 0..{n - 1}" if lead else "")
+                       + "".join(f"; {k} {v}: {'past it' if n > v else 'not past it'}" for k, v in marks.items()))
         import torch
 
         if r.symptom in ("crash", "timeout"):  # its case may kill or hang this process: not built here

@@ -180,16 +180,28 @@ class PairResult:
     flaky: list[str] = field(default_factory=list)
     # the case its largest judged mean (`max_score`) came from: how close a clean pair came to the line
     max_case: Any = None
+    # the longest sequence of its cases, in positions (prompt + response + the pair's `lead_tokens`):
+    # what `size_marks` (a sliding window) are read against
+    longest: int = 0
     # cases it had run when its first failure came (0: none yet): its progress lines say that the cases
     # since are shrinking it (and searching for a worse one), not a search that found nothing
     failing_since: int = 0
 
-    def note_size(self, case: Case) -> None:
-        """Count a case the pair ran into `largest`."""
+    def note_size(self, case: Case, lead: int = 0) -> None:
+        """Count a case the pair ran into `largest` and `longest` (`lead`: the pair's `lead_tokens`)."""
         lens, prompts = case.seq_lens, case.prompt_lens
         p = max(prompts) if prompts else 0
         size = (len(lens), p, max(lens) if lens else 0, sum(lens) + (sum(prompts) if p else 0))
         self.largest = tuple(map(max, self.largest, size))  # type: ignore[assignment]
+        if lens:
+            self.longest = max(self.longest, max(case.total_lens) + lead)
+
+    def unreached(self, pair: Any) -> str:
+        """The pair's `size_marks` its cases' longest sequence never passed (was never longer than:
+        'sliding_window 32'), or ""."""
+        marks = getattr(pair, "size_marks", None) or {}
+        out = [f"{name} {v}" for name, v in sorted(marks.items(), key=lambda kv: kv[1]) if self.longest <= v]
+        return ", ".join(out) if self.longest else ""
 
     @property
     def largest_text(self) -> str:
@@ -465,6 +477,11 @@ def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
     the entropy), whatever the number of cases; otherwise more cases or a wider axis may reach it."""
     from .execute import mean_text
 
+    unreached = r.unreached(pair)
+    if unreached:  # (a bug past a window its cases never reached: float rounding says nothing of it)
+        return (f"max judged {r.max_score:.2g}: its longest sequence, {r.longest} positions, never reached "
+                f"{unreached}, where the pair computes otherwise; widen its axes past it (prompt and response "
+                "lengths, e.g. targets.hf.default_axes(model, max_prompt=...))")
     if r.max_score < NOISE_FLOOR:
         return (f"max judged {r.max_score:.2g}: its paths agreed to float rounding on every case; check that "
                 "the rollout really runs what differs")
@@ -623,7 +640,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                     limit["deadline"] = min(limit["deadline"], wall)
         cache[key] = ev if ev.failed else ev.score
         result.examples += 1
-        result.note_size(case)
+        result.note_size(case, getattr(pair, "lead_tokens", 0))
         if not math.isnan(ev.k3):  # (inf: a sampled token the trainer excludes, the largest there is)
             result.max_k3 = max(result.max_k3, ev.k3)
         if not math.isnan(ev.score):
@@ -1440,6 +1457,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
         into.max_case = r.max_case
     into.max_score = max(into.max_score, r.max_score)
     into.largest = tuple(max(a, b) for a, b in zip(into.largest, r.largest))  # type: ignore[assignment]
+    into.longest = max(into.longest, r.longest)
     into.worker_peak_mib = max(into.worker_peak_mib, r.worker_peak_mib)
     into.max_seq_score = max(into.max_seq_score, r.max_seq_score)
     into.entropy_sum += r.entropy_sum
@@ -1728,6 +1746,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     said = "clean so far (more rounds follow if time is left)"
                 log(f"  {unit.label}: {said} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
                     + (f"; {r.largest_text}" if r.largest_text and not r.findings else "")
+                    + (f"; its longest sequence, {r.longest} positions, never reached {r.unreached(pair)}: nothing past "
+                       "it was tested" if r.unreached(pair) and not r.findings else "")
                     + (f"; one sequence's own mean reached {r.max_seq_score:.3g}, over the line: judged over the batch"
                        if r.max_seq_score > cfg.threshold and not r.findings else "")
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")

@@ -483,6 +483,13 @@ class TargetPair:
     # k3) or "sequence" (the worst sequence's own mean: a bug in one sample of a batch, a prefix-cache
     # hit or one request's kernel, is not diluted by the clean ones; `metrics.judged_means`)
     verdict_over: str = "batch"
+    # Tokens the pair puts before each sequence's prompt (a first/BOS token: 1 for the Hugging Face
+    # pairs), so that the positions the harness reports (`show`, triage) are the sequence's own
+    lead_tokens: int = 0
+    # Sequence lengths (positions, lead tokens included) past which the pair computes otherwise, by
+    # name: a sliding window, a KV-cache block, a chunked-prefill size ({"sliding_window": 4096}). A
+    # campaign whose cases never pass one says so: nothing past it was tested (`PairResult.unreached`)
+    size_marks: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def trainer_reads_rollout(self) -> bool:
@@ -524,6 +531,14 @@ class TargetPair:
         if self.verdict_over not in VERDICT_OVER:
             raise PairError(f"{where}: verdict_over={self.verdict_over!r} is not one of {VERDICT_OVER}; 'batch' judges "
                             "the mean over every token of a case, 'sequence' the worst sequence's own mean.")
+        if not isinstance(self.lead_tokens, int) or isinstance(self.lead_tokens, bool) or self.lead_tokens < 0:
+            raise PairError(f"{where}: lead_tokens={self.lead_tokens!r} must be an integer >= 0 (the tokens the pair "
+                            "puts before each sequence's prompt, e.g. 1 for a first/BOS token).")
+        if not isinstance(self.size_marks, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                for k, v in self.size_marks.items()):
+            raise PairError(f"{where}: size_marks={self.size_marks!r} must map names to sequence lengths >= 1 "
+                            "(e.g. {'sliding_window': 4096}).")
         if self.readout is not None and not isinstance(self.readout, Readout):
             raise PairError(f"{where}: readout must be a harness.Readout or None.")
         if self.readout is not None and self.readout.vocab < 2:

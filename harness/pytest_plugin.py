@@ -397,6 +397,7 @@ class FuzzSession:
             if f.new and not f.recurrence and tracked.get(f.id, ("", ""))[1] in ("seen", "already-known"):
                 f.new, f.known_in_tracking = False, tracked[f.id][0]
         data = _pair_result_json(r)
+        data["unreached"] = r.unreached(pair)  # (its size marks its cases never passed: nothing past them tested)
         data["worker"] = self.config.workerinput["workerid"] if self.is_worker else "main"
         data["stream"] = item.stream
         self.results.append(data)
@@ -723,6 +724,7 @@ def _merge_streams(results: list[dict]) -> list[dict]:
         data["worker"] = ",".join(sorted({d.get("worker", "main") for d in ds}))
         data["unwritten"] = [i for d in ds for i in d.get("unwritten", ())]
         data["streams"] = len(ds)
+        data["unreached"] = min((d.get("unreached", "") for d in ds), key=len)  # (what no stream reached)
         out.append(data)
     return out
 
@@ -1190,7 +1192,9 @@ def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -
                           for f in d["findings"]) or \
             (cannot_run if cannot_run is not None and d.get("setup_error") and d["verdict"] == "CANNOT RUN"
              else _setup_headline(d.get("setup_error", "")))
-        found = "; ".join(x for x in (found, d.get("memory_note", ""), *(f"noise: {n}" for n in (d.get("flaky") or [])[:2]))
+        found = "; ".join(x for x in (found, d.get("memory_note", ""), *(f"noise: {n}" for n in (d.get("flaky") or [])[:2]),
+                                      f"never reached {d['unreached']}: nothing past it tested" if d.get("unreached")
+                                      and not d["findings"] else "")
                           if x) or "-"
         rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), rate_text(rate), _fmt(d.get("max_score", 0.0)),
                      _fmt(d["max_k3"]), d.get("worker", "main"), found))

@@ -1195,18 +1195,19 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
                 pair, ev, device, registry)
             t.notes += notes
     if ev.symptom is Symptom.DIVERGENCE:  # (a NaN finding or a case that now passes: nothing crosses)
-        t.first_over = first_over_line(ev.divergence, repro.case, thr)
+        t.first_over = first_over_line(ev.divergence, repro.case, thr, getattr(pair, "lead_tokens", 0))
     t.verdict = verdict_line(t)
     t.seconds = time.monotonic() - start
     return t
 
 
-def first_over_line(div: Any, case: Any, threshold: float) -> str:
+def first_over_line(div: Any, case: Any, threshold: float, lead: int = 0) -> str:
     """Where the per-token divergence first crosses the line: the token with the smallest offset into
     its sequence (prompt tokens before it + its response index) whose expected k3 or exact KL is over
     `threshold` (or whose sampled k3 is +inf), and how many are ("" when none is). A bug from position
     48 shows as offset 48 even when the minimal case keeps clean tokens before it (the verdict is a
-    mean over tokens)."""
+    mean over tokens); with `lead` (the pair's `lead_tokens`), also its position in the sequence as the
+    model ran it."""
     from .metrics import per_token_judged
 
     pt = getattr(div, "per_token", None) or {}
@@ -1225,6 +1226,8 @@ def first_over_line(div: Any, case: Any, threshold: float) -> str:
     i = int(np.flatnonzero(over)[np.argmin(offsets[over])])
     j, p, prompt = int(seqs[i]), int(pos[i]), case.prompt_len(int(seqs[i]))
     at = f"sequence {j}, response token {p}" + (f" after a {prompt}-token prompt (offset {prompt + p})" if prompt else "")
+    if lead:  # (the pair's own first tokens: the position its model ran the token at)
+        at += f", position {lead + prompt + p} of its sequence ({lead} token(s) the pair puts before each prompt)"
     earlier = int((~over & (seqs == j) & (pos < p)).sum())
     value = (f"sampled k3 inf (expected k3 / KL {row[i]:.3g})" if drawn_inf[i] and not row[i] > threshold
              else f"per-token value {row[i]:.3g}")

@@ -154,6 +154,24 @@ def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", descri
     return pair
 
 
+def size_marks_of(spec: Any) -> dict[str, int]:
+    """The sequence lengths past which a model computes otherwise, from its config: its attention's
+    sliding window (where it is on: a Qwen2 config names one and leaves it off, `use_sliding_window`
+    false) and a chunked attention's chunk. A campaign whose cases never pass one says so
+    (`TargetPair.size_marks`): a window bug needs a sequence longer than the window."""
+    try:
+        f = spec.fields()
+    except Exception:  # noqa: BLE001 - (a checkpoint folder that is gone: its pair cannot run anyway)
+        return {}
+    out = {}
+    for key in ("sliding_window", "attention_chunk_size"):
+        v = f.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0 and not (
+                key == "sliding_window" and f.get("use_sliding_window") is False):
+            out[key] = v
+    return out
+
+
 def _check_positions(name: str, case: Any, max_pos: int) -> None:
     """A case (a repro edited by hand, a plugin's own draw) whose longest sequence (a first token,
     its prompt and response) is past the model's max_position_embeddings: a setup error, as the axes
@@ -243,6 +261,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     return TargetPair(
         name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
         axes=axes, devices=devices, description=desc,
+        lead_tokens=1, size_marks=size_marks_of(spec),  # (each sequence starts with a first token: paths.first_token)
         weights=spec.fingerprint,  # (a checkpoint folder's files; a config-built model's config, init and seed)
         profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=labels(trainer, rollout),
                             make=remake, model=spec, replay=replay),

@@ -932,3 +932,37 @@ def test_a_rollout_with_slightly_other_weights_meets_forced_ties_where_the_train
         plain.append(run_case(pair, case).divergence.k3_expected)
     assert max(plain) < 1e-3, plain  # (the bug itself: far under the line on these cases)
     assert max(f / p for f, p in zip(forced, plain)) < 3, (forced, plain)
+
+
+def test_a_sliding_window_the_cases_never_pass_is_said_and_positions_count_the_first_token(tmp_path, harness_cli):
+    """A trial's window bug (sliding_window 32) was MISSED with "its paths agreed to float rounding ...
+    check that the rollout really runs what differs": no case was longer than 29 positions. An HF pair
+    names its config's window (`size_marks`) and its first token (`lead_tokens`): the campaign says a
+    window its cases never passed, and show and triage count positions as the model ran them."""
+    from harness.fuzz import PairResult, missed_hint
+    from targets.hf import default_axes
+    from targets.hf.pairs import size_marks_of
+
+    mistral = dict(model_type="mistral", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, sliding_window=64)
+    pair = hf_pair("swa.window_far", mistral, FP32, FP32, axes=default_axes(mistral))
+    assert pair.lead_tokens == 1 and pair.size_marks == {"sliding_window": 64}
+    assert size_marks_of(model_from(dict(mistral, model_type="qwen2", use_sliding_window=False))) == {}
+    lines: list[str] = []
+    res = run_campaign(CampaignConfig(pairs=[pair], seed=1, max_examples=3, write_corpus=False, isolation=False),
+                       log=lines.append)
+    [r] = res.results
+    assert 1 < r.longest <= 64 and r.unreached(pair) == "sliding_window 64", r.longest
+    assert any(f"its longest sequence, {r.longest} positions, never reached sliding_window 64: nothing past it "
+               "was tested" in line for line in lines), lines
+    missed = PairResult(pair.name, "diverges", examples=3, longest=r.longest)
+    assert missed_hint(missed, 1e-3, pair).startswith(f"max judged 0: its longest sequence, {r.longest} positions, "
+                                                      "never reached sliding_window 64")
+    # show and triage: a case past a window of 8, counted with the pair's first token
+    from harness.triage import first_over_line
+
+    near = hf_pair("swa.window_near", dict(mistral, sliding_window=8), FP32, BF16, expected="diverges")
+    case = Case(seed=3, seq_lens=(2,), prompt_lens=(6,))
+    ev = run_case(near, case)
+    line = first_over_line(ev.divergence, case, 0.0, near.lead_tokens)
+    assert "after a 6-token prompt (offset 6), position 7 of its sequence (1 token(s) the pair puts before each" in line
