@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import click
 
+from .clitypes import FiniteFloat
+
 
 def check_out_file(ctx: Any, param: Any, value: Any) -> Any:
     """A click callback for a benchmark's `--out FILE.md`: refused before the benchmark runs (it may
@@ -301,7 +303,7 @@ def _busy_seconds() -> float | None:
 
 @click.command("xdist")
 @click.argument("pair_globs", nargs=-1)
-@click.option("--budget", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--budget", type=FiniteFloat(0, min_open=True), default=None,
               help="Seconds per pair (shared by its streams) instead of a fixed number of examples.")
 @click.option("--max-examples", type=click.IntRange(1), default=60, show_default=True,
               help="Hypothesis examples per pair (split over its streams; no time budget): the same cases in every run.")

@@ -31,6 +31,7 @@ from pathlib import Path
 import click
 
 from .bench import check_out_file
+from .clitypes import FiniteFloat
 
 VOCABS = (512, 32768, 151936)
 TOKENS = (64, 256, 1024, 4096)
@@ -265,7 +266,7 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Alternating rounds per size (best of each; small sizes run at least 10).")
 @click.option("--threads", type=click.IntRange(0, 1024), default=1, show_default=True,
               help="torch threads in the measuring process (0: torch's default).")
-@click.option("--max-gb", type=click.FloatRange(0.1), default=None,
+@click.option("--max-gb", type=FiniteFloat(0.1), default=None,
               help="Skip sizes whose inputs need more (default: half the memory available now).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
               callback=check_out_file)

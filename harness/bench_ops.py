@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 
 from .bench import check_out_file, machine, write_section
+from .clitypes import FiniteFloat
 
 
 def flip_rate(x, w, k: int) -> float:
@@ -117,7 +118,7 @@ def ops(n_cases: int, out: Path) -> str:
 @click.option("--trials", type=click.IntRange(1), default=8, show_default=True, help="Router draws per gap.")
 @click.option("--shape", "shapes", multiple=True, default=("8:2", "4:1"), show_default=True,
               help="EXPERTS:TOP_K of the router (repeatable).")
-@click.option("--gap", "gaps", type=click.FloatRange(0.0, 1.0), multiple=True, default=(0.0, 1e-7, 1e-5, 1e-3),
+@click.option("--gap", "gaps", type=FiniteFloat(0.0, 1.0), multiple=True, default=(0.0, 1e-7, 1e-5, 1e-3),
               show_default=True, help="Boundary gap of the near-tie tokens (repeatable; 0 = an exact tie).")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("reports/BENCHMARKS.md"), show_default=True,
               callback=check_out_file)

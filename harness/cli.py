@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import click
 
+from .clitypes import FiniteFloat
 from .errors import CannotEvaluate, HarnessError, UsageError
 
 MAX_STREAMS = 1024  # streams per pair: far past any machine's workers; a typo of 10000 would only start and stop
@@ -26,21 +27,7 @@ EXIT_UNSAVED = 3  # fuzz: a finding could not be written to the corpus (it was p
 MAX_UNIFORM_PER_EXAMPLE = 1000  # (the uniform cases of an example are drawn before any deadline check)
 
 
-class FinitePositive(click.FloatRange):
-    """A float > 0 that is also finite (click's FloatRange lets "nan" and "inf" through)."""
-
-    name = "positive number"
-
-    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
-        import math
-
-        rv = super().convert(value, param, ctx)
-        if not math.isfinite(rv):
-            self.fail(f"{value!r} is not a finite number; give a number > 0.", param, ctx)
-        return rv
-
-
-POSITIVE = FinitePositive(0, min_open=True)
+POSITIVE = FiniteFloat(0, min_open=True)  # a float > 0 that is also finite
 
 
 def plugin_option(fn: Callable) -> Callable:
@@ -601,8 +588,11 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                    f"{f' --corpus-file {_display(r.path)}' if r.path else ''} --note 'fixed by ...'`, with "
                    "--no-tracking for a corpus kept without MLflow)" if now_fixed else
                    "yes" if res.compared and res.bit_for_bit else "no" if res.compared else
-                   "not compared (its case was edited since it was recorded: the recorded metrics are another "
-                   "case's; `harness rerecord FILE` records this case's)" if r.case_edited else
+                   ("not compared (its case was edited since it was recorded: the recorded metrics are another "
+                    "case's; " + (f"`harness rerecord{f' --plugin {r.plugin_spec()}' if r.plugin_spec() else ''} "
+                                  f"{_display(r.path) if r.path else 'FILE'}` records this case's)" if ev.failed else
+                                  "this case passes, which rerecord refuses (a repro holds a failure): restore its "
+                                  "case from git)")) if r.case_edited else
                    "not compared (a fixed repro that replays clean: its recorded metrics are the bug's)"))
         if not res.bit_for_bit and not now_fixed:
             line += " (" + ", ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
@@ -755,6 +745,12 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
     pair = REGISTRY.get(pair_name)
     case = parse_case(case_text)
     corpus.check_case_size(case, "--case")
+    try:  # (a repro file of another pair: its case, on this pair, is what runs; said, as it may be a slip)
+        other = json.loads(Path(case_text).read_text()).get("pair") if case_text.endswith(".json") else None
+    except (OSError, ValueError, AttributeError):
+        other = None
+    if isinstance(other, str) and other != pair.name:
+        echo_err(f"note: {case_text} is a repro of pair {other}; its case runs on {pair.name} here")
     dev = resolve_device(device)
     thr = threshold if threshold is not None else DEFAULT_THRESHOLD
     limit = timeout or getattr(pair, "timeout", None) or DEFAULT_TIMEOUT
@@ -765,7 +761,7 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
         took = (f" (build, both paths and metrics took {ev.seconds:.2f} s, a first build of the pair's model included)"
                 if ev.seconds is not None else "")
         if not ev.failed:
-            click.echo(f"{pair.name}: the case passes ({ev.symptom.value}, {ev.headline}): nothing recorded{took}. "
+            click.echo(f"{pair.name}: the case passes ({ev.headline}): nothing recorded{took}. "
                        f"Case: {case.one_line()}")
             sys.exit(EXIT_OK)
         f = _finding(pair, ev, PairResult(pair.name, pair.expected, examples=1), complete=False)
@@ -819,7 +815,9 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
             f" (stream {found['stream']} of {found['streams']}, counted from 0; cases below are that stream's)"
             if isinstance(found.get("streams"), int) and found["streams"] > 1 else "")
         if found.get("by"):  # a case given by hand (`harness record`): no campaign found it
-            head = f"recorded {found.get('at', '?')} by `{found['by']}` from a case given by hand"
+            head = (f"recorded {found.get('at', '?')} by `{found['by']}` from a case given by hand"
+                    if str(found["by"]).startswith("harness ") else  # (a command; else where the case came from)
+                    f"recorded {found.get('at', '?')} from {found['by']}")
         elif "cases_to_first" in found:  # the first sighting, then shrinking (not counted as cases to find it)
             head += (f" after {found['cases_to_first']} cases in {float(found.get('seconds_to_first', 0)):.1f} s; "
                      f"shrunk in {float(found.get('shrink_seconds', 0)):.1f} s "

@@ -5,7 +5,7 @@
     harness regressions close ID --status fixed|wontfix --note TEXT      # MLflow and corpus file
     harness sync                                                         # upload reports/pending/
 
-ID is the 12-hex finding id (also the corpus file's name) or the MLflow run id. Every command takes
+ID is the 12-hex finding id (also the corpus file's name), the MLflow run id, or the repro file. Every command takes
 --tracking-uri (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/reports/mlflow.db).
 """
 
@@ -115,6 +115,7 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
     """Print one regression: its note, triage tags, metrics and artifacts."""
     from .mlflow_tracking import show_regression
 
+    ident, _ = _id_of_file(ident)
     r = show_regression(ident, tracking_uri or ctx.obj.get("tracking_uri"))
     if as_json:
         from .corpus import encode_tree
@@ -138,6 +139,16 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
     click.echo("artifacts: " + (", ".join(r["artifacts"]) or "-"))
     if r["corpus_path"]:
         click.echo(f"corpus file: {r['corpus_path']}")
+
+
+def _id_of_file(ident: str, corpus_file: str | None = None) -> tuple[str, str | None]:
+    """A repro file given as ID: (its finding id, the file as --corpus-file unless one was given)."""
+    if not ident.endswith(".json"):
+        return ident, corpus_file
+    from .corpus import load_repro
+
+    repro = load_repro(ident)  # (a file that is not there, or not a repro: its one-paragraph error)
+    return repro.id, corpus_file or ident
 
 
 @regressions.command("close")
@@ -174,7 +185,12 @@ def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: s
     else:
         from .mlflow_tracking import close_regression
 
+        ident, corpus_file = _id_of_file(ident, corpus_file)
         r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file, plugins)
+    if r.get("unchanged"):
+        click.echo(f"regression {r['id']} ({r['pair']}) is already {r['status']} ({r['unchanged']}): nothing changed.")
+        return
+    if not no_tracking:
         click.echo(f"regression {r['id']} ({r['pair']}, run {r['run_id']}): status {r['status']} in MLflow.")
     if r["corpus_updated"]:
         click.echo(f"corpus file {r['corpus_updated']}: status {r['status']}, note added to its history "

@@ -70,8 +70,10 @@ def test_replay(path, root):
     if damaged is not None:  # (failed outside the except: the message once, not again as its context)
         pytest.fail(damaged, pytrace=False)
     if repro.case_edited:  # a committed repro whose metrics are another case's: not a regression test
+        spec = repro.plugin_spec()
         pytest.fail(f"{path}: its case was edited by hand since it was recorded (case_fingerprint); rerecord it "
-                    f"(`harness rerecord {path}`) or restore its case from git")
+                    f"(`harness rerecord{f' --plugin {spec}' if spec else ''} {_display(path)}`, where the edited case "
+                    "still fails) or restore its case from git")
     why = load_plugin_for(repro, flag="--harness-plugin")
     if why is not None and repro.loader.get("kind") == "builtin" and not builtin_extra_missing(repro.pair):
         pytest.fail(f"{path.relative_to(root)}: {why}")  # this checkout's own pair is gone: a skip would hide it

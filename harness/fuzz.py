@@ -1391,6 +1391,11 @@ def share_threads_among_campaigns(isolated: bool = True) -> int | None:
 _SIGNALLED = [False]  # an interrupt came during this campaign (set by `_Signals._handle`)
 
 
+# Functions an exception raised in is printed ("Exception ignored in ...", with its traceback) and
+# dropped: a signal landing there must not raise (Hypothesis's gc callback measures collections)
+_DROPPING = frozenset({"gc_callback", "__del__"})
+
+
 class _Signals:
     """SIGTERM (what CI timeouts and Slurm send) handled like Ctrl-C, and neither of them lands in the
     middle of writing a finding: inside `critical()` an interrupt waits until the write is done."""
@@ -1422,6 +1427,11 @@ class _Signals:
         if self.depth:  # signal lands inside a weakref callback or __del__, and the campaign would go on)
             self.pending = True
             return
+        f = frame
+        while f is not None:  # inside a callback whose exceptions Python prints and drops (a gc callback,
+            if f.f_code.co_name in _DROPPING:  # a __del__): the flag alone stops the campaign at the next case
+                return
+            f = f.f_back
         raise KeyboardInterrupt
 
     def critical(self) -> "_Critical":

@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 import click
 
+from .clitypes import FiniteFloat
 from .errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,7 +302,7 @@ def select_pairs(patterns: tuple[str, ...], device: str) -> list:
               help="cuda (cuda:N for one device) or cpu (the campaigns and table only, to try the check).")
 @click.option("--pairs", "patterns", multiple=True, metavar="GLOB",
               help="Only pairs matching these globs (default: every pair the device runs).")
-@click.option("--budget", type=click.FloatRange(1.0), default=DEFAULT_BUDGET, show_default=True,
+@click.option("--budget", type=FiniteFloat(1.0), default=DEFAULT_BUDGET, show_default=True,
               help="Seconds for all the campaigns together, shared out over the pairs.")
 @click.option("--max-examples", type=click.IntRange(2), default=DEFAULT_MAX_EXAMPLES, show_default=True,
               help="Hypothesis examples per pair at most (each followed by the pair's uniform cases: 3 for op "
@@ -309,7 +310,7 @@ def select_pairs(patterns: tuple[str, ...], device: str) -> list:
 @click.option("--seed", type=click.IntRange(0), default=1, show_default=True, help="Campaign seed.")
 @click.option("--tests/--no-tests", default=True, show_default=True,
               help="Run the CUDA tests (tests marked gpu) first.")
-@click.option("--tests-timeout", type=click.FloatRange(1.0), default=DEFAULT_TESTS_TIMEOUT, show_default=True)
+@click.option("--tests-timeout", type=FiniteFloat(1.0), default=DEFAULT_TESTS_TIMEOUT, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON after the table.")
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE", help="Load pairs from a plugin.")
 def gpucheck_command(device: str, patterns: tuple[str, ...], budget: float, max_examples: int, seed: int, tests: bool,

@@ -54,8 +54,10 @@ def rerecord_file(path: Path, device: str = "cpu", accept_changes: bool = False,
     else:
         keeps = same_symptom and ev.failed
     if not keeps:
-        return "verdict changed", (f"recorded {repro.symptom} ({repro.status}), replay gives {ev.symptom.value} "
-                                   f"{ev.headline}")
+        return "verdict changed", (f"recorded {repro.symptom} ({repro.status}), replay gives "
+                                   f"{ev.symptom.value if ev.failed else 'clean'} {ev.headline}"
+                                   + (" (its case was edited by hand and passes: restore it from git, or record a "
+                                      "case that fails)" if repro.case_edited and not ev.failed else ""))
     fixed_clean = repro.status == "fixed" and not ev.failed
     if fixed_clean and not repro.case_edited:  # the metrics document the bug
         return "unchanged", "fixed: its metrics are the bug's, kept as they are"

@@ -28,6 +28,8 @@ from typing import Any
 
 import click
 
+from .clitypes import FiniteFloat
+
 
 def _size(case: Any) -> str:
     return case.size_text()
@@ -262,7 +264,7 @@ def _tell_mlflow(repro: Any, old_line: str, headline: str, tracking: bool, uri: 
 
 @click.command("shrink")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+@click.option("--budget", type=FiniteFloat(min=0, min_open=True), default=600.0, show_default=True,
               help="Seconds of shrinking per repro.")
 @click.option("--max-evals", type=click.IntRange(1), default=500, show_default=True,
               help="Cases tried per repro at most.")

@@ -72,6 +72,7 @@ from typing import Any, Iterator
 import click
 
 from .case import finite_number
+from .clitypes import FiniteFloat
 from .errors import UsageError
 from .metrics import LOG_ZERO
 
@@ -991,11 +992,11 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
 @click.option("--model", default=None, metavar="PATH", help="Score with this local checkpoint directory (float32).")
 @click.option("--pair", "pair_name", default=None, metavar="NAME", help="Score with this registered HF pair's trainer.")
 @click.option("--replay", is_flag=True, help="Replay the recorded experts in the trainer (router replay).")
-@click.option("--threshold", type=click.FloatRange(0, min_open=True), default=1e-3, show_default=True,
+@click.option("--threshold", type=FiniteFloat(0, min_open=True), default=1e-3, show_default=True,
               help="A sample is flagged when the mean k3 of its tokens (or the two-outcome KL) is above this.")
 @click.option("--temperature", type=float, default=1.0, show_default=True, callback=_not_greedy,
               help="Sampling temperature the rollout used, > 0 (its log-probs are of the processed distribution).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Sampling top-k (0 = off).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("corpora"),

@@ -87,6 +87,7 @@ from typing import Any, Callable, Mapping
 
 import click
 
+from .clitypes import FiniteFloat
 from .errors import HarnessError, UsageError
 from .metrics import judged_means
 from .pairs import KEPT_POSITIONS, ROW_POSITIONS
@@ -1473,7 +1474,7 @@ def attach_to_mlflow(t: Triage, run_id: str, uri: str | None) -> str:
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI for --run-id.")
 @click.option("--no-tracking", is_flag=True, help="Do not attach the report to the MLflow regression run.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
-@click.option("--threshold", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--threshold", type=FiniteFloat(0, min_open=True), default=None,
               help="Override the threshold recorded in the repro.")
 @click.option("--reports", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="The report goes to REPORTS/<finding id>/report.md.")

@@ -461,9 +461,19 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> Any:
         raise UsageError(f"regression {repro.id} replays clean here, but {result.weights}. A clean replay on other "
                          "weights does not show the bug is fixed: close it where the pair runs the weights it was "
                          "recorded with, or as --status wontfix.")
+    import sys
+
+    from ..corpus import Severe
+
+    if (repro.found or {}).get("severe") is not None and Severe.from_json(repro.found["severe"]) is None:
+        print(f"warning: regression {repro.id}'s severe case (found.severe) does not read (edited by hand?), so "
+              "whether it still fails, a second bug, was not checked; restore it from git and close again to check "
+              "it, or `harness record` that case yourself.", file=sys.stderr)
     try:
         severe = replay_severe(repro)
-    except HarnessError:  # (its severe case cannot run here: the close goes on, and says nothing of it)
+    except HarnessError as e:  # (its severe case cannot run here: the close goes on, and says so)
+        print(f"warning: regression {repro.id}'s severe case could not be replayed here ({e}); whether it still "
+              "fails was not checked.", file=sys.stderr)
         return None
     return severe if severe is not None and severe.failed else None
 
@@ -484,6 +494,9 @@ def close_in_corpus(corpus_file: str | Path, status: str, note: str, plugins: tu
     if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
         raise UsageError(f"--corpus-file {corpus_file} cannot be written here (its folder or the file is read-only); "
                          "nothing was changed.")
+    if repro.status == status:  # (closing it again would only add a second, empty entry to its history)
+        return {"id": repro.id, "pair": repro.pair, "status": status, "run_id": None, "corpus_updated": None,
+                "corpus_missing": None, "severe": None, "unchanged": str(path)}
     severe = verify_fixed(repro, plugins) if status == "fixed" else None
     at = now_iso()
     old = repro.status
@@ -571,6 +584,10 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
         raise UsageError(f"the corpus file {path} cannot be written here (its folder or the file is read-only), so "
                          "its status could not follow MLflow's; nothing was changed. Make it writable, or run this "
                          "where the corpus is writable.")
+    if tags.get("harness.status") == status and (on_disk is None or on_disk.status == status):
+        out = regression_dict(run)  # (closing it again would only add a second, empty entry to its history)
+        out.update(corpus_updated=None, corpus_missing=None, severe=None, unchanged=str(path) if path else run.info.run_id)
+        return out
     severe = None  # its severe case, still failing: a second bug, kept as a repro of its own below
     if status == "fixed" and verify:
         repro = on_disk if on_disk is not None else fetch_repro(run.info.run_id, store.uri)

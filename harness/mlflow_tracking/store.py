@@ -361,6 +361,8 @@ class Store:
         db = sqlite_path(self.uri)
         if db is not None and not create and not db.exists():
             raise StoreUnavailable(f"MLflow store {self.uri} does not exist (no file {db})")
+        # a new store where none was: said, since a mistyped path would split the findings over two stores
+        self.created = db is not None and not db.exists()
         try:
             from mlflow import MlflowClient
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from .lifecycle import finish_campaign, log_regression, start_campaign
 from .payload import campaign_metrics, campaign_payload, finding_payload
-from .store import PENDING_SCHEMA, Store, _short, default_spool, resolve_uri
+from .store import PENDING_SCHEMA, Store, _short, default_spool, resolve_uri, sqlite_path
 
 # ---------------------------------------------------------------------------------------------
 # The tracker the campaign talks to
@@ -139,6 +139,9 @@ class MlflowTracker:
     def _connect(self) -> None:
         if self.store is None and self.offline_reason is None:
             self.store = Store(self.uri, create=True, log=self.log)
+            db = sqlite_path(self.uri)
+            if getattr(self.store, "created", False) and db is not None:
+                self.log(f"mlflow: created a new store at {db} (none was there)")
 
     def _go_offline(self, e: BaseException) -> None:
         self.store = None

@@ -453,7 +453,13 @@ def test_the_onnx_backend_leaves_no_temporary_folder(tmp_path):
 
 @pytest.mark.parametrize("args", [("fuzz", "linear.aligned", "--threshold", "nan"),
                                   ("fuzz", "linear.aligned", "--budget", "inf"),
-                                  ("replay", "--threshold", "nan", "x.json")])
+                                  ("replay", "--threshold", "nan", "x.json"),
+                                  # (click's FloatRange lets NaN through every bound: a trial's triage said
+                                  # "under the threshold nan now" and exited 0; shrink ran with --budget nan)
+                                  ("triage", "--threshold", "nan", "x.json"),
+                                  ("shrink", "--budget", "nan", "x.json"),
+                                  ("score", "x.jsonl", "--pair", "p", "--top-p", "nan"),
+                                  ("gpucheck", "--budget", "nan")])
 def test_a_non_finite_threshold_or_budget_is_a_usage_error(tmp_path, capsys, args):
     code, out, err = run_cli(capsys, *args, *(("--no-tracking", "--corpus", str(tmp_path)) if args[0] == "fuzz"
                                               else ()))

@@ -197,6 +197,13 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     assert repro.history[-1]["event"] == "closed" and repro.history[-1]["note"] == "fixed by abc123"
     assert repro.history[-1]["run_id"] == run_id
     assert "fixed by abc123" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
+    # closed again, the repro file given as ID: nothing changes (no second entry in its history)
+    entries = len(repro.history)
+    code, out, err = run_cli(capsys, "regressions", "close", str(f.path), "--status", "fixed", "--note", "again")
+    assert code == 0 and f"regression {f.id} ({f.pair}) is already fixed" in out and "nothing changed" in out, out + err
+    assert len(load_repro(f.path).history) == entries
+    code, out, err = run_cli(capsys, "regressions", "show", str(f.path))
+    assert code == 0 and f.case.one_line() in out, out + err
 
     code, out, err = run_cli(capsys, "regressions", "show", f.id)
     assert code == 0 and f"by {who_closes()} as fixed: fixed by abc123" in out, out
@@ -333,12 +340,16 @@ def test_cli_fuzz_quick_path_logs_to_the_default_store(fresh_cwd, capsys):
     code, out, err = run_cli(capsys, "fuzz", ROTARY[0], "--max-examples", "10", "--seed", "1")
     assert code == 1, err  # a finding
     assert (fresh_cwd / "reports" / "mlflow.db").exists() and "warning" not in err
+    # a new store is said (a mistyped --tracking-uri path would otherwise split the findings silently)
+    assert f"mlflow: created a new store at {fresh_cwd / 'reports' / 'mlflow.db'} (none was there)" in err, err
+    code, out, err = run_cli(capsys, "fuzz", ROTARY[0], "--max-examples", "3", "--seed", "2")
+    assert "created a new store" not in err
     code, out, err = run_cli(capsys, "regressions", "--json")
     [row] = json.loads(out)
     assert row["pair"] == ROTARY[0] and row["status"] == "expected"
     code, out, err = run_cli(capsys, "fuzz", ROTARY[0], "--max-examples", "10", "--seed", "1", "--no-tracking")
     assert code == 1
-    assert json.loads(run_cli(capsys, "regressions", "--json")[1])[0]["seen_count"] == 1
+    assert json.loads(run_cli(capsys, "regressions", "--json")[1])[0]["seen_count"] == 2  # (seed 2 saw it too)
 
 
 @pytest.mark.slow

@@ -323,9 +323,17 @@ register(TargetPair(name="user.off", kind="op", expected="aligned", build=build,
     code, out, err = harness_cli("regressions", "close", rid, "--status", "fixed", "--note", "scale fixed",
                                  "--no-tracking", "--plugin", str(tmp_path / "fixed.py"), cwd=tmp_path)
     assert code == 2 and "pass it, --corpus-file" in err, err
+    data = json.loads(path.read_text())  # (a severe case edited past reading: the second-bug check cannot run)
+    data["found"]["severe"] = {"case": 1}
+    path.write_text(json.dumps(data))
     code, out, err = harness_cli("regressions", "close", str(path), "--status", "fixed", "--note", "scale fixed",
                                  "--no-tracking", "--plugin", str(tmp_path / "fixed.py"), cwd=tmp_path)
     assert code == 0 and f"corpus file {path}: status fixed" in out and "MLflow" not in out, out + err
+    assert f"warning: regression {rid}'s severe case (found.severe) does not read" in err, err
+    # recording another pair's repro file by hand runs its case on this pair, and says so
+    code, out, err = harness_cli("record", "rmsnorm.aligned", "--case", str(path), "--corpus", str(tmp_path / "c2"),
+                                 cwd=tmp_path)
+    assert f"note: {path} is a repro of pair user.off; its case runs on rmsnorm.aligned here" in err, err
     repro = load_repro(path)
     assert repro.status == "fixed" and repro.history[-1]["note"] == "scale fixed"
     assert not (tmp_path / "reports" / "mlflow.db").exists()

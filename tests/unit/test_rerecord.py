@@ -96,6 +96,12 @@ def test_a_case_edited_by_hand_is_not_compared_until_rerecorded(tmp_path, harnes
     assert res.evaluation.failed and not res.compared and res.bit_for_bit
     rc, out, err = harness_cli("replay", str(path))
     assert rc == 1 and "bit-for-bit not compared (its case was edited since it was recorded" in out, (out, err)
+    assert "`harness rerecord " in out and "` records this case's" in out, out
+    passing = tmp_path / "passing.json"  # (an edited case that passes: rerecord refuses it, so restore it instead)
+    passing.write_text(json.dumps({**data, "case": {**data["case"], "seq_lens": [1], "logit_scale": 1.0,
+                                                    **({"seq_ids": []} if data["case"].get("seq_ids") else {})}}))
+    rc, out, err = harness_cli("replay", str(passing))
+    assert rc == 0 and "this case passes, which rerecord refuses" in out and "restore its case from git" in out, out
     repro.save()  # e.g. `harness regressions close` changing its status: still the old case's metrics
     assert load_repro(path).case_edited
     assert rerecord_file(path)[0] == "rewritten"
