@@ -93,7 +93,8 @@ def regressions(ctx: click.Context, status: str | None, pair: str | None, as_jso
         click.echo(f"no regressions{' with ' + what if what else ''} in {resolve_uri(tracking_uri)}.")
         return
     click.echo(_table(rows))
-    click.echo(f"\n{len(rows)} regression(s) in {resolve_uri(tracking_uri)}. "
+    click.echo(f"\n{len(rows)} regression(s) in {resolve_uri(tracking_uri)} (k3 / kl: the latest sighting's; "
+               "its case is `last_case` in --json). "
                "`harness regressions show ID` for one, with the command that replays it (`harness replay "
                "--run-id ID`, and `--plugin FILE` for a plugin's pair).")
     apart = [r for r in rows if r["corpus_status"] not in (None, r["status"])]
@@ -135,7 +136,9 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
         else:  # seen again after it was closed: the note is history, not why it is open
             click.echo(f"{closed}, reopened {_day(t.get('harness.reopened_at', ''))}; the close note said: "
                        f"{t['harness.triage_note']}")
-    click.echo("metrics: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(r["metrics"].items())))
+    last = t.get("harness.last_case", "")
+    click.echo("metrics" + (f" (of its latest sighting's case, `{last}`)" if last and last != t.get("harness.case")
+                            else "") + ": " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(r["metrics"].items())))
     click.echo("artifacts: " + (", ".join(r["artifacts"]) or "-"))
     if r["corpus_path"]:
         click.echo(f"corpus file: {r['corpus_path']}")

@@ -155,6 +155,9 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
         "harness.seen_count": str(count),
         "harness.last_seen": max(tags.get("harness.last_seen", ""), p["seen_at"]),
         "harness.last_campaign": campaign_uid,
+        # the case this sighting's metrics (logged below, a step per sighting) are of: another corpus's
+        # minimal case, or a half-shrunk one, need not be the first sighting's (`harness.case`)
+        "harness.last_case": p["case_line"][:5000],
         seen_tag(campaign_uid): p["seen_at"],
     }
     if parent_run_id:
@@ -187,7 +190,7 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
         updates["harness.recurrence"] = "true"
         updates["harness.reopened_at"] = p["seen_at"]  # (the morning report's headline: reopened tonight)
         updates["mlflow.note.content"] = _append_note(
-            note,
+            _note_status(note, "fixed", "open"),
             f"#### Recurrence {p['seen_at']}\n\nMarked fixed, seen again by campaign seed {p['campaign_seed']}: "
             f"{_verdict(p['metrics'])}, minimal case `{p['case_line']}`. Reopened.")
     c.log_batch(run.info.run_id, tags=_tags(updates))
@@ -227,6 +230,17 @@ def _infinite(metrics: Any) -> str:
     return ",".join(sorted(out))
 
 
+def _note_status(note: str, old: str, new: str) -> str:
+    """A regression note whose headline states `old` as its status, stating `new` (what changed it is
+    appended at the end); a note that does not say `old` is left as it is."""
+    import re
+
+    pattern = re.compile(r", status \*\*" + re.escape(old) + r"\*\*(?: \(earlier \w+; the end of this note says why\))?")
+    if not old or old == new:
+        return note
+    return pattern.sub(f", status **{new}** (earlier {old}; the end of this note says why)", note, count=1)
+
+
 def regression_dict(run: Any) -> dict[str, Any]:
     t, m = run.data.tags, dict(run.data.metrics)
     for k in filter(None, t.get(INFINITE_TAG, "").split(",")):  # (not loggable: named in a tag, "-" for -inf)
@@ -255,6 +269,7 @@ def regression_dict(run: Any) -> dict[str, Any]:
         "recurrence": t.get("harness.recurrence") == "true",
         "reopened_at": t.get("harness.reopened_at", ""),  # when it was last marked fixed and seen again
         "case": t.get("harness.case", ""),
+        "last_case": t.get("harness.last_case", "") or t.get("harness.case", ""),  # (what the metrics are of)
         "corpus_path": t.get("harness.corpus_path") or None,
         "campaign_run_id": t.get("mlflow.parentRunId"),
         "signature": t.get("harness.signature", ""),
@@ -599,7 +614,8 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
         "harness.closed_at": at,
         "harness.closed_by": who,
         "harness.triage_note": note[:4000],
-        "mlflow.note.content": _append_note(tags.get("mlflow.note.content", ""),
+        "mlflow.note.content": _append_note(_note_status(tags.get("mlflow.note.content", ""),
+                                                         tags.get("harness.status", ""), status),
                                             f"#### Triage {at}: {tags.get('harness.status', '?')} -> {status} "
                                             f"({who})\n\n{note}"),
     }

@@ -197,6 +197,9 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     assert repro.history[-1]["event"] == "closed" and repro.history[-1]["note"] == "fixed by abc123"
     assert repro.history[-1]["run_id"] == run_id
     assert "fixed by abc123" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
+    # its headline says the status it has now, not the one it was created with (a trial read "status open" there)
+    assert "status **fixed** (earlier open; the end of this note says why)" in \
+        store().client.get_run(run_id).data.tags["mlflow.note.content"]
     # closed again, the repro file given as ID: nothing changes (no second entry in its history)
     entries = len(repro.history)
     code, out, err = run_cli(capsys, "regressions", "close", str(f.path), "--status", "fixed", "--note", "again")
@@ -216,6 +219,7 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     assert t2.logged[f.id] == (run_id, "reopened")
     [row] = list_regressions()
     assert row["status"] == "open" and row["recurrence"] and row["seen_count"] == 2
+    assert row["last_case"] == f.case.one_line()  # (the case the latest sighting's metrics are of)
     assert row["k3"] == pytest.approx(f.k3) and row["k3_expected"] == pytest.approx(f.evaluation.divergence.k3_expected)
     assert "Recurrence" in store().client.get_run(run_id).data.tags["mlflow.note.content"]
     code, out, err = run_cli(capsys, "regressions", "show", f.id)  # the close note is history now, not a reason
