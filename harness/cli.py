@@ -610,6 +610,8 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                     "these differ beyond last bits (" + ", ".join(sorted(beyond)[:4]) + "): a change to look at"))
         if res.weights:
             line += f"\n  warning: {res.weights}"
+        if r.status == "fixed" and ev.failed:  # (as the corpus test says it: a regression, not a known bug)
+            line += "\n  this repro was closed as fixed and fails again: the bug is back (the corpus test fails on it)"
         severe = _severe_still(r, dev) if now_fixed else None
         if severe is not None:
             line += f"\n  but {severe_note(severe)}"
@@ -702,6 +704,9 @@ def parse_case(text: str) -> Any:
             raise UsageError(f"--case: {', '.join(unknown)} {'is not a case field' if len(unknown) == 1 else 'are not case fields'}"
                              f"; the fields are {', '.join(names)}.")
         marks = list(re.finditer(r"(?:^|\s)(" + "|".join(names) + r")=", body))
+        twice = sorted({m.group(1) for m in marks if [x.group(1) for x in marks].count(m.group(1)) > 1})
+        if twice:
+            raise UsageError(f"--case gives {', '.join(twice)} more than once; give each field once.")
         if not marks or marks[0].start() > 0:
             raise UsageError(f"--case {text!r} is not a case: give JSON, a .json file, or the one-line form the "
                              f"harness prints, `name=value` for fields among {', '.join(names)} (seed=3 seq_lens=[1, 1]).")

@@ -211,7 +211,7 @@ def test_close_then_replay_then_recurrence(fresh_cwd, capsys):
     code, out, err = run_cli(capsys, "regressions", "show", f.id)
     assert code == 0 and f"by {who_closes()} as fixed: fixed by abc123" in out, out
     code, out, err = run_cli(capsys, "replay", "--run-id", run_id)
-    assert code == 1 and "[fixed]" in out  # still diverges: exit 1, and the status comes from MLflow
+    assert code == 1 and "[fixed]" in out and "closed as fixed and fails again: the bug is back" in out  # (status from MLflow)
     code, out, err = run_cli(capsys, "replay", "--run-id", f.id, "--json")
     assert json.loads(out)[0]["status"] == "fixed"
 

@@ -279,6 +279,10 @@ def test_harness_record_makes_a_known_failing_case_a_repro(harness_cli, tmp_path
     case = Case.from_json(json.loads(source.read_text())["case"])
     assert parse_case(str(source)) == case and parse_case(json.dumps(case.to_json())) == case
     assert parse_case(case.one_line()) == case  # (what the harness prints, read back)
+    from harness.errors import UsageError
+
+    with pytest.raises(UsageError, match="gives seed more than once"):  # (the second had silently won)
+        parse_case("seed=1 seed=2 seq_lens=[1]")
     code, out, err = harness_cli("record", "moe_aggregate.bf16", "--case", case.one_line(), "--corpus", str(tmp_path))
     assert code == 1, err
     [path] = list(tmp_path.rglob("*.json"))
