@@ -406,9 +406,9 @@ MAX_SIGNATURES = 16  # distinct failures one pair's campaign reports (each is sh
 # shrinking keeps the simplest trigger over the line, which is the mildest of several bugs in one pair
 # (not for demonstrations, `expected="diverges"`: their bug is known, and the time is the other pairs')
 # A finding whose minimal case, run again on the same inputs, comes back otherwise (a pair that is not
-# a function of its case: atomics, an unseeded RNG) is run this many more times; where fewer than half
-# of all its runs fail, it is the pair's own run-to-run noise crossing the line, not a bug a repro could
-# hold: left out of the corpus and the tracker, and said (`PairResult.flaky`)
+# a function of its case: atomics, an unseeded RNG) is run again, this many runs past its first in all;
+# where fewer than half of all its runs fail, it is the pair's own run-to-run noise crossing the line,
+# not a bug a repro could hold: left out of the corpus and the tracker, and said (`PairResult.flaky`)
 FLAKY_RUNS = 5
 
 SEVERE_FACTOR = 5.0
@@ -1604,8 +1604,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     def check_determinism(f: Finding) -> bool:
         """Run the minimal case once more: a pair that gives other values on the same case (the global
         RNG, uninitialised memory, a race) makes a repro that will not replay; say so now, and in it.
-        Where that run came back clean, run it `FLAKY_RUNS` more times: True when fewer than half of
-        all its runs failed (the pair's noise crossing the line: `PairResult.flaky`)."""
+        Where that run came back clean, run it until `FLAKY_RUNS` runs past the first: True when fewer
+        than half of all its runs failed (the pair's noise crossing the line: `PairResult.flaky`)."""
         from .corpus import metrics_json
 
         if f.symptom not in (Symptom.DIVERGENCE, Symptom.NONFINITE):
