@@ -209,7 +209,7 @@ def metrics_bench(vocabs: tuple[int, ...], tokens: tuple[int, ...], device: str,
              f"CPU time of the measuring process, {threads or 'default'} torch thread(s)")
     cores = os.cpu_count() or 1
     loaded = max(load0[0], load1[0]) > cores
-    if loaded:  # (CPU time survives some load, not all: a trial's ratios ranged 0.88x to 3.4x at load 5-8 on 2 cores)
+    if loaded:  # (CPU time survives some load, not all: at a load of several times the cores, ratios move far either way)
         click.echo(f"warning: load average {max(load0[0], load1[0]):.1f} on {cores} cores: other processes competed for "
                    "these cores (their memory bandwidth and caches too), so these ratios may be off by a few x either "
                    "way; measure on a quiet machine before reading them against the goal.", err=True)

@@ -378,8 +378,7 @@ def test_harness_check_says_how_far_a_slow_pairs_check_got(tmp_path, monkeypatch
 
 def test_bench_metrics_writes_its_section_and_says_when_the_machine_was_loaded(tmp_path, monkeypatch, capsys):
     """`harness bench metrics` at one small size: the table, and, measured at a load average over the
-    core count (a trial's ratios ranged 0.88x to 3.4x at load 5-8 on 2 cores), a warning in the
-    section and on stderr."""
+    core count (where ratios move far either way), a warning in the section and on stderr."""
     import os
 
     from harness.bench_metrics import metrics_bench
