@@ -584,12 +584,12 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
                 f"-> now {verdict} {ev.headline_like(r.metrics)}; bit-for-bit "
                 + ("no: it no longer fails (fixed? once it is: `harness regressions close "
-                   f"{r.id} --status fixed{f' --plugin {r.plugin_spec()}' if r.plugin_spec() else ''}"
+                   f"{r.id} --status fixed{_plugin_flags(r, plugins)}"
                    f"{f' --corpus-file {_display(r.path)}' if r.path else ''} --note 'fixed by ...'`, with "
                    "--no-tracking for a corpus kept without MLflow)" if now_fixed else
                    "yes" if res.compared and res.bit_for_bit else "no" if res.compared else
                    ("not compared (its case was edited since it was recorded: the recorded metrics are another "
-                    "case's; " + (f"`harness rerecord{f' --plugin {r.plugin_spec()}' if r.plugin_spec() else ''} "
+                    "case's; " + (f"`harness rerecord{_plugin_flags(r, plugins)} "
                                   f"{_display(r.path) if r.path else 'FILE'}` records this case's)" if ev.failed else
                                   "this case passes, which rerecord refuses (a repro holds a failure): restore its "
                                   "case from git)")) if r.case_edited else
@@ -652,6 +652,15 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     if any(res.diverges for res in results):
         sys.exit(EXIT_FOUND)
     sys.exit(cannot if skipped else EXIT_OK)
+
+
+def _plugin_flags(repro: Any, plugins: tuple[str, ...] = ()) -> str:
+    """The --plugin flags a printed command needs: the ones this command was given, as the user typed
+    them (a repro found in another checkout records that one's path), else the repro's own."""
+    if plugins:
+        return "".join(f" --plugin {p}" for p in plugins)
+    spec = repro.plugin_spec()
+    return f" --plugin {spec}" if spec else ""
 
 
 def _severe_still(repro: Any, device: str) -> Any:
@@ -891,7 +900,7 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         from .corpus import Severe
 
         sev = Severe.from_json(r.found["severe"])
-        plugin = f" --plugin {r.plugin_spec()}" if r.plugin_spec() else ""
+        plugin = _plugin_flags(r, plugins)
         click.echo("  severe case: (not readable: its found.severe was edited by hand?)" if sev is None else
                    f"  severe case: this finding's campaign reached {_fmt(sev.peak)}; its worst case, shrunk keeping "
                    f"{sev.keeping}, is {sev.case.one_line()} ({sev.headline}). Shrinking keeps "
@@ -921,7 +930,8 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
             click.echo(f"inputs: not built here (a {r.symptom} repro: `harness replay` runs it in a worker process)")
         elif not (show_inputs if show_inputs is not None else pair.kind == "op"):
             # (a model pair's build loads its weights: seconds and the model's memory, for a list of shapes)
-            again = replay_command_for(r.pair, file).replace("harness replay", "harness show --inputs", 1)
+            again = (f"harness show --inputs{_plugin_flags(r, plugins)} {file}" if plugins else
+                     replay_command_for(r.pair, file).replace("harness replay", "harness show --inputs", 1))
             click.echo(f"inputs: not built (a {pair.kind} pair: its build loads the model; `{again}` lists them)"
                        if show_inputs is None else "inputs: not built (--no-inputs)")
         else:
@@ -1003,7 +1013,7 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
     env_loader = r.loader.get("kind")
     if env_loader:
         click.echo("loaded from: " + ", ".join(f"{k} {v}" for k, v in r.loader.items()))
-    click.echo(f"\nreplay: {r.replay_command(file)}")
+    click.echo(f"\nreplay: {f'harness replay{_plugin_flags(r, plugins)} {file}' if plugins else r.replay_command(file)}")
     if unavailable is not None:
         echo_err(f"error: {unavailable}")
         sys.exit(EXIT_USAGE)

@@ -320,6 +320,10 @@ register(TargetPair(name="user.off", kind="op", expected="aligned", build=build,
     assert code == 1, err
     [path] = iter_corpus(corpus)
     rid = path.stem
+    # the plugin given to show (kept elsewhere, renamed) is the one its printed commands name
+    (tmp_path / "renamed.py").write_text((tmp_path / "bug.py").read_text())
+    code, out, err = harness_cli("show", "--plugin", "renamed.py", str(path), cwd=tmp_path)
+    assert code == 0 and f"replay: harness replay --plugin renamed.py {path}" in out, out + err
     code, out, err = harness_cli("regressions", "close", rid, "--status", "fixed", "--note", "scale fixed",
                                  "--no-tracking", "--plugin", str(tmp_path / "bug.py"), "--corpus-file", str(path),
                                  cwd=tmp_path)
