@@ -724,6 +724,14 @@ def per_module(pair: Any, case: Any, device: str, reference: Any | None, rest: A
             notes.append(f"per-module table: {base}'s outputs {first} and {chosen} both differ; {chosen} is the ids "
                          f"it chose, so the divergence is named there: a different choice changes the values beside it")
             first = chosen
+    if first is not None:  # (what ran just before it agrees: the difference is in it, or in code no module wraps)
+        i = next(k for k, r in enumerate(rows) if r.name == first)
+        prev = rows[i - 1] if i else None
+        if prev is not None and not prev.exceeds and layer_of(prev.name) == layer_of(first):
+            notes.append(f"per-module table: {first} is where the divergence starts, and {prev.name}, whose output "
+                         f"came just before it, agrees (error {prev.error:.3g} under its floor {prev.floor:.3g}): the "
+                         f"difference arises in {first} itself or in code between the two that no module wraps (a "
+                         "functional attention with its mask and positions, RoPE, a cache update)")
     cut = [r.name for r in rows if r.error == math.inf]
     if cut:
         notes.append("per-module table: an error of inf is an output non-finite on one path where the other's is "

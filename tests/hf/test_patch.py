@@ -422,3 +422,6 @@ def test_a_weight_sync_is_a_patch_its_bugs_are_caught_and_the_module_named(capsy
                   threshold=1e-3, case=cases[0], metrics={}, error=None, environment={}, loader={}, found={})
     t = triage(repro)
     assert t.first_module and t.first_module.startswith("model.layers.1.self_attn."), t.first_module
+    # the module whose output came just before it agrees: the note says where to look between them
+    assert any(n.startswith(f"per-module table: {t.first_module} is where the divergence starts, and ")
+               and "no module wraps" in n for n in t.notes), t.notes
