@@ -583,10 +583,8 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             and not res.nondeterministic  # (an open repro of a fixed bug: its metrics moved as a fix moves them)
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
                 f"-> now {verdict} {ev.headline_like(r.metrics)}; bit-for-bit "
-                + ("no: it no longer fails (fixed? once it is: `harness regressions close "
-                   f"{r.id} --status fixed{_plugin_flags(r, plugins)}"
-                   f"{f' --corpus-file {_display(r.path)}' if r.path else ''} --note 'fixed by ...'`, with "
-                   "--no-tracking for a corpus kept without MLflow)" if now_fixed else
+                + (f"no: it no longer fails (fixed? once it is: `{r.close_command(plugin_flags=_plugin_flags(r, plugins))}`"
+                   ", with --no-tracking for a corpus kept without MLflow)" if now_fixed else
                    "yes" if res.compared and res.bit_for_bit else "no" if res.compared else
                    ("not compared (its case was edited since it was recorded: the recorded metrics are another "
                     "case's; " + (f"`harness rerecord{_plugin_flags(r, plugins)} "
@@ -751,7 +749,7 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
     from . import corpus
     from .env import resolve_device
     from .execute import DEFAULT_THRESHOLD
-    from .fuzz import PairResult, _finding, signature
+    from .fuzz import PairResult, _finding, reproduces_with
     from .pairs import REGISTRY
     from .worker import DEFAULT_TIMEOUT, Worker
 
@@ -780,13 +778,9 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
             sys.exit(EXIT_OK)
         f = _finding(pair, ev, PairResult(pair.name, pair.expected, examples=1), complete=False)
         f.recorded_by = "harness record"  # (no campaign found it: its repro says so, `show` too)
-
-        def reproduces(c: Any) -> bool:
-            """As a campaign asks it: a repro of the pair's divergences whose own case passes now holds
-            another bug, and this case gets a file of its own (not that one's recurrence)."""
-            again = worker.evaluate(pair, c, thr)
-            return again.setup or (again.failed and signature(pair.name, again) == f.base_signature)
-
+        # (as a campaign asks it: a repro of the pair's divergences whose own case passes now holds another
+        # bug, and this case gets a file of its own, not that one's recurrence)
+        reproduces = reproduces_with(lambda c: worker.evaluate(pair, c, thr), pair.name, f.base_signature)
         path = corpus.record_finding(f, corpus_dir, thr, case.seed, dev, log=echo_err, reproduces=reproduces)
     click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {f.state}] -> {path}"
                + ("" if f.new or f.recurrence else " (that file keeps its own case)") + took

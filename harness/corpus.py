@@ -509,6 +509,15 @@ class Repro:
         """The command that replays this repro as printed, with `--plugin` when its pair needs one."""
         return format_replay(self.plugin_spec(), path or self.path)
 
+    def close_command(self, path: Any = None, plugin_flags: str | None = None) -> str:
+        """The command that closes this repro as fixed, as printed (`plugin_flags`: the --plugin flags the
+        calling command was given, else this repro's own)."""
+        spec = self.plugin_spec()
+        flags = plugin_flags if plugin_flags is not None else (f" --plugin {spec}" if spec else "")
+        path = path or self.path
+        return (f"harness regressions close {self.id} --status fixed{flags}"
+                + (f" --corpus-file {_display(Path(path))}" if path else "") + " --note 'fixed by ...'")
+
     def auto_plugin(self, flag: str = "--plugin") -> tuple[str | None, str | None]:
         """(a plugin file this harness may load for the repro by itself, or why it may not).
 
@@ -1359,7 +1368,7 @@ def keep_severe(repro: Repro, path: Path, ev: Evaluation, device: str = "cpu", r
     a signature of its own), open, not shrunk further, its `found.by` naming the repro it came from;
     nothing already found is lost with the close. Returns the `Finding` (its `path`; `new` False
     when the corpus already held it)."""
-    from .fuzz import PairResult, _finding, signature
+    from .fuzz import PairResult, _finding, reproduces_with
     from .pairs import REGISTRY
 
     pair = (registry or REGISTRY).get(repro.pair)
@@ -1368,16 +1377,14 @@ def keep_severe(repro: Repro, path: Path, ev: Evaluation, device: str = "cpu", r
     f.recorded_by = f"the severe case of {repro.id}, still failing when {repro.id} was closed as fixed"
     if sev is not None:  # (the campaign's worst case it was shrunk from: how bad this bug got)
         f.peak = sev.peak
-    base = f.base_signature
     threads = recorded_threads(repro.environment)
 
-    def reproduces(case: Case) -> bool:  # (another repro of the pair's divergences: still its bug?)
+    def evaluate(case: Case) -> Evaluation:  # (another repro of the pair's divergences: still its bug?)
         with threads_as(threads):
-            again = run_case(pair, case, device, repro.threshold)
-        return again.failed and signature(pair.name, again) == base
+            return run_case(pair, case, device, repro.threshold)
 
     record_finding(f, Path(path).parent.parent, repro.threshold, int(repro.found.get("campaign_seed", 0) or 0),
-                   device, log=log, reproduces=reproduces)
+                   device, log=log, reproduces=reproduces_with(evaluate, pair.name, f.base_signature))
     return f
 
 

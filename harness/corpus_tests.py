@@ -100,14 +100,12 @@ def test_replay(path, root):
     elif repro.status == "expected" and not ev.failed:
         pytest.fail(f"{path}: demonstration no longer diverges ({ev.headline_like(repro.metrics)}): detection power lost", pytrace=False)
     elif repro.status == "open" and not ev.failed:
-        spec = repro.plugin_spec()
         try:  # a second bug its severe case holds is not fixed with it: say so before it is closed
             severe = replay_severe(repro)
         except HarnessError:
             severe = None
-        pytest.fail(f"{path}: open regression no longer diverges ({ev.headline_like(repro.metrics)}): close it as fixed, `harness "
-                    f"regressions close {repro.id} --status fixed{f' --plugin {spec}' if spec else ''} --corpus-file "
-                    f"{_display(path)} --note 'fixed by ...'` (add --no-tracking for a corpus kept without MLflow)"
+        pytest.fail(f"{path}: open regression no longer diverges ({ev.headline_like(repro.metrics)}): close it as fixed, "
+                    f"`{repro.close_command(path)}` (add --no-tracking for a corpus kept without MLflow)"
                     + (f"; but {severe_note(severe)}" if severe is not None and severe.failed else ""), pytrace=False)
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
     if repro.status == "open":

@@ -326,6 +326,19 @@ def signature(pair: str, ev: Evaluation) -> str:
     return hashlib.sha256(f"{pair}|{ev.symptom.value}|{detail}".encode()).hexdigest()
 
 
+def reproduces_with(evaluate: Callable[[Case], Any], pair: str, base: str) -> Callable[[Case], bool]:
+    """`record_finding`'s question, whether a case fails now with the signature `base` (the bug an
+    existing repro holds), answered by `evaluate(case)` (an Evaluation; None past a budget). When it
+    cannot tell (None, a setup error, a harness error running it), yes: the same bug."""
+    def check(case: Case) -> bool:
+        try:
+            ev = evaluate(case)
+        except HarnessError:  # (its worker could not run it: cannot tell)
+            return True
+        return ev is None or ev.setup or (ev.failed and signature(pair, ev) == base)
+    return check
+
+
 def pair_seed(campaign_seed: int, pair: str) -> int:
     """Each pair's own Hypothesis seed: adding or sharding pairs leaves the others' streams alone."""
     return int.from_bytes(hashlib.sha256(f"{campaign_seed}/{pair}".encode()).digest()[:8], "little") >> 1
@@ -1592,14 +1605,8 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
 
     def reproduces(f: Finding) -> Callable[[Case], bool]:
         """Whether a case fails now as the finding does (an existing repro of its signature: the same
-        bug, or one that is gone). When it cannot tell, yes (the same bug)."""
-        def check(case: Case) -> bool:
-            try:
-                ev = run_again(f, case)
-            except HarnessError:  # (its worker could not run it: cannot tell)
-                return True
-            return ev is None or (ev.failed and signature(f.pair, ev) == (f.base_signature or f.signature))
-        return check
+        bug, or one that is gone)."""
+        return reproduces_with(lambda case: run_again(f, case), f.pair, f.base_signature or f.signature)
 
     def check_determinism(f: Finding) -> bool:
         """Run the minimal case once more: a pair that gives other values on the same case (the global

@@ -493,6 +493,13 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> Any:
     return severe if severe is not None and severe.failed else None
 
 
+def _check_close(status: str, note: str) -> None:
+    if status not in TRIAGE_STATUSES:
+        raise UsageError(f"--status {status!r} is not one of {TRIAGE_STATUSES}.")
+    if not note or not note.strip():
+        raise UsageError("--note is empty; say why (the fix commit, or why it is accepted) so the next reader knows.")
+
+
 def close_in_corpus(corpus_file: str | Path, status: str, note: str, plugins: tuple[str, ...] = ()) -> dict[str, Any]:
     """`regressions close --no-tracking`: the corpus file alone (a corpus kept without MLflow): the same
     checks (`fixed` replays it first and refuses one that still diverges), status and history entry,
@@ -500,10 +507,7 @@ def close_in_corpus(corpus_file: str | Path, status: str, note: str, plugins: tu
     without a run."""
     from ..corpus import load_repro
 
-    if status not in TRIAGE_STATUSES:
-        raise UsageError(f"--status {status!r} is not one of {TRIAGE_STATUSES}.")
-    if not note or not note.strip():
-        raise UsageError("--note is empty; say why (the fix commit, or why it is accepted) so the next reader knows.")
+    _check_close(status, note)
     path = Path(corpus_file)
     repro = load_repro(path)  # (a missing, unreadable or invalid file: UsageError, exit 2)
     if not os.access(path, os.W_OK) or not os.access(path.parent, os.W_OK):
@@ -573,10 +577,7 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
     """
     from ..corpus import load_repro
 
-    if status not in TRIAGE_STATUSES:
-        raise UsageError(f"--status {status!r} is not one of {TRIAGE_STATUSES}.")
-    if not note or not note.strip():
-        raise UsageError("--note is empty; say why (the fix commit, or why it is accepted) so the next reader knows.")
+    _check_close(status, note)
     store = open_store(uri)
     run = store.find_regression(ident)
     tags = run.data.tags
