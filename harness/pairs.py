@@ -289,6 +289,7 @@ class Axes:
     temperature: tuple[float, float] = (1.0, 1.0)  # sampling temperature (neutral 1.0)
     top_p: tuple[float, float] = (1.0, 1.0)  # nucleus mass (neutral 1.0 = off)
     sample_top_k: tuple[int, int] = (0, 0)  # sampling top-k (neutral 0 = off)
+    min_p: tuple[float, float] = (0.0, 0.0)  # sampling min-p (neutral 0.0 = off)
     # sequences per prompt (a group of samples of one prompt, as GRPO draws them: `case.prompt_ids`);
     # (1, 1) = every sequence its own prompt (neutral)
     prompt_group: tuple[int, int] = (1, 1)
@@ -323,7 +324,7 @@ class Axes:
                 out["routing"]["min_gap"] = r.min_gap
         if self.logit_scale[0] != self.logit_scale[1]:
             out["logit_scale"] = list(self.logit_scale)
-        for name in ("temperature", "top_p", "sample_top_k"):
+        for name in ("temperature", "top_p", "sample_top_k", "min_p"):
             lo, hi = getattr(self, name)
             if lo != hi:
                 out[name] = [lo, hi]
@@ -377,6 +378,7 @@ class Axes:
         float_range("logit_scale", lambda x: x > 0, math.isfinite, "0 < low <= high < inf")
         float_range("temperature", lambda x: x > 0, math.isfinite, "0 < low <= high < inf (1.0 is neutral)")
         float_range("top_p", lambda x: x > 0, lambda x: x <= 1, "0 < low <= high <= 1 (1.0 is neutral: off)")
+        float_range("min_p", lambda x: x >= 0, lambda x: x <= 1, "0 <= low <= high <= 1 (0.0 is neutral: off)")
         if not isinstance(self.packing, bool):
             out.append(f"axes.packing={self.packing!r} must be True or False")
         out.extend(self._cap_problems())

@@ -1,10 +1,12 @@
-"""Sampling as a rollout engine does it, for pairs to share: temperature, top-k, top-p, and seeded
-token draws that replay bit-for-bit on every device.
+"""Sampling as a rollout engine does it, for pairs to share: temperature, min-p, top-k, top-p, and
+seeded token draws that replay bit-for-bit on every device.
 
 An outcome's log-probabilities are those of the distribution its path sampled from (or scores
-with): `process_logits` applies the case's sampling parameters the way vLLM and Hugging Face do
-(temperature first, then top-k, then top-p over what is left; truncated tokens get -inf, and the
-rest is renormalised). A rollout that samples from a truncated distribution while the trainer
+with): `process_logits` applies the case's sampling parameters in vLLM's order (temperature first,
+then min-p, then top-k, then top-p over what is left; truncated tokens get -inf, and the rest is
+renormalised). Hugging Face's `generate` applies min-p last, after top-p: the kept set differs only
+where both min-p and top-p cut (top-p then sums over a distribution min-p already renormalised), so
+an engine and a trainer that order them differently is a real mismatch a case with both can show. A rollout that samples from a truncated distribution while the trainer
 scores the full one is a real mismatch: the exact KL(rollout || trainer) is -log(kept mass), while
 the sampled-token k3 only sees about (1 - kept mass)^2 / 2 of it; the verdict judges both.
 
@@ -19,12 +21,16 @@ import math
 from typing import Any
 
 
-def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> Any:
+def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   min_p: float = 0.0) -> Any:
     """(..., V) logits -> (..., V) float32 log-probabilities of the sampling distribution.
 
-    temperature > 0 divides the logits; top_k > 0 keeps the k largest (ties at the k-th value are
-    all kept, as a threshold filter does); top_p < 1 keeps the smallest set of most likely tokens
-    whose mass reaches top_p (at least one). Everything else is -inf.
+    temperature > 0 divides the logits; min_p > 0 then cuts every token whose probability is below
+    min_p times the most likely token's (as vLLM and Hugging Face do, in log space: a logit more than
+    -log(min_p) below the row's largest; min_p = 1 keeps the tokens tied at the top); top_k > 0 keeps
+    the k largest (ties at the k-th value are all kept, as a threshold filter does); top_p < 1 keeps
+    the smallest set of most likely tokens whose mass reaches top_p (at least one), summed over what
+    min-p and top-k left. Everything else is -inf.
     """
     import torch
 
@@ -33,8 +39,13 @@ def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p:
                          "decoding is top_k=1, not temperature 0)")
     if not (0.0 < float(top_p) <= 1.0):
         raise ValueError(f"process_logits: top_p must be in (0, 1], got {top_p!r} (1.0 turns it off)")
+    if not (0.0 <= float(min_p) <= 1.0):
+        raise ValueError(f"process_logits: min_p must be in [0, 1], got {min_p!r} (0.0 turns it off)")
     x = logits.float() / float(temperature)
     v = x.shape[-1]
+    if min_p > 0.0:
+        floor = x.amax(-1, keepdim=True) + math.log(float(min_p))  # (..., 1)
+        x = x.masked_fill(x < floor, float("-inf"))
     if 0 < top_k < v:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # (..., 1)
         x = x.masked_fill(x < kth, float("-inf"))

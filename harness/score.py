@@ -724,7 +724,7 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                 res.notes.append(
                     f"{cut} recorded token(s) in {sum(1 for sc in res.scored if _cut_tokens(sc))} sample(s) are "
                     "tokens the trainer gives probability 0 (k3 inf): it cuts tokens the engine kept. Check "
-                    "--temperature, --top-p and --top-k against the engine's settings (a trainer scoring at "
+                    "--temperature, --top-p, --top-k and --min-p against the engine's settings (a trainer scoring at "
                     "other ones cuts other tokens); the notes below that compare the two paths read the other tokens.")
         replays = replay or bool(getattr(getattr(pair, "profiles", None), "replay", False))
         forced = replays and any(s.sample.experts for s in res.scored)
@@ -739,14 +739,14 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                    "wrong (ids offset, another layer order) put every token through other experts; score without "
                    "--replay, which says how often they differ from the trainer's own routing." if forced else ""))
         neutral = (sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0
-                   and not sampling.get("sample_top_k", 0))
+                   and not sampling.get("sample_top_k", 0) and not sampling.get("min_p", 0.0))
         sharper = [sc for sc in res.scored if sc.evaluation.failed and sc.metrics.get("log_ppl_diff", 0.0) < 0]
         if not padded and neutral and SHARPER < gap <= WRONG_MODEL_GAP and len(sharper) >= 0.9 * len(res.scored) >= 1:
             res.notes.append(
                 f"sampling: {len(sharper)} of {len(res.scored)} sample(s) are over the line with the rollout giving its "
                 f"own tokens more probability than the trainer does ({gap:.2f} nats per token on average), and the "
-                "trainer scored with temperature 1, top-p 1 and no top-k (the defaults). If the engine sampled with "
-                "other settings, pass them (--temperature, --top-p, --top-k): a rollout sharper than the trainer on "
+                "trainer scored with temperature 1, top-p 1 and no top-k or min-p (the defaults). If the engine sampled "
+                "with other settings, pass them (--temperature, --top-p, --top-k, --min-p): a rollout sharper than the trainer on "
                 "every sample is what a temperature below 1 left out looks like, or one the engine applied after "
                 "the log-softmax.")
         lines_of: dict[str, list[int]] = {}
@@ -967,11 +967,14 @@ def _fmt(x: Any) -> str:
 
 
 def default_out_name(file: Path, model: str | None, pair: str | None, replay: bool, threshold: float,
-                     temperature: float, top_p: float, top_k: int) -> str:
+                     temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> str:
     """`<file name>[.replay]-<8 hex>`: the hex of the file's absolute path and the scoring settings, so
     that a rescore with other settings (or another file of that name) never overwrites the first."""
-    key = json.dumps([str(file.resolve()), model and str(Path(model).resolve()), pair, replay, threshold,
-                      temperature, top_p, top_k])
+    settings = [str(file.resolve()), model and str(Path(model).resolve()), pair, replay, threshold,
+                temperature, top_p, top_k]
+    if min_p:  # (added later: a folder scored without it keeps its name)
+        settings.append(min_p)
+    key = json.dumps(settings)
     return f"{file.name}{'.replay' if replay else ''}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
 
@@ -998,6 +1001,8 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
               help="Sampling temperature the rollout used, > 0 (its log-probs are of the processed distribution).")
 @click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Sampling top-k (0 = off).")
+@click.option("--min-p", type=FiniteFloat(0, 1), default=0.0, show_default=True,
+              help="Sampling min-p (0 = off): tokens below min-p x the top token's probability were cut.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("corpora"),
               show_default=True, help="Where the worst samples are written as repros.")
@@ -1011,7 +1016,8 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
               help="Load target pairs from a Python file or an importable module (repeatable).")
 def score_command(file: Path, model: str | None, pair_name: str | None, replay: bool, threshold: float,
-                  temperature: float, top_p: float, top_k: int, device: str, corpus_dir: Path, max_repros: int,
+                  temperature: float, top_p: float, top_k: int, min_p: float, device: str, corpus_dir: Path,
+                  max_repros: int,
                   out_dir: Path | None, tracking_uri: str | None, no_tracking: bool, plugins: tuple[str, ...]) -> None:
     """Score recorded rollouts (JSONL or Parquet) with a trainer: per-sample and batch k3, flagged samples,
     the worst as repros."""
@@ -1023,7 +1029,7 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         # (rollouts.jsonl and rollouts.parquet apart; a --replay run beside the plain one, not over it; the
         # same file name in another folder, or scored with another trainer or sampling, in a folder of its own)
         out = out_dir or Path("reports") / "score" / default_out_name(file, model, pair_name, replay, threshold,
-                                                                      temperature, top_p, top_k)
+                                                                      temperature, top_p, top_k, min_p)
         try:  # (before scoring: a folder that cannot be made would otherwise fail after it)
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -1035,7 +1041,8 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         terminate_like_ctrl_c()  # SIGTERM (CI timeouts, Slurm) as Ctrl-C: what was scored is written, exit 130
         res = score(file, model=model, pair_name=pair_name, replay=replay, threshold=threshold, device=device,
                     corpus=corpus_dir, out_dir=out, max_repros=max_repros,
-                    sampling={"temperature": temperature, "top_p": top_p, "sample_top_k": top_k}, tracker=tracker)
+                    sampling={"temperature": temperature, "top_p": top_p, "sample_top_k": top_k, "min_p": min_p},
+                    tracker=tracker)
     except UsageError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_USAGE)
@@ -1059,7 +1066,7 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
                         "there)")
             elif head == "k3=inf":  # (a recording: no expected k3 to say which side gives the token probability 0)
                 head = ("k3=inf (a recorded token the trainer gives probability 0: it cuts tokens the engine kept; "
-                        "check --top-p / --top-k / --temperature against the engine's sampling settings)")
+                        "check --top-p / --top-k / --min-p / --temperature against the engine's sampling settings)")
             click.echo(f"  line {s.sample.line} (id {s.sample.id}): {head}"
                        + ("" if head.startswith("k3=") else f", k3 {s.metrics['k3_kl']:.4g}")
                        + (f", flip_rate {s.metrics['flip_rate']:.3g}" if s.sample.experts else

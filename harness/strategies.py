@@ -126,6 +126,16 @@ def top_ps(lo: float, hi: float) -> st.SearchStrategy[float]:
     return st.one_of(*branches)
 
 
+def min_ps(lo: float, hi: float) -> st.SearchStrategy[float]:
+    """0.0 (off, when in range) or a min-p in range, its bounds included (Hypothesis shrinks a drawn
+    one toward the low bound)."""
+    if hi <= lo:
+        return st.just(float(lo))
+    branches = [st.just(0.0)] if lo == 0 else []
+    branches.append(uniform_floats(lo, hi))
+    return st.one_of(*branches)
+
+
 def sample_top_ks(lo: int, hi: int) -> st.SearchStrategy[int]:
     """0 (off, when in range) or a size in range (boundary values included)."""
     if hi <= lo:
@@ -159,6 +169,7 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
     temps = temperatures(*axes.temperature) if axes.temperature[0] != axes.temperature[1] else None
     tops = top_ps(*axes.top_p) if axes.top_p[0] != axes.top_p[1] else None
     topks = sample_top_ks(*axes.sample_top_k) if axes.sample_top_k[0] != axes.sample_top_k[1] else None
+    minps = min_ps(*axes.min_p) if axes.min_p[0] != axes.min_p[1] else None
     dtypes = st.sampled_from(axes.dtypes) if len(axes.dtypes) > 1 else None
     group_sizes = st.integers(*axes.prompt_group) if axes.prompt_group[1] > 1 else None
     capped = axes.max_context is not None or axes.max_tokens is not None
@@ -205,6 +216,8 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
         fields["temperature"] = draw(temps) if temps is not None else float(axes.temperature[0])
         fields["top_p"] = draw(tops) if tops is not None else float(axes.top_p[0])
         fields["sample_top_k"] = draw(topks) if topks is not None else axes.sample_top_k[0]
+        # (drawn only where the axis is fuzzed: pairs without it draw the cases they drew before it existed)
+        fields["min_p"] = draw(minps) if minps is not None else float(axes.min_p[0])
         fields["dtype"] = draw(dtypes) if dtypes is not None else axes.dtypes[0]
         if axes.params:
             fields["params"] = {k: draw(axes.params[k]) for k in sorted(axes.params)}
@@ -379,6 +392,7 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
     fields["temperature"] = rng.uniform(*axes.temperature)
     fields["top_p"] = max(1e-6, rng.uniform(*axes.top_p))
     fields["sample_top_k"] = rng.randint(*axes.sample_top_k)
+    fields["min_p"] = rng.uniform(*axes.min_p) if axes.min_p[0] != axes.min_p[1] else float(axes.min_p[0])
     fields["dtype"] = rng.choice(axes.dtypes)
     if params:
         fields["params"] = dict(params)

@@ -139,14 +139,47 @@ def register_patch(name: str, fn: Callable[[Any], Any] | None = None) -> Any:
     return add(fn) if fn is not None else add
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """A case's sampling parameters (`current_sampling()`): what the rollout samples with, after the
+    forward (temperature first, then min-p, then top-k, then top-p; `harness.sampling.process_logits`)."""
+
+    temperature: float
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+    min_p: float = 0.0  # 0.0: off
+
+    @classmethod
+    def of(cls, case: Any) -> "Sampling":
+        """The sampling parameters of a case (neutral where it has none: an op case of schema 1)."""
+        return cls(float(getattr(case, "temperature", 1.0)), int(getattr(case, "sample_top_k", 0)),
+                   float(getattr(case, "top_p", 1.0)), float(getattr(case, "min_p", 0.0)))
+
+
+NEUTRAL_SAMPLING = Sampling(1.0, 0, 1.0)  # (the head check's forwards: no case)
+SAMPLER_TAKES_MIN_P: dict[str, bool] = {}  # sampler name -> whether it takes a `min_p` keyword
+
+
+def _takes_min_p(f: Callable[..., Any]) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):  # (a builtin without a signature: the four positional arguments only)
+        return False
+    return any(p.name == "min_p" or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def register_sampler(name: str, fn: Callable[..., Any] | None = None) -> Any:
     """Register a sampler under `name`, for `Numerics(sampler=name)`; usable as a decorator.
 
     `fn(logits, temperature, top_k, top_p)` receives a path's float32 (N, V) logits and the case's
     sampling parameters (`top_k` 0 and `top_p` 1.0: off) and returns the (N, V) log-probabilities
     the path reports: an engine's own sampler (its temperature, top-k and top-p code, its
-    normalisation), where the default (`exact`, `process_logits`) applies temperature, then top-k,
-    then top-p, and normalises. The rollout draws its tokens from what it returns (normalised for the
+    normalisation), where the default (`exact`, `process_logits`) applies temperature, then min-p,
+    then top-k, then top-p, and normalises. A sampler with a `min_p` parameter (or `**kwargs`) gets
+    the case's min-p as `min_p=` (0.0: off); one without it runs only cases of min-p 0 (a pair
+    whose axes draw min-p, `Axes(min_p=...)`, fails such a case saying so). The rollout draws its tokens from what it returns (normalised for the
     draw); the trainer scores with it. It must be deterministic, and -inf marks a token it excludes.
     Triage swaps the sampler back to `exact` like any other component.
 
@@ -169,19 +202,28 @@ def register_sampler(name: str, fn: Callable[..., Any] | None = None) -> Any:
             raise UsageError(f"register_sampler: a different sampler is already registered as {name!r} "
                              f"({_where(SAMPLERS[name])}); pick another name.")
         SAMPLERS[name] = f
+        SAMPLER_TAKES_MIN_P[name] = _takes_min_p(f)
         return f
 
     return add(fn) if fn is not None else add
 
 
-def path_logprobs(nx: "Numerics", logits: Any, temperature: float, top_k: int, top_p: float) -> Any:
+def path_logprobs(nx: "Numerics", logits: Any, sampling: Sampling) -> Any:
     """The (N, V) float32 log-probabilities a path reports from its (N, V) logits: its sampler's."""
+    temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
     if nx.sampler == EXACT_SAMPLER:
-        return process_logits(logits, temperature, top_k, top_p)
+        return process_logits(logits, temperature, top_k, top_p, min_p)
     import torch
 
     fn = SAMPLERS[nx.sampler]
-    out = fn(logits, temperature, top_k, top_p)
+    if SAMPLER_TAKES_MIN_P.get(nx.sampler, False):
+        out = fn(logits, temperature, top_k, top_p, min_p=min_p)
+    elif min_p:
+        raise UsageError(f"sampler {nx.sampler!r} ({_where(fn)}) takes no min_p, and this case samples with min_p "
+                         f"{min_p:g}: add a `min_p=0.0` parameter to it (0.0: off) and apply it, or keep the pair's "
+                         "axes at min_p=(0.0, 0.0).")
+    else:
+        out = fn(logits, temperature, top_k, top_p)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(logits.shape) or not out.is_floating_point():
         got = f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else \
             f"a {out.dtype} tensor of shape {tuple(out.shape)}"
@@ -916,17 +958,6 @@ class Runner:
 _PHASE = threading.local()
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """A case's sampling parameters (`current_sampling()`): what the rollout samples with, after the
-    forward (temperature first, then top-k, then top-p; `harness.sampling.process_logits`)."""
-
-    temperature: float
-    top_k: int  # 0: off
-    top_p: float  # 1.0: off
-
-
-NEUTRAL_SAMPLING = Sampling(1.0, 0, 1.0)  # (the head check's forwards: no case)
 
 
 def current_sampling() -> Sampling | None:
@@ -1168,17 +1199,21 @@ def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None,
 # ---------------------------------------------------------------------------------------------
 # Sampling (the case's temperature / top-k / top-p)
 # ---------------------------------------------------------------------------------------------
-def process_logits(logits: Any, temperature: float, top_k: int, top_p: float) -> Any:
+def process_logits(logits: Any, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> Any:
     """float32 log-probabilities of the distribution a sampler draws from (-inf outside the kept set)."""
     try:
         from harness.sampling import process_logits as shared
     except ImportError:
         shared = None
     if shared is not None:
-        return shared(logits, temperature, top_k, top_p)
+        return shared(logits, temperature, top_k, top_p, min_p)
+    import math
+
     import torch
 
     x = logits.float() / float(temperature)
+    if min_p > 0.0:
+        x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(min_p), float("-inf"))
     if top_k and top_k < x.shape[-1]:
         kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

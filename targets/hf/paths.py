@@ -52,9 +52,8 @@ def first_token(case: Any, j: int, vocab: int) -> Any:
     return torch.randint(vocab, (1,), generator=g)
 
 
-def sampling(case: Any) -> tuple[float, int, float]:
-    return (float(getattr(case, "temperature", 1.0)), int(getattr(case, "sample_top_k", 0)),
-            float(getattr(case, "top_p", 1.0)))
+def sampling(case: Any) -> Sampling:
+    return Sampling.of(case)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +153,7 @@ def _ctx(inp: HFInputs, keys: Any, replay: dict | None = None, phase: str = "",
          floor_at: dict | None = None, pairs_at: dict | None = None) -> CallContext:
     return CallContext(keys=keys, forced=inp.forced, tie_layer=inp.tie_layer, gap=inp.gap, replay=replay,
                        floor=inp.tie_floor, phase=phase, floor_at=floor_at, pairs_at=pairs_at,
-                       sampling=Sampling(*sampling(inp.case)))
+                       sampling=sampling(inp.case))
 
 
 def _pairs(parts: dict) -> dict:
@@ -228,7 +227,7 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
         return recorded_outcome(inp)
     run = path_model(inp.spec, nx.model_key, inp.device)
     case, dev = inp.case, inp.device
-    temp, top_k, top_p = sampling(case)
+    smp = sampling(case)
     b = inp.n_seqs
     lens = [len(p) for p in inp.prompts]
     lp_max = max(lens)
@@ -252,7 +251,7 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
     lp_rows: list[list] = [[] for _ in range(b)]
     tok_rows: list[list] = [[] for _ in range(b)]
     for i in range(steps):
-        lp = path_logprobs(nx, logits, temp, top_k, top_p)  # (B, V)
+        lp = path_logprobs(nx, logits, smp)  # (B, V)
         ui = torch.tensor([float(u[j][i]) if i < inp.resp_lens[j] else 0.5 for j in range(b)])
         tok = sample_rows(lp, ui).to(torch.int64).cpu()  # (B,)
         for j in range(b):
@@ -343,17 +342,17 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
     # model that bypasses its output-embeddings module)
     logits = (out.logits[0] if ctx.kept else out.logits[sel_r, sel_c]).float()
     del out
-    temp, top_k, top_p = sampling(case)
+    smp = sampling(case)
     routing, _ = _routing(ctx.captured, routed_keys(inp), inp.n_seqs * inp.stride)
     if inp.recorded is not None:
         # only the recorded tokens' log-probabilities are kept: rows are processed a chunk at a time, so
         # a long recording costs one chunk of (rows, V) beyond the model's logits, not (T, V) twice
         step = max(1, RECORDED_CHUNK_ELEMS // logits.shape[-1])
-        lp_token = torch.cat([path_logprobs(nx, logits[a:a + step], temp, top_k, top_p)
+        lp_token = torch.cat([path_logprobs(nx, logits[a:a + step], smp)
                               .gather(1, tokens[a:a + step, None].to(logits.device)).squeeze(1).cpu()
                               for a in range(0, len(logits), step)])
         return Outcome(logprobs=two_outcome(lp_token), routing=routing)
-    logprobs = path_logprobs(nx, logits, temp, top_k, top_p)  # (T, V)
+    logprobs = path_logprobs(nx, logits, smp)  # (T, V)
     where = torch.stack([torch.zeros_like(sel_r), sel_r, sel_c], -1)  # (its one forward; for triage)
     return Outcome(logprobs=logprobs, routing=routing, intermediates={ROW_POSITIONS: where})
 

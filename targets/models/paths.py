@@ -105,7 +105,7 @@ def process(logp: torch.Tensor, case: Case, nx: Numerics) -> torch.Tensor:
     x = logp.float()
     for _ in range(times - 1):
         x = x / t  # the extra division of the temperature_twice bug
-    return process_logits(x, t, k, p)
+    return process_logits(x, t, k, p, case.min_p)
 
 
 def _common(inp: ModelInputs) -> dict[str, torch.Tensor]:

@@ -402,6 +402,48 @@ def test_an_engines_own_sampler_is_a_component_caught_and_localized():
             SAMPLERS.pop(name, None)
 
 
+def test_a_sampler_gets_the_cases_min_p_where_it_takes_one_and_one_that_cannot_is_refused_not_run():
+    """min-p reaches a registered sampler as `min_p=` where it has that parameter (or **kwargs); one
+    of four arguments runs cases of min-p 0 and refuses the others with a setup error that says what
+    to add; the exact sampler cuts by min-p, so an engine that ignores it is caught."""
+    import dataclasses
+
+    from harness.case import Case
+    from harness.execute import Symptom, run_case
+    from targets.hf import default_axes, hf_pair, register_sampler
+    from targets.hf.backend import SAMPLER_TAKES_MIN_P, SAMPLERS, process_logits
+
+    def four_args(logits, temperature, top_k, top_p):
+        return process_logits(logits.clone(), temperature, top_k, top_p)
+
+    def with_min_p(logits, temperature, top_k, top_p, min_p=0.0):
+        return process_logits(logits.clone(), temperature, top_k, top_p, min_p)
+
+    def ignores_min_p(logits, temperature, top_k, top_p, **kwargs):
+        return process_logits(logits.clone(), temperature, top_k, top_p)
+
+    spec = HFModel.from_config(TINY["qwen3"], init_seed=3)
+    axes = dataclasses.replace(default_axes(spec), min_p=(0.0, 0.3))
+    names = ("test_four_args", "test_with_min_p", "test_ignores_min_p")
+    try:
+        for name, fn in zip(names, (four_args, with_min_p, ignores_min_p)):
+            register_sampler(name, fn)
+        assert [SAMPLER_TAKES_MIN_P[n] for n in names] == [False, True, True]
+        case = Case(seed=4, seq_lens=(6, 3), prompt_lens=(3, 2), temperature=0.8, min_p=0.2)
+        pairs = {n: hf_pair(f"sampled.{n}", spec, FP32, FP32.replace(sampler=n), axes=axes) for n in names}
+        assert not run_case(pairs["test_with_min_p"], case).failed
+        ev = run_case(pairs["test_four_args"], case)
+        assert ev.symptom == Symptom.ERROR and ev.setup and "takes no min_p" in ev.error["message"], ev.error
+        assert "add a `min_p=0.0` parameter" in ev.error["message"]
+        assert not run_case(pairs["test_four_args"], case.replace(min_p=0.0)).failed
+        ev = run_case(pairs["test_ignores_min_p"], case)  # samples tokens the trainer's min-p cuts
+        assert ev.failed and ev.divergence.kl_excluded > 0, ev.divergence
+    finally:
+        for name in names:
+            SAMPLERS.pop(name, None)
+            SAMPLER_TAKES_MIN_P.pop(name, None)
+
+
 def test_a_weight_sync_is_a_patch_its_bugs_are_caught_and_the_module_named(capsys):
     """`tests/hf/plugin_sync.py`: the trainer's weights through an engine's layout and back. The
     correct round trip is aligned to float rounding (and not warned about as a patch that changed

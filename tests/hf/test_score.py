@@ -714,12 +714,32 @@ def test_a_temperature_left_out_is_suggested(tmp_path, harness_cli):
     record("hf.qwen3.aligned", range(2), tmp_path / "t07.jsonl", temperature=0.7)
     res = score(tmp_path / "t07.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False)
     [note] = [n for n in res.notes if n.startswith("sampling:")]
-    assert "pass them (--temperature, --top-p, --top-k)" in note, note
+    assert "pass them (--temperature, --top-p, --top-k, --min-p)" in note, note
     code, out, err = harness_cli("show", str(res.repros[0]))  # a dense model's recording: no experts
     assert code == 0 and "flip_rate          n/a (no experts recorded" in out, out + err
     res = score(tmp_path / "t07.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
                 sampling={"temperature": 0.7})
     assert not res.flagged and not any(n.startswith("sampling:") for n in res.notes), res.notes
+
+
+def test_a_min_p_recording_scores_clean_with_its_min_p_and_not_without(tmp_path, harness_cli):
+    """A rollout sampled with min-p 0.1 (at T 0.8) reports log-probabilities renormalised over what min-p
+    kept: scored at its settings it is aligned; scored without --min-p its tokens' mass is off by
+    the cut mass on every row, and the sampling note names --min-p."""
+    record("hf.qwen3.aligned", range(2), tmp_path / "m.jsonl", temperature=0.8, min_p=0.1)
+    ok = score(tmp_path / "m.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+               sampling={"temperature": 0.8, "min_p": 0.1})
+    assert not ok.flagged, [sc.metrics for sc in ok.scored]
+    off = score(tmp_path / "m.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                sampling={"temperature": 0.8})
+    assert off.flagged and off.batch["k3_kl"] > 100 * max(ok.batch["k3_kl"], 1e-9), (off.batch, ok.batch)
+    code, out, err = harness_cli("score", str(tmp_path / "m.jsonl"), "--pair", "hf.qwen3.aligned", "--temperature",
+                                 "0.8", "--min-p", "0.1", "--corpus", str(tmp_path / "c2"), "--no-tracking",
+                                 "--out", str(tmp_path / "o"))
+    assert code == 0, out + err
+    code, out, err = harness_cli("score", str(tmp_path / "m.jsonl"), "--pair", "hf.qwen3.aligned", "--min-p", "1.5",
+                                 "--no-tracking")
+    assert code == 2 and "1.5" in err, out + err
 
 
 def test_tokens_the_trainer_cuts_are_named_not_taken_for_another_model(tmp_path):
@@ -732,4 +752,4 @@ def test_tokens_the_trainer_cuts_are_named_not_taken_for_another_model(tmp_path)
     assert res.batch["k3_kl"] == math.inf, res.batch
     assert not any("check that --model is the policy" in n for n in res.notes), res.notes
     [note] = [n for n in res.notes if "tokens the trainer gives probability 0" in n]
-    assert "Check --temperature, --top-p and --top-k" in note, note
+    assert "Check --temperature, --top-p, --top-k and --min-p" in note, note

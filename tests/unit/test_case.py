@@ -115,7 +115,8 @@ def test_rl_batch_fields_validate_and_pack_prompt_plus_response():
     c = Case(seed=1, seq_lens=(2, 3), prompt_lens=(4, 1), row_capacity=6)
     assert c.total_lens == (6, 4) and c.packed_rows() == [[0], [1]] and c.offsets == [0, 2]
     for field, value, words in [("prompt_lens", (1,), "one length per sequence"), ("temperature", 0.0, "> 0"),
-                                ("top_p", 1.5, "(0, 1]"), ("sample_top_k", -1, ">= 0"),
+                                ("top_p", 1.5, "(0, 1]"), ("sample_top_k", -1, ">= 0"), ("min_p", -0.1, "[0, 1]"),
+                                ("min_p", 1.5, "[0, 1]"),
                                 ("row_capacity", 5, "longest sequence (6) counting prompt + response"), ("streams", "x", "one of"),
                                 ("seq_ids", (1, 2, 3), "one id per sequence")]:
         with pytest.raises(CaseError) as err:
@@ -235,3 +236,12 @@ def test_grouped_cases_are_drawn_only_where_the_axis_is_on_and_are_valid():
     assert any(uniform_cases(axes, rng).prompt_ids for _ in range(50))
     off = Axes(n_seqs=(1, 8), seq_len=(1, 8), prompt_len=(0, 6))
     assert not any(uniform_cases(off, rng).prompt_ids for _ in range(50))
+
+
+def test_min_p_is_left_out_of_a_cases_json_when_off_so_older_keys_and_ids_stay():
+    c = Case(seed=3, seq_lens=(2,), temperature=0.7)
+    assert "min_p" not in c.to_json() and c.min_p == 0.0
+    assert Case.from_json(c.to_json()) == c  # (a repro written before min-p existed reads as min-p off)
+    m = c.replace(min_p=0.05)
+    assert m.to_json()["min_p"] == 0.05 and m.key() != c.key() and Case.from_json(m.to_json()) == m
+    assert c in {n for n in m.simpler_neighbours()}  # min-p off is one knob moved to neutral

@@ -93,3 +93,105 @@ def test_a_rows_kept_set_is_its_own_whatever_the_batch_with_bf16_ties(scale):
 def test_settings_that_are_no_distribution_are_refused(kw):
     with pytest.raises(ValueError, match="process_logits: (temperature|top_p) must be"):
         process_logits(torch.zeros(2, 5), **kw)
+
+
+def min_p_drop(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """min-p as vLLM and Hugging Face define it: a token whose probability is below min_p times the
+    row's largest probability is dropped (float64 probabilities, away from the boundary)."""
+    p = torch.softmax(x.double(), dim=-1)
+    return p < min_p * p.amax(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("min_p", [0.001, 0.05, 0.3, 0.9])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_min_p_cuts_tokens_below_min_p_times_the_top_probability_after_the_temperature(min_p, temperature):
+    g = torch.Generator().manual_seed(int(1000 * min_p) + int(10 * temperature))
+    logits = 3.0 * torch.randn(50, 400, generator=g)
+    lp = process_logits(logits, temperature, min_p=min_p)
+    drop = lp == -math.inf
+    ref = min_p_drop(logits / temperature, min_p)
+    # (a token within float32 rounding of the boundary may go either way: compared away from it)
+    lp64 = torch.log_softmax(logits.double() / temperature, -1)
+    far = (lp64 - lp64.amax(-1, keepdim=True) - math.log(min_p)).abs() > 1e-5
+    assert far.float().mean() > 0.999 and drop.any() and (~drop).sum() > 50
+    assert torch.equal(drop[far], ref[far])
+    assert (~drop).any(-1).all()  # the top token always stays
+    kept = torch.softmax(logits.double() / temperature, -1).masked_fill(drop, 0.0)
+    assert torch.allclose(lp.exp().double(), kept / kept.sum(-1, keepdim=True), atol=1e-6)  # renormalised
+    assert torch.equal(process_logits(logits, temperature, min_p=0.0), process_logits(logits, temperature))
+
+
+def test_min_p_comes_before_top_k_and_top_p_as_in_vllm():
+    # probabilities 0.5, 0.3, 0.12, 0.08: min-p 0.2 keeps >= 0.1 (three tokens, renormalised to 0.543,
+    # 0.326, 0.130); top-p 0.8 over that keeps two (0.543 + 0.326 >= 0.8). Top-p first (Hugging Face's
+    # order) keeps three (0.5 + 0.3 = 0.8 is reached only after the second: the third's "before" is 0.8)
+    # and min-p then keeps all three.
+    logits = torch.tensor([[0.5, 0.3, 0.12, 0.08]]).log()
+    lp = process_logits(logits, 1.0, top_p=0.8, min_p=0.2)[0]
+    assert (lp > -math.inf).tolist() == [True, True, False, False]
+    assert (process_logits(logits, 1.0, min_p=0.2)[0] > -math.inf).tolist() == [True, True, True, False]
+    assert (process_logits(logits, 1.0, top_k=1, min_p=0.2)[0] > -math.inf).tolist() == [True, False, False, False]
+    assert (process_logits(logits, 1.0, min_p=1.0)[0] > -math.inf).tolist() == [True, False, False, False]
+
+
+@pytest.mark.parametrize("min_p", [-0.1, 1.5, math.nan])
+def test_a_min_p_outside_0_1_is_refused(min_p):
+    with pytest.raises(ValueError, match=r"process_logits: min_p must be in \[0, 1\]"):
+        process_logits(torch.zeros(2, 5), min_p=min_p)
+
+
+def _min_p_pair(buggy: bool):
+    """A sampler pair: the trainer scores the case's processed distribution; the rollout samples from
+    its own, which (buggy) takes min-p's floor from the raw logits, before the temperature divides them
+    (a floor -log(min_p) below the top logit, then scaled: at temperature t it cuts at t * log(min_p))."""
+    from harness import Axes, Outcome, TargetPair
+    from harness.sampling import sample_rows
+
+    def build(case, device):
+        return {"case": case, "logits": case.token_randn(64) * case.logit_scale}
+
+    def trainer(inp):
+        c = inp["case"]
+        return Outcome(logprobs=process_logits(inp["logits"], c.temperature, c.sample_top_k, c.top_p, c.min_p))
+
+    def rollout(inp):
+        c, x = inp["case"], inp["logits"]
+        if buggy and c.min_p > 0:
+            x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(c.min_p), -math.inf)
+            lp = process_logits(x, c.temperature, c.sample_top_k, c.top_p)
+        else:
+            lp = process_logits(x, c.temperature, c.sample_top_k, c.top_p, c.min_p)
+        return Outcome(logprobs=lp, tokens=sample_rows(lp, c.token_uniforms("sample")))
+
+    axes = Axes(n_seqs=(1, 4), seq_len=(1, 8), logit_scale=(1.0, 4.0), temperature=(0.5, 2.0), top_p=(0.8, 1.0),
+                sample_top_k=(0, 32), min_p=(0.0, 0.3))
+    return TargetPair(name=f"test.min_p_{'floor_before_temperature' if buggy else 'exact'}",
+                      kind="op", expected="diverges" if buggy else "aligned", build=build, rollout=rollout, trainer=trainer,
+                      axes=axes)
+
+
+def test_a_min_p_bug_is_found_and_shrunk_to_min_p_and_the_temperature_alone():
+    from harness.execute import run_case
+    from harness.fuzz import CampaignConfig, fuzz_pair, pair_seed
+
+    pair = _min_p_pair(buggy=True)
+    cfg = CampaignConfig(pairs=[pair], seed=1, max_examples=60, isolation=False)
+    r = fuzz_pair(pair, cfg, seed=pair_seed(1, pair.name), deadline=None)
+    assert r.findings, r
+    c = r.findings[0].case
+    assert c.min_p > 0 and c.temperature != 1.0, c.one_line()
+    assert c.n_tokens == 1 and c.top_p == 1.0 and c.sample_top_k == 0, c.one_line()
+    assert '"min_p"' in c.key()
+    fixed = _min_p_pair(buggy=False)
+    seen = []
+
+    def evaluate(case):
+        seen.append(case)
+        return run_case(fixed, case, "cpu", cfg.threshold)
+
+    clean = fuzz_pair(fixed, CampaignConfig(pairs=[fixed], seed=1, max_examples=60, isolation=False),
+                      seed=pair_seed(1, fixed.name), deadline=None, evaluate=evaluate)
+    assert not clean.findings and clean.examples >= 60
+    # min-p drawn off and on, alone and with the other knobs (top-p too: the order matters there)
+    assert any(c.min_p == 0 for c in seen) and any(c.min_p > 0 and c.top_p < 1 for c in seen)
+    assert all(0 <= c.min_p <= 0.3 for c in seen)
