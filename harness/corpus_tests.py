@@ -60,7 +60,7 @@ def root(request) -> Path:
     return corpus_root(request.config, getattr(request.module, "DEFAULT_CORPUS", None))
 
 
-def test_replay(path, root):
+def test_replay(path, root, request):
     try:
         repro = load_repro(path)
     except HarnessError as e:  # a damaged file: its message says what is wrong and how to fix it
@@ -105,12 +105,22 @@ def test_replay(path, root):
         except HarnessError:
             severe = None
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline_like(repro.metrics)}): close it as fixed, "
-                    f"`{repro.close_command(path)}` (add --no-tracking for a corpus kept without MLflow)"
+                    f"`{repro.close_command(path, plugin_flags=_plugin_flags(request.config))}` (add --no-tracking "
+                    "for a corpus kept without MLflow)"
                     + (f"; but {severe_note(severe)}" if severe is not None and severe.failed else ""), pytrace=False)
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
     if repro.status == "open":
         pytest.xfail(f"open regression still {'diverges' if ev.divergence is not None else 'fails'}: "
                      f"{ev.symptom.value} {ev.headline}")
+
+
+def _plugin_flags(config) -> str | None:
+    """The --harness-plugin values this run was given, as the --plugin flags of a harness command
+    (None: none given; a printed command then names the repro's own plugin)."""
+    import shlex
+
+    given = list(config.getoption("harness_plugin", default=None) or [])
+    return "".join(f" --plugin {shlex.quote(p)}" for p in given) if given else None
 
 
 def check_recorded_metrics(path, repro, result) -> None:

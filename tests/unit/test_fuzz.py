@@ -972,6 +972,8 @@ def test_a_second_bug_far_above_the_minimal_one_is_kept_as_the_findings_severe_c
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
     assert tested.returncode == 1 and "open regression no longer diverges" in tested.stdout \
         and "but its severe case (found.severe) still fails" in tested.stdout, tested.stdout + tested.stderr
+    # (its close command names the plugin this run was given, not the one the repro was recorded with)
+    assert f"--status fixed --plugin {fixed} --corpus-file" in tested.stdout, tested.stdout
     # closing it as fixed keeps the severe case as an open repro of its own, in the corpus and MLflow
     code, out, err = harness_cli("regressions", "close", repro.id, "--status", "fixed", "--note", "head fixed",
                                  "--plugin", str(fixed), "--tracking-uri", store, cwd=tmp_path)
