@@ -38,7 +38,7 @@ change what every response token is conditioned on; when the divergence lies pas
 scores the worst token alone with the response before it moved into the prompt), a histogram of per-sample k3 (`k3_hist.png`), and an
 MLflow campaign run. `flip_rate` and `tie_flip_rate` are empty in samples.csv for a sample that recorded
 no experts (n/a on the console, NaN in the batch when none did). Bad rows (missing fields, an empty prompt, ragged
-lengths, non-finite log-probs, ids out of the vocabulary, malformed experts, a prompt + response longer
+lengths, NaN or +inf log-probs (-inf, log 0, is judged: a sampled token at probability 0), ids out of the vocabulary, malformed experts, a prompt + response longer
 than the model's `max_position_embeddings`, times its RoPE scaling factor where one extends it) are
 reported by line and field, with what to do; the rest of the file is scored. A checkpoint folder with
 no weight file, or a trainer that cannot be built, is one error before anything is scored. Progress:
@@ -339,8 +339,12 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
                                    "record one log-probability per response token")
     logprobs = []
     for i, v in enumerate(lps):
-        if not finite_number(v):  # (not a bool, nor an integer of hundreds of digits no float holds)
-            return BadRow(line, lname, f"entry {i} is {_short(v)}: log-probabilities must be finite numbers")
+        # -inf (log 0, JSON's -Infinity) is a value an engine reports for a token it gives probability 0: one it
+        # sampled is the clearest sign it samples from another distribution than it reports, judged (k3 inf), not
+        # refused as a bad row
+        if not finite_number(v) and not (isinstance(v, float) and v == -math.inf):
+            return BadRow(line, lname, f"entry {i} is {_short(v)}: log-probabilities must be numbers <= 0 (finite, or "
+                                       "-inf for probability 0)")
         if float(v) > 1e-6:
             return BadRow(line, lname, f"entry {i} is {v!r} > 0: not a log-probability")
         logprobs.append(float(v))

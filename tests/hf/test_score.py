@@ -332,6 +332,8 @@ def test_a_recorded_log_prob_of_zero_probability_is_blamed_on_the_recording(alig
     trainer cuts tokens the engine kept (the other way round)."""
     rows = [json.loads(x) for x in aligned_file.read_text().splitlines()[:2]]
     rows[1]["rollout_logprobs"] = [-1e30] + rows[1]["rollout_logprobs"][1:]
+    # -inf itself (JSON's -Infinity, what an engine that reports log 0 writes): judged, not a bad row
+    rows[0]["rollout_logprobs"] = rows[0]["rollout_logprobs"][:2] + [float("-inf")] + rows[0]["rollout_logprobs"][3:]
     path = tmp_path / "zero.jsonl"
     path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "routed_experts"}) + "\n" for r in rows))
     code, out, err = harness_cli("score", str(path), "--pair", "hf.qwen3_moe.aligned", "--no-tracking", "--corpus",
@@ -340,6 +342,9 @@ def test_a_recorded_log_prob_of_zero_probability_is_blamed_on_the_recording(alig
     [line] = [x for x in out.splitlines() if x.strip().startswith("line 2 ")]
     assert "the recording gives a token the engine sampled log-probability -1e+30" in line, line
     assert "trainer gives probability 0" not in line, line
+    [line] = [x for x in out.splitlines() if x.strip().startswith("line 1 ")]
+    assert "the recording gives a token the engine sampled log-probability -inf" in line, line
+    assert "bad row" not in out + err, out + err
 
 
 def test_a_long_recorded_sample_fits_a_repro_and_outputs_survive_a_repro_that_fails(bf16_file, tmp_path, monkeypatch):
