@@ -13,6 +13,9 @@ of every response token and, optionally, the experts the rollout routed every to
                                                                layers = the MoE layers, or every decoder
                                                                layer (a dense one's entry is not read)
     id         id | uid | index                                optional sample id, echoed in the output
+    sampling   temperature, top_p, top_k, min_p                optional: the row's own settings (top level or in
+                                                               a `sampling_params` object; top_k -1 or 0: off),
+                                                               over the command's (`row_sampling`)
 
 slime's samples (`Sample.tokens` = prompt + response, `response_length`) are read as they are:
 `tokens` and `response_length` stand in for prompt/response. verl's batches are padded tensors:
@@ -104,6 +107,10 @@ class Sample:
     logprobs: list[float]
     experts: list | None = None  # [positions][MoE layers][k]
     expert_layers: tuple[int, ...] | None = None  # the decoder layer of each MoE-layer entry (None: 0, 1, ...)
+    # the row's own sampling settings (case field -> value: temperature, top_p, sample_top_k, min_p), over the
+    # command's; {} where the row records none
+    sampling: dict = field(default_factory=dict)
+    penalties: dict = field(default_factory=dict)  # penalties the row records at other than their neutral values
 
 
 @dataclass
@@ -386,9 +393,46 @@ def parse_sample(line: int, row: dict, vocab: int, moe: tuple[int, int, int] | N
                     return BadRow(line, ename, f"position {p}, layer {layer}: expert ids {e} repeat; a router picks "
                                                f"{top_k} distinct experts")
         experts = out
+    settings = row_sampling(line, row)
+    if isinstance(settings, BadRow):
+        return settings
     _, sid = _pick(row, "id")
     return Sample(line, str(sid) if sid is not None else str(line), prompt, response, logprobs, experts,
-                  None if experts is None else routed)
+                  None if experts is None else routed, *settings)
+
+
+# A row's own sampling settings (vLLM's `SamplingParams` names), read at the row's top level or inside a
+# `sampling_params` object: row field -> (case field, rule, check)
+ROW_SAMPLING = {
+    "temperature": ("temperature", "a number > 0 (0, greedy, has no temperature to divide by: record 1 for "
+                                   "the raw distribution's log-probs)", lambda v: v > 0),
+    "top_p": ("top_p", "a number in (0, 1]", lambda v: 0 < v <= 1),
+    "top_k": ("sample_top_k", "an integer >= 0, or -1 (off, as vLLM writes it)", lambda v: v == int(v) and v >= -1),
+    "min_p": ("min_p", "a number in [0, 1]", lambda v: 0 <= v <= 1),
+}
+PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # name -> neutral
+
+
+def row_sampling(line: int, row: dict) -> tuple[dict, dict] | BadRow:
+    """(the row's sampling settings as case fields, its penalties away from neutral), or what is wrong."""
+    sub = row.get("sampling_params")
+    if sub is not None and not isinstance(sub, dict):
+        return BadRow(line, "sampling_params", "must be an object of sampling settings (temperature, top_p, top_k, "
+                                               "min_p, as vLLM's SamplingParams names them)")
+    got, penalties = {}, {}
+    for where, src in (("", row), ("sampling_params.", sub or {})):
+        for name, (case_field, rule, ok) in ROW_SAMPLING.items():
+            if name not in src or src[name] is None:
+                continue
+            v = src[name]
+            if not finite_number(v) or not ok(v):
+                return BadRow(line, where + name, f"is {_short(v)}: the engine's sampling setting must be {rule}")
+            got[case_field] = (max(int(v), 0) if name == "top_k" else float(v))
+        for name, neutral in PENALTIES.items():
+            v = src.get(name)
+            if v is not None and finite_number(v) and float(v) != neutral:
+                penalties[name] = float(v)
+    return got, penalties
 
 
 def padding_hint(prompt: list[int], response: list[int], logprobs: list[float], pads: set[int],
@@ -550,7 +594,8 @@ def sample_case(s: Sample, extra: dict, sampling: dict, limit: int | None = None
             experts = experts[:len(s.prompt) + keep]
     params = {**encode_recorded([{"prompt_ids": s.prompt, "response_ids": response, "rollout_logprobs": logprobs,
                                   "routed_experts": experts, "routed_layers": s.expert_layers}]), **extra}
-    return Case(seed=0, seq_lens=(len(response),), prompt_lens=(len(s.prompt),), params=params, **sampling), cut
+    return Case(seed=0, seq_lens=(len(response),), prompt_lens=(len(s.prompt),), params=params,
+                **{**sampling, **s.sampling}), cut
 
 
 def batch_metrics(scored: list[Scored]) -> dict[str, float]:
@@ -742,8 +787,26 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                 + (" Or the recorded experts: router replay forced them into the trainer, and experts recorded "
                    "wrong (ids offset, another layer order) put every token through other experts; score without "
                    "--replay, which says how often they differ from the trainer's own routing." if forced else ""))
-        neutral = (sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0
-                   and not sampling.get("sample_top_k", 0) and not sampling.get("min_p", 0.0))
+        neutral = all(_neutral({**sampling, **sc.sample.sampling}) for sc in res.scored)
+        own = [sc for sc in res.scored if sc.sample.sampling]
+        if own:
+            res.notes.append(
+                f"sampling: {len(own)} of {len(res.scored)} sample(s) record their own sampling settings ("
+                + ", ".join(f"{row_name} on {sum(k in sc.sample.sampling for sc in own)}"
+                            for row_name, (k, _, _) in ROW_SAMPLING.items() if any(k in sc.sample.sampling for sc in own))
+                + "); each was scored with its own, over the command's")
+        penalised = [sc for sc in res.scored if sc.sample.penalties]
+        if penalised:
+            names = sorted({k for sc in penalised for k in sc.sample.penalties})
+            res.notes.append(
+                f"sampling: {len(penalised)} sample(s) record penalties ({', '.join(names)}, at other than their neutral "
+                "values), which the trainer does not apply: an engine that reports the log-probs of the penalised "
+                "distribution it sampled from differs from the trainer there by the penalty itself, and an RL step "
+                "reading them is off-policy by as much. Score those samples apart from the rest; flagged, they are "
+                "flagged for the penalty as much as for the engine's numerics.")
+        raw = _raw_logprobs_check(pair, res, sampling, device, threshold) if not padded else None
+        if raw is not None:
+            res.notes.append(raw)
         sharper = [sc for sc in res.scored if sc.evaluation.failed and sc.metrics.get("log_ppl_diff", 0.0) < 0]
         if not padded and neutral and SHARPER < gap <= WRONG_MODEL_GAP and len(sharper) >= 0.9 * len(res.scored) >= 1:
             res.notes.append(
@@ -822,6 +885,44 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
     if tracker is not None:
         finish_tracking(tracker, res, threshold)
     return res
+
+
+def _neutral(sampling: dict) -> bool:
+    return (sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0
+            and not sampling.get("sample_top_k", 0) and not sampling.get("min_p", 0.0))
+
+
+RAW_CHECKS = 3  # flagged samples rescored with the unprocessed distribution (`_raw_logprobs_check`)
+
+
+def _raw_logprobs_check(pair: Any, res: ScoreResult, sampling: dict, device: str,
+                        threshold: float) -> str | None:
+    """A note when the flagged samples scored with a temperature or a cut are under the line scored
+    without them (temperature 1, no top-k, top-p or min-p): the engine reported the log-probs of its
+    raw distribution while sampling from the processed one, as vLLM does by default
+    (`logprobs_mode="raw_logprobs"`). None when there is nothing to say. Up to RAW_CHECKS samples are
+    rescored, and each must pass."""
+    from .execute import run_case
+
+    flagged = [sc for sc in res.scored if sc.evaluation.failed and not _neutral({**sampling, **sc.sample.sampling})]
+    if not flagged:
+        return None
+    picked = sorted(flagged, key=lambda sc: -sc.metrics.get("k3_kl", 0.0))[:RAW_CHECKS]
+    before, after = [], []
+    for sc in picked:
+        case = sc.case.replace(temperature=1.0, top_p=1.0, sample_top_k=0, min_p=0.0)
+        ev = run_case(pair, case, device, threshold)
+        if ev.divergence is None or ev.failed:
+            return None
+        before.append(sc.metrics.get("k3_kl", math.nan))
+        after.append(ev.divergence.k3_kl)
+    lines = ", ".join(f"line {sc.sample.line}: k3 {b:.3g} -> {a:.3g}" for sc, b, a in zip(picked, before, after))
+    return (f"sampling: the recorded log-probs are those of the raw distribution. {len(picked)} of the "
+            f"{len(flagged)} flagged sample(s) scored with temperature 1 and no top-k, top-p or min-p are under the line "
+            f"({lines}): the engine sampled from the processed distribution but reported the log-probs of the "
+            "unprocessed one, as vLLM does by default (logprobs_mode='raw_logprobs'). An RL step's importance ratio "
+            "then reads the temperature and the cut as a mismatch: have the engine report the processed log-probs "
+            "(vLLM: logprobs_mode='processed_logprobs'), or score and train at temperature 1 without truncation.")
 
 
 def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path, threshold: float, device: str,

@@ -747,6 +747,60 @@ def test_a_min_p_recording_scores_clean_with_its_min_p_and_not_without(tmp_path,
     assert code == 2 and "1.5" in err, out + err
 
 
+def test_raw_log_probs_of_a_processed_sampler_are_named(tmp_path):
+    """An engine that samples at T 0.7 but reports the raw distribution's log-probs (vLLM's default
+    logprobs_mode): scored at its settings every sample is flagged, and the note says the recorded
+    log-probs are the raw distribution's, with the k3 of the rescored samples."""
+    record("hf.qwen3.aligned", range(2), tmp_path / "raw.jsonl")  # log-probs of the T = 1 distribution
+    res = score(tmp_path / "raw.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                max_repros=0, sampling={"temperature": 0.7, "top_p": 0.9})
+    assert res.flagged
+    [note] = [n for n in res.notes if "raw distribution" in n]
+    assert "logprobs_mode='raw_logprobs'" in note and "-> " in note, note
+    ok = score(tmp_path / "raw.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False)
+    assert not ok.flagged and not any("raw distribution" in n for n in ok.notes)
+    # a sampler bug that no setting explains is not blamed on raw log-probs
+    rows = [json.loads(x) for x in (tmp_path / "raw.jsonl").read_text().splitlines()]
+    for r in rows:
+        r["rollout_logprobs"] = [v - 0.3 for v in r["rollout_logprobs"]]
+    (tmp_path / "off.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = score(tmp_path / "off.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                max_repros=0, sampling={"temperature": 0.7})
+    assert res.flagged and not any("raw distribution" in n for n in res.notes), res.notes
+
+
+def test_rows_that_record_their_own_sampling_settings_are_scored_with_them(tmp_path):
+    """A file mixing requests sampled at different settings (vLLM's per-request SamplingParams): each
+    row's temperature / top_p / top_k / min_p, top-level or under sampling_params, over the command's."""
+    hot = record("hf.qwen3.aligned", range(2), tmp_path / "hot.jsonl", temperature=0.7, sample_top_k=20)
+    cold = record("hf.qwen3.aligned", range(2, 4), tmp_path / "cold.jsonl", top_p=0.9, min_p=0.05)
+    rows = ([{**r, "temperature": 0.7, "top_k": 20} for r in hot]
+            + [{**r, "sampling_params": {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "min_p": 0.05,
+                                         "repetition_penalty": 1.0}} for r in cold])
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = score(path, pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False, max_repros=0)
+    assert len(res.scored) == len(rows) and not res.flagged and not res.bad, [s.metrics for s in res.flagged]
+    [note] = [n for n in res.notes if "record their own sampling settings" in n]
+    assert "temperature on 12" in note and "top_k on 12" in note and "min_p on 6" in note, note
+    assert not any("penalties" in n for n in res.notes)
+    bare = tmp_path / "bare.jsonl"  # the same rows without their settings: the command's defaults flag them
+    bare.write_text("".join(json.dumps({k: v for k, v in r.items() if k not in ("temperature", "top_k",
+                                                                               "sampling_params")}) + "\n"
+                            for r in rows))
+    assert score(bare, pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False, max_repros=0).flagged
+    # a setting no engine samples with is a bad row naming its field; penalties are noted
+    bad = [{**rows[0], "temperature": 0}, {**rows[1], "sampling_params": {"top_p": 1.5}},
+           {**rows[2], "sampling_params": "fast"}, {**rows[3], "presence_penalty": 0.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in bad))
+    res = score(path, pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False, max_repros=0)
+    assert [(b.line, b.field) for b in res.bad] == [(1, "temperature"), (2, "sampling_params.top_p"),
+                                                   (3, "sampling_params")], res.bad
+    assert "greedy" in res.bad[0].message
+    [note] = [n for n in res.notes if "record penalties" in n]
+    assert "presence_penalty" in note and "1 sample(s)" in note, note
+
+
 def test_tokens_the_trainer_cuts_are_named_not_taken_for_another_model(tmp_path):
     """A trial scored with a top-p the engine did not use: a few recorded tokens got probability 0
     from the trainer, the mean gap over them was inf, and the note said 'inf nats lower per token
