@@ -30,7 +30,8 @@ signature:
    shrinks to top-k = 4;
 6. set a free parameter (`Axes.params`) to its strategy's simplest value (what Hypothesis shrinks
    it to: 0.0 for `st.floats(0.0, 0.2)`, the first of `st.sampled_from`), and a numeric one halfway
-   there: a uniform case copies its example's parameters, which Hypothesis never shrank.
+   there (one of `st.sampled_from`: to the value before it in its list, never to one it cannot draw):
+   a uniform case copies its example's parameters, which Hypothesis never shrank.
 
 It repeats until no move is accepted (the result is 1-minimal with respect to
 `Case.simpler_neighbours()`) or its evaluation budget or deadline is spent. Each evaluation is one
@@ -187,12 +188,30 @@ def _moves(case: Case, axes: Any = None) -> Iterator[Case]:
         if simplest is _NONE or value == simplest:
             continue
         yield case.replace(params={**case.params, name: simplest})
+        choices = listed_values(strategy)
+        if choices is not None:  # a listed set (`st.sampled_from`): the value before it in the list, never one it
+            # cannot draw (halfway between 0.0 and 0.1 of [0.0, 0.05, 0.1] is 0.05; of a penalty's [1.0, 1.3], none)
+            at = [i for i, c in enumerate(choices) if c == value and type(c) is type(value)]
+            if at and at[0] > 1 and choices[at[0] - 1] != simplest:
+                yield case.replace(params={**case.params, name: choices[at[0] - 1]})
+            continue
         numbers = (int, float)
         if isinstance(value, numbers) and isinstance(simplest, numbers) and not isinstance(value, bool):
             mid = (value + simplest) / 2 if isinstance(value, float) or isinstance(simplest, float) \
                 else (value + simplest) // 2
             if mid not in (value, simplest) and math.isfinite(mid):
                 yield case.replace(params={**case.params, name: type(value)(mid)})
+
+
+def listed_values(strategy: Any) -> tuple | None:
+    """The values of a strategy that draws from a list as given (`st.sampled_from(...)` without a
+    `.map` or `.filter`), in its order (the first is its simplest); None for any other."""
+    from hypothesis.strategies._internal.strategies import SampledFromStrategy
+
+    inner = getattr(strategy, "wrapped_strategy", strategy)  # (a lazy strategy: what it builds)
+    if isinstance(inner, SampledFromStrategy) and not getattr(inner, "_transformations", ()):
+        return tuple(inner.elements)
+    return None
 
 
 _NONE = object()

@@ -133,6 +133,25 @@ def test_polish_moves_free_parameters_to_their_strategys_simplest_value():
     assert 0.01 < out.params["min_p"] < 0.021 and out.params["mode"] == "a"
 
 
+
+def test_a_listed_parameter_shrinks_through_its_list_never_to_a_value_it_cannot_draw():
+    """A trial's `st.sampled_from([0.0, 0.05, 0.1])` min-p came back as 3.05e-06 (bisected toward 0.0),
+    a value its strategy never draws; a penalty from [1.0, 1.1, 1.3] steps to 1.1, then 1.0."""
+    import hypothesis.strategies as st
+
+    from harness import Axes
+    from harness.shrink import moves
+
+    axes = Axes(n_seqs=(1, 4), seq_len=(1, 8), params={"min_p": st.sampled_from([0.0, 0.05, 0.1]),
+                                                        "rep": st.sampled_from([1.0, 1.1, 1.3])})
+    case = Case(seed=1, seq_lens=(2,), params={"min_p": 0.1, "rep": 1.3})
+    drawn = {(c.params["min_p"], c.params["rep"]) for c in moves(case, axes)}
+    assert {(0.0, 1.3), (0.05, 1.3), (0.1, 1.0), (0.1, 1.1)} <= drawn
+    assert all(p in (0.0, 0.05, 0.1) and r in (1.0, 1.1, 1.3) for p, r in drawn), drawn
+    out, _, _ = polish(case, lambda c: c.params["min_p"] > 0, axes=axes)
+    assert out.params == {"min_p": 0.05, "rep": 1.0}, out.params
+
+
 def test_the_polish_moves_stay_inside_the_pairs_axes():
     """Neutral knobs as the axes allow them: a pair that only left-pads, or samples at
     temperatures in [0.5, 0.9], is never shown a case outside them."""
