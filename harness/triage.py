@@ -809,14 +809,31 @@ def intermediates_reference(pair: Any, case: Any, device: str, registry: Any, na
     return {}, ""
 
 
-def per_intermediate(pair: Any, ev: Any, device: str, registry: Any) -> tuple[list[ModuleRow], str | None, str,
-                                                                             list[str]]:
+def per_intermediate(pair: Any, ev: Any, device: str, registry: Any, aligned: Any = None
+                     ) -> tuple[list[ModuleRow], str | None, str, list[str]]:
     """The named-intermediates table (error vs floor, in the trainer's order), the first one over its
-    floor, what the floor was measured on, and notes."""
+    floor, what the floor was measured on, and notes. `aligned`: the pair with every differing
+    component aligned (localization explained the case), whose errors are the floor where it names
+    the same intermediates (its own code, its own layout: a finding in a pair registered aligned has no
+    other aligned pair to take a floor from); else a registered aligned pair of the same family."""
+    from .execute import run_case
+
     errs, notes = intermediate_errors(ev.trainer, ev.rollout)
     if not errs:
         return [], None, "", notes
-    floors, floor_from = intermediates_reference(pair, ev.case, device, registry, set(errs))
+    floors, floor_from = {}, ""
+    if aligned is not None:
+        try:
+            ref = run_case(aligned, ev.case, device, keep_outcomes=True)
+        except Exception:  # noqa: BLE001 - no floor from it then
+            ref = None
+        if ref is not None and ref.trainer is not None and ref.rollout is not None:
+            theirs, _ = intermediate_errors(ref.trainer, ref.rollout)
+            if set(errs) & set(theirs):
+                floors, floor_from = {k: v[0] for k, v in theirs.items()}, \
+                    "the pair with every differing component aligned"
+    if not floors:
+        floors, floor_from = intermediates_reference(pair, ev.case, device, registry, set(errs))
     rows = [ModuleRow(name, err, max(MIN_FLOOR, FLOOR_FACTOR * floors.get(name, 0.0)), n)
             for name, (err, n) in errs.items()]
     return rows, next((r.name for r in rows if r.exceeds), None), floor_from, notes
@@ -1200,8 +1217,9 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
             t.notes.append("no aligned run of the same modules was found (a registered `aligned` pair exposing "
                            f"the same modules); the noise floor is the absolute minimum {MIN_FLOOR:g}")
         if ev.trainer is not None and ev.rollout is not None:
+            aligned = _variant(pair, prof, *loc.aligned_profiles) if loc is not None and loc.explained else None
             t.intermediates, t.first_intermediate, t.intermediates_floor_from, notes = per_intermediate(
-                pair, ev, device, registry)
+                pair, ev, device, registry, aligned)
             t.notes += notes
     if ev.symptom is Symptom.DIVERGENCE:  # (a NaN finding or a case that now passes: nothing crosses)
         t.first_over = first_over_line(ev.divergence, repro.case, thr, getattr(pair, "lead_tokens", 0))

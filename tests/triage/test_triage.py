@@ -315,6 +315,45 @@ def test_named_intermediates_of_a_path_that_is_not_torch_say_where_the_divergenc
     assert "## Divergence per named intermediate" in text and "| logits |" in text
 
 
+def test_a_pair_with_no_aligned_sibling_takes_its_intermediates_floor_from_its_aligned_variant():
+    """A user's ONNX-style pair registered aligned, with a bug planted in its rollout's `feature`
+    component and no other aligned pair of its family: the named intermediates' floor is the pair
+    itself with every differing component aligned (it fell back to the absolute minimum 1e-6, over
+    which the float16 activation's own error, the engine's by design, was named)."""
+    import numpy as np
+    import torch
+
+    from harness import Axes, Outcome, Profiles, TargetPair
+    from harness.pairs import Registry
+
+    def build(case, device):
+        return {"x": case.token_randn(16, "x").double().numpy(), "w": np.random.default_rng(0).normal(size=(16, 32))}
+
+    def path(role, feature):
+        def run(inp):
+            x, w = inp["x"], inp["w"]
+            act = np.tanh(x) if role == "trainer" else np.tanh(x.astype(np.float16)).astype(np.float64)  # (T, 16)
+            logits = act[:, :-1] @ w[:-1] if feature == "dropped" else act @ w  # (T, 32)
+            return Outcome(logprobs=torch.log_softmax(torch.from_numpy(logits), -1),
+                           intermediates={"act": act, "logits": logits})
+        return run
+
+    axes = Axes(n_seqs=(1, 2), seq_len=(1, 8), pad_sides=("right",), logit_scale=(1.0, 1.0))
+
+    def make(tr, ro):
+        return TargetPair(name="solo.aligned", kind="op", expected="aligned", build=build,
+                          trainer=path("trainer", tr["feature"]), rollout=path("rollout", ro["feature"]), axes=axes,
+                          profiles=Profiles(trainer=tr, rollout=ro, make=make))
+
+    reg = Registry()
+    reg.register(make({"feature": "all"}, {"feature": "dropped"}))
+    t = triage(made_repro("solo.aligned", Case(seed=4, seq_lens=(6, 3))), registry=reg)
+    assert t.localization is not None and t.localization.minimal == ["feature"], t.localization
+    assert t.intermediates_floor_from == "the pair with every differing component aligned", t.intermediates_floor_from
+    act, logits = t.intermediates
+    assert 1e-5 < act.error < act.floor and logits.exceeds and t.first_intermediate == "logits", t.intermediates
+
+
 @pytest.mark.slow
 def test_cli_triage_writes_the_report_and_prints_the_verdict(harness_cli, tmp_path):
     path = str(next(iter(iter_corpus(ROOT / "corpora" / "model.moe_aggregate_bf16"))))
