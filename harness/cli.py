@@ -529,8 +529,8 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
     with its reason and the rest are replayed; the exit is then 2 (125 under --bisect) unless one
     still diverges. A repro recorded from a plugin file inside this repository loads that file.
     A crash or timeout repro runs in a worker process: one that still crashes or hangs exits 1."""
-    from .corpus import (Skipped, _display, load_many_tolerant, load_plugin_for, missing_repro, replay as do_replay,
-                         severe_note)
+    from .corpus import (CLOSE_FLAGS_HINT, Skipped, _display, load_many_tolerant, load_plugin_for, missing_repro,
+                         replay as do_replay, severe_note)
     from .env import machine_differences, resolve_device
     from .execute import headline
     from .metrics import verdict_mean
@@ -584,7 +584,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
                 f"-> now {verdict} {ev.headline_like(r.metrics)}; bit-for-bit "
                 + (f"no: it no longer fails (fixed? once it is: `{r.close_command(plugin_flags=_plugin_flags(r, plugins))}`"
-                   ", with --no-tracking for a corpus kept without MLflow)" if now_fixed else
+                   f", {CLOSE_FLAGS_HINT})" if now_fixed else
                    "yes" if res.compared and res.bit_for_bit else "no" if res.compared else
                    ("not compared (its case was edited since it was recorded: the recorded metrics are another "
                     "case's; " + (f"`harness rerecord{_plugin_flags(r, plugins)} "

@@ -411,6 +411,11 @@ def shrink_command_for(pair_name: str, path: str | Path, tracking_uri: str | Non
 # ---------------------------------------------------------------------------------------------
 # The record
 # ---------------------------------------------------------------------------------------------
+# what the printed close commands add in words: the flags a person may need that the repro cannot know
+CLOSE_FLAGS_HINT = ("with --tracking-uri where its campaign logged to a store other than the default, --no-tracking "
+                    "for a corpus kept without MLflow")
+
+
 @dataclass
 class Repro:
     path: Path | None
@@ -511,9 +516,15 @@ class Repro:
 
     def close_command(self, path: Any = None, plugin_flags: str | None = None) -> str:
         """The command that closes this repro as fixed, as printed (`plugin_flags`: the --plugin flags the
-        calling command was given, else this repro's own)."""
+        calling command was given, else this repro's own; the MLflow server its run was logged to where
+        the repro records one: a local store's file is not recorded, since it means nothing elsewhere)."""
+        import shlex
+
         spec = self.plugin_spec()
         flags = plugin_flags if plugin_flags is not None else (f" --plugin {spec}" if spec else "")
+        uri = (self.tracking or {}).get("uri")
+        if isinstance(uri, str) and uri:
+            flags += f" --tracking-uri {shlex.quote(uri)}"
         path = path or self.path
         return (f"harness regressions close {self.id} --status fixed{flags}"
                 + (f" --corpus-file {_display(Path(path))}" if path else "") + " --note 'fixed by ...'")

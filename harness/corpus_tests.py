@@ -32,8 +32,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.corpus import (_display, builtin_extra_missing, iter_corpus, load_plugin_for, load_repro, replay,
-                            replay_severe, severe_note)
+from harness.corpus import (CLOSE_FLAGS_HINT, _display, builtin_extra_missing, iter_corpus, load_plugin_for,
+                            load_repro, replay, replay_severe, severe_note)
 from harness.env import machine_differences
 from harness.errors import CannotEvaluate, HarnessError
 from harness.pairs import REGISTRY
@@ -105,8 +105,7 @@ def test_replay(path, root, request):
         except HarnessError:
             severe = None
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline_like(repro.metrics)}): close it as fixed, "
-                    f"`{repro.close_command(path, plugin_flags=_plugin_flags(request.config))}` (add --no-tracking "
-                    "for a corpus kept without MLflow)"
+                    f"`{repro.close_command(path, plugin_flags=_plugin_flags(request.config))}` ({CLOSE_FLAGS_HINT})"
                     + (f"; but {severe_note(severe)}" if severe is not None and severe.failed else ""), pytrace=False)
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
     if repro.status == "open":

@@ -558,3 +558,18 @@ def test_show_says_when_routing_flipped_and_why_pearson_is_nan(capsys):
     code, out, _ = run_cli(capsys, "show", str(ROOT / "corpora" / "moe_aggregate.bf16" / next(
         (ROOT / "corpora" / "moe_aggregate.bf16").glob("*.json")).name))
     assert code == 0 and "routing flipped" not in out, out
+
+
+def test_the_close_command_names_the_mlflow_server_a_repro_records_and_never_a_local_file():
+    """A repro closed against a shared MLflow server records its URI (the same for everyone): the printed
+    close command carries it, quoted; a local store's file is not recorded (it means nothing elsewhere),
+    so the command stays without it and the words beside it say when to add one."""
+    from harness.corpus import CLOSE_FLAGS_HINT, iter_corpus, load_repro
+
+    repro = load_repro(next(iter(iter_corpus(ROOT / "corpora"))))
+    repro.tracking = {"run_id": "abc"}
+    assert "--tracking-uri" not in repro.close_command()
+    repro.tracking = {"run_id": "abc", "uri": "http://mlflow.internal:5000/a b"}
+    assert " --tracking-uri 'http://mlflow.internal:5000/a b' --corpus-file " in repro.close_command(), \
+        repro.close_command()
+    assert "--tracking-uri where its campaign logged to a store other than the default" in CLOSE_FLAGS_HINT

@@ -962,8 +962,8 @@ def test_a_second_bug_far_above_the_minimal_one_is_kept_as_the_findings_severe_c
     fixed.write_text(plugin.read_text().replace('0.03 * inp["noise"]', '0.0 * inp["noise"]'))
     code, out, err = harness_cli("replay", str(path), "--plugin", str(fixed), cwd=tmp_path)
     assert code == 0 and "-> now clean" in out and "bit-for-bit no: it no longer fails (fixed? once it is: `harness " \
-        f"regressions close {repro.id} --status fixed --plugin " in out and "--note 'fixed by ...'`, with --no-tracking " \
-        "for a corpus kept without MLflow)" in out and "k3_kl:" not in out, out
+        f"regressions close {repro.id} --status fixed --plugin " in out and "--note 'fixed by ...'`, with --tracking-uri where its campaign logged to a store other than the " \
+        "default, --no-tracking for a corpus kept without MLflow)" in out and "k3_kl:" not in out, out
     # ... and its severe case, the temperature bug, still fails: said by replay and by the corpus test
     assert "but its severe case (found.severe) still fails (divergence k3=" in out, out
     tested = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--pyargs",
