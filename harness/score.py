@@ -807,6 +807,9 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         raw = _raw_logprobs_check(pair, res, sampling, device, threshold) if not padded else None
         if raw is not None:
             res.notes.append(raw)
+        shifted = _shift_check(res, threshold) if not padded else None
+        if shifted is not None:
+            res.notes.append(shifted)
         sharper = [sc for sc in res.scored if sc.evaluation.failed and sc.metrics.get("log_ppl_diff", 0.0) < 0]
         if not padded and neutral and SHARPER < gap <= WRONG_MODEL_GAP and len(sharper) >= 0.9 * len(res.scored) >= 1:
             res.notes.append(
@@ -923,6 +926,45 @@ def _raw_logprobs_check(pair: Any, res: ScoreResult, sampling: dict, device: str
             "unprocessed one, as vLLM does by default (logprobs_mode='raw_logprobs'). An RL step's importance ratio "
             "then reads the temperature and the cut as a mismatch: have the engine report the processed log-probs "
             "(vLLM: logprobs_mode='processed_logprobs'), or score and train at temperature 1 without truncation.")
+
+
+SHIFT_MIN_TOKENS = 3  # a flagged sample's recorded tokens the shift check needs (two pairs at a shift of one)
+
+
+def _shift_check(res: ScoreResult, threshold: float) -> str | None:
+    """A note when the flagged samples' recorded log-probs agree with the trainer's one token over
+    (entry i holds response token i+1's log-prob, or i-1's: a list sliced one off, a prompt token's
+    log-prob left in front): the mean k3 of the pairs at that shift under the line on at least 90% of
+    them. None when they do not, or too few tokens say."""
+    import numpy as np
+
+    from .metrics import k3_of
+
+    flagged = [sc for sc in res.scored if sc.evaluation.failed and len(sc.sample.response) >= SHIFT_MIN_TOKENS]
+    if not flagged:
+        return None
+    hits: dict[int, list[str]] = {1: [], -1: []}
+    for sc in flagged:
+        pt = getattr(sc.evaluation.divergence, "per_token", None) or {}
+        lt, lr = pt.get("logp_trainer"), pt.get("logp_rollout")
+        if lt is None or lr is None or len(lt) < SHIFT_MIN_TOKENS:
+            continue
+        lt, lr = np.asarray(lt, dtype=np.float64), np.asarray(lr, dtype=np.float64)
+        for shift in (1, -1):  # recorded entry i against the trainer's token i + shift
+            a, b = (lr[:-1], lt[1:]) if shift == 1 else (lr[1:], lt[:-1])
+            with np.errstate(all="ignore"):
+                k3 = float(np.mean(k3_of(b - a)))
+            if k3 <= threshold:
+                hits[shift].append(f"line {sc.sample.line}: k3 {sc.metrics.get('k3_kl', math.nan):.3g} -> {k3:.3g}")
+    shift = max(hits, key=lambda k: len(hits[k]))
+    if len(hits[shift]) < max(1, 0.9 * len(flagged)):
+        return None
+    which = "the next response token's (i + 1)" if shift == 1 else "the previous response token's (i - 1)"
+    return (f"log-probs shifted by one token: on {len(hits[shift])} of the {len(flagged)} flagged sample(s) recorded "
+            f"entry i agrees with the trainer's log-prob of {which} ({'; '.join(hits[shift][:3])}"
+            f"{'; ...' if len(hits[shift]) > 3 else ''}). The engine's list is sliced one off its tokens (a "
+            "logits[:, :-1] / labels[:, 1:] alignment done twice or not at all, a prompt token's log-prob left in "
+            "front): check where the log-probs are cut from the engine's output.")
 
 
 def write_repro(s: Scored, pair: Any, extra: dict, sampling: dict, source: Path, threshold: float, device: str,

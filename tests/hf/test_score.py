@@ -769,6 +769,26 @@ def test_raw_log_probs_of_a_processed_sampler_are_named(tmp_path):
     assert res.flagged and not any("raw distribution" in n for n in res.notes), res.notes
 
 
+def test_log_probs_sliced_one_off_their_tokens_are_named(tmp_path):
+    """A recording whose log-prob list is one off its tokens (entry i holds token i+1's: a slice done
+    twice), or the other way (a prompt token's log-prob left in front): the note names the shift."""
+    rows = record("hf.qwen3.aligned", range(2), tmp_path / "r.jsonl")
+    for shift, words in ((1, "the next response token's (i + 1)"), (-1, "the previous response token's (i - 1)")):
+        out = []
+        for r in rows:
+            lp = r["rollout_logprobs"]
+            lp = lp[1:] + [-0.5] if shift == 1 else [-0.5] + lp[:-1]
+            out.append({**r, "rollout_logprobs": lp})
+        path = tmp_path / f"s{shift}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in out))
+        res = score(path, pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False, max_repros=0)
+        assert len(res.flagged) == len(rows), [s.metrics for s in res.scored]
+        [note] = [n for n in res.notes if n.startswith("log-probs shifted by one token")]
+        assert words in note and f"on {len(rows)} of the {len(rows)} flagged" in note, note
+    assert not any("shifted" in n for n in score(tmp_path / "r.jsonl", pair_name="hf.qwen3.aligned",
+                                                  corpus=tmp_path / "c", progress=False).notes)
+
+
 def test_rows_that_record_their_own_sampling_settings_are_scored_with_them(tmp_path):
     """A file mixing requests sampled at different settings (vLLM's per-request SamplingParams): each
     row's temperature / top_p / top_k / min_p, top-level or under sampling_params, over the command's."""
