@@ -6,7 +6,7 @@ repro file is a few hundred bytes of JSON and replays bit-for-bit.
 
 An RL batch (schema 2): each sequence j is a prompt of `prompt_lens[j]` tokens and a response of
 `seq_lens[j]` tokens. The rollout prefills the prompt and decodes every response token from its KV
-cache, sampling with the case's `temperature` / `top_p` / `sample_top_k` / `min_p`; the trainer scores the
+cache, sampling with the case's `temperature` / `top_p` / `sample_top_k` / `min_p` (and penalties); the trainer scores the
 response tokens in one teacher-forced forward over the packed prompt+response rows. Outcome rows
 are the response tokens, `n_tokens = sum(seq_lens)`, in case order. Op pairs have no prompt
 (`prompt_lens = ()`, every prompt empty) and see `seq_lens` as before. Sequences may share a prompt
@@ -23,7 +23,7 @@ bit-for-bit. `harness corpus upgrade DIR` rewrites schema-1 files in the schema-
 streams.
 
 What "smaller" means (why a minimal case is minimal): fewer sequences, shorter responses, shorter
-prompts, and every knob at its neutral value: temperature 1.0, top-p 1.0, top-k 0 and min-p 0 (off), right
+prompts, and every knob at its neutral value: temperature 1.0, top-p 1.0, top-k 0, min-p 0 and penalties off, right
 padding, one packed row in the given order, no forced router ties, every prompt its own, logit
 scale at its lower bound, the first listed dtype. `smaller_neighbours()` lists the cases one removal away; `simpler_neighbours(axes)`
 adds one knob moved to neutral within the pair's axes. A minimal repro diverges and none of its
@@ -42,10 +42,12 @@ from typing import Any, Mapping
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)  # schema 1 (an op case: no prompts, no sampling fields) loads upgraded
 STREAMS = ("sequence", "single")
-NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "sample_top_k": 0, "min_p": 0.0, "pad_side": "right"}  # knob -> neutral
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "sample_top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+           "presence_penalty": 0.0, "frequency_penalty": 0.0, "pad_side": "right"}  # knob -> neutral
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 # sampling fields a repro's JSON leaves out at their neutral value (added after schema 2 was first
 # written: a case that does not use them keeps the key, and so the ID, it had, and older harnesses read it)
-OMITTED_WHEN_NEUTRAL = ("min_p",)
+OMITTED_WHEN_NEUTRAL = ("min_p", *PENALTIES)
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 PAD_SIDES = ("right", "left")
@@ -102,6 +104,10 @@ class Case:
     top_p: float = 1.0  # nucleus sampling mass in (0, 1]; neutral 1.0 (off)
     sample_top_k: int = 0  # sampling top-k; 0 = off (neutral). `top_k` above is the router's
     min_p: float = 0.0  # min-p: tokens below min_p x the most likely token's probability are cut; 0 = off
+    # penalties on the raw logits, by each row's token history (`harness.sampling.penalize`); neutral = off
+    repetition_penalty: float = 1.0  # > 0: tokens of the prompt and the output so far, positive logits / it
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once for each token the output holds so far
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted per occurrence in the output so far
     streams: str = "sequence"  # "sequence": per-sequence streams; "single": an upgraded schema-1 repro
     # each sequence's prompt: the stream id of the sequence whose prompt it shares (a group of samples of
     # one prompt, as GRPO draws them); () = every sequence its own prompt
@@ -182,7 +188,13 @@ class Case:
 
     @property
     def sampling(self) -> dict[str, float | int]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.sample_top_k, "min_p": self.min_p}
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.sample_top_k, "min_p": self.min_p,
+                **{name: getattr(self, name) for name in PENALTIES}}
+
+    @property
+    def penalties(self) -> dict[str, float]:
+        """The penalties away from neutral (name -> value); {} when off."""
+        return {name: getattr(self, name) for name in PENALTIES if getattr(self, name) != NEUTRAL[name]}
 
     @property
     def packing_order(self) -> tuple[int, ...]:
@@ -261,6 +273,11 @@ class Case:
             _fail("sample_top_k", self.sample_top_k, "must be an integer >= 0 (0 = off)")
         if not finite_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             _fail("min_p", self.min_p, "must be a number in [0, 1] (0.0 = off)")
+        if not finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            _fail("repetition_penalty", self.repetition_penalty, "must be a finite number > 0 (1.0 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not finite_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                _fail(name, getattr(self, name), "must be a number in [-2, 2] (0.0 = off)")
         if self.streams not in STREAMS:
             _fail("streams", self.streams, f"must be one of {STREAMS}")
         if self.order and (not all(_int(i) for i in self.order)
@@ -548,7 +565,8 @@ class Case:
         return dataclasses.replace(self, **changes)
 
 
-SCHEMA2_FIELDS = ("prompt_lens", "seq_ids", "temperature", "top_p", "sample_top_k", "streams", "prompt_ids", "min_p")
+SCHEMA2_FIELDS = ("prompt_lens", "seq_ids", "temperature", "top_p", "sample_top_k", "streams", "prompt_ids", "min_p",
+                  *PENALTIES)
 SEQUENCE_FIELDS = ("seq_lens", "order", "prompt_lens", "seq_ids", "prompt_ids")  # lists in JSON, tuples here
 
 

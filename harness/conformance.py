@@ -45,10 +45,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .case import Case
+from .case import NEUTRAL, PENALTIES, Case
 from .errors import HarnessError
 from .execute import run_paths
-from .pairs import REGISTRY, TargetPair
+from .pairs import REGISTRY, SAMPLING_AXES, TargetPair
 
 PERMUTE_TV = 0.1  # a permuted row matches when its TV distance is under this fraction of distinct rows'
 PERMUTE_MATCH = 0.5  # ... for at least this fraction of a path's rows
@@ -77,7 +77,8 @@ def _run_paths(pair: TargetPair, case: Case, device: str, reads: set | None = No
 # The case fields each fuzzed axis sets: an axis whose fields neither path (nor its readout) reads
 # changes nothing the pair computes (`unread_axes`).
 AXIS_FIELDS = {"pad_sides": ("pad_side",), "temperature": ("temperature",), "top_p": ("top_p",),
-               "sample_top_k": ("sample_top_k",), "min_p": ("min_p",), "logit_scale": ("logit_scale",),
+               "sample_top_k": ("sample_top_k",), "min_p": ("min_p",),
+               **{name: (name,) for name in PENALTIES}, "logit_scale": ("logit_scale",),
                "packing": ("row_capacity", "order"), "routing.tie_fraction": ("tie_fraction", "tie_gap"),
                "dtypes": ("dtype",), "prompt_len": ("prompt_lens",), "prompt_group": ("prompt_ids",)}
 _WATCHED_FIELDS = frozenset(f for fields in AXIS_FIELDS.values() for f in fields)
@@ -140,14 +141,14 @@ def unread_axes(pair: TargetPair, reads: set, n_cases: int) -> list[str]:
     fuzzed = {"pad_sides": len(ax.pad_sides) > 1, "packing": ax.packing, "dtypes": len(ax.dtypes) > 1,
               "routing.tie_fraction": ax.routing is not None and ax.routing.tie_fraction[1] > 0,
               "prompt_len": ax.prompt_len[1] > 0, "prompt_group": ax.prompt_group[1] > 1,
-              **{k: getattr(ax, k)[0] != getattr(ax, k)[1] for k in ("temperature", "top_p", "sample_top_k",
-                                                                     "min_p", "logit_scale")}}
+              **{k: getattr(ax, k)[0] != getattr(ax, k)[1] for k in (*SAMPLING_AXES, "logit_scale")}}
     fixes = {"pad_sides": f"pad_sides=({ax.pad_sides[0]!r},)", "packing": "packing=False",
              "dtypes": f"dtypes=({ax.dtypes[0]!r},)",
              "routing.tie_fraction": "routing=RoutingAxes(..., tie_fraction=(0.0, 0.0))",
              "prompt_len": "prompt_len=(0, 0)", "prompt_group": "prompt_group=(1, 1)",
              "temperature": "temperature=(1.0, 1.0)", "top_p": "top_p=(1.0, 1.0)",
              "sample_top_k": "sample_top_k=(0, 0)", "min_p": "min_p=(0.0, 0.0)",
+             **{name: f"{name}=({NEUTRAL[name]}, {NEUTRAL[name]})" for name in PENALTIES},
              "logit_scale": f"logit_scale=({ax.logit_scale[0]}, {ax.logit_scale[0]})"}
     out = []
     for axis, fields in AXIS_FIELDS.items():

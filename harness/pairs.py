@@ -253,6 +253,11 @@ class Profiles:
 # ---------------------------------------------------------------------------------------------
 # What a pair lets the fuzzer vary
 # ---------------------------------------------------------------------------------------------
+# the sampling knobs an `Axes` bounds, each (low, high), neutral as `case.NEUTRAL` says
+SAMPLING_AXES = ("temperature", "top_p", "sample_top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+
+
 @dataclass(frozen=True)
 class RoutingAxes:
     """Bounds of the near-tie routing axes (only for pairs with a router)."""
@@ -290,6 +295,10 @@ class Axes:
     top_p: tuple[float, float] = (1.0, 1.0)  # nucleus mass (neutral 1.0 = off)
     sample_top_k: tuple[int, int] = (0, 0)  # sampling top-k (neutral 0 = off)
     min_p: tuple[float, float] = (0.0, 0.0)  # sampling min-p (neutral 0.0 = off)
+    # penalties by each row's token history (`harness.sampling.penalize`; the paths must apply them)
+    repetition_penalty: tuple[float, float] = (1.0, 1.0)  # neutral 1.0 = off
+    presence_penalty: tuple[float, float] = (0.0, 0.0)  # neutral 0.0 = off
+    frequency_penalty: tuple[float, float] = (0.0, 0.0)  # neutral 0.0 = off
     # sequences per prompt (a group of samples of one prompt, as GRPO draws them: `case.prompt_ids`);
     # (1, 1) = every sequence its own prompt (neutral)
     prompt_group: tuple[int, int] = (1, 1)
@@ -324,7 +333,7 @@ class Axes:
                 out["routing"]["min_gap"] = r.min_gap
         if self.logit_scale[0] != self.logit_scale[1]:
             out["logit_scale"] = list(self.logit_scale)
-        for name in ("temperature", "top_p", "sample_top_k", "min_p"):
+        for name in SAMPLING_AXES:
             lo, hi = getattr(self, name)
             if lo != hi:
                 out[name] = [lo, hi]
@@ -379,6 +388,9 @@ class Axes:
         float_range("temperature", lambda x: x > 0, math.isfinite, "0 < low <= high < inf (1.0 is neutral)")
         float_range("top_p", lambda x: x > 0, lambda x: x <= 1, "0 < low <= high <= 1 (1.0 is neutral: off)")
         float_range("min_p", lambda x: x >= 0, lambda x: x <= 1, "0 <= low <= high <= 1 (0.0 is neutral: off)")
+        float_range("repetition_penalty", lambda x: x > 0, math.isfinite, "0 < low <= high < inf (1.0 is neutral: off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            float_range(name, lambda x: x >= -2, lambda x: x <= 2, "-2 <= low <= high <= 2 (0.0 is neutral: off)")
         if not isinstance(self.packing, bool):
             out.append(f"axes.packing={self.packing!r} must be True or False")
         out.extend(self._cap_problems())

@@ -1,9 +1,10 @@
-"""Sampling as a rollout engine does it, for pairs to share: temperature, min-p, top-k, top-p, and
-seeded token draws that replay bit-for-bit on every device.
+"""Sampling as a rollout engine does it, for pairs to share: penalties, temperature, min-p, top-k,
+top-p, and seeded token draws that replay bit-for-bit on every device.
 
 An outcome's log-probabilities are those of the distribution its path sampled from (or scores
-with): `process_logits` applies the case's sampling parameters in vLLM's order (temperature first,
-then min-p, then top-k, then top-p over what is left; truncated tokens get -inf, and the rest is
+with): `process_logits` applies the case's sampling parameters in vLLM's order (the repetition,
+frequency and presence penalties on the raw logits, then temperature, then min-p, then top-k, then
+top-p over what is left; truncated tokens get -inf, and the rest is
 renormalised). Hugging Face's `generate` applies min-p last, after top-p: the kept set differs only
 where both min-p and top-p cut (top-p then sums over a distribution min-p already renormalised), so
 an engine and a trainer that order them differently is a real mismatch a case with both can show. A rollout that samples from a truncated distribution while the trainer
@@ -21,11 +22,16 @@ import math
 from typing import Any
 
 
+PENALTY_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
 def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                   min_p: float = 0.0) -> Any:
+                   min_p: float = 0.0, *, seen: Any = None, counts: Any = None, repetition_penalty: float = 1.0,
+                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Any:
     """(..., V) logits -> (..., V) float32 log-probabilities of the sampling distribution.
 
-    temperature > 0 divides the logits; min_p > 0 then cuts every token whose probability is below
+    Penalties first, on the raw logits, as vLLM applies them (`penalize`; they need each row's token
+    history, `seen` and `counts`: `history`); then temperature > 0 divides the logits; min_p > 0 then cuts every token whose probability is below
     min_p times the most likely token's (as vLLM and Hugging Face do, in log space: a logit more than
     -log(min_p) below the row's largest; min_p = 1 keeps the tokens tied at the top); top_k > 0 keeps
     the k largest (ties at the k-th value are all kept, as a threshold filter does); top_p < 1 keeps
@@ -41,7 +47,8 @@ def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p:
         raise ValueError(f"process_logits: top_p must be in (0, 1], got {top_p!r} (1.0 turns it off)")
     if not (0.0 <= float(min_p) <= 1.0):
         raise ValueError(f"process_logits: min_p must be in [0, 1], got {min_p!r} (0.0 turns it off)")
-    x = logits.float() / float(temperature)
+    x = penalize(logits.float(), seen, counts, repetition_penalty, presence_penalty, frequency_penalty)
+    x = x / float(temperature)
     v = x.shape[-1]
     if min_p > 0.0:
         floor = x.amax(-1, keepdim=True) + math.log(float(min_p))  # (..., 1)
@@ -52,6 +59,65 @@ def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p:
     if top_p < 1.0:
         x = x.masked_fill(_nucleus_drop(x, float(top_p)), float("-inf"))
     return torch.log_softmax(x, dim=-1)
+
+
+def penalize(logits: Any, seen: Any = None, counts: Any = None, repetition_penalty: float = 1.0,
+             presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Any:
+    """(..., V) float logits with an engine's penalties applied, as vLLM applies them (before the
+    temperature): the repetition penalty divides the positive logits, and multiplies the others, of
+    every token in the row's prompt or output so far (`seen`, (..., V) bool; Hugging Face's
+    `repetition_penalty` is the same over its input ids); the frequency penalty subtracts
+    frequency_penalty times each token's count in the output so far (`counts`, (..., V)), the presence
+    penalty presence_penalty once for each token the output holds. Neutral values (1, 0, 0) leave
+    the logits as they are, history or not."""
+    import torch
+
+    rp, pp, fp = float(repetition_penalty), float(presence_penalty), float(frequency_penalty)
+    if not (math.isfinite(rp) and rp > 0):
+        raise ValueError(f"penalize: repetition_penalty must be a finite number > 0, got {repetition_penalty!r} "
+                         "(1.0 turns it off)")
+    if not (math.isfinite(pp) and math.isfinite(fp)):
+        raise ValueError(f"penalize: presence_penalty and frequency_penalty must be finite, got {presence_penalty!r}, "
+                         f"{frequency_penalty!r} (0.0 turns them off)")
+    if rp == 1.0 and pp == 0.0 and fp == 0.0:
+        return logits
+    if (rp != 1.0 and seen is None) or ((pp or fp) and counts is None):
+        raise ValueError("penalize: penalties need each row's token history: `seen` (the prompt's and output's "
+                         "tokens, for the repetition penalty) and `counts` (the output's, for presence and frequency); "
+                         "make them with harness.sampling.history")
+    x = logits
+    if rp != 1.0:
+        x = torch.where(seen.to(x.device), torch.where(x > 0, x / rp, x * rp), x)
+    if fp:
+        x = x - fp * counts.to(device=x.device, dtype=x.dtype)
+    if pp:
+        x = x - pp * (counts.to(x.device) > 0).to(x.dtype)
+    return x
+
+
+def history(prompt: Any, response: Any, vocab: int, first: int = 0, last: int | None = None,
+            device: Any = None) -> tuple[Any, Any]:
+    """The token history a penalty reads at response positions first..last-1 of one sequence (all
+    by default): (seen, counts), each (rows, V): `seen` the tokens of the prompt and of the response
+    before that position (bool), `counts` how often each token occurs in the response before it
+    (float32). The rollout's step t and the trainer's row t read the same."""
+    import torch
+
+    prompt = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1).cpu()
+    response = torch.as_tensor(response, dtype=torch.int64).reshape(-1).cpu()
+    last = len(response) if last is None else last
+    n = max(0, last - first)
+    before = torch.zeros(vocab, dtype=torch.float32)  # counts of response[:first]
+    if first:
+        before.index_add_(0, response[:first], torch.ones(first))
+    steps = torch.zeros(n, vocab, dtype=torch.float32)  # row i adds response[first + i - 1] (row 0: nothing)
+    if n > 1:
+        steps[torch.arange(1, n), response[first:last - 1]] = 1.0
+    counts = before + torch.cumsum(steps, 0)  # (n, V)
+    seen = counts > 0
+    if len(prompt):
+        seen[:, prompt] = True
+    return seen.to(device) if device is not None else seen, counts.to(device) if device is not None else counts
 
 
 def _nucleus_drop(x: Any, top_p: float) -> Any:

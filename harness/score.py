@@ -13,7 +13,7 @@ of every response token and, optionally, the experts the rollout routed every to
                                                                layers = the MoE layers, or every decoder
                                                                layer (a dense one's entry is not read)
     id         id | uid | index                                optional sample id, echoed in the output
-    sampling   temperature, top_p, top_k, min_p                optional: the row's own settings (top level or in
+    sampling   temperature, top_p, top_k, min_p, the penalties  optional: the row's own settings (top level or in
                                                                a `sampling_params` object; top_k -1 or 0: off),
                                                                over the command's (`row_sampling`)
 
@@ -110,7 +110,6 @@ class Sample:
     # the row's own sampling settings (case field -> value: temperature, top_p, sample_top_k, min_p), over the
     # command's; {} where the row records none
     sampling: dict = field(default_factory=dict)
-    penalties: dict = field(default_factory=dict)  # penalties the row records at other than their neutral values
 
 
 @dataclass
@@ -409,17 +408,19 @@ ROW_SAMPLING = {
     "top_p": ("top_p", "a number in (0, 1]", lambda v: 0 < v <= 1),
     "top_k": ("sample_top_k", "an integer >= 0, or -1 (off, as vLLM writes it)", lambda v: v == int(v) and v >= -1),
     "min_p": ("min_p", "a number in [0, 1]", lambda v: 0 <= v <= 1),
+    "repetition_penalty": ("repetition_penalty", "a number > 0 (1: off)", lambda v: v > 0),
+    "presence_penalty": ("presence_penalty", "a number in [-2, 2] (0: off)", lambda v: -2 <= v <= 2),
+    "frequency_penalty": ("frequency_penalty", "a number in [-2, 2] (0: off)", lambda v: -2 <= v <= 2),
 }
-PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # name -> neutral
 
 
-def row_sampling(line: int, row: dict) -> tuple[dict, dict] | BadRow:
-    """(the row's sampling settings as case fields, its penalties away from neutral), or what is wrong."""
+def row_sampling(line: int, row: dict) -> tuple[dict] | BadRow:
+    """(the row's sampling settings as case fields,), or what is wrong."""
     sub = row.get("sampling_params")
     if sub is not None and not isinstance(sub, dict):
         return BadRow(line, "sampling_params", "must be an object of sampling settings (temperature, top_p, top_k, "
                                                "min_p, as vLLM's SamplingParams names them)")
-    got, penalties = {}, {}
+    got = {}
     for where, src in (("", row), ("sampling_params.", sub or {})):
         for name, (case_field, rule, ok) in ROW_SAMPLING.items():
             if name not in src or src[name] is None:
@@ -428,11 +429,7 @@ def row_sampling(line: int, row: dict) -> tuple[dict, dict] | BadRow:
             if not finite_number(v) or not ok(v):
                 return BadRow(line, where + name, f"is {_short(v)}: the engine's sampling setting must be {rule}")
             got[case_field] = (max(int(v), 0) if name == "top_k" else float(v))
-        for name, neutral in PENALTIES.items():
-            v = src.get(name)
-            if v is not None and finite_number(v) and float(v) != neutral:
-                penalties[name] = float(v)
-    return got, penalties
+    return (got,)
 
 
 def padding_hint(prompt: list[int], response: list[int], logprobs: list[float], pads: set[int],
@@ -795,15 +792,15 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                 + ", ".join(f"{row_name} on {sum(k in sc.sample.sampling for sc in own)}"
                             for row_name, (k, _, _) in ROW_SAMPLING.items() if any(k in sc.sample.sampling for sc in own))
                 + "); each was scored with its own, over the command's")
-        penalised = [sc for sc in res.scored if sc.sample.penalties]
+        penalised = [sc for sc in res.scored if sc.case.penalties]
         if penalised:
-            names = sorted({k for sc in penalised for k in sc.sample.penalties})
+            names = sorted({k for sc in penalised for k in sc.case.penalties})
             res.notes.append(
-                f"sampling: {len(penalised)} sample(s) record penalties ({', '.join(names)}, at other than their neutral "
-                "values), which the trainer does not apply: an engine that reports the log-probs of the penalised "
-                "distribution it sampled from differs from the trainer there by the penalty itself, and an RL step "
-                "reading them is off-policy by as much. Score those samples apart from the rest; flagged, they are "
-                "flagged for the penalty as much as for the engine's numerics.")
+                f"sampling: {len(penalised)} sample(s) were scored with penalties ({', '.join(names)}), applied as vLLM "
+                "applies them (repetition over the prompt and the response so far, presence and frequency over the "
+                "response so far, before the temperature): that checks the engine's log-probs of its penalised "
+                "distribution. An RL trainer that applies no penalty reads those samples off-policy by the penalty "
+                "itself; score them without it to see by how much.")
         raw = _raw_logprobs_check(pair, res, sampling, device, threshold) if not padded else None
         if raw is not None:
             res.notes.append(raw)
@@ -892,7 +889,9 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
 
 def _neutral(sampling: dict) -> bool:
     return (sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0
-            and not sampling.get("sample_top_k", 0) and not sampling.get("min_p", 0.0))
+            and not sampling.get("sample_top_k", 0) and not sampling.get("min_p", 0.0)
+            and sampling.get("repetition_penalty", 1.0) == 1.0 and not sampling.get("presence_penalty", 0.0)
+            and not sampling.get("frequency_penalty", 0.0))
 
 
 RAW_CHECKS = 3  # flagged samples rescored with the unprocessed distribution (`_raw_logprobs_check`)
@@ -913,7 +912,8 @@ def _raw_logprobs_check(pair: Any, res: ScoreResult, sampling: dict, device: str
     picked = sorted(flagged, key=lambda sc: -sc.metrics.get("k3_kl", 0.0))[:RAW_CHECKS]
     before, after = [], []
     for sc in picked:
-        case = sc.case.replace(temperature=1.0, top_p=1.0, sample_top_k=0, min_p=0.0)
+        case = sc.case.replace(temperature=1.0, top_p=1.0, sample_top_k=0, min_p=0.0, repetition_penalty=1.0,
+                               presence_penalty=0.0, frequency_penalty=0.0)
         ev = run_case(pair, case, device, threshold)
         if ev.divergence is None or ev.failed:
             return None
@@ -1114,13 +1114,16 @@ def _fmt(x: Any) -> str:
 
 
 def default_out_name(file: Path, model: str | None, pair: str | None, replay: bool, threshold: float,
-                     temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> str:
+                     temperature: float, top_p: float, top_k: int, min_p: float = 0.0,
+                     penalties: tuple[float, float, float] = (1.0, 0.0, 0.0)) -> str:
     """`<file name>[.replay]-<8 hex>`: the hex of the file's absolute path and the scoring settings, so
     that a rescore with other settings (or another file of that name) never overwrites the first."""
     settings = [str(file.resolve()), model and str(Path(model).resolve()), pair, replay, threshold,
                 temperature, top_p, top_k]
-    if min_p:  # (added later: a folder scored without it keeps its name)
+    if min_p or tuple(penalties) != (1.0, 0.0, 0.0):  # (added later: a folder scored without them keeps its name)
         settings.append(min_p)
+    if tuple(penalties) != (1.0, 0.0, 0.0):
+        settings.append(list(penalties))
     key = json.dumps(settings)
     return f"{file.name}{'.replay' if replay else ''}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
@@ -1150,6 +1153,12 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Sampling top-k (0 = off).")
 @click.option("--min-p", type=FiniteFloat(0, 1), default=0.0, show_default=True,
               help="Sampling min-p (0 = off): tokens below min-p x the top token's probability were cut.")
+@click.option("--repetition-penalty", type=FiniteFloat(0, min_open=True), default=1.0, show_default=True,
+              help="The engine's repetition penalty (1 = off), over the prompt and the response so far.")
+@click.option("--presence-penalty", type=FiniteFloat(-2, 2), default=0.0, show_default=True,
+              help="The engine's presence penalty (0 = off), over the response so far.")
+@click.option("--frequency-penalty", type=FiniteFloat(-2, 2), default=0.0, show_default=True,
+              help="The engine's frequency penalty (0 = off), over the response so far.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("corpora"),
               show_default=True, help="Where the worst samples are written as repros.")
@@ -1163,8 +1172,8 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
 @click.option("--plugin", "plugins", multiple=True, metavar="FILE.py|MODULE",
               help="Load target pairs from a Python file or an importable module (repeatable).")
 def score_command(file: Path, model: str | None, pair_name: str | None, replay: bool, threshold: float,
-                  temperature: float, top_p: float, top_k: int, min_p: float, device: str, corpus_dir: Path,
-                  max_repros: int,
+                  temperature: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float,
+                  presence_penalty: float, frequency_penalty: float, device: str, corpus_dir: Path, max_repros: int,
                   out_dir: Path | None, tracking_uri: str | None, no_tracking: bool, plugins: tuple[str, ...]) -> None:
     """Score recorded rollouts (JSONL or Parquet) with a trainer: per-sample and batch k3, flagged samples,
     the worst as repros."""
@@ -1176,7 +1185,9 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         # (rollouts.jsonl and rollouts.parquet apart; a --replay run beside the plain one, not over it; the
         # same file name in another folder, or scored with another trainer or sampling, in a folder of its own)
         out = out_dir or Path("reports") / "score" / default_out_name(file, model, pair_name, replay, threshold,
-                                                                      temperature, top_p, top_k, min_p)
+                                                                      temperature, top_p, top_k, min_p,
+                                                                      (repetition_penalty, presence_penalty,
+                                                                       frequency_penalty))
         try:  # (before scoring: a folder that cannot be made would otherwise fail after it)
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -1188,8 +1199,9 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         terminate_like_ctrl_c()  # SIGTERM (CI timeouts, Slurm) as Ctrl-C: what was scored is written, exit 130
         res = score(file, model=model, pair_name=pair_name, replay=replay, threshold=threshold, device=device,
                     corpus=corpus_dir, out_dir=out, max_repros=max_repros,
-                    sampling={"temperature": temperature, "top_p": top_p, "sample_top_k": top_k, "min_p": min_p},
-                    tracker=tracker)
+                    sampling={"temperature": temperature, "top_p": top_p, "sample_top_k": top_k, "min_p": min_p,
+                              "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+                              "frequency_penalty": frequency_penalty}, tracker=tracker)
     except UsageError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_USAGE)

@@ -44,19 +44,21 @@ import time
 import math
 from typing import Any, Callable, Iterator
 
-from .case import NEUTRAL, Case
+from .case import NEUTRAL, PENALTIES, Case
+from .pairs import SAMPLING_AXES
 
 
 def neutral_within(axes: Any = None) -> dict[str, Any]:
     """Each knob's neutral value (`case.NEUTRAL`) as the pair's axes allow it: the first pad side
     they draw, sampling knobs clamped into their bounds (temperature and top-p toward 1, sampling
-    top-k and min-p toward off: their low bounds, where Hypothesis shrinks them too). A shrunk case stays inside
+    top-k and min-p toward off: their low bounds, where Hypothesis shrinks them too; penalties toward
+    off). A shrunk case stays inside
     the declared axes (a pair that always left-pads is never shown a right-padded repro)."""
     if axes is None:
         return dict(NEUTRAL)
     out = dict(NEUTRAL)
     out["pad_side"] = axes.pad_sides[0]
-    for name in ("temperature", "top_p", "sample_top_k", "min_p"):
+    for name in SAMPLING_AXES:
         lo, hi = getattr(axes, name)
         out[name] = type(NEUTRAL[name])(min(max(NEUTRAL[name], lo), hi))
     return out
@@ -163,6 +165,8 @@ def _moves(case: Case, axes: Any = None) -> Iterator[Case]:
     yield from _halfway(case, "temperature", neutral_of["temperature"], log=True)
     yield from _halfway(case, "top_p", neutral_of["top_p"])
     yield from _halfway(case, "min_p", neutral_of["min_p"])
+    for name in PENALTIES:
+        yield from _halfway(case, name, neutral_of[name])
     if low_scale is not None:
         yield from _halfway(case, "logit_scale", float(low_scale), log=True)
     yield from _halfway(case, "tie_gap", float(low_gap))
@@ -315,7 +319,7 @@ def _with(case: Case, j: int, prompt: int | None = None, response: int | None = 
 
 EDGE_MARGIN = 1.5  # a knob bisected toward neutral stops where the judged value stays this far over the line
 
-CONTINUOUS = ("logit_scale", "temperature", "top_p", "min_p", "tie_gap")
+CONTINUOUS = ("logit_scale", "temperature", "top_p", "min_p", "tie_gap", *PENALTIES)
 
 
 def bisects(case: Case, cand: Case, axes: Any = None) -> bool:
@@ -326,10 +330,10 @@ def bisects(case: Case, cand: Case, axes: Any = None) -> bool:
     if len(diff) != 1 or diff[0] not in CONTINUOUS:
         return False
     neutral = neutral_within(axes)
-    full = {"temperature": neutral["temperature"], "top_p": neutral["top_p"], "min_p": neutral["min_p"],
+    full = {**{k: neutral[k] for k in ("temperature", "top_p", "min_p", *PENALTIES)},
             "logit_scale": float(axes.logit_scale[0]) if axes is not None else None,
             "tie_gap": float(axes.routing.min_gap) if axes is not None and axes.routing is not None else 0.0}
-    return b.get(diff[0], 0.0) != full[diff[0]]
+    return b.get(diff[0], NEUTRAL.get(diff[0], 0.0)) != full[diff[0]]
 
 
 def polish(case: Case, fails: Callable[[Case], bool], max_evals: int = 200,

@@ -40,7 +40,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from .case import Case
+from .case import NEUTRAL, PENALTIES, Case
 from .pairs import Axes
 
 GAP_DECADES = 7
@@ -136,6 +136,15 @@ def min_ps(lo: float, hi: float) -> st.SearchStrategy[float]:
     return st.one_of(*branches)
 
 
+def penalties(lo: float, hi: float, neutral: float) -> st.SearchStrategy[float]:
+    """The neutral value (off, when in range) or a penalty in range, its bounds included."""
+    if hi <= lo:
+        return st.just(float(lo))
+    branches = [st.just(float(neutral))] if lo <= neutral <= hi else []
+    branches.append(uniform_floats(lo, hi))
+    return st.one_of(*branches)
+
+
 def sample_top_ks(lo: int, hi: int) -> st.SearchStrategy[int]:
     """0 (off, when in range) or a size in range (boundary values included)."""
     if hi <= lo:
@@ -170,6 +179,8 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
     tops = top_ps(*axes.top_p) if axes.top_p[0] != axes.top_p[1] else None
     topks = sample_top_ks(*axes.sample_top_k) if axes.sample_top_k[0] != axes.sample_top_k[1] else None
     minps = min_ps(*axes.min_p) if axes.min_p[0] != axes.min_p[1] else None
+    pens = {name: penalties(*getattr(axes, name), NEUTRAL[name]) for name in PENALTIES
+            if getattr(axes, name)[0] != getattr(axes, name)[1]}
     dtypes = st.sampled_from(axes.dtypes) if len(axes.dtypes) > 1 else None
     group_sizes = st.integers(*axes.prompt_group) if axes.prompt_group[1] > 1 else None
     capped = axes.max_context is not None or axes.max_tokens is not None
@@ -218,6 +229,8 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
         fields["sample_top_k"] = draw(topks) if topks is not None else axes.sample_top_k[0]
         # (drawn only where the axis is fuzzed: pairs without it draw the cases they drew before it existed)
         fields["min_p"] = draw(minps) if minps is not None else float(axes.min_p[0])
+        for name in PENALTIES:  # (the same: drawn only where fuzzed)
+            fields[name] = draw(pens[name]) if name in pens else float(getattr(axes, name)[0])
         fields["dtype"] = draw(dtypes) if dtypes is not None else axes.dtypes[0]
         if axes.params:
             fields["params"] = {k: draw(axes.params[k]) for k in sorted(axes.params)}
@@ -393,6 +406,9 @@ def uniform_cases(axes: Axes, rng: Any, params: dict | None = None, log_gap: boo
     fields["top_p"] = max(1e-6, rng.uniform(*axes.top_p))
     fields["sample_top_k"] = rng.randint(*axes.sample_top_k)
     fields["min_p"] = rng.uniform(*axes.min_p) if axes.min_p[0] != axes.min_p[1] else float(axes.min_p[0])
+    for name in PENALTIES:
+        lo, hi = getattr(axes, name)
+        fields[name] = rng.uniform(lo, hi) if lo != hi else float(lo)
     fields["dtype"] = rng.choice(axes.dtypes)
     if params:
         fields["params"] = dict(params)

@@ -148,26 +148,47 @@ class Sampling:
     top_k: int  # 0: off
     top_p: float  # 1.0: off
     min_p: float = 0.0  # 0.0: off
+    repetition_penalty: float = 1.0  # 1.0: off (penalties: `harness.sampling.penalize`, by each row's history)
+    presence_penalty: float = 0.0  # 0.0: off
+    frequency_penalty: float = 0.0  # 0.0: off
 
     @classmethod
     def of(cls, case: Any) -> "Sampling":
         """The sampling parameters of a case (neutral where it has none: an op case of schema 1)."""
         return cls(float(getattr(case, "temperature", 1.0)), int(getattr(case, "sample_top_k", 0)),
-                   float(getattr(case, "top_p", 1.0)), float(getattr(case, "min_p", 0.0)))
+                   float(getattr(case, "top_p", 1.0)), float(getattr(case, "min_p", 0.0)),
+                   float(getattr(case, "repetition_penalty", 1.0)), float(getattr(case, "presence_penalty", 0.0)),
+                   float(getattr(case, "frequency_penalty", 0.0)))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty is on (then the paths need each row's token history)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def extras(self) -> dict[str, float]:
+        """The settings past the four positional ones, by keyword, with their neutral values."""
+        return {"min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
 
 
 NEUTRAL_SAMPLING = Sampling(1.0, 0, 1.0)  # (the head check's forwards: no case)
-SAMPLER_TAKES_MIN_P: dict[str, bool] = {}  # sampler name -> whether it takes a `min_p` keyword
+EXTRA_NEUTRAL = NEUTRAL_SAMPLING.extras()
+# sampler name -> the keywords past (logits, temperature, top_k, top_p) it takes: min_p, the penalties and their
+# history (`seen`, `counts`); None: any (**kwargs)
+SAMPLER_KEYWORDS: dict[str, frozenset | None] = {}
+HISTORY_KEYWORDS = ("seen", "counts")
 
 
-def _takes_min_p(f: Callable[..., Any]) -> bool:
+def _keywords(f: Callable[..., Any]) -> frozenset | None:
     import inspect
 
     try:
-        params = inspect.signature(f).parameters.values()
+        params = list(inspect.signature(f).parameters.values())
     except (TypeError, ValueError):  # (a builtin without a signature: the four positional arguments only)
-        return False
-    return any(p.name == "min_p" or p.kind is p.VAR_KEYWORD for p in params)
+        return frozenset()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.name in (*EXTRA_NEUTRAL, *HISTORY_KEYWORDS))
 
 
 def register_sampler(name: str, fn: Callable[..., Any] | None = None) -> Any:
@@ -176,10 +197,14 @@ def register_sampler(name: str, fn: Callable[..., Any] | None = None) -> Any:
     `fn(logits, temperature, top_k, top_p)` receives a path's float32 (N, V) logits and the case's
     sampling parameters (`top_k` 0 and `top_p` 1.0: off) and returns the (N, V) log-probabilities
     the path reports: an engine's own sampler (its temperature, top-k and top-p code, its
-    normalisation), where the default (`exact`, `process_logits`) applies temperature, then min-p,
-    then top-k, then top-p, and normalises. A sampler with a `min_p` parameter (or `**kwargs`) gets
-    the case's min-p as `min_p=` (0.0: off); one without it runs only cases of min-p 0 (a pair
-    whose axes draw min-p, `Axes(min_p=...)`, fails such a case saying so). The rollout draws its tokens from what it returns (normalised for the
+    normalisation), where the default (`exact`, `process_logits`) applies the penalties, then
+    temperature, then min-p, then top-k, then top-p, and normalises. A sampler with keyword
+    parameters `min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `seen`, `counts`
+    (or `**kwargs`) gets those it names: the case's min-p and penalties (neutral: 0.0, 1.0, 0.0, 0.0)
+    and, where a penalty is on, each row's token history (`harness.sampling.history`: `seen` (N, V)
+    bool, the prompt's and the output's tokens so far; `counts` (N, V), the output's). One without
+    a keyword runs only the cases where its setting is neutral (a pair whose axes draw it fails such
+    a case saying what to add). The rollout draws its tokens from what it returns (normalised for the
     draw); the trainer scores with it. It must be deterministic, and -inf marks a token it excludes.
     Triage swaps the sampler back to `exact` like any other component.
 
@@ -202,28 +227,35 @@ def register_sampler(name: str, fn: Callable[..., Any] | None = None) -> Any:
             raise UsageError(f"register_sampler: a different sampler is already registered as {name!r} "
                              f"({_where(SAMPLERS[name])}); pick another name.")
         SAMPLERS[name] = f
-        SAMPLER_TAKES_MIN_P[name] = _takes_min_p(f)
+        SAMPLER_KEYWORDS[name] = _keywords(f)
         return f
 
     return add(fn) if fn is not None else add
 
 
-def path_logprobs(nx: "Numerics", logits: Any, sampling: Sampling) -> Any:
-    """The (N, V) float32 log-probabilities a path reports from its (N, V) logits: its sampler's."""
-    temperature, top_k, top_p, min_p = sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+def path_logprobs(nx: "Numerics", logits: Any, sampling: Sampling, seen: Any = None, counts: Any = None) -> Any:
+    """The (N, V) float32 log-probabilities a path reports from its (N, V) logits: its sampler's.
+    `seen`, `counts`: each row's token history (`harness.sampling.history`), where a penalty is on."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    extras = sampling.extras()
+    history = {"seen": seen, "counts": counts} if sampling.penalized else {}
     if nx.sampler == EXACT_SAMPLER:
-        return process_logits(logits, temperature, top_k, top_p, min_p)
+        return process_logits(logits, temperature, top_k, top_p, **extras, **history)
     import torch
 
     fn = SAMPLERS[nx.sampler]
-    if SAMPLER_TAKES_MIN_P.get(nx.sampler, False):
-        out = fn(logits, temperature, top_k, top_p, min_p=min_p)
-    elif min_p:
-        raise UsageError(f"sampler {nx.sampler!r} ({_where(fn)}) takes no min_p, and this case samples with min_p "
-                         f"{min_p:g}: add a `min_p=0.0` parameter to it (0.0: off) and apply it, or keep the pair's "
-                         "axes at min_p=(0.0, 0.0).")
-    else:
-        out = fn(logits, temperature, top_k, top_p)
+    takes = SAMPLER_KEYWORDS.get(nx.sampler, frozenset())
+    given = {k: v for k, v in {**extras, **history}.items() if takes is None or k in takes}
+    missing = [k for k, v in extras.items() if v != EXTRA_NEUTRAL[k] and takes is not None and k not in takes]
+    missing += [k for k in history if takes is not None and k not in takes]
+    if missing:
+        on = ", ".join(f"{k} {v:g}" for k, v in extras.items() if v != EXTRA_NEUTRAL[k])
+        raise UsageError(f"sampler {nx.sampler!r} ({_where(fn)}) takes no {', '.join(missing)}, and this case samples "
+                         f"with {on}: add {', '.join(f'a `{k}=...` parameter' for k in missing)} to it and apply "
+                         f"{'them' if len(missing) > 1 else 'it'} (or `**kwargs`: it is given min_p, the penalties "
+                         "and, where one is on, each row's token history `seen` and `counts`), or keep the pair's axes "
+                         "at their neutral values.")
+    out = fn(logits, temperature, top_k, top_p, **given)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(logits.shape) or not out.is_floating_point():
         got = f"a {type(out).__name__}" if not isinstance(out, torch.Tensor) else \
             f"a {out.dtype} tensor of shape {tuple(out.shape)}"
@@ -1199,14 +1231,15 @@ def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None,
 # ---------------------------------------------------------------------------------------------
 # Sampling (the case's temperature / top-k / top-p)
 # ---------------------------------------------------------------------------------------------
-def process_logits(logits: Any, temperature: float, top_k: int, top_p: float, min_p: float = 0.0) -> Any:
+def process_logits(logits: Any, temperature: float, top_k: int, top_p: float, min_p: float = 0.0,
+                   **penalties: Any) -> Any:
     """float32 log-probabilities of the distribution a sampler draws from (-inf outside the kept set)."""
     try:
         from harness.sampling import process_logits as shared
     except ImportError:
         shared = None
     if shared is not None:
-        return shared(logits, temperature, top_k, top_p, min_p)
+        return shared(logits, temperature, top_k, top_p, min_p, **penalties)
     import math
 
     import torch

@@ -250,14 +250,24 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
     u = [torch.rand(r, generator=seq_generator(case, j, "sample")) for j, r in enumerate(inp.resp_lens)]
     lp_rows: list[list] = [[] for _ in range(b)]
     tok_rows: list[list] = [[] for _ in range(b)]
+    seen = counts = None
+    if smp.penalized:  # each sequence's token history, for the penalties: its prompt, then what it sampled
+        vocab = logits.shape[-1]
+        seen = torch.zeros(b, vocab, dtype=torch.bool)
+        counts = torch.zeros(b, vocab, dtype=torch.float32)
+        for j, p in enumerate(inp.prompts):
+            seen[j, p] = True
     for i in range(steps):
-        lp = path_logprobs(nx, logits, smp)  # (B, V)
+        lp = path_logprobs(nx, logits, smp, seen, counts)  # (B, V)
         ui = torch.tensor([float(u[j][i]) if i < inp.resp_lens[j] else 0.5 for j in range(b)])
         tok = sample_rows(lp, ui).to(torch.int64).cpu()  # (B,)
         for j in range(b):
             if i < inp.resp_lens[j]:
                 lp_rows[j].append(lp[j])
                 tok_rows[j].append(tok[j])
+                if counts is not None:
+                    counts[j, tok[j]] += 1.0
+                    seen[j, tok[j]] = True
         if i == steps - 1:
             break
         active = torch.tensor([i + 1 < r for r in inp.resp_lens])
@@ -348,11 +358,12 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
         # only the recorded tokens' log-probabilities are kept: rows are processed a chunk at a time, so
         # a long recording costs one chunk of (rows, V) beyond the model's logits, not (T, V) twice
         step = max(1, RECORDED_CHUNK_ELEMS // logits.shape[-1])
-        lp_token = torch.cat([path_logprobs(nx, logits[a:a + step], smp)
+        lp_token = torch.cat([path_logprobs(nx, logits[a:a + step], smp,
+                                            *_history_rows(inp, tokens, a, min(a + step, len(logits)), smp, logits))
                               .gather(1, tokens[a:a + step, None].to(logits.device)).squeeze(1).cpu()
                               for a in range(0, len(logits), step)])
         return Outcome(logprobs=two_outcome(lp_token), routing=routing)
-    logprobs = path_logprobs(nx, logits, smp)  # (T, V)
+    logprobs = path_logprobs(nx, logits, smp, *_history_rows(inp, tokens, 0, len(logits), smp, logits))  # (T, V)
     where = torch.stack([torch.zeros_like(sel_r), sel_r, sel_c], -1)  # (its one forward; for triage)
     return Outcome(logprobs=logprobs, routing=routing, intermediates={ROW_POSITIONS: where})
 
@@ -361,6 +372,26 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
 # Recorded samples (harness score)
 # ---------------------------------------------------------------------------------------------
 RECORDED_CHUNK_ELEMS = 1 << 24  # logits elements the trainer processes at a time when it scores a recording
+
+
+def _history_rows(inp: HFInputs, tokens: Any, first: int, last: int, smp: Sampling, logits: Any) -> tuple[Any, Any]:
+    """(seen, counts) of outcome rows first..last-1 (case order; `harness.sampling.history`), on the
+    logits' device, where a penalty is on; (None, None) where none is."""
+    if not smp.penalized:
+        return None, None
+    import torch
+
+    from harness.sampling import history
+
+    seen, counts, start = [], [], 0
+    for p, r in zip(inp.prompts, inp.resp_lens):
+        lo, hi = max(first, start), min(last, start + r)
+        if lo < hi:
+            s, c = history(p, tokens[start:start + r], logits.shape[-1], lo - start, hi - start)
+            seen.append(s)
+            counts.append(c)
+        start += r
+    return torch.cat(seen).to(logits.device), torch.cat(counts).to(logits.device)
 
 
 def two_outcome(lp_token: Any) -> Any:

@@ -411,7 +411,7 @@ def test_a_sampler_gets_the_cases_min_p_where_it_takes_one_and_one_that_cannot_i
     from harness.case import Case
     from harness.execute import Symptom, run_case
     from targets.hf import default_axes, hf_pair, register_sampler
-    from targets.hf.backend import SAMPLER_TAKES_MIN_P, SAMPLERS, process_logits
+    from targets.hf.backend import SAMPLER_KEYWORDS, SAMPLERS, process_logits
 
     def four_args(logits, temperature, top_k, top_p):
         return process_logits(logits.clone(), temperature, top_k, top_p)
@@ -428,20 +428,60 @@ def test_a_sampler_gets_the_cases_min_p_where_it_takes_one_and_one_that_cannot_i
     try:
         for name, fn in zip(names, (four_args, with_min_p, ignores_min_p)):
             register_sampler(name, fn)
-        assert [SAMPLER_TAKES_MIN_P[n] for n in names] == [False, True, True]
+        assert [SAMPLER_KEYWORDS[n] for n in names] == [frozenset(), frozenset({"min_p"}), None]
         case = Case(seed=4, seq_lens=(6, 3), prompt_lens=(3, 2), temperature=0.8, min_p=0.2)
         pairs = {n: hf_pair(f"sampled.{n}", spec, FP32, FP32.replace(sampler=n), axes=axes) for n in names}
         assert not run_case(pairs["test_with_min_p"], case).failed
         ev = run_case(pairs["test_four_args"], case)
         assert ev.symptom == Symptom.ERROR and ev.setup and "takes no min_p" in ev.error["message"], ev.error
-        assert "add a `min_p=0.0` parameter" in ev.error["message"]
+        assert "add a `min_p=...` parameter" in ev.error["message"]
         assert not run_case(pairs["test_four_args"], case.replace(min_p=0.0)).failed
         ev = run_case(pairs["test_ignores_min_p"], case)  # samples tokens the trainer's min-p cuts
         assert ev.failed and ev.divergence.kl_excluded > 0, ev.divergence
     finally:
         for name in names:
             SAMPLERS.pop(name, None)
-            SAMPLER_TAKES_MIN_P.pop(name, None)
+            SAMPLER_KEYWORDS.pop(name, None)
+
+
+def test_penalties_read_each_rows_history_on_both_paths_and_a_sampler_that_drops_them_is_caught():
+    """Repetition, presence and frequency penalties: the rollout's decode steps and the trainer's packed
+    rows read the same history (prompt, then the response so far), so an aligned pair stays aligned
+    with them on; an engine whose sampler drops the presence penalty is caught, and a campaign shrinks
+    it to a case with the presence penalty on and the rest neutral."""
+    import dataclasses
+
+    from harness.case import Case
+    from harness.execute import run_case
+    from harness.fuzz import CampaignConfig, fuzz_pair, pair_seed
+    from targets.hf import default_axes, hf_pair, register_sampler
+    from targets.hf.backend import SAMPLER_KEYWORDS, SAMPLERS, process_logits
+
+    def no_presence(logits, temperature, top_k, top_p, **kw):
+        return process_logits(logits.clone(), temperature, top_k, top_p, **{**kw, "presence_penalty": 0.0})
+
+    spec = HFModel.from_config(TINY["qwen3"], init_seed=3)
+    axes = dataclasses.replace(default_axes(spec), n_seqs=(1, 3), seq_len=(1, 8), repetition_penalty=(1.0, 1.5),
+                               presence_penalty=(0.0, 2.0), frequency_penalty=(0.0, 1.0))
+    try:
+        register_sampler("test_no_presence", no_presence)
+        # (a presence penalty moves only the mass of tokens already sampled: 0.6 read 5e-4 here, 2.0 3.8e-3)
+        case = Case(seed=4, seq_lens=(9, 5), prompt_lens=(3, 2), temperature=0.9, repetition_penalty=1.3,
+                    presence_penalty=1.5, frequency_penalty=0.4)
+        aligned = hf_pair("pen.aligned", spec, FP32, FP32, axes=axes)
+        ev = run_case(aligned, case)
+        assert not ev.failed and ev.score < 1e-9, ev.divergence
+        buggy = hf_pair("pen.no_presence", spec, FP32, FP32.replace(sampler="test_no_presence"), axes=axes)
+        assert run_case(buggy, case).failed
+        assert not run_case(buggy, case.replace(presence_penalty=0.0)).failed
+        cfg = CampaignConfig(pairs=[buggy], seed=1, max_examples=30, isolation=False)
+        [f] = fuzz_pair(buggy, cfg, seed=pair_seed(1, buggy.name), deadline=None).findings
+        c = f.case
+        assert c.presence_penalty > 0 and c.repetition_penalty == 1.0 and c.frequency_penalty == 0.0, c.one_line()
+        assert c.batch_size == 1 and c.n_tokens <= 3, c.one_line()  # (a repeat needs a token before it)
+    finally:
+        SAMPLERS.pop("test_no_presence", None)
+        SAMPLER_KEYWORDS.pop("test_no_presence", None)
 
 
 def test_a_weight_sync_is_a_patch_its_bugs_are_caught_and_the_module_named(capsys):

@@ -809,16 +809,31 @@ def test_rows_that_record_their_own_sampling_settings_are_scored_with_them(tmp_p
                                                                                "sampling_params")}) + "\n"
                             for r in rows))
     assert score(bare, pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False, max_repros=0).flagged
-    # a setting no engine samples with is a bad row naming its field; penalties are noted
+    # a setting no engine samples with is a bad row naming its field; penalties are applied, and noted
     bad = [{**rows[0], "temperature": 0}, {**rows[1], "sampling_params": {"top_p": 1.5}},
-           {**rows[2], "sampling_params": "fast"}, {**rows[3], "presence_penalty": 0.5}]
+           {**rows[2], "sampling_params": "fast"}, {**rows[3], "presence_penalty": 0.5},
+           {**rows[4], "frequency_penalty": 3.0}]
     path.write_text("".join(json.dumps(r) + "\n" for r in bad))
     res = score(path, pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False, max_repros=0)
     assert [(b.line, b.field) for b in res.bad] == [(1, "temperature"), (2, "sampling_params.top_p"),
-                                                   (3, "sampling_params")], res.bad
+                                                   (3, "sampling_params"), (5, "frequency_penalty")], res.bad
     assert "greedy" in res.bad[0].message
-    [note] = [n for n in res.notes if "record penalties" in n]
-    assert "presence_penalty" in note and "1 sample(s)" in note, note
+    [note] = [n for n in res.notes if "scored with penalties" in n]
+    assert "(presence_penalty)" in note and "1 sample(s)" in note, note
+    assert res.scored[0].case.presence_penalty == 0.5
+
+
+def test_a_penalised_recording_scores_clean_with_its_penalties(tmp_path, harness_cli):
+    """A rollout sampled with repetition and frequency penalties (its log-probs of the penalised
+    distribution): scored with them (the command's options) it is aligned, without them flagged."""
+    record("hf.qwen3.aligned", range(2), tmp_path / "p.jsonl", repetition_penalty=1.4, frequency_penalty=0.8)
+    code, out, err = harness_cli("score", str(tmp_path / "p.jsonl"), "--pair", "hf.qwen3.aligned",
+                                 "--repetition-penalty", "1.4", "--frequency-penalty", "0.8", "--corpus",
+                                 str(tmp_path / "c"), "--no-tracking", "--out", str(tmp_path / "o"))
+    assert code == 0 and "scored with penalties (frequency_penalty, repetition_penalty)" in out, out + err
+    code, out, err = harness_cli("score", str(tmp_path / "p.jsonl"), "--pair", "hf.qwen3.aligned", "--corpus",
+                                 str(tmp_path / "c"), "--no-tracking", "--out", str(tmp_path / "o2"), "--max-repros", "0")
+    assert code == 1, out + err
 
 
 def test_tokens_the_trainer_cuts_are_named_not_taken_for_another_model(tmp_path):

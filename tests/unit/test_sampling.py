@@ -195,3 +195,35 @@ def test_a_min_p_bug_is_found_and_shrunk_to_min_p_and_the_temperature_alone():
     # min-p drawn off and on, alone and with the other knobs (top-p too: the order matters there)
     assert any(c.min_p == 0 for c in seen) and any(c.min_p > 0 and c.top_p < 1 for c in seen)
     assert all(0 <= c.min_p <= 0.3 for c in seen)
+
+
+def test_penalties_follow_vllms_definition_over_each_rows_history():
+    """Row t of a sequence reads its prompt and its response before t: the repetition penalty divides
+    a positive logit of a token seen there (multiplies a negative one), the frequency penalty subtracts
+    per occurrence in the response, the presence penalty once; then the temperature."""
+    from harness.sampling import history, penalize
+
+    g = torch.Generator().manual_seed(3)
+    prompt, response, v = torch.tensor([1, 2, 2]), torch.tensor([5, 1, 5, 7, 5]), 9
+    logits = torch.randn(len(response), v, generator=g)
+    seen, counts = history(prompt, response, v)
+    x = penalize(logits, seen, counts, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.25)
+    for t in range(len(response)):
+        before = response[:t].tolist()
+        for tok in range(v):
+            ref = float(logits[t, tok])
+            if tok in prompt.tolist() or tok in before:
+                ref = ref / 1.3 if ref > 0 else ref * 1.3
+            ref -= 0.25 * before.count(tok) + (0.4 if tok in before else 0.0)
+            assert math.isclose(float(x[t, tok]), ref, rel_tol=1e-6, abs_tol=1e-6), (t, tok)
+    lp = process_logits(logits, 0.7, seen=seen, counts=counts, repetition_penalty=1.3, presence_penalty=0.4,
+                        frequency_penalty=0.25)
+    assert torch.allclose(lp, torch.log_softmax(x / 0.7, -1), atol=1e-6)
+    # a chunk of rows reads what the whole does there; neutral penalties need no history
+    s2, c2 = history(prompt, response, v, first=2, last=4)
+    assert torch.equal(s2, seen[2:4]) and torch.equal(c2, counts[2:4])
+    assert torch.equal(process_logits(logits, 0.7, repetition_penalty=1.0), process_logits(logits, 0.7))
+    with pytest.raises(ValueError, match="penalties need each row's token history"):
+        process_logits(logits, 1.0, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0"):
+        process_logits(logits, 1.0, seen=seen, counts=counts, repetition_penalty=0.0)
