@@ -4,10 +4,11 @@ top-p, and seeded token draws that replay bit-for-bit on every device.
 An outcome's log-probabilities are those of the distribution its path sampled from (or scores
 with): `process_logits` applies the case's sampling parameters in vLLM's order (the repetition,
 frequency and presence penalties on the raw logits, then temperature, then min-p, then top-k, then
-top-p over what is left; truncated tokens get -inf, and the rest is
-renormalised). Hugging Face's `generate` applies min-p last, after top-p: the kept set differs only
-where both min-p and top-p cut (top-p then sums over a distribution min-p already renormalised), so
-an engine and a trainer that order them differently is a real mismatch a case with both can show. A rollout that samples from a truncated distribution while the trainer
+top-p over what is left; truncated tokens get -inf, and the rest is renormalised). Hugging Face's
+`generate` applies min-p last, after top-p: the kept set differs only where both min-p and top-p
+cut (top-p then sums over a distribution min-p already renormalised), so an engine and a trainer
+that order them differently is a real mismatch a case with both can show. A rollout that samples
+from a truncated distribution while the trainer
 scores the full one is a real mismatch: the exact KL(rollout || trainer) is -log(kept mass), while
 the sampled-token k3 only sees about (1 - kept mass)^2 / 2 of it; the verdict judges both.
 
@@ -22,21 +23,19 @@ import math
 from typing import Any
 
 
-PENALTY_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-
-
 def process_logits(logits: Any, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                    min_p: float = 0.0, *, seen: Any = None, counts: Any = None, repetition_penalty: float = 1.0,
                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> Any:
     """(..., V) logits -> (..., V) float32 log-probabilities of the sampling distribution.
 
     Penalties first, on the raw logits, as vLLM applies them (`penalize`; they need each row's token
-    history, `seen` and `counts`: `history`); then temperature > 0 divides the logits; min_p > 0 then cuts every token whose probability is below
-    min_p times the most likely token's (as vLLM and Hugging Face do, in log space: a logit more than
-    -log(min_p) below the row's largest; min_p = 1 keeps the tokens tied at the top); top_k > 0 keeps
-    the k largest (ties at the k-th value are all kept, as a threshold filter does); top_p < 1 keeps
-    the smallest set of most likely tokens whose mass reaches top_p (at least one), summed over what
-    min-p and top-k left. Everything else is -inf.
+    history, `seen` and `counts`: `history`); then temperature > 0 divides the logits; min_p > 0
+    then cuts every token whose probability is below min_p times the most likely token's (as vLLM
+    and Hugging Face do, in log space: a logit more than -log(min_p) below the row's largest; min_p =
+    1 keeps the tokens tied at the top); top_k > 0 keeps the k largest (ties at the k-th value are
+    all kept, as a threshold filter does); top_p < 1 keeps the smallest set of most likely tokens
+    whose mass reaches top_p (at least one), summed over what min-p and top-k left. Everything else
+    is -inf.
     """
     import torch
 

@@ -126,18 +126,9 @@ def top_ps(lo: float, hi: float) -> st.SearchStrategy[float]:
     return st.one_of(*branches)
 
 
-def min_ps(lo: float, hi: float) -> st.SearchStrategy[float]:
-    """0.0 (off, when in range) or a min-p in range, its bounds included (Hypothesis shrinks a drawn
-    one toward the low bound)."""
-    if hi <= lo:
-        return st.just(float(lo))
-    branches = [st.just(0.0)] if lo == 0 else []
-    branches.append(uniform_floats(lo, hi))
-    return st.one_of(*branches)
-
-
-def penalties(lo: float, hi: float, neutral: float) -> st.SearchStrategy[float]:
-    """The neutral value (off, when in range) or a penalty in range, its bounds included."""
+def off_or_uniform(lo: float, hi: float, neutral: float) -> st.SearchStrategy[float]:
+    """The neutral value (off, when in range) or a value in range, its bounds included: min-p, the
+    penalties."""
     if hi <= lo:
         return st.just(float(lo))
     branches = [st.just(float(neutral))] if lo <= neutral <= hi else []
@@ -178,8 +169,8 @@ def cases(axes: Axes) -> st.SearchStrategy[Case]:
     temps = temperatures(*axes.temperature) if axes.temperature[0] != axes.temperature[1] else None
     tops = top_ps(*axes.top_p) if axes.top_p[0] != axes.top_p[1] else None
     topks = sample_top_ks(*axes.sample_top_k) if axes.sample_top_k[0] != axes.sample_top_k[1] else None
-    minps = min_ps(*axes.min_p) if axes.min_p[0] != axes.min_p[1] else None
-    pens = {name: penalties(*getattr(axes, name), NEUTRAL[name]) for name in PENALTIES
+    minps = off_or_uniform(*axes.min_p, 0.0) if axes.min_p[0] != axes.min_p[1] else None
+    pens = {name: off_or_uniform(*getattr(axes, name), NEUTRAL[name]) for name in PENALTIES
             if getattr(axes, name)[0] != getattr(axes, name)[1]}
     dtypes = st.sampled_from(axes.dtypes) if len(axes.dtypes) > 1 else None
     group_sizes = st.integers(*axes.prompt_group) if axes.prompt_group[1] > 1 else None
