@@ -979,10 +979,17 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
                    + f" (judged k3 {_fmt(judged)}: {why}; sampled tokens' mean k3 "
                    f"{_fmt(r.metrics.get('k3_kl'))}; "
                    + (f"mean two-outcome KL {_fmt(r.metrics.get('kl'))} ({'a recording' if rec else 'its rollout reports its sampled tokens only'}: "
-                      "only their probabilities are known, so a lower bound of the exact KL); " if two_outcome else
+                      "only their probabilities are known, so a lower bound of the exact KL where both paths' "
+                      "log-probs are normalised); " if two_outcome else
                       f"mean exact KL {_fmt(r.metrics.get('kl'))}"
                       + (f", worst sequence's {_fmt(judged_kl)}; " if per_seq else "; "))
                    + f"rollout mass the trainer excludes {_fmt(r.metrics.get('kl_excluded', 'not recorded'))})")
+        if two_outcome and fired == "kl" and isinstance(k3s, (int, float)) and k3s <= r.threshold:
+            click.echo("  the two-outcome KL fired with the sampled tokens' k3 under the line: it takes the rest of "
+                       "each row's mass as 1 - p, so a path whose log-probs are not normalised (a fused log-sum-exp "
+                       "off by a little, every token of a row shifted alike) reads far more here, on confident "
+                       "tokens, than its full rows' exact KL would (which normalises that shift away); the sampled "
+                       "k3, what an importance ratio reads, is the measure of such a shift")
         swap = boundary_swap_note(r.metrics)
         if swap:
             click.echo(f"  {swap} (`harness triage {file}`)")

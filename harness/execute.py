@@ -214,7 +214,11 @@ def finalize(pair: TargetPair, case: Case, out: Outcome, role: str, twin: Outcom
         raise ValueError(f"{pair.name}: the trainer's logprobs have {out.logprobs.shape[1]} vocabulary entries per row "
                          f"and the rollout's {twin.logprobs.shape[1]}: both paths must score one vocabulary (an engine "
                          "that pads its vocabulary, 151936 -> 152064 say, must slice the padding off: "
-                         "logprobs[:, :vocab])")
+                         "logprobs[:, :vocab])"
+                         + ("; two entries per row are a path that reports its sampled tokens' log-probs only "
+                            "(`token_outcome`): cut the other path the same way, or wrap a full-row pair in "
+                            "`harness.sampled_tokens_only(pair)`, which cuts both"
+                            if 2 in (out.logprobs.shape[1], twin.logprobs.shape[1]) else ""))
     return out
 
 

@@ -390,3 +390,59 @@ def test_a_path_that_reports_only_its_sampled_tokens_logprobs_is_judged_on_them(
     exposed = dataclasses.replace(only, name="tok.exposed", build=lambda c, d: {
         **build(c, d), "modules": {"trainer": head_t, "rollout": head_r}})
     assert capture(exposed, case, "cpu") is not None
+
+
+NORMALISER_PLUGIN = """
+import torch
+from harness import Axes, Outcome, TargetPair, register, sampled_tokens_only
+
+def build(case, device):
+    return {"logits": case.token_randn(64, "x") * 6.0, "u": case.token_uniforms("sample")}
+
+def rollout(inp):
+    lp = torch.log_softmax(inp["logits"], -1)
+    c = lp.double().exp().cumsum(-1)
+    tok = torch.searchsorted(c, inp["u"][:, None] * c[:, -1:], right=True).squeeze(-1).clamp_(max=63)
+    return Outcome(logprobs=lp, tokens=tok)
+
+def trainer(inp):  # a fused log-sum-exp 0.01 off: every token of a row shifted alike
+    return Outcome(logprobs=torch.log_softmax(inp["logits"], -1) - 0.01)
+
+AXES = Axes(n_seqs=(1, 3), seq_len=(4, 8), pad_sides=("right",), logit_scale=(1.0, 1.0))
+FULL = TargetPair(name="norm.full", kind="op", expected="aligned", build=build, axes=AXES, rollout=rollout,
+                  trainer=trainer)
+register(FULL)
+register(sampled_tokens_only(FULL, name="norm.only"))
+"""
+
+
+def test_a_trainer_off_by_its_normaliser_reads_a_two_outcome_kl_full_rows_do_not_and_show_says_why(
+        tmp_path, harness_cli):
+    """A fused trainer whose log-sum-exp is off by a little (every token of a row shifted alike): over
+    full rows its exact KL normalises the shift away; cut to the sampled tokens, the two-outcome split
+    takes the rest of the row as 1 - p and reads a KL over the line on confident tokens while the
+    sampled k3 stays under it. `show` says so; a full-row rollout beside a token-only trainer is
+    refused with how to cut both."""
+    from harness import Case, REGISTRY, TargetPair, token_outcome
+    from harness.execute import run_case
+
+    plugin = tmp_path / "norm.py"
+    plugin.write_text(NORMALISER_PLUGIN)
+    REGISTRY.load_plugin(str(plugin))
+    full, only = REGISTRY.get("norm.full"), REGISTRY.get("norm.only")
+    case = Case(seed=3, seq_lens=(8, 8, 8))
+    a, ev = run_case(full, case), run_case(only, case)
+    assert not a.failed and a.divergence.kl < 1e-12 and a.divergence.k3_expected < 1e-3, a.divergence
+    assert ev.failed and ev.divergence.kl > 1e-3 and ev.divergence.k3_kl < 1e-3, ev.divergence
+    code, out, err = harness_cli("fuzz", "norm.only", "--plugin", str(plugin), "--max-examples", "10", "--seed", "1",
+                                 "--corpus", str(tmp_path / "c"), "--no-tracking", cwd=tmp_path)
+    assert code == 1, out + err
+    [path] = (tmp_path / "c").rglob("*.json")
+    code, out, err = harness_cli("show", str(path), "--plugin", str(plugin), cwd=tmp_path)
+    assert code == 0 and "the two-outcome KL fired with the sampled tokens' k3 under the line" in out, out + err
+    mixed = TargetPair(name="norm.mixed", kind="op", expected="aligned", build=full.build, axes=full.axes,
+                       rollout=full.rollout, trainer=lambda inp, ro: token_outcome(
+                           full.trainer(inp).logprobs.gather(1, ro.tokens[:, None])[:, 0]))
+    ev = run_case(mixed, case)
+    assert ev.symptom.value == "error" and "wrap a full-row pair in `harness.sampled_tokens_only(pair)`" in \
+        ev.error["message"], ev.error
