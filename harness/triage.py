@@ -900,7 +900,36 @@ def ddmin(items: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
     return items
 
 
-def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: float) -> Localization | None:
+def profiles_stray(pair: Any, ev: Any, device: str, threshold: float) -> tuple[str, Any]:
+    """(why the pair's `Profiles.make` does not rebuild this pair, where it does not: "" where it does,
+    or there are no profiles; the variant's evaluation, None without profiles): the variant with the pair's own settings on both sides must judge the
+    case as the pair does (the same verdict, the judged mean within 2x). A pair made from another
+    with `dataclasses.replace(..., trainer=..., rollout=...)` keeps the profiles of the one it
+    replaced, whose variants run the other pair's paths: every swap would then be read off them."""
+    from .execute import run_case
+
+    prof = _profiles(pair)
+    if prof is None:
+        return "", None
+    base = run_case(_variant(pair, prof, dict(prof.trainer), dict(prof.rollout)), ev.case, device, threshold)
+    mine, theirs = judged(ev), judged(base)
+    same = base.failed == ev.failed and (
+        not (math.isfinite(mine) and math.isfinite(theirs)) or max(mine, theirs) <= 1e-9
+        or max(mine, theirs) <= 2 * max(min(mine, theirs), 1e-300))
+    if same:
+        return "", base
+    return (f"not localized: the pair's Profiles.make does not rebuild it. Its variant with the pair's own settings "
+            f"judges this case {theirs:.4g} ({'fails' if base.failed else 'passes'}) where the pair judges {mine:.4g} "
+            f"({'fails' if ev.failed else 'passes'}), so swapping components through it would measure another pair. "
+            "A pair made from another with dataclasses.replace(..., trainer=..., rollout=...) keeps that one's "
+            "profiles: give it profiles=None, or Profiles(make=...) that builds it (`sampled_tokens_only` does so "
+            "for the pairs it wraps)."), base
+
+
+def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: float,
+             base: Any = None) -> Localization | None:
+    """`base`: the evaluation of the variant with the pair's own settings, where one was run already
+    (`profiles_stray`): the first of the runs below."""
     from .execute import run_case
 
     prof = _profiles(pair)
@@ -910,6 +939,8 @@ def localize(pair: Any, case: Any, device: str, threshold: float, k3_found: floa
     differing = [c for c in t0 if t0.get(c) != r0.get(c)]
     labels = dict(getattr(prof, "labels", {}) or {})
     cache: dict[str, tuple[float, float, bool]] = {}  # profiles -> (k3, exact KL, still a finding)
+    if base is not None:
+        cache[json.dumps([t0, r0], sort_keys=True)] = (*judged_pair(base), base.failed)
 
     def run(t: dict, r: dict) -> tuple[float, float, bool]:
         key = json.dumps([t, r], sort_keys=True)
@@ -1206,7 +1237,11 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
         if ev.trainer is not None and ev.rollout is not None:
             t.flips = routing_split(ev.trainer, ev.rollout)
         if ev.failed:  # k3 or exact KL over the line, or non-finite
-            t.localization = localize(pair, repro.case, device, thr, t.k3)
+            stray, base = profiles_stray(pair, ev, device, thr)
+            if stray:
+                t.notes.append(stray)
+            else:
+                t.localization = localize(pair, repro.case, device, thr, t.k3, base)
         reference, t.floor_from = noise_reference(pair, repro.case, device, registry, t.localization)
         loc = t.localization
         rest = _variant(pair, prof, *loc.minimal_aligned_profiles) if loc is not None and loc.explained \

@@ -352,6 +352,17 @@ def test_a_pair_with_no_aligned_sibling_takes_its_intermediates_floor_from_its_a
     assert t.intermediates_floor_from == "the pair with every differing component aligned", t.intermediates_floor_from
     act, logits = t.intermediates
     assert 1e-5 < act.error < act.floor and logits.exceeds and t.first_intermediate == "logits", t.intermediates
+    # the same pair's rollout replaced by hand (dataclasses.replace keeps the profiles, whose make builds
+    # the pair it came from): not localized through variants of another pair, and said so
+    import dataclasses
+
+    replaced = dataclasses.replace(make({"feature": "all"}, {"feature": "all"}), name="solo.replaced",
+                                   rollout=path("rollout", "dropped"))
+    reg.register(replaced)
+    t = triage(made_repro("solo.replaced", Case(seed=4, seq_lens=(6, 3))), registry=reg)
+    assert t.evaluation.failed and t.localization is None, t.localization
+    [note] = [n for n in t.notes if n.startswith("not localized: the pair's Profiles.make does not rebuild it")]
+    assert "dataclasses.replace" in note and "(passes)" in note and "(fails)" in note, note
 
 
 @pytest.mark.slow
