@@ -1269,7 +1269,8 @@ def first_over_line(div: Any, case: Any, threshold: float, lead: int = 0) -> str
     `threshold` (or whose sampled k3 is +inf), and how many are ("" when none is). A bug from position
     48 shows as offset 48 even when the minimal case keeps clean tokens before it (the verdict is a
     mean over tokens); with `lead` (the pair's `lead_tokens`), also its position in the sequence as the
-    model ran it."""
+    model ran it; with several sequences, also the first row over the line in case order (a kernel
+    over the batch's rows, chunked by 64 say, first fails at row 64 whatever the sequences there)."""
     from .metrics import per_token_judged
 
     pt = getattr(div, "per_token", None) or {}
@@ -1293,8 +1294,13 @@ def first_over_line(div: Any, case: Any, threshold: float, lead: int = 0) -> str
     earlier = int((~over & (seqs == j) & (pos < p)).sum())
     value = (f"sampled k3 inf (expected k3 / KL {row[i]:.3g})" if drawn_inf[i] and not row[i] > threshold
              else f"per-token value {row[i]:.3g}")
+    first = int(np.flatnonzero(over)[0])  # (in case order: what a kernel over the batch's rows indexes)
+    in_order = ""
+    if case.batch_size > 1:
+        in_order = f"; in case order (the outcome's rows, {len(over)} in all) the first over it is row {first}" + (
+            f" (sequence {int(seqs[first])}, response token {int(pos[first])})" if first != i else " (this one)")
     return (f"first token over the line: {at}, {value}; {int(over.sum())} of {len(over)} tokens "
-            f"over it" + (f", the {earlier} before it in that sequence under it" if earlier else ""))
+            f"over it" + (f", the {earlier} before it in that sequence under it" if earlier else "") + in_order)
 
 
 # ---------------------------------------------------------------------------------------------

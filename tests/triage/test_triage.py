@@ -598,7 +598,13 @@ def test_the_first_token_over_the_line_is_named_by_its_offset_into_the_sequence(
     line = first_over_line(div, case, 1e-3)
     assert line.startswith("first token over the line: sequence 0, response token 25 after a 23-token prompt "
                            "(offset 48), per-token value 0.02; 4 of 33 tokens over it, the 25 before it in that "
-                           "sequence under it"), line
+                           "sequence under it; in case order (the outcome's rows, 33 in all) the first over it is "
+                           "row 25 (this one)"), line
+    # a row-count bug (a kernel chunked by 28 rows: rows 28 on) shows in case order, beside the offsets
+    div.per_token["k3_expected"] = np.where(np.arange(33) >= 28, 0.02, 1e-9)
+    line = first_over_line(div, case, 1e-3)
+    assert line.startswith("first token over the line: sequence 1, response token 0,") and line.endswith(
+        "the first over it is row 28 (sequence 0, response token 28)"), line
     div.per_token["k3_expected"] = np.full(33, 5e-4)
     assert first_over_line(div, case, 1e-3) == ""  # no token over the line: nothing to point at
     div.per_token["k3"] = np.where(np.arange(33) == 30, math.inf, 0.0)  # ... but one drew a token of probability 0
