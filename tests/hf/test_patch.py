@@ -465,7 +465,7 @@ def test_penalties_read_each_rows_history_on_both_paths_and_a_sampler_that_drops
                                presence_penalty=(0.0, 2.0), frequency_penalty=(0.0, 1.0))
     try:
         register_sampler("test_no_presence", no_presence)
-        # (a presence penalty moves only the mass of tokens already sampled: 0.6 read 5e-4 here, 2.0 3.8e-3)
+        # (a presence penalty moves only the mass of tokens already sampled: a small one reads a small k3)
         case = Case(seed=4, seq_lens=(9, 5), prompt_lens=(3, 2), temperature=0.9, repetition_penalty=1.3,
                     presence_penalty=1.5, frequency_penalty=0.4)
         aligned = hf_pair("pen.aligned", spec, FP32, FP32, axes=axes)
