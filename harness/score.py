@@ -110,6 +110,8 @@ class Sample:
     # the row's own sampling settings (case field -> value: temperature, top_p, sample_top_k, min_p), over the
     # command's; {} where the row records none
     sampling: dict = field(default_factory=dict)
+    unapplied: list = field(default_factory=list)  # settings it records that the scorer does not apply (`row_sampling`)
+    raw_mode: bool = False  # its `logprobs_mode` says raw: scored at the unprocessed distribution
 
 
 @dataclass
@@ -169,6 +171,7 @@ class ScoreResult:
     out_dir: Path | None = None
     seconds: float = 0.0
     unsaved: int = 0  # flagged samples whose repro could not be written (the exit code says so: 3)
+    ignored_rows: int = 0  # rows whose own sampling settings were not read (`row_settings=False`)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,13 +417,28 @@ ROW_SAMPLING = {
 }
 
 
-def row_sampling(line: int, row: dict) -> tuple[dict] | BadRow:
-    """(the row's sampling settings as case fields,), or what is wrong."""
+# sampling settings an engine may record that the scorer does not apply (vLLM's SamplingParams names): a row
+# holding one away from its default is noted, since its log-probs then differ from the trainer's by it
+UNAPPLIED = {"logit_bias": None, "typical_p": 1.0, "min_tokens": 0, "bad_words": None, "allowed_token_ids": None,
+             "top_a": 0.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "tfs": 1.0, "mirostat_mode": 0,
+             "length_penalty": 1.0}
+RAW_MODES = ("raw_logprobs", "raw_logits")
+NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "sample_top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0}  # case fields: the unprocessed distribution  # vLLM's logprobs_mode values of the unprocessed distribution
+
+
+def row_sampling(line: int, row: dict) -> tuple[dict, list[str], bool] | BadRow:
+    """(the row's sampling settings as case fields; the settings it records that the scorer does not
+    apply or cannot read, each as "name" or "name (did you mean X?)"; whether it says its log-probs are
+    the raw distribution's: `logprobs_mode` raw_logprobs / raw_logits), or what is wrong (a setting
+    out of range, or one given twice, at the top level and in `sampling_params`, with two values)."""
+    import difflib
+
     sub = row.get("sampling_params")
     if sub is not None and not isinstance(sub, dict):
         return BadRow(line, "sampling_params", "must be an object of sampling settings (temperature, top_p, top_k, "
                                                "min_p, as vLLM's SamplingParams names them)")
-    got = {}
+    got, where_of, odd = {}, {}, []
     for where, src in (("", row), ("sampling_params.", sub or {})):
         for name, (case_field, rule, ok) in ROW_SAMPLING.items():
             if name not in src or src[name] is None:
@@ -428,8 +446,35 @@ def row_sampling(line: int, row: dict) -> tuple[dict] | BadRow:
             v = src[name]
             if not finite_number(v) or not ok(v):
                 return BadRow(line, where + name, f"is {_short(v)}: the engine's sampling setting must be {rule}")
-            got[case_field] = (max(int(v), 0) if name == "top_k" else float(v))
-    return (got,)
+            v = max(int(v), 0) if name == "top_k" else float(v)
+            if case_field in got and got[case_field] != v:
+                return BadRow(line, where + name, f"is {_short(src[name])}, and {where_of[case_field]}{name} is "
+                                                  f"{_short(got[case_field])}: record the setting once (or the same "
+                                                  "value in both places)")
+            got[case_field], where_of[case_field] = v, where
+        for key, value in src.items():
+            if key in ROW_SAMPLING or not isinstance(key, str):
+                continue
+            if key in UNAPPLIED:
+                if value is not None and value != UNAPPLIED[key] and value not in ({}, []):
+                    odd.append(where + key)
+                continue
+            close = difflib.get_close_matches(key, list(ROW_SAMPLING), n=1, cutoff=0.85)
+            if close:
+                odd.append(f"{where}{key} (did you mean {close[0]}?)")
+            elif where and key not in SAMPLING_PARAMS_READ_NOTHING:
+                odd.append(where + key)
+    mode = row.get("logprobs_mode", (sub or {}).get("logprobs_mode"))
+    return got, odd, isinstance(mode, str) and mode in RAW_MODES
+
+
+# `sampling_params` entries that do not change the distribution a token is drawn from (lengths, stops,
+# what is returned, the draw's seed): not noted
+SAMPLING_PARAMS_READ_NOTHING = frozenset({
+    "n", "best_of", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "seed",
+    "logprobs", "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "detokenize",
+    "output_kind", "truncate_prompt_tokens", "logprobs_mode", "guided_decoding", "structured_outputs",
+    "extra_args", "use_beam_search", "flat_logprobs"})
 
 
 def padding_hint(prompt: list[int], response: list[int], logprobs: list[float], pads: set[int],
@@ -656,7 +701,12 @@ PER_SAMPLE = ("k3_kl", "kl", "log_ppl_diff", "ppl_ratio", "chi2_token", "max_abs
 def score(path: Path, *, model: str | None = None, pair_name: str | None = None, replay: bool = False,
           threshold: float = 1e-3, device: str = "cpu", corpus: Path = Path("corpora"), out_dir: Path | None = None,
           max_repros: int = 3, sampling: dict | None = None, tracker: Any = None, progress: bool = True,
-          log: Any = None) -> ScoreResult:
+          log: Any = None, logprobs_mode: str = "processed", row_settings: bool = True) -> ScoreResult:
+    """`logprobs_mode`: "processed" (the log-probs are of the distribution the engine sampled from:
+    scored with the command's sampling settings, or a row's own) or "raw" (of the unprocessed one,
+    vLLM's default: every sample scored at temperature 1 without cut or penalty; a row whose own
+    `logprobs_mode` says raw is scored so too). `row_settings`: read a row's own sampling settings
+    (False: the command's for every row, noted where a row records others)."""
     from .execute import run_case
     from .metrics import verdict_mean
 
@@ -696,6 +746,11 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             if isinstance(s, BadRow):
                 res.bad.append(s)
                 return
+            if logprobs_mode == "raw" or s.raw_mode:  # the unprocessed distribution: nothing applied
+                s.sampling = dict(NEUTRAL_SAMPLING)
+            elif not row_settings and s.sampling:
+                res.ignored_rows += 1
+                s.sampling = {}
             case, _ = sample_case(s, extra, sampling)
             ev = run_case(pair, case, device, threshold)
             if ev.divergence is None:
@@ -785,7 +840,30 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                    "wrong (ids offset, another layer order) put every token through other experts; score without "
                    "--replay, which says how often they differ from the trainer's own routing." if forced else ""))
         neutral = all(_neutral({**sampling, **sc.sample.sampling}) for sc in res.scored)
-        own = [sc for sc in res.scored if sc.sample.sampling]
+        raw_rows = [sc for sc in res.scored if sc.sample.raw_mode]
+        if logprobs_mode == "raw":
+            res.notes.append("sampling: --logprobs raw: every sample was scored at temperature 1 without top-k, top-p, "
+                             "min-p or penalties (the unprocessed distribution the engine reports in that mode); a "
+                             "bug in the engine's sampler does not show in such log-probs")
+        elif raw_rows:
+            res.notes.append(f"sampling: {len(raw_rows)} sample(s) say logprobs_mode raw_logprobs / raw_logits: "
+                             "scored at the unprocessed distribution (temperature 1, no cut or penalty), whatever "
+                             "sampling settings they record")
+        if res.ignored_rows:
+            res.notes.append(f"sampling: {res.ignored_rows} row(s) record their own sampling settings, not read "
+                             "(--ignore-row-sampling): scored with the command's")
+        odd: dict[str, list[int]] = {}
+        for sc in res.scored:
+            for name in sc.sample.unapplied:
+                odd.setdefault(name, []).append(sc.sample.line)
+        if odd:
+            res.notes.append(
+                "sampling: settings recorded that the scorer does not apply or read: "
+                + "; ".join(f"{k} on {len(v)} sample(s) (line {', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''})"
+                            for k, v in odd.items())
+                + ". Where one changed the distribution the engine sampled from, its samples' log-probs differ "
+                  "from the trainer's by it: score them apart, or without it in the engine")
+        own = [sc for sc in res.scored if sc.sample.sampling and not (logprobs_mode == "raw" or sc.sample.raw_mode)]
         if own:
             res.notes.append(
                 f"sampling: {len(own)} of {len(res.scored)} sample(s) record their own sampling settings ("
@@ -807,6 +885,15 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         shifted = _shift_check(res, threshold) if not padded else None
         if shifted is not None:
             res.notes.append(shifted)
+        certain = [sc for sc in res.scored if sc.evaluation.failed and len(sc.sample.logprobs) >= 2
+                   and all(v == 0.0 for v in sc.sample.logprobs)]
+        if certain:
+            res.notes.append(
+                f"sampling: {len(certain)} flagged sample(s) record every log-prob as exactly 0.0 (line "
+                + ", ".join(str(sc.sample.line) for sc in certain[:4]) + (", ..." if len(certain) > 4 else "")
+                + "): probability 1 on each token, what greedy decoding reports. Score greedy samples with --top-k 1; "
+                  "where the engine was not asked for greedy decoding, check how it reads 'off' (a top_k of -1 or 0 "
+                  "taken as 1)")
         sharper = [sc for sc in res.scored if sc.evaluation.failed and sc.metrics.get("log_ppl_diff", 0.0) < 0]
         if not padded and neutral and SHARPER < gap <= WRONG_MODEL_GAP and len(sharper) >= 0.9 * len(res.scored) >= 1:
             res.notes.append(
@@ -894,38 +981,48 @@ def _neutral(sampling: dict) -> bool:
             and not sampling.get("frequency_penalty", 0.0))
 
 
-RAW_CHECKS = 3  # flagged samples rescored with the unprocessed distribution (`_raw_logprobs_check`)
+RAW_CHECKS = 6  # flagged samples rescored with the unprocessed distribution (`_raw_logprobs_check`)
+
+
+def _settings_text(sampling: dict) -> str:
+    """A sample's sampling settings away from the unprocessed distribution, as a person reads them."""
+    names = {"sample_top_k": "top_k"}
+    return ", ".join(f"{names.get(k, k)} {v:g}" for k, v in sampling.items()
+                     if k in NEUTRAL_SAMPLING and v != NEUTRAL_SAMPLING[k]) or "none"
 
 
 def _raw_logprobs_check(pair: Any, res: ScoreResult, sampling: dict, device: str,
                         threshold: float) -> str | None:
-    """A note when the flagged samples scored with a temperature or a cut are under the line scored
-    without them (temperature 1, no top-k, top-p or min-p): the engine reported the log-probs of its
-    raw distribution while sampling from the processed one, as vLLM does by default
-    (`logprobs_mode="raw_logprobs"`). None when there is nothing to say. Up to RAW_CHECKS samples are
-    rescored, and each must pass."""
+    """A note when flagged samples scored with sampling settings (a temperature, a cut, a penalty)
+    are under the line scored without them: the engine reported the log-probs of its raw distribution
+    while sampling from the processed one, as vLLM does by default (`logprobs_mode="raw_logprobs"`).
+    Up to RAW_CHECKS of them are rescored (the worst first); the note counts those that pass, and says
+    where the others fail either way (another cause beside it). None where none passes."""
     from .execute import run_case
 
-    flagged = [sc for sc in res.scored if sc.evaluation.failed and not _neutral({**sampling, **sc.sample.sampling})]
+    flagged = [sc for sc in res.scored if sc.evaluation.failed and not sc.sample.raw_mode
+               and not _neutral({**sampling, **sc.sample.sampling})]
     if not flagged:
         return None
     picked = sorted(flagged, key=lambda sc: -sc.metrics.get("k3_kl", 0.0))[:RAW_CHECKS]
-    before, after = [], []
+    passed, failed = [], 0
     for sc in picked:
-        case = sc.case.replace(temperature=1.0, top_p=1.0, sample_top_k=0, min_p=0.0, repetition_penalty=1.0,
-                               presence_penalty=0.0, frequency_penalty=0.0)
-        ev = run_case(pair, case, device, threshold)
+        ev = run_case(pair, sc.case.replace(**NEUTRAL_SAMPLING), device, threshold)
         if ev.divergence is None or ev.failed:
-            return None
-        before.append(sc.metrics.get("k3_kl", math.nan))
-        after.append(ev.divergence.k3_kl)
-    lines = ", ".join(f"line {sc.sample.line}: k3 {b:.3g} -> {a:.3g}" for sc, b, a in zip(picked, before, after))
-    return (f"sampling: the recorded log-probs are those of the raw distribution. {len(picked)} of the "
-            f"{len(flagged)} flagged sample(s) scored with temperature 1 and no top-k, top-p or min-p are under the line "
-            f"({lines}): the engine sampled from the processed distribution but reported the log-probs of the "
-            "unprocessed one, as vLLM does by default (logprobs_mode='raw_logprobs'). An RL step's importance ratio "
-            "then reads the temperature and the cut as a mismatch: have the engine report the processed log-probs "
-            "(vLLM: logprobs_mode='processed_logprobs'), or score and train at temperature 1 without truncation.")
+            failed += 1
+            continue
+        passed.append(f"line {sc.sample.line} ({_settings_text({**sampling, **sc.sample.sampling})}): k3 "
+                      f"{sc.metrics.get('k3_kl', math.nan):.3g} -> {ev.divergence.k3_kl:.3g}")
+    if not passed:
+        return None
+    return (f"sampling: recorded log-probs of the raw distribution. {len(passed)} of the {len(picked)} flagged "
+            f"sample(s) rescored (of {len(flagged)} flagged with sampling settings) are under the line scored at "
+            f"temperature 1 without top-k, top-p, min-p or penalties ({'; '.join(passed[:4])}"
+            f"{'; ...' if len(passed) > 4 else ''}): the engine sampled from the processed distribution but reported "
+            "the log-probs of the unprocessed one, as vLLM does by default (logprobs_mode='raw_logprobs'). An RL "
+            "step's importance ratio then reads those settings as a mismatch: have the engine report the processed "
+            "log-probs (vLLM: logprobs_mode='processed_logprobs'), or score such a file with --logprobs raw."
+            + (f" The other {failed} rescored fail either way: something else differs there too." if failed else ""))
 
 
 SHIFT_MIN_TOKENS = 3  # a flagged sample's recorded tokens the shift check needs (two pairs at a shift of one)
@@ -1021,13 +1118,20 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "samples.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(["line", "id", "prompt_tokens", "response_tokens", *PER_SAMPLE, "above_threshold"])
-        for s in res.scored:
+        w.writerow(["line", "id", "prompt_tokens", "response_tokens", *PER_SAMPLE, "above_threshold",
+                    *CSV_SAMPLING.values()])
+        for s in res.scored:  # (with the sampling settings each was scored with: the row's own, or the command's)
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
                         *["" if k in FLIP_RATES and not s.sample.experts else s.metrics[k] for k in PER_SAMPLE],
-                        s.evaluation.failed])  # (no recorded experts: no flip rates, as the console's n/a)
+                        s.evaluation.failed,  # (no recorded experts: no flip rates, as the console's n/a)
+                        *[getattr(s.case, k) for k in CSV_SAMPLING]])
     write_summary(res, source, threshold)
     plot_histogram([s.metrics["k3_kl"] for s in res.scored], threshold, out / "k3_hist.png")
+
+
+CSV_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "sample_top_k": "top_k", "min_p": "min_p",
+                "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                "frequency_penalty": "frequency_penalty"}  # case field -> samples.csv column
 
 
 def write_summary(res: ScoreResult, source: Path, threshold: float) -> None:
@@ -1115,15 +1219,18 @@ def _fmt(x: Any) -> str:
 
 def default_out_name(file: Path, model: str | None, pair: str | None, replay: bool, threshold: float,
                      temperature: float, top_p: float, top_k: int, min_p: float = 0.0,
-                     penalties: tuple[float, float, float] = (1.0, 0.0, 0.0)) -> str:
+                     penalties: tuple[float, float, float] = (1.0, 0.0, 0.0),
+                     reading: tuple[str, bool] = ("processed", False)) -> str:
     """`<file name>[.replay]-<8 hex>`: the hex of the file's absolute path and the scoring settings, so
     that a rescore with other settings (or another file of that name) never overwrites the first."""
     settings = [str(file.resolve()), model and str(Path(model).resolve()), pair, replay, threshold,
                 temperature, top_p, top_k]
     if min_p or tuple(penalties) != (1.0, 0.0, 0.0):  # (added later: a folder scored without them keeps its name)
         settings.append(min_p)
-    if tuple(penalties) != (1.0, 0.0, 0.0):
+    if tuple(penalties) != (1.0, 0.0, 0.0) or tuple(reading) != ("processed", False):
         settings.append(list(penalties))
+    if tuple(reading) != ("processed", False):
+        settings.append(list(reading))
     key = json.dumps(settings)
     return f"{file.name}{'.replay' if replay else ''}-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
 
@@ -1150,7 +1257,8 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
 @click.option("--temperature", type=float, default=1.0, show_default=True, callback=_not_greedy,
               help="Sampling temperature the rollout used, > 0 (its log-probs are of the processed distribution).")
 @click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Sampling top-k (0 = off).")
+@click.option("--top-k", type=click.IntRange(-1), default=0, show_default=True,
+              help="Sampling top-k (0 or -1 = off, as vLLM writes it).")
 @click.option("--min-p", type=FiniteFloat(0, 1), default=0.0, show_default=True,
               help="Sampling min-p (0 = off): tokens below min-p x the top token's probability were cut.")
 @click.option("--repetition-penalty", type=FiniteFloat(0, min_open=True), default=1.0, show_default=True,
@@ -1159,6 +1267,12 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
               help="The engine's presence penalty (0 = off), over the response so far.")
 @click.option("--frequency-penalty", type=FiniteFloat(-2, 2), default=0.0, show_default=True,
               help="The engine's frequency penalty (0 = off), over the response so far.")
+@click.option("--logprobs", "logprobs_mode", type=click.Choice(["processed", "raw"]), default="processed",
+              show_default=True, help="What the engine's log-probs are of: the distribution it sampled from "
+                                      "(processed: scored with the sampling settings), or the unprocessed one "
+                                      "(raw, vLLM's default logprobs_mode: scored at temperature 1, no cut or penalty).")
+@click.option("--ignore-row-sampling", is_flag=True,
+              help="Score every row with the command's sampling settings, not the ones a row records.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("corpora"),
               show_default=True, help="Where the worst samples are written as repros.")
@@ -1173,7 +1287,8 @@ def _not_greedy(ctx: Any, param: Any, value: float) -> float:
               help="Load target pairs from a Python file or an importable module (repeatable).")
 def score_command(file: Path, model: str | None, pair_name: str | None, replay: bool, threshold: float,
                   temperature: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float,
-                  presence_penalty: float, frequency_penalty: float, device: str, corpus_dir: Path, max_repros: int,
+                  presence_penalty: float, frequency_penalty: float, logprobs_mode: str, ignore_row_sampling: bool,
+                  device: str, corpus_dir: Path, max_repros: int,
                   out_dir: Path | None, tracking_uri: str | None, no_tracking: bool, plugins: tuple[str, ...]) -> None:
     """Score recorded rollouts (JSONL or Parquet) with a trainer: per-sample and batch k3, flagged samples,
     the worst as repros."""
@@ -1185,9 +1300,10 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         # (rollouts.jsonl and rollouts.parquet apart; a --replay run beside the plain one, not over it; the
         # same file name in another folder, or scored with another trainer or sampling, in a folder of its own)
         out = out_dir or Path("reports") / "score" / default_out_name(file, model, pair_name, replay, threshold,
-                                                                      temperature, top_p, top_k, min_p,
+                                                                      temperature, top_p, max(top_k, 0), min_p,
                                                                       (repetition_penalty, presence_penalty,
-                                                                       frequency_penalty))
+                                                                       frequency_penalty),
+                                                                      (logprobs_mode, ignore_row_sampling))
         try:  # (before scoring: a folder that cannot be made would otherwise fail after it)
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -1199,7 +1315,8 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
         terminate_like_ctrl_c()  # SIGTERM (CI timeouts, Slurm) as Ctrl-C: what was scored is written, exit 130
         res = score(file, model=model, pair_name=pair_name, replay=replay, threshold=threshold, device=device,
                     corpus=corpus_dir, out_dir=out, max_repros=max_repros,
-                    sampling={"temperature": temperature, "top_p": top_p, "sample_top_k": top_k, "min_p": min_p,
+                    logprobs_mode=logprobs_mode, row_settings=not ignore_row_sampling,
+                    sampling={"temperature": temperature, "top_p": top_p, "sample_top_k": max(top_k, 0), "min_p": min_p,
                               "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
                               "frequency_penalty": frequency_penalty}, tracker=tracker)
     except UsageError as e:
@@ -1225,7 +1342,8 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
                         "there)")
             elif head == "k3=inf":  # (a recording: no expected k3 to say which side gives the token probability 0)
                 head = ("k3=inf (a recorded token the trainer gives probability 0: it cuts tokens the engine kept; "
-                        "check --top-p / --top-k / --min-p / --temperature against the engine's sampling settings)")
+                        "check the sampling settings it was scored with, the row's own or --top-p / --top-k / --min-p "
+                        "/ --temperature, against the engine's)")
             click.echo(f"  line {s.sample.line} (id {s.sample.id}): {head}"
                        + ("" if head.startswith("k3=") else f", k3 {s.metrics['k3_kl']:.4g}")
                        + (f", flip_rate {s.metrics['flip_rate']:.3g}" if s.sample.experts else

@@ -142,7 +142,8 @@ def register_patch(name: str, fn: Callable[[Any], Any] | None = None) -> Any:
 @dataclass(frozen=True)
 class Sampling:
     """A case's sampling parameters (`current_sampling()`): what the rollout samples with, after the
-    forward (temperature first, then min-p, then top-k, then top-p; `harness.sampling.process_logits`)."""
+    forward (the penalties first, then temperature, then min-p, then top-k, then top-p;
+    `harness.sampling.process_logits`)."""
 
     temperature: float
     top_k: int  # 0: off

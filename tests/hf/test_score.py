@@ -767,6 +767,24 @@ def test_raw_log_probs_of_a_processed_sampler_are_named(tmp_path):
     res = score(tmp_path / "off.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
                 max_repros=0, sampling={"temperature": 0.7})
     assert res.flagged and not any("raw distribution" in n for n in res.notes), res.notes
+    # raw rows beside rows flagged for another cause (shifted by 0.3): the note still comes, counting both
+    raw_rows = [json.loads(x) for x in (tmp_path / "raw.jsonl").read_text().splitlines()]
+    (tmp_path / "both.jsonl").write_text("".join(json.dumps(r) + "\n" for r in raw_rows[:3] + rows[3:]))
+    res = score(tmp_path / "both.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                max_repros=0, sampling={"temperature": 0.7, "repetition_penalty": 1.2})
+    [note] = [n for n in res.notes if "raw distribution" in n]
+    assert "3 of the 6 flagged sample(s) rescored" in note and "The other 3 rescored fail either way" in note, note
+    assert "(temperature 0.7, repetition_penalty 1.2)" in note and "min-p or penalties" in note, note
+    # ... and scored as raw (the command's mode, or the row's own logprobs_mode), the raw rows are clean
+    res = score(tmp_path / "raw.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                max_repros=0, sampling={"temperature": 0.7}, logprobs_mode="raw")
+    assert not res.flagged and any(n.startswith("sampling: --logprobs raw") for n in res.notes), res.notes
+    (tmp_path / "moded.jsonl").write_text("".join(
+        json.dumps({**r, "sampling_params": {"temperature": 0.7, "logprobs_mode": "raw_logprobs"}}) + "\n"
+        for r in raw_rows))
+    res = score(tmp_path / "moded.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                max_repros=0)
+    assert not res.flagged and any("say logprobs_mode raw_logprobs" in n for n in res.notes), res.notes
 
 
 def test_log_probs_sliced_one_off_their_tokens_are_named(tmp_path):
@@ -821,6 +839,22 @@ def test_rows_that_record_their_own_sampling_settings_are_scored_with_them(tmp_p
     [note] = [n for n in res.notes if "scored with penalties" in n]
     assert "(presence_penalty)" in note and "1 sample(s)" in note, note
     assert res.scored[0].case.presence_penalty == 0.5
+    # a setting given twice with two values is a bad row; settings the scorer does not apply, or misspelt, are
+    # noted; a row's own settings can be set aside (--ignore-row-sampling)
+    odd = [{**rows[0], "temperature": 0.5, "sampling_params": {"temperature": 0.7}},
+           {**rows[1], "sampling_params": {"typical_p": 0.9, "logit_bias": {"5": 2.0}, "max_tokens": 16}},
+           {**rows[2], "repetiton_penalty": 1.5}, {**rows[3], "sampling_params": {"typical_p": 1.0}}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in odd))
+    res = score(path, pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False, max_repros=0)
+    assert [(b.line, b.field) for b in res.bad] == [(1, "sampling_params.temperature")], res.bad
+    assert "and temperature is 0.5" in res.bad[0].message, res.bad[0].message
+    [note] = [n for n in res.notes if "settings recorded that the scorer does not apply" in n]
+    assert "sampling_params.typical_p on 1 sample(s) (line 2)" in note and "sampling_params.logit_bias" in note, note
+    assert "repetiton_penalty (did you mean repetition_penalty?) on 1 sample(s) (line 3)" in note, note
+    assert "max_tokens" not in note and "line 4" not in note, note
+    res = score(path, pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False, max_repros=0,
+                row_settings=False)
+    assert [b.line for b in res.bad] == [1] and any("(--ignore-row-sampling)" in n for n in res.notes), res.notes
 
 
 def test_a_penalised_recording_scores_clean_with_its_penalties(tmp_path, harness_cli):
@@ -831,9 +865,24 @@ def test_a_penalised_recording_scores_clean_with_its_penalties(tmp_path, harness
                                  "--repetition-penalty", "1.4", "--frequency-penalty", "0.8", "--corpus",
                                  str(tmp_path / "c"), "--no-tracking", "--out", str(tmp_path / "o"))
     assert code == 0 and "scored with penalties (frequency_penalty, repetition_penalty)" in out, out + err
+    import csv
+
+    with (tmp_path / "o" / "samples.csv").open() as fh:  # each sample's settings beside its metrics
+        first = next(csv.DictReader(fh))
+    assert float(first["repetition_penalty"]) == 1.4 and float(first["frequency_penalty"]) == 0.8, first
+    assert float(first["temperature"]) == 1.0 and int(first["top_k"]) == 0, first
     code, out, err = harness_cli("score", str(tmp_path / "p.jsonl"), "--pair", "hf.qwen3.aligned", "--corpus",
-                                 str(tmp_path / "c"), "--no-tracking", "--out", str(tmp_path / "o2"), "--max-repros", "0")
+                                 str(tmp_path / "c"), "--no-tracking", "--out", str(tmp_path / "o2"), "--max-repros", "0",
+                                 "--top-k", "-1")  # (-1: off, as vLLM writes it)
     assert code == 1, out + err
+    # a recording of greedy decoding (every log-prob 0.0) scored as sampling: said so
+    rows = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps({**r, "rollout_logprobs": [0.0] * len(r["response_ids"])})
+                                              + "\n" for r in rows))
+    res = score(tmp_path / "g.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
+                max_repros=0)
+    [note] = [n for n in res.notes if "record every log-prob as exactly 0.0" in n]
+    assert "Score greedy samples with --top-k 1" in note, note
 
 
 def test_tokens_the_trainer_cuts_are_named_not_taken_for_another_model(tmp_path):
