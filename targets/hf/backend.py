@@ -74,6 +74,7 @@ EXPERTS = ("eager", "grouped_mm", "batched_mm")
 USE_CACHE = ("off", "default")
 PACKING = ("packed", "per_sequence")
 HEAD_ROWS = ("all", "scored")
+LOGPROBS = ("processed", "raw")
 TIE_FLOOR = 1e-5  # smallest near-tie gap: below it fp32 layout noise breaks ties differently on each path
 RECORDED_KEYS = ("rec_prompt", "rec_response", "rec_logprobs")  # case params holding a recorded sample
 
@@ -95,6 +96,7 @@ COMPONENTS = {
     "head_rows": "LM-head rows (every position of the forward, or only those that score response tokens)",
     "patch": "module patch (modules of your own swapped in: register_patch)",
     "sampler": "sampler (the log-probabilities a path reports from its logits: register_sampler)",
+    "logprobs": "reported log-probs (of the processed distribution sampled from, or the raw one: vLLM's logprobs_mode)",
 }
 
 
@@ -266,6 +268,16 @@ def path_logprobs(nx: "Numerics", logits: Any, sampling: Sampling, seen: Any = N
     return out.float()
 
 
+def reported_logprobs(nx: "Numerics", logits: Any, processed: Any) -> Any:
+    """What a path reports for rows whose sampling distribution is `processed`: those log-probs, or
+    (`Numerics.logprobs="raw"`) the unprocessed logits' float32 log-softmax."""
+    if nx.logprobs == "processed":
+        return processed
+    import torch
+
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def _where(f: Any) -> str:
     """Where a function is defined (its file, or module, name and line): two lambdas of one file differ,
     and one file imported under two module names (a plugin another plugin imports) is the same def."""
@@ -292,11 +304,15 @@ class Numerics:
     # fused head: (positions, V) logits of long prompts never exist). A rollout is always "scored".
     head_rows: str = "all"
     sampler: str = EXACT_SAMPLER  # the log-probabilities a path reports from its logits (register_sampler)
+    # what the path reports: "processed", the log-probabilities of the distribution its sampler returns (and a
+    # rollout draws from), or "raw", those of the unprocessed logits (log-softmax, no temperature, cut or penalty:
+    # vLLM's default logprobs_mode) while a rollout still draws from its sampler's distribution
+    logprobs: str = "processed"
 
     def __post_init__(self) -> None:
         for name, allowed in (("body", DTYPES), ("router", DTYPES), ("lm_head", DTYPES), ("attention", ATTENTION),
                               ("experts", EXPERTS), ("use_cache", USE_CACHE), ("packing", PACKING),
-                              ("head_rows", HEAD_ROWS)):
+                              ("head_rows", HEAD_ROWS), ("logprobs", LOGPROBS)):
             if getattr(self, name) not in allowed:
                 raise UsageError(f"Numerics.{name}={getattr(self, name)!r} is not one of {allowed}; pick one of those.")
         if self.patch != NO_PATCH and self.patch not in PATCHES:

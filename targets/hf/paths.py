@@ -14,8 +14,8 @@ from typing import Any
 from harness import Outcome, Routing
 from harness.pairs import ROW_POSITIONS
 
-from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, ReplayError, Sampling, path_model, \
-    path_logprobs, sample_rows
+from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, ReplayError, Sampling, path_logprobs, \
+    path_model, reported_logprobs, sample_rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,6 +261,7 @@ def rollout(inp: HFInputs, nx: Numerics) -> Outcome:
         lp = path_logprobs(nx, logits, smp, seen, counts)  # (B, V)
         ui = torch.tensor([float(u[j][i]) if i < inp.resp_lens[j] else 0.5 for j in range(b)])
         tok = sample_rows(lp, ui).to(torch.int64).cpu()  # (B,)
+        lp = reported_logprobs(nx, logits, lp)  # (drawn from the processed rows; reported as the path says)
         for j in range(b):
             if i < inp.resp_lens[j]:
                 lp_rows[j].append(lp[j])
@@ -358,12 +359,14 @@ def trainer(inp: HFInputs, rollout_outcome: Outcome, nx: Numerics, replay: bool 
         # only the recorded tokens' log-probabilities are kept: rows are processed a chunk at a time, so
         # a long recording costs one chunk of (rows, V) beyond the model's logits, not (T, V) twice
         step = max(1, RECORDED_CHUNK_ELEMS // logits.shape[-1])
-        lp_token = torch.cat([path_logprobs(nx, logits[a:a + step], smp,
-                                            *_history_rows(inp, tokens, a, min(a + step, len(logits)), smp, logits))
+        lp_token = torch.cat([reported_logprobs(nx, logits[a:a + step], path_logprobs(
+                                  nx, logits[a:a + step], smp,
+                                  *_history_rows(inp, tokens, a, min(a + step, len(logits)), smp, logits)))
                               .gather(1, tokens[a:a + step, None].to(logits.device)).squeeze(1).cpu()
                               for a in range(0, len(logits), step)])
         return Outcome(logprobs=two_outcome(lp_token), routing=routing)
-    logprobs = path_logprobs(nx, logits, smp, *_history_rows(inp, tokens, 0, len(logits), smp, logits))  # (T, V)
+    logprobs = reported_logprobs(nx, logits, path_logprobs(  # (T, V)
+        nx, logits, smp, *_history_rows(inp, tokens, 0, len(logits), smp, logits)))
     where = torch.stack([torch.zeros_like(sel_r), sel_r, sel_c], -1)  # (its one forward; for triage)
     return Outcome(logprobs=logprobs, routing=routing, intermediates={ROW_POSITIONS: where})
 

@@ -484,6 +484,31 @@ def test_penalties_read_each_rows_history_on_both_paths_and_a_sampler_that_drops
         SAMPLER_KEYWORDS.pop("test_no_presence", None)
 
 
+def test_an_engine_that_reports_raw_log_probs_is_a_component_caught_and_localized():
+    """`Numerics(logprobs="raw")`: the rollout draws from its processed distribution and reports the raw
+    one's log-probs (vLLM's default logprobs_mode). Against a trainer that scores the processed one it
+    is caught at T 0.7 and triage names `logprobs`; at T 1 without cut or penalty the two are one; a
+    trainer that scores raw too is aligned with it at any setting."""
+    from harness.case import Case
+    from harness.execute import run_case
+    from harness.triage import localize
+    from targets.hf import hf_pair
+
+    spec = HFModel.from_config(TINY["qwen3"], init_seed=3)
+    raw = FP32.replace(logprobs="raw")
+    with pytest.raises(UsageError, match="Numerics.logprobs='rare' is not one of"):
+        FP32.replace(logprobs="rare")
+    pair = hf_pair("lp.raw_rollout", spec, FP32, raw)
+    hot = Case(seed=4, seq_lens=(6, 3), prompt_lens=(3, 2), temperature=0.7)
+    ev = run_case(pair, hot)
+    assert ev.failed, ev.divergence
+    loc = localize(pair, hot, "cpu", 1e-3, ev.score)
+    assert loc is not None and loc.minimal == ["logprobs"] and loc.explained, loc
+    assert not run_case(pair, hot.replace(temperature=1.0)).failed
+    both = hf_pair("lp.raw_both", spec, raw, raw)
+    assert run_case(both, hot).score < 1e-9
+
+
 def test_a_weight_sync_is_a_patch_its_bugs_are_caught_and_the_module_named(capsys):
     """`tests/hf/plugin_sync.py`: the trainer's weights through an engine's layout and back. The
     correct round trip is aligned to float rounding (and not warned about as a patch that changed
