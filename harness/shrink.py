@@ -44,7 +44,7 @@ import time
 import math
 from typing import Any, Callable, Iterator
 
-from .case import NEUTRAL, PENALTIES, Case
+from .case import NEUTRAL, OMITTED_WHEN_NEUTRAL, PENALTIES, Case
 from .pairs import SAMPLING_AXES
 
 
@@ -403,6 +403,9 @@ def describe_change(base: Case, moved: Case) -> str:
         parts.append(f"other prompt streams: prompt ids {_ids(a.get('prompt_ids'))} -> {_ids(b.get('prompt_ids'))}")
     if base.ids != moved.ids:  # (the same sizes and knobs, other tensors: the polish's default-streams move)
         parts.append(f"other random streams: sequence ids {_ids(base.ids)} -> {_ids(moved.ids)}")
+    for name in OMITTED_WHEN_NEUTRAL:  # (left out of the JSON when off: compared at their neutral values)
+        a.setdefault(name, NEUTRAL[name])
+        b.setdefault(name, NEUTRAL[name])
     for name in a:
         if name in ("seq_lens", "prompt_lens", "seq_ids", "prompt_ids", "schema") or a.get(name) == b.get(name):
             continue

@@ -275,3 +275,13 @@ def test_a_bisected_knob_stops_where_the_failure_keeps_a_margin():
     assert 1e-3 < judged(edge) < EDGE_MARGIN * 1e-3 and edge.logit_scale < got.logit_scale  # without: 1.86, 1.2x
     got, _, _ = polish(start, lambda c: True, axes=axes, strong=lambda c: False)
     assert got.logit_scale == 1.0  # the full move to the low bound: kept whatever the margin
+
+
+def test_a_knob_left_out_of_the_json_when_off_reads_as_its_neutral_value_in_a_change():
+    """min-p and the penalties are left out of a case's JSON when off: the change to off reads
+    'min_p 0.13 -> 0', not '-> None' (as `show`'s list of the neighbours shrinking tried printed it)."""
+    from harness.shrink import describe_change
+
+    c = Case(seed=1, seq_lens=(2,), min_p=0.13, repetition_penalty=1.2)
+    assert describe_change(c, c.replace(min_p=0.0)) == "min_p 0.13 -> 0", describe_change(c, c.replace(min_p=0.0))
+    assert describe_change(c, c.replace(repetition_penalty=1.0)) == "repetition_penalty 1.2 -> 1"
