@@ -856,10 +856,11 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
             continue
         if k == "params" and isinstance(v, dict):
             v = {pk: brief_value(pv) for pk, pv in v.items()}  # (shown cut, kept whole in the file)
+        shown = "top_k (router)" if k == "top_k" else k  # (beside sample_top_k, the sampler's)
         if k in ("seed", "seq_lens") or v != defaults.get(k):
-            click.echo(f"  {k:13s} {v}")
+            click.echo(f"  {shown:13s} {v}")
         else:
-            at_default.append(f"{k} {v}")
+            at_default.append(f"{shown} {v}")
     if at_default:  # (a pair reads only the fields its axes draw: most of these are not its axes)
         click.echo(f"  at neutral values (the defaults; a pair reads only the fields its code uses): "
                    f"{', '.join(at_default)}")

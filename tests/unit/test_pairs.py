@@ -440,6 +440,7 @@ def test_a_trainer_off_by_its_normaliser_reads_a_two_outcome_kl_full_rows_do_not
     [path] = (tmp_path / "c").rglob("*.json")
     code, out, err = harness_cli("show", str(path), "--plugin", str(plugin), cwd=tmp_path)
     assert code == 0 and "the two-outcome KL fired with the sampled tokens' k3 under the line" in out, out + err
+    assert "top_k (router) 2" in out, out  # (beside sample_top_k: which top-k is which)
     mixed = TargetPair(name="norm.mixed", kind="op", expected="aligned", build=full.build, axes=full.axes,
                        rollout=full.rollout, trainer=lambda inp, ro: token_outcome(
                            full.trainer(inp).logprobs.gather(1, ro.tokens[:, None])[:, 0]))
