@@ -1883,8 +1883,12 @@ def summary_table(result: CampaignResult) -> str:
     """One row per pair; *max judged* is the largest mean the verdict read (expected k3 or exact KL),
     *max sampled k3* the largest sampled tokens' mean k3. A pair that cannot run points to the error
     line `harness fuzz` prints after the table (`setup_error`, said there once)."""
+    from .pairs import REGISTRY
+
     rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max sampled k3", "findings")]
     for r in result.results:
+        pair = REGISTRY.get_loaded(r.pair)
+        reach = r.unreached(pair) if pair is not None and not r.findings and r.examples else ""
         verdict = (f"{NOT_HERE} ({r.streams} of {result.config.streams})"
                    if result.config is not None and caught_elsewhere_maybe(r, result.config) else r.verdict) \
             + (f" ({r.time_note})" if r.time_note and not r.findings else "")
@@ -1902,7 +1906,9 @@ def summary_table(result: CampaignResult) -> str:
                                + (" (not deterministic: will not replay bit for bit)" if not f.deterministic else "")
                                for f in r.findings) + ("; " if r.findings and r.memory_note else "")
                      + r.memory_note + ("; " if (r.findings or r.memory_note) and r.flaky else "")
-                     + "; ".join(f"noise: {x}" for x in r.flaky[:2]) or "-"))
+                     + "; ".join(f"noise: {x}" for x in r.flaky[:2])
+                     + ("; " if (r.memory_note or r.flaky) and reach else "")
+                     + (f"never reached {reach}: nothing past it tested" if reach else "") or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for row in rows:

@@ -189,12 +189,15 @@ def _check_positions(name: str, case: Any, max_pos: int) -> None:
 
 def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics = FP32, *,
             expected: str = "aligned", replay: bool = False, description: str = "", axes: Axes | None = None,
-            devices: tuple[str, ...] = ("cpu", "cuda")) -> TargetPair:
+            devices: tuple[str, ...] = ("cpu", "cuda"), size_marks: dict[str, int] | None = None) -> TargetPair:
     """A trainer/rollout pair for a causal LM.
 
     model: an `HFModel`, a local checkpoint directory, or a config (dict with `model_type`, or a
     transformers config; built with `realistic_init`). trainer / rollout: each path's `Numerics`.
     replay: the trainer reuses the rollout's experts at every position (router replay).
+    size_marks: sequence lengths (in positions) where your own kernels switch ({"splitkv_chunk": 64}),
+    beside those the model's config gives (a sliding window, an attention chunk): a campaign whose
+    cases never pass one says so (`TargetPair.size_marks`).
     """
     gone = _missing_checkpoint(name, model, expected, description, devices, axes=axes)
     if gone is not None:
@@ -247,7 +250,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
 
     def remake(t: Numerics, r: Numerics) -> TargetPair:
         return hf_pair(name, spec, t, r, expected=expected, replay=replay, description=description, axes=axes,
-                       devices=devices)
+                       devices=devices, size_marks=size_marks)
 
     # (packing and head rows are the layout every HF pair's two paths differ by, the same values by contract:
     # named apart, so that they do not read as part of what a pair plants)
@@ -261,7 +264,8 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     return TargetPair(
         name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
         axes=axes, devices=devices, description=desc,
-        lead_tokens=1, size_marks=size_marks_of(spec),  # (each sequence starts with a first token: paths.first_token)
+        # (each sequence starts with a first token: paths.first_token)
+        lead_tokens=1, size_marks={**size_marks_of(spec), **(size_marks or {})},
         weights=spec.fingerprint,  # (a checkpoint folder's files; a config-built model's config, init and seed)
         profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=labels(trainer, rollout),
                             make=remake, model=spec, replay=replay),
@@ -376,7 +380,7 @@ def recorded_pair(name: str, fallback: HFModel, trainer: Numerics = FP32.replace
 
 
 def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axes | None = None,
-             base: Numerics = FP32) -> list[TargetPair]:
+             base: Numerics = FP32, size_marks: dict[str, int] | None = None) -> list[TargetPair]:
     """The standard set for one model: `<prefix>.aligned` (float32 both sides),
     `<prefix>.bf16_rollout` (float32 trainer vs bf16 engine), `<prefix>.bf16_rollout.replay` (the same
     with router replay; MoE models only), `<prefix>.eager_vs_sdpa` (attention implementations, float32;
@@ -384,7 +388,7 @@ def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axe
     `axes`: every pair's (default: `default_axes(model)`). `base`: the float32 numerics both paths
     start from, for a model that needs other settings: gpt-oss and Gemma 2 have no sdpa attention
     (`FP32.replace(attention="eager")`), and a model whose packed forward leaks across sequences
-    needs `packing="per_sequence"` (the trainer's only)."""
+    needs `packing="per_sequence"` (the trainer's only). `size_marks`: as `hf_pair`'s, for every pair."""
     if _checkpoint_gone(model) is not None:
         # (MoE-ness unknown: the replay pair too, so a MoE model's repros of it say its folder is gone)
         names = ["aligned", "bf16_rollout", "bf16_rollout.replay"] + (["eager_vs_sdpa"] if base.attention == "sdpa"
@@ -398,17 +402,18 @@ def hf_pairs(prefix: str, model: Any, bf16_expected: str = "diverges", axes: Axe
     bf16 = base.replace(body="bfloat16", router="bfloat16", lm_head="bfloat16", packing=FP32.packing)
     pairs = [
         hf_pair(f"{prefix}.aligned", spec, base, base.replace(packing=FP32.packing), expected="aligned", axes=axes,
+                size_marks=size_marks,
                 description="float32 both sides: packed teacher-forced trainer vs KV-cache decode rollout"),
         hf_pair(f"{prefix}.bf16_rollout", spec, base, bf16, expected=bf16_expected, axes=axes,
-                description="float32 trainer vs a bf16 engine (weights, activations, "
+                size_marks=size_marks, description="float32 trainer vs a bf16 engine (weights, activations, "
                             + ("router, " if spec.moe() else "") + "LM head)"),
     ]
     if base.attention == "sdpa":
         pairs.append(hf_pair(f"{prefix}.eager_vs_sdpa", spec, base.replace(attention="eager"),
                              base.replace(packing=FP32.packing), expected="aligned", axes=axes,
-                             description="eager attention (trainer) vs sdpa (rollout), float32"))
+                             size_marks=size_marks, description="eager attention (trainer) vs sdpa (rollout), float32"))
     if spec.moe():
         pairs.append(hf_pair(f"{prefix}.bf16_rollout.replay", spec, base, bf16, replay=True,
-                             expected=bf16_expected, axes=axes,
+                             expected=bf16_expected, axes=axes, size_marks=size_marks,
                              description="bf16 engine with router replay: flips gone, the precision gap remains"))
     return pairs

@@ -955,6 +955,18 @@ def test_a_sliding_window_the_cases_never_pass_is_said_and_positions_count_the_f
     assert 1 < r.longest <= 64 and r.unreached(pair) == "sliding_window 64", r.longest
     assert any(f"its longest sequence, {r.longest} positions, never reached sliding_window 64: nothing past it "
                "was tested" in line for line in lines), lines
+    from harness import REGISTRY
+    from harness.fuzz import summary_table
+
+    REGISTRY._pairs[pair.name] = pair  # (the final table reads the pair's marks from the registry)
+    try:
+        assert "never reached sliding_window 64: nothing past it tested" in summary_table(res), summary_table(res)
+    finally:
+        REGISTRY._pairs.pop(pair.name, None)
+    # a mark of one's own kernel beside the config's (a split-KV decode's chunk), kept by triage's rebuilds
+    own = hf_pair("swa.splitkv", mistral, FP32, FP32, axes=default_axes(mistral), size_marks={"splitkv_chunk": 48})
+    assert own.size_marks == {"sliding_window": 64, "splitkv_chunk": 48}
+    assert own.profiles.variant(own.profiles.trainer, own.profiles.rollout).size_marks == own.size_marks
     missed = PairResult(pair.name, "diverges", examples=3, longest=r.longest)
     assert missed_hint(missed, 1e-3, pair).startswith(f"max judged 0: its longest sequence, {r.longest} positions, "
                                                       "never reached sliding_window 64")
