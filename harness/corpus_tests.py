@@ -81,7 +81,8 @@ def test_replay(path, root, request):
             repro.loader.get("name") in REGISTRY.broken_entry_points:  # installed, but broken: not "not here"
         pytest.fail(f"{path.relative_to(root)}: {why}")
     if why is not None:
-        pytest.skip(f"{path.relative_to(root)}: {why}")
+        request.node.user_properties.append(("harness_skip", "pair not here"))  # (the session's summary counts them)
+        _skip(request.config, f"{path.relative_to(root)}: {why}")
     if repro.status == "expected":
         REGISTRY.load_builtins()
         pair = REGISTRY.get_loaded(repro.pair)  # (a pair not registered: replay says so below)
@@ -93,7 +94,7 @@ def test_replay(path, root, request):
     try:
         result = replay(repro)
     except CannotEvaluate as e:  # its pair could not run here (a recorded rollout's checkpoint is elsewhere)
-        pytest.skip(f"{path.relative_to(root)}: {e}")
+        _skip(request.config, f"{path.relative_to(root)}: {e}")
     ev = result.evaluation
     if repro.status == "fixed" and ev.failed:
         pytest.fail(f"{path}: fixed regression is back: {ev.symptom.value} {ev.headline}", pytrace=False)
@@ -111,6 +112,14 @@ def test_replay(path, root, request):
     if repro.status == "open":
         pytest.xfail(f"open regression still {'diverges' if ev.divergence is not None else 'fails'}: "
                      f"{ev.symptom.value} {ev.headline}")
+
+
+def _skip(config, why: str) -> None:
+    """Skip a repro that cannot replay here; with --harness-no-skips, fail it (a nightly's gate: a
+    replay step run without its --harness-plugin otherwise passes with every repro skipped)."""
+    if config.getoption("harness_no_skips", default=False):
+        pytest.fail(f"{why} (--harness-no-skips: a repro that cannot replay here fails)", pytrace=False)
+    pytest.skip(why)
 
 
 def _plugin_flags(config) -> str | None:

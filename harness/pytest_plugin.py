@@ -88,6 +88,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Where the summary and copies of new repros go (default: reports/fuzz).")
     group.addoption("--harness-plugin", action="append", default=[], metavar="FILE.py|MODULE",
                     help="Load target pairs from a Python file or module (repeatable).")
+    group.addoption("--harness-no-skips", action="store_true", default=False,
+                    help="Corpus tests: fail a repro that cannot replay here (its pair not registered, its extra or "
+                         "device missing) instead of skipping it: a nightly's gate, where a replay step run without "
+                         "its --harness-plugin would pass with every repro skipped.")
     group.addoption("--harness-tracking-uri", default=None, metavar="URI",
                     help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else reports/mlflow.db).")
     group.addoption("--harness-no-tracking", action="store_true", default=False,
@@ -1341,6 +1345,13 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    unregistered = [r for r in terminalreporter.stats.get("skipped", [])
+                    if ("harness_skip", "pair not here") in (getattr(r, "user_properties", None) or [])]
+    if unregistered:  # (said whatever -r says: "3 skipped" reads as a pass in a nightly's log)
+        terminalreporter.write_line(
+            f"harness corpus: {len(unregistered)} repro(s) skipped because their pairs cannot be loaded here (each "
+            "one's reason: pytest -rs): pass the plugins that register them (--harness-plugin=PATH), or "
+            "--harness-no-skips to fail such a repro")
     if not _enabled(config) or SESSION_KEY not in config.stash or config.stash[SESSION_KEY].is_worker \
             or config.option.collectonly:
         return

@@ -573,3 +573,35 @@ def test_the_close_command_names_the_mlflow_server_a_repro_records_and_never_a_l
     assert " --tracking-uri 'http://mlflow.internal:5000/a b' --corpus-file " in repro.close_command(), \
         repro.close_command()
     assert "--tracking-uri where its campaign logged to a store other than the default" in CLOSE_FLAGS_HINT
+
+
+def test_a_corpus_replay_without_its_plugin_says_so_and_can_be_made_to_fail(tmp_path, harness_cli):
+    """A nightly's replay step run without the --harness-plugin its repros need passed with every repro
+    skipped (`1 passed, 3 skipped`, exit 0): the summary now says why they were skipped, and
+    --harness-no-skips fails them."""
+    proj = tmp_path / "proj"
+    (proj / "tests").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "test_corpus.py", proj / "tests" / "test_corpus.py")
+    subprocess.run(["git", "init", "-q", str(proj)], check=True)
+    plugin = tmp_path / "outside" / "buggy.py"
+    plugin.parent.mkdir()
+    plugin.write_text(
+        "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
+        "def build(case, device):\n    return case.token_randn(8, 'x')\n"
+        "def trainer(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
+        "def rollout(x):\n    return Outcome(logprobs=torch.log_softmax(x * 0.5, -1))\n"
+        "register(TargetPair(name='unreg.pair', kind='op', expected='aligned', build=build, trainer=trainer,\n"
+        "                    rollout=rollout, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))\n")
+    code, _, err = harness_cli("fuzz", "unreg.pair", "--plugin", str(plugin), "--seed", "1", "--max-examples", "10",
+                               "--corpus", str(proj / "corpora"), "--no-tracking", cwd=proj)
+    assert code == 1, err
+    (proj / "elsewhere").mkdir()  # (run from another folder: the recorded plugin path is not inside it)
+    shutil.move(str(plugin), str(proj / "elsewhere" / "gone.py"))
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_corpus.py", "-k", "test_replay"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(base, cwd=proj, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0 and "1 skipped" in res.stdout, res.stdout + res.stderr
+    assert "harness corpus: 1 repro(s) skipped because their pairs cannot be loaded here" in res.stdout, res.stdout
+    res = subprocess.run(base + ["--harness-no-skips"], cwd=proj, capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 1 and "(--harness-no-skips: a repro that cannot replay here fails)" in res.stdout, \
+        res.stdout + res.stderr
