@@ -516,23 +516,30 @@ def test_the_onnx_graph_carries_no_weights_so_a_real_size_config_exports():
     assert sizes[wide][1] > 4 * sizes[TINY][1] and sizes[wide][0] < 2 * sizes[TINY][0]
 
 
-def test_an_open_regression_that_replays_clean_fails_with_the_command_that_closes_it(tmp_path, harness_cli):
-    """The corpus test of a bug fixed since: one line, the close command with the plugin and the file
-    (it printed the test's source around a bare `pytest.fail`)."""
+def _project_and_plugin(tmp_path, family: str, scale: str) -> tuple[Path, Path]:
+    """A git project holding the corpus test, and a plugin outside it registering `<family>.pair`, whose
+    rollout scales the logits by `scale` (a Python expression: 0.5 is a bug, 1.0 none)."""
     proj = tmp_path / "proj"
     (proj / "tests").mkdir(parents=True)
     shutil.copy(ROOT / "tests" / "test_corpus.py", proj / "tests" / "test_corpus.py")
     subprocess.run(["git", "init", "-q", str(proj)], check=True)
-    plugin = tmp_path / "outside" / "fixable.py"
+    plugin = tmp_path / "outside" / f"{family}.py"
     plugin.parent.mkdir()
     plugin.write_text(
         "import os, torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
         "def build(case, device):\n    return case.token_randn(8, 'x')\n"
         "def trainer(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
-        "def rollout(x):\n    s = 0.5 if os.environ.get('FIXABLE_BUG') else 1.0\n"
+        f"def rollout(x):\n    s = {scale}\n"
         "    return Outcome(logprobs=torch.log_softmax(x * s, -1))\n"
-        "register(TargetPair(name='fixable.pair', kind='op', expected='aligned', build=build, trainer=trainer,\n"
+        f"register(TargetPair(name='{family}.pair', kind='op', expected='aligned', build=build, trainer=trainer,\n"
         "                    rollout=rollout, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))\n")
+    return proj, plugin
+
+
+def test_an_open_regression_that_replays_clean_fails_with_the_command_that_closes_it(tmp_path, harness_cli):
+    """The corpus test of a bug fixed since: one line, the close command with the plugin and the file
+    (it printed the test's source around a bare `pytest.fail`)."""
+    proj, plugin = _project_and_plugin(tmp_path, "fixable", "0.5 if os.environ.get('FIXABLE_BUG') else 1.0")
     code, _, err = harness_cli("fuzz", "fixable.pair", "--plugin", str(plugin), "--seed", "1", "--max-examples", "20",
                                "--corpus", str(proj / "corpora"), "--no-tracking", cwd=proj,
                                env={"FIXABLE_BUG": "1"})
@@ -579,19 +586,7 @@ def test_a_corpus_replay_without_its_plugin_says_so_and_can_be_made_to_fail(tmp_
     """A nightly's replay step run without the --harness-plugin its repros need passed with every repro
     skipped (`1 passed, 3 skipped`, exit 0): the summary now says why they were skipped, and
     --harness-no-skips fails them."""
-    proj = tmp_path / "proj"
-    (proj / "tests").mkdir(parents=True)
-    shutil.copy(ROOT / "tests" / "test_corpus.py", proj / "tests" / "test_corpus.py")
-    subprocess.run(["git", "init", "-q", str(proj)], check=True)
-    plugin = tmp_path / "outside" / "buggy.py"
-    plugin.parent.mkdir()
-    plugin.write_text(
-        "import torch\nfrom harness import Axes, Outcome, TargetPair, register\n"
-        "def build(case, device):\n    return case.token_randn(8, 'x')\n"
-        "def trainer(x):\n    return Outcome(logprobs=torch.log_softmax(x, -1))\n"
-        "def rollout(x):\n    return Outcome(logprobs=torch.log_softmax(x * 0.5, -1))\n"
-        "register(TargetPair(name='unreg.pair', kind='op', expected='aligned', build=build, trainer=trainer,\n"
-        "                    rollout=rollout, axes=Axes(n_seqs=(1, 2), seq_len=(1, 4))))\n")
+    proj, plugin = _project_and_plugin(tmp_path, "unreg", "0.5")
     code, _, err = harness_cli("fuzz", "unreg.pair", "--plugin", str(plugin), "--seed", "1", "--max-examples", "10",
                                "--corpus", str(proj / "corpora"), "--no-tracking", cwd=proj)
     assert code == 1, err
