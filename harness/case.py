@@ -6,8 +6,8 @@ repro file is a few hundred bytes of JSON and replays bit-for-bit.
 
 An RL batch (schema 2): each sequence j is a prompt of `prompt_lens[j]` tokens and a response of
 `seq_lens[j]` tokens. The rollout prefills the prompt and decodes every response token from its KV
-cache, sampling with the case's `temperature` / `top_p` / `sample_top_k` / `min_p` (and penalties); the trainer scores the
-response tokens in one teacher-forced forward over the packed prompt+response rows. Outcome rows
+cache, sampling with the case's `temperature` / `top_p` / `sample_top_k` / `min_p` (and penalties);
+the trainer scores the response tokens in one teacher-forced forward over the packed prompt+response rows. Outcome rows
 are the response tokens, `n_tokens = sum(seq_lens)`, in case order. Op pairs have no prompt
 (`prompt_lens = ()`, every prompt empty) and see `seq_lens` as before. Sequences may share a prompt
 (`prompt_ids`: a group of samples of one prompt, as GRPO draws them): what lies at a shared prompt's

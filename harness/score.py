@@ -40,11 +40,12 @@ of the tokens kept unchanged because the trainer is causal; a prompt is never cu
 change what every response token is conditioned on; when the divergence lies past the cut, the repro
 scores the worst token alone with the response before it moved into the prompt), a histogram of per-sample k3 (`k3_hist.png`), and an
 MLflow campaign run. `flip_rate` and `tie_flip_rate` are empty in samples.csv for a sample that recorded
-no experts (n/a on the console, NaN in the batch when none did). Bad rows (missing fields, an empty prompt, ragged
-lengths, NaN or +inf log-probs (-inf, log 0, is judged: a sampled token at probability 0), ids out of the vocabulary, malformed experts, a prompt + response longer
-than the model's `max_position_embeddings`, times its RoPE scaling factor where one extends it) are
-reported by line and field, with what to do; the rest of the file is scored. A checkpoint folder with
-no weight file, or a trainer that cannot be built, is one error before anything is scored. Progress:
+no experts (n/a on the console, NaN in the batch when none did). Bad rows (missing fields, an empty
+prompt, ragged lengths, NaN or +inf log-probs (-inf, log 0, is judged: a sampled token at probability
+0), ids out of the vocabulary, malformed experts, a prompt + response longer than the model's
+`max_position_embeddings`, times its RoPE scaling factor where one extends it) are reported by line
+and field, with what to do; the rest of the file is scored. A checkpoint folder with no weight file,
+or a trainer that cannot be built, is one error before anything is scored. Progress:
 a bar on a terminal from PROGRESS_FROM samples on; elsewhere (a job's log) a plain line on stderr
 every PROGRESS_EVERY seconds. Ctrl-C or SIGTERM writes the samples scored so far (no repro), then
 exits 130. A sample under the line with tokens whose probability ratio is outside [1/2, 2] (where a
@@ -107,8 +108,8 @@ class Sample:
     logprobs: list[float]
     experts: list | None = None  # [positions][MoE layers][k]
     expert_layers: tuple[int, ...] | None = None  # the decoder layer of each MoE-layer entry (None: 0, 1, ...)
-    # the row's own sampling settings (case field -> value: temperature, top_p, sample_top_k, min_p), over the
-    # command's; {} where the row records none
+    # the row's own sampling settings (case field -> value: temperature, top_p, sample_top_k, min_p, the
+    # penalties), over the command's; {} where the row records none
     sampling: dict = field(default_factory=dict)
     unapplied: list = field(default_factory=list)  # settings it records that the scorer does not apply (`row_sampling`)
     raw_mode: bool = False  # its `logprobs_mode` says raw: scored at the unprocessed distribution
@@ -422,9 +423,9 @@ ROW_SAMPLING = {
 UNAPPLIED = {"logit_bias": None, "typical_p": 1.0, "min_tokens": 0, "bad_words": None, "allowed_token_ids": None,
              "top_a": 0.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "tfs": 1.0, "mirostat_mode": 0,
              "length_penalty": 1.0}
-RAW_MODES = ("raw_logprobs", "raw_logits")
+RAW_MODES = ("raw_logprobs", "raw_logits")  # vLLM's logprobs_mode values of the unprocessed distribution
 NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "sample_top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                    "presence_penalty": 0.0, "frequency_penalty": 0.0}  # case fields: the unprocessed distribution  # vLLM's logprobs_mode values of the unprocessed distribution
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0}  # case fields: the unprocessed distribution
 
 
 def row_sampling(line: int, row: dict) -> tuple[dict, list[str], bool] | BadRow:
@@ -859,8 +860,8 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
         if odd:
             res.notes.append(
                 "sampling: settings recorded that the scorer does not apply or read: "
-                + "; ".join(f"{k} on {len(v)} sample(s) (line {', '.join(map(str, v[:3]))}{', ...' if len(v) > 3 else ''})"
-                            for k, v in odd.items())
+                + "; ".join(f"{k} on {len(v)} sample(s) (line {', '.join(map(str, v[:3]))}"
+                            f"{', ...' if len(v) > 3 else ''})" for k, v in odd.items())
                 + ". Where one changed the distribution the engine sampled from, its samples' log-probs differ "
                   "from the trainer's by it: score them apart, or without it in the engine")
         own = [sc for sc in res.scored if sc.sample.sampling and not (logprobs_mode == "raw" or sc.sample.raw_mode)]
@@ -868,7 +869,8 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
             res.notes.append(
                 f"sampling: {len(own)} of {len(res.scored)} sample(s) record their own sampling settings ("
                 + ", ".join(f"{row_name} on {sum(k in sc.sample.sampling for sc in own)}"
-                            for row_name, (k, _, _) in ROW_SAMPLING.items() if any(k in sc.sample.sampling for sc in own))
+                            for row_name, (k, _, _) in ROW_SAMPLING.items()
+                            if any(k in sc.sample.sampling for sc in own))
                 + "); each was scored with its own, over the command's")
         penalised = [sc for sc in res.scored if sc.case.penalties]
         if penalised:
@@ -900,7 +902,8 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                 f"sampling: {len(sharper)} of {len(res.scored)} sample(s) are over the line with the rollout giving its "
                 f"own tokens more probability than the trainer does ({gap:.2f} nats per token on average), and the "
                 "trainer scored with temperature 1, top-p 1 and no top-k or min-p (the defaults). If the engine sampled "
-                "with other settings, pass them (--temperature, --top-p, --top-k, --min-p): a rollout sharper than the trainer on "
+                "with other settings, pass them (--temperature, --top-p, --top-k, --min-p): a rollout sharper than "
+                "the trainer on "
                 "every sample is what a temperature below 1 left out looks like, or one the engine applied after "
                 "the log-softmax.")
         lines_of: dict[str, list[int]] = {}

@@ -902,8 +902,9 @@ def ddmin(items: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
 
 def profiles_stray(pair: Any, ev: Any, device: str, threshold: float) -> tuple[str, Any]:
     """(why the pair's `Profiles.make` does not rebuild this pair, where it does not: "" where it does,
-    or there are no profiles; the variant's evaluation, None without profiles): the variant with the pair's own settings on both sides must judge the
-    case as the pair does (the same verdict, the judged mean within 2x). A pair made from another
+    or there are no profiles; the variant's evaluation, None without profiles): the variant with the
+    pair's own settings on both sides must judge the case as the pair does (the same verdict, the
+    judged mean within 2x). A pair made from another
     with `dataclasses.replace(..., trainer=..., rollout=...)` keeps the profiles of the one it
     replaced, whose variants run the other pair's paths: every swap would then be read off them."""
     from .execute import run_case
