@@ -45,6 +45,7 @@ STREAMS = ("sequence", "single")
 NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "sample_top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
            "presence_penalty": 0.0, "frequency_penalty": 0.0, "pad_side": "right"}  # knob -> neutral
 PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+PENALTY_BOUNDS = (-2.0, 2.0)  # the presence and frequency penalties' range (vLLM's)
 # sampling fields a repro's JSON leaves out at their neutral value (added after schema 2 was first
 # written: a case that does not use them keeps the key, and so the ID, it had, and older harnesses read it)
 OMITTED_WHEN_NEUTRAL = ("min_p", *PENALTIES)
@@ -276,8 +277,9 @@ class Case:
         if not finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             _fail("repetition_penalty", self.repetition_penalty, "must be a finite number > 0 (1.0 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not finite_number(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
-                _fail(name, getattr(self, name), "must be a number in [-2, 2] (0.0 = off)")
+            value = getattr(self, name)
+            if not finite_number(value) or not PENALTY_BOUNDS[0] <= value <= PENALTY_BOUNDS[1]:
+                _fail(name, value, "must be a number in [-2, 2] (0.0 = off)")
         if self.streams not in STREAMS:
             _fail("streams", self.streams, f"must be one of {STREAMS}")
         if self.order and (not all(_int(i) for i in self.order)

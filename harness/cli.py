@@ -655,10 +655,9 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
 def _plugin_flags(repro: Any, plugins: tuple[str, ...] = ()) -> str:
     """The --plugin flags a printed command needs: the ones this command was given, as the user typed
     them (a repro found in another checkout records that one's path), else the repro's own."""
-    if plugins:
-        return "".join(f" --plugin {p}" for p in plugins)
-    spec = repro.plugin_spec()
-    return f" --plugin {spec}" if spec else ""
+    from .corpus import plugin_flags
+
+    return plugin_flags(plugins or ([repro.plugin_spec()] if repro.plugin_spec() else []))
 
 
 def _severe_still(repro: Any, device: str) -> Any:

@@ -411,6 +411,14 @@ def shrink_command_for(pair_name: str, path: str | Path, tracking_uri: str | Non
 # ---------------------------------------------------------------------------------------------
 # The record
 # ---------------------------------------------------------------------------------------------
+def plugin_flags(given: Any) -> str:
+    """The --plugin flags of a printed harness command for these plugin specs (quoted where a shell
+    needs it); "" for none."""
+    import shlex
+
+    return "".join(f" --plugin {shlex.quote(str(p))}" for p in given or ())
+
+
 # what the printed close commands add in words: the flags a person may need that the repro cannot know
 CLOSE_FLAGS_HINT = ("with --tracking-uri where its campaign logged to a store other than the default, --no-tracking "
                     "for a corpus kept without MLflow")

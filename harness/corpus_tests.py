@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from harness.corpus import (CLOSE_FLAGS_HINT, _display, builtin_extra_missing, iter_corpus, load_plugin_for,
-                            load_repro, replay, replay_severe, severe_note)
+                            load_repro, plugin_flags, replay, replay_severe, severe_note)
 from harness.env import machine_differences
 from harness.errors import CannotEvaluate, HarnessError
 from harness.pairs import REGISTRY
@@ -125,10 +125,7 @@ def _skip(config, why: str) -> None:
 def _plugin_flags(config) -> str | None:
     """The --harness-plugin values this run was given, as the --plugin flags of a harness command
     (None: none given; a printed command then names the repro's own plugin)."""
-    import shlex
-
-    given = list(config.getoption("harness_plugin", default=None) or [])
-    return "".join(f" --plugin {shlex.quote(p)}" for p in given) if given else None
+    return plugin_flags(config.getoption("harness_plugin", default=None)) or None
 
 
 def check_recorded_metrics(path, repro, result) -> None:

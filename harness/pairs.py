@@ -364,7 +364,7 @@ class Axes:
 
     def problems(self) -> list[str]:
         """Every way these axes break the rules, each with its fix (empty when valid)."""
-        from .case import DTYPES, PAD_SIDES
+        from .case import DTYPES, PAD_SIDES, PENALTY_BOUNDS
 
         out: list[str] = []
 
@@ -389,8 +389,10 @@ class Axes:
         float_range("top_p", lambda x: x > 0, lambda x: x <= 1, "0 < low <= high <= 1 (1.0 is neutral: off)")
         float_range("min_p", lambda x: x >= 0, lambda x: x <= 1, "0 <= low <= high <= 1 (0.0 is neutral: off)")
         float_range("repetition_penalty", lambda x: x > 0, math.isfinite, "0 < low <= high < inf (1.0 is neutral: off)")
+        lo, hi = PENALTY_BOUNDS
         for name in ("presence_penalty", "frequency_penalty"):
-            float_range(name, lambda x: x >= -2, lambda x: x <= 2, "-2 <= low <= high <= 2 (0.0 is neutral: off)")
+            float_range(name, lambda x: x >= lo, lambda x: x <= hi,
+                        f"{lo:g} <= low <= high <= {hi:g} (0.0 is neutral: off)")
         if not isinstance(self.packing, bool):
             out.append(f"axes.packing={self.packing!r} must be True or False")
         out.extend(self._cap_problems())

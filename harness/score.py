@@ -75,10 +75,11 @@ from typing import Any, Iterator
 
 import click
 
-from .case import finite_number
+from .case import NEUTRAL, PENALTY_BOUNDS, finite_number
 from .clitypes import FiniteFloat
 from .errors import UsageError
 from .metrics import LOG_ZERO
+from .pairs import SAMPLING_AXES
 
 MAX_REPRO_TOKENS = 1024  # prompt + response tokens a recorded repro keeps (a longer prompt: whole, + 1 response token;
 # a divergence past them: its worst token, the response before it as prompt, `write_repro`)
@@ -413,8 +414,10 @@ ROW_SAMPLING = {
     "top_k": ("sample_top_k", "an integer >= 0, or -1 (off, as vLLM writes it)", lambda v: v == int(v) and v >= -1),
     "min_p": ("min_p", "a number in [0, 1]", lambda v: 0 <= v <= 1),
     "repetition_penalty": ("repetition_penalty", "a number > 0 (1: off)", lambda v: v > 0),
-    "presence_penalty": ("presence_penalty", "a number in [-2, 2] (0: off)", lambda v: -2 <= v <= 2),
-    "frequency_penalty": ("frequency_penalty", "a number in [-2, 2] (0: off)", lambda v: -2 <= v <= 2),
+    "presence_penalty": ("presence_penalty", "a number in [-2, 2] (0: off)",
+                         lambda v: PENALTY_BOUNDS[0] <= v <= PENALTY_BOUNDS[1]),
+    "frequency_penalty": ("frequency_penalty", "a number in [-2, 2] (0: off)",
+                          lambda v: PENALTY_BOUNDS[0] <= v <= PENALTY_BOUNDS[1]),
 }
 
 
@@ -424,8 +427,8 @@ UNAPPLIED = {"logit_bias": None, "typical_p": 1.0, "min_tokens": 0, "bad_words":
              "top_a": 0.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "tfs": 1.0, "mirostat_mode": 0,
              "length_penalty": 1.0}
 RAW_MODES = ("raw_logprobs", "raw_logits")  # vLLM's logprobs_mode values of the unprocessed distribution
-NEUTRAL_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "sample_top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-                    "presence_penalty": 0.0, "frequency_penalty": 0.0}  # case fields: the unprocessed distribution
+NEUTRAL_SAMPLING = {k: NEUTRAL[k] for k in SAMPLING_AXES}  # case fields: the unprocessed distribution
+ROW_NAME = {case_field: name for name, (case_field, _, _) in ROW_SAMPLING.items()}  # case field -> row / csv name
 
 
 def row_sampling(line: int, row: dict) -> tuple[dict, list[str], bool] | BadRow:
@@ -978,10 +981,8 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
 
 
 def _neutral(sampling: dict) -> bool:
-    return (sampling.get("temperature", 1.0) == 1.0 and sampling.get("top_p", 1.0) == 1.0
-            and not sampling.get("sample_top_k", 0) and not sampling.get("min_p", 0.0)
-            and sampling.get("repetition_penalty", 1.0) == 1.0 and not sampling.get("presence_penalty", 0.0)
-            and not sampling.get("frequency_penalty", 0.0))
+    """Whether these sampling settings (case fields; a missing one is off) are the unprocessed distribution."""
+    return all(sampling.get(k, v) == v for k, v in NEUTRAL_SAMPLING.items())
 
 
 RAW_CHECKS = 6  # flagged samples rescored with the unprocessed distribution (`_raw_logprobs_check`)
@@ -989,8 +990,7 @@ RAW_CHECKS = 6  # flagged samples rescored with the unprocessed distribution (`_
 
 def _settings_text(sampling: dict) -> str:
     """A sample's sampling settings away from the unprocessed distribution, as a person reads them."""
-    names = {"sample_top_k": "top_k"}
-    return ", ".join(f"{names.get(k, k)} {v:g}" for k, v in sampling.items()
+    return ", ".join(f"{ROW_NAME[k]} {v:g}" for k, v in sampling.items()
                      if k in NEUTRAL_SAMPLING and v != NEUTRAL_SAMPLING[k]) or "none"
 
 
@@ -1122,19 +1122,14 @@ def write_outputs(res: ScoreResult, source: Path, threshold: float) -> None:
     with (out / "samples.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["line", "id", "prompt_tokens", "response_tokens", *PER_SAMPLE, "above_threshold",
-                    *CSV_SAMPLING.values()])
+                    *ROW_NAME.values()])
         for s in res.scored:  # (with the sampling settings each was scored with: the row's own, or the command's)
             w.writerow([s.sample.line, s.sample.id, len(s.sample.prompt), len(s.sample.response),
                         *["" if k in FLIP_RATES and not s.sample.experts else s.metrics[k] for k in PER_SAMPLE],
                         s.evaluation.failed,  # (no recorded experts: no flip rates, as the console's n/a)
-                        *[getattr(s.case, k) for k in CSV_SAMPLING]])
+                        *[getattr(s.case, k) for k in ROW_NAME]])
     write_summary(res, source, threshold)
     plot_histogram([s.metrics["k3_kl"] for s in res.scored], threshold, out / "k3_hist.png")
-
-
-CSV_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "sample_top_k": "top_k", "min_p": "min_p",
-                "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-                "frequency_penalty": "frequency_penalty"}  # case field -> samples.csv column
 
 
 def write_summary(res: ScoreResult, source: Path, threshold: float) -> None:

@@ -65,8 +65,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from harness.case import NEUTRAL, PENALTIES
 from harness.errors import UsageError
-from harness.pairs import KEPT_POSITIONS
+from harness.pairs import KEPT_POSITIONS, SAMPLING_AXES
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("eager", "sdpa")
@@ -158,20 +159,18 @@ class Sampling:
     @classmethod
     def of(cls, case: Any) -> "Sampling":
         """The sampling parameters of a case (neutral where it has none: an op case of schema 1)."""
-        return cls(float(getattr(case, "temperature", 1.0)), int(getattr(case, "sample_top_k", 0)),
-                   float(getattr(case, "top_p", 1.0)), float(getattr(case, "min_p", 0.0)),
-                   float(getattr(case, "repetition_penalty", 1.0)), float(getattr(case, "presence_penalty", 0.0)),
-                   float(getattr(case, "frequency_penalty", 0.0)))
+        value = {k: getattr(case, k, NEUTRAL[k]) for k in SAMPLING_AXES}
+        return cls(float(value["temperature"]), int(value["sample_top_k"]), float(value["top_p"]),
+                   **{k: float(value[k]) for k in ("min_p", *PENALTIES)})
 
     @property
     def penalized(self) -> bool:
         """Whether a penalty is on (then the paths need each row's token history)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return any(getattr(self, k) != NEUTRAL[k] for k in PENALTIES)
 
     def extras(self) -> dict[str, float]:
         """The settings past the four positional ones, by keyword, with their neutral values."""
-        return {"min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
+        return {k: getattr(self, k) for k in ("min_p", *PENALTIES)}
 
 
 NEUTRAL_SAMPLING = Sampling(1.0, 0, 1.0)  # (the head check's forwards: no case)
