@@ -583,7 +583,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
             and not res.nondeterministic  # (an open repro of a fixed bug: its metrics moved as a fix moves them)
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
                 f"-> now {verdict} {ev.headline_like(r.metrics)}; bit-for-bit "
-                + (f"no: it no longer fails (fixed? once it is: `{r.close_command(plugin_flags=_plugin_flags(r, plugins))}`"
+                + (f"no: it no longer fails (fixed? once it is: `{r.close_command(given_flags=_plugin_flags(r, plugins))}`"
                    f", {CLOSE_FLAGS_HINT})" if now_fixed else
                    "yes" if res.compared and res.bit_for_bit else "no" if res.compared else
                    ("not compared (its case was edited since it was recorded: the recorded metrics are another "

@@ -363,11 +363,14 @@ def _versions(names: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 
 def _display(path: Path) -> str:
-    """A path as a person types it from the working directory (relative when under it)."""
+    """A path as a person types it from the working directory (relative when under it), quoted where
+    a shell needs it (a space, a quote)."""
+    import shlex
+
     try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
+        return shlex.quote(str(path.resolve().relative_to(Path.cwd().resolve())))
     except ValueError:
-        return str(path)
+        return shlex.quote(str(path))
 
 
 def plugin_spec_of(loader: dict[str, str], near: str | Path | None) -> str | None:
@@ -378,15 +381,22 @@ def plugin_spec_of(loader: dict[str, str], near: str | Path | None) -> str | Non
         p = Path(loader.get("path", ""))
         if not p.is_absolute():
             p = repo_root(near) / p
-        return _display(p)
+        return _shown(p)
     if kind == "module":
         return loader.get("module")
     return None
 
 
+def _shown(path: Path) -> str:
+    """`_display`, unquoted (a value the printed commands quote where they use it)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def format_replay(spec: str | None, path: Any) -> str:
-    plugin = f" --plugin {spec}" if spec else ""
-    return f"harness replay{plugin} {_display(Path(path)) if path else 'FILE'}"
+    return f"harness replay{plugin_flags([spec] if spec else ())} {_display(Path(path)) if path else 'FILE'}"
 
 
 def replay_command_for(pair_name: str, path: str | Path | None, registry: Any = None) -> str:
@@ -405,7 +415,7 @@ def shrink_command_for(pair_name: str, path: str | Path, tracking_uri: str | Non
 
     spec = plugin_spec_of(pair_loader(pair_name, repo_root(path)), path)
     store = store_flag(tracking_uri) if tracking else " --no-tracking"
-    return f"harness shrink{f' --plugin {spec}' if spec else ''}{store} {_display(Path(path))}"
+    return f"harness shrink{plugin_flags([spec] if spec else ())}{store} {_display(Path(path))}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,18 +528,24 @@ class Repro:
         """What `--plugin` needs to be for this repro's pair (None: built in or an entry point)."""
         return plugin_spec_of(self.loader, self.path)
 
+    def plugin_flags(self) -> str:
+        """` --plugin SPEC` (quoted where a shell needs it) for a printed command that loads this repro's
+        pair; "" for a pair built in or from an entry point."""
+        spec = self.plugin_spec()
+        return plugin_flags([spec] if spec else ())
+
     def replay_command(self, path: Any = None) -> str:
         """The command that replays this repro as printed, with `--plugin` when its pair needs one."""
         return format_replay(self.plugin_spec(), path or self.path)
 
-    def close_command(self, path: Any = None, plugin_flags: str | None = None) -> str:
-        """The command that closes this repro as fixed, as printed (`plugin_flags`: the --plugin flags the
-        calling command was given, else this repro's own; the MLflow server its run was logged to where
-        the repro records one: a local store's file is not recorded, since it means nothing elsewhere)."""
+    def close_command(self, path: Any = None, given_flags: str | None = None) -> str:
+        """The command that closes this repro as fixed, as printed (`given_flags`: the --plugin flags the
+        calling command was given, `plugin_flags`, else this repro's own; the MLflow server its run was
+        logged to where the repro records one: a local store's file is not recorded, since it means
+        nothing elsewhere)."""
         import shlex
 
-        spec = self.plugin_spec()
-        flags = plugin_flags if plugin_flags is not None else (f" --plugin {spec}" if spec else "")
+        flags = given_flags if given_flags is not None else self.plugin_flags()
         uri = (self.tracking or {}).get("uri")
         if isinstance(uri, str) and uri:
             flags += f" --tracking-uri {shlex.quote(uri)}"

@@ -70,9 +70,8 @@ def test_replay(path, root, request):
     if damaged is not None:  # (failed outside the except: the message once, not again as its context)
         pytest.fail(damaged, pytrace=False)
     if repro.case_edited:  # a committed repro whose metrics are another case's: not a regression test
-        spec = repro.plugin_spec()
         pytest.fail(f"{path}: its case was edited by hand since it was recorded (case_fingerprint); rerecord it "
-                    f"(`harness rerecord{f' --plugin {spec}' if spec else ''} {_display(path)}`, where the edited case "
+                    f"(`harness rerecord{repro.plugin_flags()} {_display(path)}`, where the edited case "
                     "still fails) or restore its case from git")
     why = load_plugin_for(repro, flag="--harness-plugin")
     if why is not None and repro.loader.get("kind") == "builtin" and not builtin_extra_missing(repro.pair):
@@ -106,7 +105,7 @@ def test_replay(path, root, request):
         except HarnessError:
             severe = None
         pytest.fail(f"{path}: open regression no longer diverges ({ev.headline_like(repro.metrics)}): close it as fixed, "
-                    f"`{repro.close_command(path, plugin_flags=_plugin_flags(request.config))}` ({CLOSE_FLAGS_HINT})"
+                    f"`{repro.close_command(path, given_flags=_plugin_flags(request.config))}` ({CLOSE_FLAGS_HINT})"
                     + (f"; but {severe_note(severe)}" if severe is not None and severe.failed else ""), pytrace=False)
     check_recorded_metrics(path, repro, result)  # an open regression too: still the same failure?
     if repro.status == "open":
@@ -133,8 +132,7 @@ def check_recorded_metrics(path, repro, result) -> None:
     torch, numpy, CPU); elsewhere within last-bit noise (`beyond_noise`: the same symptom and
     error, a k3 within 1%); a fixed repro's metrics are the bug's (not compared)."""
     elsewhere = machine_differences(repro.environment)
-    spec = repro.plugin_spec()
-    again = f"harness rerecord{f' --plugin {spec}' if spec else ''}"
+    again = f"harness rerecord{repro.plugin_flags()}"
     if result.nondeterministic:  # its pair gave other values on the same case when it was found
         assert not result.failure_mismatches(), (
             f"{path}: replay fails another way than recorded, as (recorded, replayed): "

@@ -421,8 +421,9 @@ class FuzzSession:
     def replay_command(self, path: Any) -> str:
         if path is None:
             return "(not written: the corpus could not take it; its repro JSON is on stderr)"
-        plugins = "".join(f" --plugin {p}" for p in self.plugins)
-        return f"harness replay{plugins} {path}"
+        from harness.corpus import _display, plugin_flags
+
+        return f"harness replay{plugin_flags(self.plugins)} {_display(Path(path))}"
 
     def rerun(self, pair: str | None = None) -> str:
         """The pytest command that runs this campaign again (one pair of it, with `pair`): the same

@@ -1350,9 +1350,10 @@ def score_command(file: Path, model: str | None, pair_name: str | None, replay: 
             click.echo(f"  ... and {len(res.flagged) - 10} more (samples.csv)")
     else:
         click.echo(f"every sample is under the threshold {threshold:g}")
-    plug = "".join(f" --plugin {p}" for p in plugins)
+    from .corpus import _display, plugin_flags
+
     for p in res.repros:
-        click.echo(f"repro: {p}  (harness replay {p}{plug})")
+        click.echo(f"repro: {p}  (harness replay{plugin_flags(plugins)} {_display(Path(p))})")
     for n in res.notes:
         if n.startswith("warning: "):  # (rows that look padded: on stderr, beside the bad rows)
             click.echo(n, err=True)

@@ -1400,9 +1400,11 @@ def _replay_command(r: Any) -> str:
 
 
 def _triage_command(r: Any) -> str:
-    spec = r.plugin_spec() if callable(getattr(r, "plugin_spec", None)) else None
-    target = r.path or "--run-id " + str((r.tracking or {}).get("run_id", "?"))
-    return "harness triage" + (f" --plugin {spec}" if spec else "") + f" {target}"
+    from .corpus import _display
+
+    flags = r.plugin_flags() if callable(getattr(r, "plugin_flags", None)) else ""
+    target = _display(Path(r.path)) if r.path else "--run-id " + str((r.tracking or {}).get("run_id", "?"))
+    return "harness triage" + flags + f" {target}"
 
 
 def write_report(t: Triage, reports: Path) -> Path:
@@ -1575,8 +1577,7 @@ def triage_command(file: Path | None, run_id: str | None, tracking_uri: str | No
         err = repro.error or {}
         lines = str(err.get("message", "")).strip().splitlines()  # (its headline: the fix below it is another story)
         where = f"{err.get('type', '?')}: {lines[0][:300] if lines else ''}".strip().rstrip(":")
-        spec = repro.plugin_spec()
-        show = f"harness show{f' --plugin {spec}' if spec else ''} {file}" if file else \
+        show = f"harness show{repro.plugin_flags()} {file}" if file else \
             f"harness regressions show {run_id}"
         raise UsageError(f"repro {file or run_id} is a `{repro.symptom}` finding ({where}); triage localizes "
                          f"numerical divergences by running the pair in-process, which such a case would kill or "

@@ -600,3 +600,24 @@ def test_a_corpus_replay_without_its_plugin_says_so_and_can_be_made_to_fail(tmp_
     res = subprocess.run(base + ["--harness-no-skips"], cwd=proj, capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 1 and "(--harness-no-skips: a repro that cannot replay here fails)" in res.stdout, \
         res.stdout + res.stderr
+
+
+def test_printed_commands_quote_a_plugin_path_and_a_repro_path_a_shell_would_split(tmp_path, monkeypatch):
+    """A plugin file or a corpus under a folder with a space in its name: every command the harness
+    prints for a repro (replay, shrink, close, rerecord, triage) quotes them, so it runs as pasted."""
+    import shlex
+
+    from harness.corpus import iter_corpus, load_repro
+    from harness.triage import _triage_command
+
+    monkeypatch.chdir(tmp_path)
+    repro = load_repro(next(iter(iter_corpus(ROOT / "corpora"))))
+    repro.loader = {"kind": "plugin_file", "path": str(tmp_path / "my plugins" / "p.py")}
+    repro.path = tmp_path / "night corpus" / "x.json"
+    for cmd in (repro.replay_command(), repro.close_command(), _triage_command(repro),
+                f"harness rerecord{repro.plugin_flags()} x"):
+        words = shlex.split(cmd)
+        assert words[words.index("--plugin") + 1] == "my plugins/p.py", cmd
+    assert shlex.split(repro.replay_command())[-1] == "night corpus/x.json", repro.replay_command()
+    assert shlex.split(repro.close_command())[shlex.split(repro.close_command()).index("--corpus-file") + 1] == \
+        "night corpus/x.json"
