@@ -68,6 +68,7 @@ from typing import Any, Callable, Mapping
 from harness.case import NEUTRAL, PENALTIES
 from harness.errors import UsageError
 from harness.pairs import KEPT_POSITIONS, SAMPLING_AXES
+from harness.sampling import process_logits  # (one sampler for every pair)
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION = ("eager", "sdpa")
@@ -1242,54 +1243,6 @@ def tie_nudge(x: Any, w: Any, forced: Any, gap: float, k: int, bias: Any = None,
             alpha = (gap - now) / (d * d).sum(-1, keepdim=True).clamp_min(1e-30)
         xs = torch.where(forced[:, None], xs + alpha * d, xs)
     return xs.to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sampling (the case's temperature / top-k / top-p)
-# ---------------------------------------------------------------------------------------------
-def process_logits(logits: Any, temperature: float, top_k: int, top_p: float, min_p: float = 0.0,
-                   **penalties: Any) -> Any:
-    """float32 log-probabilities of the distribution a sampler draws from (-inf outside the kept set)."""
-    try:
-        from harness.sampling import process_logits as shared
-    except ImportError:
-        shared = None
-    if shared is not None:
-        return shared(logits, temperature, top_k, top_p, min_p, **penalties)
-    import math
-
-    import torch
-
-    x = logits.float() / float(temperature)
-    if min_p > 0.0:
-        x = x.masked_fill(x < x.amax(-1, keepdim=True) + math.log(min_p), float("-inf"))
-    if top_k and top_k < x.shape[-1]:
-        kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    lp = torch.log_softmax(x, dim=-1)
-    if top_p < 1.0:
-        srt, order = torch.sort(lp, dim=-1, descending=True)
-        before = torch.cumsum(srt.exp(), dim=-1) - srt.exp()  # mass strictly above each entry
-        drop = before >= top_p
-        lp = lp.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        lp = torch.log_softmax(lp, dim=-1)
-    return lp
-
-
-def sample_rows(logprobs: Any, u: Any) -> Any:
-    """One token per row by inverse CDF on uniforms u (B,) drawn on CPU."""
-    try:
-        from harness.sampling import sample_rows as shared
-    except ImportError:
-        shared = None
-    if shared is not None:
-        return shared(logprobs, u)
-    import torch
-
-    cdf = torch.cumsum(logprobs.double().exp().cpu(), dim=-1)  # (B, V)
-    cdf = cdf / cdf[:, -1:]
-    tok = torch.searchsorted(cdf, u.double()[:, None].contiguous()).squeeze(-1)
-    return tok.clamp_max(logprobs.shape[-1] - 1)
 
 
 def _logit_std() -> float:

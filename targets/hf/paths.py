@@ -13,9 +13,10 @@ from typing import Any
 
 from harness import Outcome, Routing
 from harness.pairs import ROW_POSITIONS
+from harness.sampling import sample_rows
 
 from .backend import RECORDED_KEYS, TIE_FLOOR, CallContext, HFModel, Numerics, ReplayError, Sampling, path_logprobs, \
-    path_model, reported_logprobs, sample_rows
+    path_model, reported_logprobs
 
 
 # ---------------------------------------------------------------------------------------------
