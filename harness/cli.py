@@ -288,8 +288,10 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
               "--max-examples or --profile the budget is filled: once every pair has run its examples, the "
               "time left goes to the pairs that found nothing, as further freshly seeded rounds.")
 @click.option("--seed", type=click.IntRange(0), default=None, help="Campaign seed (default: fresh, printed).")
-@click.option("--threshold", type=POSITIVE, default=1e-3, show_default=True,
-              help="Mean k3 above which a case diverges.")
+@click.option("--threshold", "thresholds", multiple=True, metavar="K3|GLOB=K3",
+              help="The line a case's judged k3 (expected k3) or exact KL must stay under (default 0.001). "
+              "GLOB=K3: the matching pairs' own line (repeatable), over a pair's own TargetPair(threshold=...), "
+              "which a plain K3 leaves as it is.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--corpus", "corpus_dir", type=click.Path(file_okay=False, path_type=Path),
               default=Path("corpora"), show_default=True, help="Where repros are written.")
@@ -314,7 +316,7 @@ def parse_shard(value: str | None) -> tuple[int, int] | None:
 @plugin_option
 def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_examples: int | None, budget: float | None,
          seed: int | None,
-         threshold: float, device: str, corpus_dir: Path, shard: str | None, tracking_uri: str | None,
+         thresholds: tuple[str, ...], device: str, corpus_dir: Path, shard: str | None, tracking_uri: str | None,
          no_tracking: bool, profile: str | None, timeouts: tuple[str, ...], no_isolation: bool, streams: int,
          uniform_per_example: int | None, plugins: tuple[str, ...]) -> None:
     """Fuzz pairs (none named: the pairs of the --plugin files given, else every registered pair); shrink and
@@ -354,6 +356,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
         return
     s = campaign_settings(profile, max(1, -(-n_units // streams)), max_examples, budget, seed)
     default_timeout, per_pair = parse_timeouts(timeouts, pairs)
+    threshold, own_lines = parse_thresholds(thresholds, pairs)
     from .profiles import shard_seed_warning
 
     if shard_seed_warning(parse_shard(shard), s.seed):
@@ -362,8 +365,9 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
         echo_err(f"profile {profile}: {s.max_examples} examples per pair"
                  + (" per round, rounds until the budget" if s.fill_budget else "") + f", budget {s.budget}s, {s.origin}")
     cfg = CampaignConfig(pairs=pairs, seed=s.seed, max_examples=s.max_examples, budget=s.budget,
-                         threshold=threshold, device=dev, corpus=corpus_dir, shard=parse_shard(shard),
-                         profile=profile, isolation=not no_isolation, timeout=default_timeout, timeouts=per_pair,
+                         threshold=threshold, thresholds=own_lines, device=dev, corpus=corpus_dir,
+                         shard=parse_shard(shard), profile=profile, isolation=not no_isolation,
+                         timeout=default_timeout, timeouts=per_pair,
                          plugins=tuple(plugins), streams=streams, uniform_per_example=uniform_per_example,
                          fill_budget=s.fill_budget)
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err, night=s.night)
@@ -412,7 +416,7 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
     if missed:
         from .fuzz import missed_hint
 
-        hints = "; ".join(f"{r.pair} ({missed_hint(r, cfg.threshold, REGISTRY.get_loaded(r.pair))})"
+        hints = "; ".join(f"{r.pair} ({missed_hint(r, cfg.threshold_of(r.pair), REGISTRY.get_loaded(r.pair))})"
                           for r in result.results if r.pair in missed)
         click.echo(f"missed demonstration(s): {len(missed)} of {sum(r.expected == 'diverges' for r in result.results)}"
                    f" not caught: {hints}")
@@ -468,23 +472,38 @@ def terminate_like_ctrl_c() -> None:
 def parse_timeouts(values: tuple[str, ...] | list[str], pairs: list, option: str = "--timeout",
                    require_match: bool = True) -> tuple[float, dict[str, float]]:
     """`--timeout 30` (every pair) and `--timeout 'model.*=300'` (the matching pairs)."""
-    import fnmatch
-
     from .worker import DEFAULT_TIMEOUT
 
-    default, per_pair = DEFAULT_TIMEOUT, {}
+    return parse_per_pair(values, pairs, option, DEFAULT_TIMEOUT, "SECONDS", ("30", "model.*=300"), require_match)
+
+
+def parse_thresholds(values: tuple[str, ...] | list[str], pairs: list, option: str = "--threshold",
+                     require_match: bool = True) -> tuple[float, dict[str, float]]:
+    """`--threshold 0.002` (every pair without a line of its own) and `--threshold 'quant.*=0.01'`
+    (the matching pairs, whatever their own line)."""
+    from .execute import DEFAULT_THRESHOLD
+
+    return parse_per_pair(values, pairs, option, DEFAULT_THRESHOLD, "K3", ("0.002", "quant.*=0.01"), require_match)
+
+
+def parse_per_pair(values: tuple[str, ...] | list[str], pairs: list, option: str, default: float, unit: str,
+                   examples: tuple[str, str], require_match: bool = True) -> tuple[float, dict[str, float]]:
+    """`OPTION X` (the default) and `OPTION 'GLOB=X'` (the matching pairs), X a finite number > 0."""
+    import fnmatch
+
+    per_pair: dict[str, float] = {}
     for v in values:
-        glob, _, secs = str(v).rpartition("=")
+        glob, _, text = str(v).rpartition("=")
         try:
-            t = float(secs)
+            t = float(text)
         except ValueError:
             t = float("nan")
         if not (t > 0 and t != float("inf")):
-            raise UsageError(f"{option} {v!r} must be SECONDS or GLOB=SECONDS with SECONDS > 0, e.g. {option} 30 "
-                             f"or {option} 'model.*=300'.")
+            raise UsageError(f"{option} {v!r} must be {unit} or GLOB={unit} with {unit} > 0 (a finite number), e.g. "
+                             f"{option} {examples[0]} or {option} '{examples[1]}'.")
         if not glob and "=" in str(v):  # `=30`: a GLOB left out (a shell variable that was empty?)
-            raise UsageError(f"{option} {v!r} has an empty GLOB before '='; write {option} {secs} for every pair, or "
-                             f"{option} 'GLOB={secs}' for the pairs GLOB matches.")
+            raise UsageError(f"{option} {v!r} has an empty GLOB before '='; write {option} {text} for every pair, or "
+                             f"{option} 'GLOB={text}' for the pairs GLOB matches.")
         if not glob:
             default = t
             continue
@@ -737,7 +756,7 @@ def parse_case(text: str) -> Any:
 @click.option("--case", "case_text", required=True, metavar="CASE",
               help="The case: JSON, a .json file (a case or a repro), or the one-line form the harness prints.")
 @click.option("--corpus", "corpus_dir", type=click.Path(path_type=Path), default=Path("corpora"), show_default=True)
-@click.option("--threshold", type=POSITIVE, default=None, help="Mean k3 above which the case diverges (default 1e-3).")
+@click.option("--threshold", type=POSITIVE, default=None, help="The line its judged k3 (expected k3) or exact KL must stay under (default: the pair's own TargetPair(threshold=...), else 0.001).")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
 @click.option("--timeout", type=POSITIVE, default=None, help="Seconds the case may run (default: the pair's, else 60).")
 @plugin_option
@@ -763,7 +782,7 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
     if isinstance(other, str) and other != pair.name:
         echo_err(f"note: {case_text} is a repro of pair {other}; its case runs on {pair.name} here")
     dev = resolve_device(device)
-    thr = threshold if threshold is not None else DEFAULT_THRESHOLD
+    thr = threshold if threshold is not None else (getattr(pair, "threshold", None) or DEFAULT_THRESHOLD)
     limit = timeout or getattr(pair, "timeout", None) or DEFAULT_TIMEOUT
     with Worker(dev, tuple(plugins), limit) as worker:
         ev = worker.evaluate(pair, case, thr, timeout=max(limit, 300.0))  # (a fresh worker: imports first)
@@ -781,8 +800,13 @@ def record(pair_name: str, case_text: str, corpus_dir: Path, threshold: float | 
         # bug, and this case gets a file of its own, not that one's recurrence)
         reproduces = reproduces_with(lambda c: worker.evaluate(pair, c, thr), pair.name, f.base_signature)
         path = corpus.record_finding(f, corpus_dir, thr, case.seed, dev, log=echo_err, reproduces=reproduces)
-    click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {f.state}] -> {path}"
-               + ("" if f.new or f.recurrence else " (that file keeps its own case)") + took
+    if not (f.new or f.recurrence or f.updated):  # the bug's repro is that file, with its own case
+        click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {f.state}]: {path}{took}\n"
+                   f"  this case is not saved: the corpus keeps one repro per bug (pair and symptom), and this bug's is "
+                   f"that file, which keeps its own case ({corpus.replay_command_for(pair.name, path).replace('harness replay', 'harness show', 1)}). "
+                   f"To keep this case as a repro too, record it into another corpus (--corpus DIR). Case: {case.one_line()}")
+        sys.exit(EXIT_FOUND)
+    click.echo(f"{pair.name}: {ev.symptom.value}, {ev.headline} [{f.status}, {f.state}] -> {path}" + took
                + f"\n  shrink it: {corpus.shrink_command_for(pair.name, path, tracking=False)}"
                + f"\n  replay:    {corpus.replay_command_for(pair.name, path)}")
     sys.exit(EXIT_FOUND)

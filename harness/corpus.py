@@ -990,10 +990,16 @@ def _known(finding: Any, path: Path, old: "Repro", campaign_seed: int, device: s
         old.history.append({"at": now_iso(), "event": "recurred", "campaign_seed": campaign_seed,
                             "case": finding.case.to_json(), "metrics": metrics_json(finding.evaluation)})
         changed = True
+    finding.corpus_status = old.status  # (what the corpus says of it: a summary shows `wontfix`, not `open`)
     cut_short = old.found.get("shrink_complete") is False
     size = lambda c: (c.batch_size, c.n_tokens)  # noqa: E731
-    if cut_short and old.case != finding.case and (
-            size(finding.case) < size(old.case) or (finding.shrink_complete and size(finding.case) <= size(old.case))):
+    # a repro whose shrinking was cut short takes a smaller or fully shrunk case; a fully shrunk one takes
+    # a fully shrunk case with fewer sequences or tokens (another campaign's shrink reached a smaller
+    # minimum of the same bug: the smaller repro is the one a person reads)
+    if old.case != finding.case and (
+            (cut_short and (size(finding.case) < size(old.case)
+                            or (finding.shrink_complete and size(finding.case) <= size(old.case))))
+            or (finding.shrink_complete and size(finding.case) < size(old.case))):
         finding.updated = "a smaller case"
         old.take_smaller_case(finding.case, finding.evaluation, finding.shrink_complete, device,
                               evaluated_threads(finding.evaluation), deterministic=getattr(finding, "deterministic", True),

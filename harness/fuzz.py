@@ -98,6 +98,7 @@ class Finding:
     # the MLflow regression run that already held it, when the corpus here did not (a CI runner that
     # checks out a corpus its repro was never committed to): not new to the team (`pytest_plugin`)
     known_in_tracking: str = ""
+    corpus_status: str = ""  # the status of the repro the corpus already held of it ("" for a new finding)
     # the largest judged mean (`Evaluation.score`) of the failing cases of this signature the campaign
     # ran: how bad it got within the axes (Hypothesis's target climbs it), where the minimal case sits
     # just over the line by construction; what MLflow's severity reads (nan: not a divergence)
@@ -122,6 +123,10 @@ class Finding:
 
     @property
     def status(self) -> str:
+        """Its repro's status: the corpus's where it already held the finding (`wontfix`, `expected`, a
+        reopened `open`), else `expected` for a demonstration's divergence and `open` for the rest."""
+        if self.corpus_status:
+            return self.corpus_status
         if self.expected == "diverges" and self.symptom is Symptom.DIVERGENCE:
             return "expected"
         return "open"
@@ -139,6 +144,7 @@ class PairResult:
     seconds: float = 0.0
     max_k3: float = 0.0  # the largest sampled tokens' mean k3 (what an RL dashboard logs)
     max_score: float = 0.0  # the largest judged mean (`Evaluation.score`: expected k3 or exact KL)
+    threshold: float = 0.0  # the line its cases were judged at (`CampaignConfig.threshold_of`; 0: not run)
     # the rollout's mean entropy (nats) summed over the cases that had metrics, and their count: a
     # near-deterministic model (entropy ~0) hides precision differences (`missed_hint` says so)
     entropy_sum: float = 0.0
@@ -252,6 +258,7 @@ class CampaignConfig:
     isolation: bool = False  # run cases in a supervised worker process (the command line's default)
     timeout: float = DEFAULT_TIMEOUT  # per-case wall seconds in a worker before the case is a `timeout`
     timeouts: dict[str, float] = field(default_factory=dict)  # pair name -> its own per-case timeout
+    thresholds: dict[str, float] = field(default_factory=dict)  # pair name -> its line (`--threshold GLOB=X`)
     plugins: tuple[str, ...] = ()  # plugin specs the workers load (pairs are found by name there)
     streams: int = 1  # independently seeded streams per pair (each runs max_examples / streams cases)
     stream: int | None = None  # run only this stream of each pair (0-based; a pytest item, a CI job)
@@ -273,6 +280,18 @@ class CampaignConfig:
         if pair in self.timeouts:
             return self.timeouts[pair]
         return own if own else self.timeout
+
+    def threshold_of(self, pair: str) -> float:
+        """The line a pair's verdicts are judged at: the command line's for this pair (`--threshold
+        GLOB=X`), else the pair's own (`TargetPair.threshold`: an accepted gap), else the campaign's."""
+        if pair in self.thresholds:
+            return self.thresholds[pair]
+        own = next((getattr(p, "threshold", None) for p in self.pairs if p.name == pair), None)
+        return own if own else self.threshold
+
+    def own_thresholds(self) -> dict[str, float]:
+        """{pair: its line} for the pairs judged at another line than the campaign's."""
+        return {p.name: t for p in self.pairs if (t := self.threshold_of(p.name)) != self.threshold}
 
 
 @dataclass
@@ -476,7 +495,9 @@ def near_miss_line(r: PairResult, threshold: float) -> str:
             or r.max_score > threshold:
         return ""
     lower = 10.0 ** math.floor(math.log10(r.max_score))
-    return (f"closest to the line: judged {mean_text(r.max_score)} ({r.max_score / threshold:.0%} of it) on "
+    share = r.max_score / threshold
+    share_text = f"{share:.0%}" if share < 0.995 or share == 1.0 else f"{share:.1%}" if share < 0.9995 else f"{share:.3%}"
+    return (f"closest to the line: judged {mean_text(r.max_score)} ({share_text} of it) on "
             f"{r.max_case.one_line()}; to keep it as a repro to look at (show, triage), record it under a lower line: "
             f"`harness record {r.pair} --case '{r.max_case.one_line()}' --threshold {lower:g}` (with the --plugin "
             "the campaign had)")
@@ -592,10 +613,11 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     from .strategies import cases, uniform_cases
     from .worker import OutOfTime
 
+    threshold = cfg.threshold_of(pair.name)
     if evaluate is None:
         def evaluate(case: Case) -> Evaluation:
-            return run_case(pair, case, cfg.device, cfg.threshold)
-    result = PairResult(pair.name, pair.expected, seed=seed)
+            return run_case(pair, case, cfg.device, threshold)
+    result = PairResult(pair.name, pair.expected, seed=seed, threshold=threshold)
     limit = {"deadline": deadline}
     # case key -> the evaluation of a failing case, or just the k3 of a passing one (a long nightly
     # evaluates tens of thousands of cases; Hypothesis only needs their verdicts back on a replay)
@@ -607,7 +629,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
     cut = {"shrink": False}
     start = time.monotonic()
     last_report = [start]
-    floor = cfg.threshold * 1e-3
+    floor = threshold * 1e-3
     # Every Hypothesis case is followed by `uniform_per_example` uniform random cases over the same
     # axes (see `strategies`): Hypothesis finds small and near-tie triggers, uniform draws find large ones.
     n_uniform = uniform_per_example(pair, cfg)
@@ -748,7 +770,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                 # Hypothesis's shrinker may take when it makes the case smaller, but not one that only moves a
                 # knob (it walked a repro's logit scale to k3 0.00100001 against the line 0.001, which another
                 # CPU's last bits read clean). Decided once per case: a replay of it is judged the same way.
-                taken = steps[key] = (ev.symptom is not Symptom.DIVERGENCE or ev.score >= EDGE_MARGIN * cfg.threshold
+                taken = steps[key] = (ev.symptom is not Symptom.DIVERGENCE or ev.score >= EDGE_MARGIN * threshold
                                       or first == key
                                       or size < smallest_taken.get(sig, size))
             if not taken:
@@ -832,14 +854,14 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         evals = 0
         if not cut["shrink"] and polish_evals > 0:
             try:
-                ev, evals, complete = _polish(pair, ev, sig, run, limit["deadline"], polish_evals, cfg.threshold)
+                ev, evals, complete = _polish(pair, ev, sig, run, limit["deadline"], polish_evals, threshold)
                 if (complete and pair.expected != "diverges" and ev.symptom is Symptom.DIVERGENCE
                         and math.isfinite(ev.score)):  # (inf: a sampled token the trainer excludes, the worst there is)
                     seek_severe(ev)  # (a finding stops the search: look on for a worse case)
                     top = peak.get(sig, math.nan)
-                    if sig in peak_case and top >= SEVERE_FACTOR * max(ev.score, cfg.threshold):
+                    if sig in peak_case and top >= SEVERE_FACTOR * max(ev.score, threshold):
                         severe = _severe(pair, ev, sig, peak_case[sig], top, run, limit["deadline"], polish_evals,
-                                         cfg.threshold)
+                                         threshold)
             except _Setup as e:  # it stopped running while a finding was shrunk: kept at its smallest so far
                 result.setup_error = setup_message(e.evaluation)
                 cut["shrink"], evals, ev, complete = True, 0, smallest.get(sig, ev), False
@@ -1246,7 +1268,7 @@ class Executor:
         at `share` (time.monotonic()) and after `DEFER_AFTER` seconds raises `Deferred`."""
         cfg = cfg or self.cfg
         if not cfg.isolation:
-            return lambda case: run_case(pair, case, cfg.device, cfg.threshold)
+            return lambda case: run_case(pair, case, cfg.device, cfg.threshold_of(pair.name))
         timeout, source = cfg.timeout_for(pair.name, getattr(pair, "timeout", None)), self.source(pair)
 
         def collected(worker: Any, name: str, ev: Evaluation) -> Evaluation:
@@ -1301,7 +1323,7 @@ class Executor:
                 cold = pair.name not in self._warm(worker)
                 if cold:
                     self.first_sent.setdefault(pair.name, time.monotonic())
-                worker.submit(pair, case, cfg.threshold, allowance(cold), wall, cold_extra=allowance(cold) - timeout)
+                worker.submit(pair, case, cfg.threshold_of(pair.name), allowance(cold), wall, cold_extra=allowance(cold) - timeout)
                 if may_defer and share is not None and cold and len(self.parked) < self.MAX_PARKED:
                     ev = worker.collect(wall, until=max(share, time.monotonic() + self.DEFER_AFTER))
                     if ev is None:
@@ -1332,7 +1354,7 @@ class Executor:
                 return False
             if any(q[0].name != pair.name for q in worker.queue):
                 return False  # a parked first case of another pair is still running
-            worker.submit(pair, case, cfg.threshold, timeout, wall)
+            worker.submit(pair, case, cfg.threshold_of(pair.name), timeout, wall)
             return True
 
         evaluate.prefetch = prefetch  # type: ignore[attr-defined]
@@ -1479,6 +1501,7 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
     if r.max_case is not None and (r.max_score > into.max_score or into.max_case is None):
         into.max_case = r.max_case
     into.max_score = max(into.max_score, r.max_score)
+    into.threshold = into.threshold or r.threshold
     into.largest = tuple(max(a, b) for a, b in zip(into.largest, r.largest))  # type: ignore[assignment]
     into.longest = max(into.longest, r.longest)
     into.worker_peak_mib = max(into.worker_peak_mib, r.worker_peak_mib)
@@ -1527,6 +1550,13 @@ def warm_hypothesis() -> None:
         pass
 
 
+def own_lines(cfg: CampaignConfig, pairs: Any) -> str:
+    """` (own lines: a 0.01, b 0.003)` for the pairs judged at another line than the campaign's; "" else."""
+    names = {getattr(p, "name", p) for p in pairs}
+    own = {n: t for n, t in cfg.own_thresholds().items() if n in names}
+    return f" (own lines: {', '.join(f'{n} {t:g}' for n, t in sorted(own.items()))})" if own else ""
+
+
 def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], None] | None = None,
                  on_finding: Callable[[Finding], None] | None = None, executor: Executor | None = None,
                  on_progress: Callable[[Any, PairResult], None] | None = None) -> CampaignResult:
@@ -1548,7 +1578,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
     units = run_order(campaign_units(cfg.pairs, cfg.streams, cfg.shard, cfg.stream))
     pairs = unit_pairs(units)
     log(f"campaign seed {seed} (rerun exactly with --seed {seed}); {len(pairs)} pair(s), device {cfg.device}, "
-        f"threshold {cfg.threshold:g}" + (f", {cfg.streams} streams per pair" if cfg.streams > 1 else "")
+        f"threshold {cfg.threshold:g}" + own_lines(cfg, pairs) + (f", {cfg.streams} streams per pair" if cfg.streams > 1 else "")
         + (f", shard {cfg.shard[0]}/{cfg.shard[1]}" if cfg.shard else "")
         + ("" if cfg.isolation else ", in-process (no isolation)"))
     tracker.campaign_started(cfg, seed, pairs)
@@ -1662,7 +1692,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 return
             if cfg.write_corpus:
                 try:
-                    corpus_mod.record_finding(f, cfg.corpus, cfg.threshold, seed, cfg.device, log=log,
+                    corpus_mod.record_finding(f, cfg.corpus, cfg.threshold_of(f.pair), seed, cfg.device, log=log,
                                               reproduces=reproduces(f))
                 except Exception as e:  # noqa: BLE001 - a full disk, or a bug writing it: the finding is printed
                     _unsaved(f, e, cfg, seed, log)
@@ -1766,14 +1796,14 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     + (f"; its longest sequence, {r.longest} positions, never reached {r.unreached(pair)}: nothing past "
                        "it was tested" if r.unreached(pair) and not r.findings else "")
                     + (f"; one sequence's own mean reached {r.max_seq_score:.3g}, over the line: judged over the batch"
-                       if r.max_seq_score > cfg.threshold and not r.findings else "")
+                       if r.max_seq_score > cfg.threshold_of(r.pair) and not r.findings else "")
                     + (f", first case {r.warmup:.1f}s" if r.warmup > 5 else "")
                     + (f", {len(r.findings)} finding(s)" if r.findings else "")
                     + (f"; {r.time_note}" if r.time_note else "") + ")"
                     + (f": {_setup_said(setup_said, unit.pair.name, unit.label, r.setup_error)}" if r.setup_error else ""))
                 if r.unfinished or r.waited_for:
                     log(f"  {unit.label}: {unfinished_note(r, cfg.timeout_for(pair.name, getattr(pair, 'timeout', None)))}")
-                near = near_miss_line(r, cfg.threshold)
+                near = near_miss_line(r, cfg.threshold_of(r.pair))
                 if near:
                     log(f"  {unit.label}: {near}")
             # Filling, once every unit has run its examples: the time left goes to the clean units, in
@@ -1861,7 +1891,7 @@ def _unsaved(f: Finding, err: Exception, cfg: CampaignConfig, seed: int, log: Ca
         f"fails). The finding follows on "
         f"one line as JSON: save that line as {target} to replay it.")
     try:
-        data = finding_to_repro(f, cfg.threshold, seed, cfg.device).to_json()
+        data = finding_to_repro(f, cfg.threshold_of(f.pair), seed, cfg.device).to_json()
     except Exception as e:  # noqa: BLE001 - what can still be said: the case and the verdict
         data = {"pair": f.pair, "symptom": f.symptom.value, "case": f.case.to_json(),
                 "error_making_the_repro": f"{type(e).__name__}: {e}"}

@@ -492,6 +492,12 @@ class TargetPair:
     timeout: float | None = None  # per-case seconds before a case is a hang; None: the campaign's `--timeout`.
     #   Its own wins over the campaign's either way (a compiling backend that recompiles for new shapes may
     #   need minutes cold; a pair that may hang wants seconds); `--timeout GLOB=S` overrides it
+    # The line this pair's verdicts are judged at (judged k3 or exact KL); None: the campaign's `--threshold`.
+    #   For paths accepted to differ by a known amount (an int8 rollout against a bf16 trainer): a case
+    #   past the accepted gap still fails, one inside it does not. Its own wins over the campaign's
+    #   `--threshold X`; `--threshold GLOB=X` overrides it. Where the accepted path can be run as the
+    #   trainer (the int8 reference against the engine), an aligned pair at the default line is stricter.
+    threshold: float | None = None
     # optional: () -> a fingerprint of the weights the pair runs (a checkpoint folder's contents), kept
     # in its repros; a replay against other weights says so (RL runs overwrite checkpoints)
     weights: Callable[[], str] | None = None
@@ -544,6 +550,11 @@ class TargetPair:
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
                                              and math.isfinite(self.timeout) and self.timeout > 0):
             raise PairError(f"{where}: timeout={self.timeout!r} must be None or a number of seconds > 0.")
+        if self.threshold is not None and not (isinstance(self.threshold, (int, float))
+                                               and not isinstance(self.threshold, bool)
+                                               and math.isfinite(self.threshold) and self.threshold > 0):
+            raise PairError(f"{where}: threshold={self.threshold!r} must be None (the campaign's --threshold) or a "
+                            "finite number > 0: the judged k3 / exact KL above which a case of this pair diverges.")
         if self.verdict_over not in VERDICT_OVER:
             raise PairError(f"{where}: verdict_over={self.verdict_over!r} is not one of {VERDICT_OVER}; 'batch' judges "
                             "the mean over every token of a case, 'sequence' the worst sequence's own mean.")

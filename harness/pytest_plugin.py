@@ -79,8 +79,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="Fuzz only this shard's share of the pairs (deterministic, no overlap).")
     group.addoption("--harness-device", default="cpu", choices=("cpu", "cuda", "auto"),
                     help="Device both paths run on (default: cpu).")
-    group.addoption("--harness-threshold", type=float, default=None, metavar="K3",
-                    help="Mean k3 above which a case diverges (default: 1e-3).")
+    group.addoption("--harness-threshold", action="append", default=None, metavar="K3|GLOB=K3",
+                    help="The line a case's judged k3 (expected k3) or exact KL must stay under (default: 1e-3). "
+                    "GLOB=K3 (repeatable): the matching pairs' own line, over a pair's own "
+                    "TargetPair(threshold=...), which a plain K3 leaves as it is.")
     group.addoption("--harness-corpus", default=None, metavar="DIR",
                     help="Where repros are written (default: corpora); the corpus tests/test_corpus.py replays "
                          "(default: the harness repository's own), relative to the working directory.")
@@ -150,8 +152,11 @@ class FuzzSession:
         self.fill_budget = fills_budget(self.profile, max_examples, budget)
         from harness.execute import DEFAULT_THRESHOLD
 
-        threshold = opt("harness_threshold")
-        self.threshold = threshold if threshold is not None else DEFAULT_THRESHOLD
+        from harness.cli import parse_thresholds
+
+        self.thresholds = tuple(opt("harness_threshold") or ())
+        self.threshold = parse_thresholds(self.thresholds, [], "--harness-threshold", require_match=False)[0] \
+            if self.thresholds else DEFAULT_THRESHOLD  # (checked in `_check_options`)
         self.corpus = Path(opt("harness_corpus") or "corpora")
         self.streams = opt("harness_streams")
         self.uniform_per_example = opt("harness_uniform_per_example")
@@ -281,13 +286,24 @@ class FuzzSession:
         from harness.fuzz import CampaignConfig
 
         cfg = CampaignConfig(pairs=pairs, seed=self.seed, max_examples=self.max_examples, budget=None,
-                             threshold=self.threshold, device=self.device(), corpus=self.corpus,
+                             threshold=self.threshold, thresholds=self.pair_thresholds(pairs),
+                             device=self.device(), corpus=self.corpus,
                              shard=self.shard, isolation=self.isolation, timeout=self.timeout,
                              timeouts=self.pair_timeouts(pairs), plugins=tuple(self.plugins), streams=self.streams,
                              uniform_per_example=self.uniform_per_example, fill_budget=self.fill_budget)
         cfg.budget = self.budget * len(pairs) if self.budget is not None else None  # per pair -> campaign
         cfg.profile = self.profile_name  # stored with the campaign run
         return cfg
+
+    def pair_thresholds(self, pairs: list) -> dict[str, float]:
+        """`--harness-threshold GLOB=K3`: the line of each matching pair."""
+        from harness.cli import parse_thresholds
+
+        return parse_thresholds(self.thresholds, pairs, "--harness-threshold", require_match=False)[1]
+
+    def threshold_of(self, pair: Any) -> float:
+        """The line `pair` is judged at in this session (`CampaignConfig.threshold_of`)."""
+        return self.campaign_config([pair]).threshold_of(pair.name)
 
     def pair_timeouts(self, pairs: list) -> dict[str, float]:
         """`--harness-timeout GLOB=SECONDS`: the per-case timeout of each matching pair."""
@@ -439,7 +455,7 @@ class FuzzSession:
         if self.profile_name:  # (from the ini too: the command may run from another directory)
             parts.append(f"--harness-profile {shlex.quote(self.profile_name)}")
         for name, flag in (("harness_max_examples", "--harness-max-examples"),
-                           ("harness_budget", "--harness-budget"), ("harness_threshold", "--harness-threshold"),
+                           ("harness_budget", "--harness-budget"),
                            ("harness_uniform_per_example", "--harness-uniform-per-example")):
             if opt(name) is not None:
                 parts.append(f"{flag} {shlex.quote(str(opt(name)))}")
@@ -450,6 +466,7 @@ class FuzzSession:
         if opt("harness_corpus") is not None:
             parts.append(f"--harness-corpus={shlex.quote(str(opt('harness_corpus')))}")
         parts += [f"--harness-timeout {shlex.quote(t)}" for t in self.timeouts]
+        parts += [f"--harness-threshold {shlex.quote(t)}" for t in self.thresholds]
         if not self.isolation:
             parts.append("--harness-no-isolation")
         if not self.tracking:
@@ -469,7 +486,7 @@ class FuzzSession:
             new = [f for f in r.findings if f.new or f.recurrence]
             if new:
                 raise FuzzFailure("\n".join(
-                    [f"aligned pair {pair.name}: {len(new)} new regression(s) (threshold {self.threshold:g}, "
+                    [f"aligned pair {pair.name}: {len(new)} new regression(s) (threshold {self.threshold_of(pair):g}, "
                      f"{r.examples} cases, campaign seed {self.seed})"]
                     + [_describe(f, self) for f in new] + [f"  rerun: {rerun}"]))
             if r.findings:
@@ -506,7 +523,7 @@ class FuzzSession:
         if verdict == "MISSED":
             from harness.fuzz import missed_hint
 
-            why = f"demonstration not caught ({missed_hint(r, self.threshold, pair)})"
+            why = f"demonstration not caught ({missed_hint(r, self.threshold_of(pair), pair)})"
             warnings.warn(HarnessFuzzWarning(f"{pair.name}: {verdict}: {why}"), stacklevel=1)
 
     def _recorded_this_run(self, f: Any) -> bool:
@@ -615,7 +632,7 @@ def _keep_unsaved(fs: Any, cfg: Any, result: Any) -> list[Path]:
         dest = new_repros_dir(fs) / f.pair / f"{f.id}.json"
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            finding_to_repro(f, cfg.threshold, result.seed, cfg.device).save(dest)
+            finding_to_repro(f, cfg.threshold_of(f.pair), result.seed, cfg.device).save(dest)
         except Exception:  # noqa: BLE001 - stderr holds it already
             continue
         kept.append(dest)
@@ -663,10 +680,14 @@ def _check_options(opt: Any) -> None:
     """The CLI's checks on the numeric options: a bad value is a usage error, never a green run."""
     import math
 
-    threshold, budget, max_examples = opt("harness_threshold"), opt("harness_budget"), opt("harness_max_examples")
-    if threshold is not None and not (math.isfinite(threshold) and threshold > 0):
-        raise pytest.UsageError(f"--harness-threshold {threshold!r} must be a finite number > 0 (the mean k3 above "
-                                "which a case diverges; default 1e-3).")
+    budget, max_examples = opt("harness_budget"), opt("harness_max_examples")
+    from harness.cli import parse_thresholds
+    from harness.errors import UsageError
+
+    try:  # (the format; which pairs a GLOB matches is known per item)
+        parse_thresholds(tuple(opt("harness_threshold") or ()), [], "--harness-threshold", require_match=False)
+    except UsageError as e:
+        raise pytest.UsageError(str(e)) from None
     if budget is not None and not (math.isfinite(budget) and budget > 0):
         raise pytest.UsageError(f"--harness-budget {budget!r} must be a finite number of seconds > 0 (wall time per "
                                 "pair, shrinking included); leave it out for no time limit.")
@@ -689,7 +710,7 @@ def _pair_result_json(r: Any) -> dict:
 
     return {
         "pair": r.pair, "expected": r.expected, "examples": r.examples, "cases": r.examples, "seconds": r.seconds,
-        "max_k3": r.max_k3, "max_score": r.max_score, "seed": r.seed,
+        "max_k3": r.max_k3, "max_score": r.max_score, "threshold": r.threshold, "seed": r.seed,
         "entropy_sum": r.entropy_sum, "entropy_cases": r.entropy_cases,
         "examples_asked": r.examples_asked, "examples_short": r.examples_short,
         "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for, "setup_error": r.setup_error,
@@ -697,7 +718,7 @@ def _pair_result_json(r: Any) -> dict:
         "max_seq_score": r.max_seq_score, "flaky": list(r.flaky),
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
-            "symptom": f.symptom.value, "status": f.status,
+            "symptom": f.symptom.value, "status": f.status, "corpus_status": f.corpus_status,
             "case": f.case.to_json(), "metrics": metrics_json(f.evaluation), "error": f.evaluation.error,
             "examples": f.examples, "shrink_complete": f.shrink_complete,
             "path": str(f.path) if f.path else None, "new": f.new, "recurrence": f.recurrence,
@@ -760,10 +781,11 @@ def _pair_result(d: dict) -> Any:
                                 seconds_to_first=fd.get("seconds_to_first", 0.0),
                                 shrink_seconds=fd.get("shrink_seconds", 0.0),
                                 peak=float(decode_float(fd.get("peak", "nan"))),  # (severity reads it)
-                                deterministic=fd.get("deterministic", True), updated=fd.get("updated", "")))
+                                deterministic=fd.get("deterministic", True), updated=fd.get("updated", ""),
+                                corpus_status=fd.get("corpus_status", "")))
         findings[-1].severe = Severe.from_json(fd.get("severe"))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
-                      max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), findings=findings,
+                      max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), threshold=d.get("threshold", 0.0), findings=findings,
                       entropy_sum=d.get("entropy_sum", 0.0), entropy_cases=d.get("entropy_cases", 0),
                       examples_asked=d.get("examples_asked", 0), examples_short=d.get("examples_short", 0),
                       seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""),

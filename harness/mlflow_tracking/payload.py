@@ -37,6 +37,9 @@ def campaign_payload(cfg: Any, seed: int, pairs: list, uid: str) -> dict[str, An
         "max_examples": getattr(cfg, "max_examples", None),
         "budget": getattr(cfg, "budget", None),
         "threshold": getattr(cfg, "threshold", None),
+        # the pairs judged at a line of their own (`TargetPair.threshold`, `--threshold GLOB=X`)
+        "own_thresholds": (",".join(f"{n}={t:g}" for n, t in sorted(cfg.own_thresholds().items()))[:5000] or "none")
+        if hasattr(cfg, "own_thresholds") else "none",
         "device": getattr(cfg, "device", None),
         "shard": f"{shard[0]}/{shard[1]}" if shard else "none",
         "profile": getattr(cfg, "profile", None) or "none",

@@ -73,7 +73,8 @@ class MlflowTracker:
         payload = None
         try:
             cfg = self.cfg
-            payload = finding_payload(finding, getattr(cfg, "threshold", 1e-3), self.seed,
+            line = cfg.threshold_of(finding.pair) if hasattr(cfg, "threshold_of") else getattr(cfg, "threshold", 1e-3)
+            payload = finding_payload(finding, line, self.seed,
                                       getattr(cfg, "device", "cpu"))
             if self.store is not None:
                 run_id, what = log_regression(self.store, payload, self.run_id, self.seen_uid)

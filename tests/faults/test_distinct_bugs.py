@@ -228,3 +228,29 @@ def test_a_bad_thread_count_in_a_repro_is_named(tmp_path):
         path.write_text(json.dumps(data))
         with pytest.raises(UsageError, match="environment"):
             load_repro(path)
+
+
+def test_a_fully_shrunk_repro_takes_a_later_fully_shrunk_case_that_is_strictly_smaller(pair, tmp_path):
+    """Another campaign's shrink reached a smaller minimum of the same bug: the repro takes it (the
+    smaller case is the one a person reads), says so in its history, and the finding says what changed."""
+    corpus = tmp_path / "corpora"
+    first = _campaign(pair, corpus, "batch")
+    data = json.loads(first.path.read_text())
+    data["case"] = {**data["case"], "seq_lens": [2, 3], "prompt_lens": [], "seq_ids": [], "order": []}  # a local minimum
+    first.path.write_text(json.dumps(data))
+    assert load_repro(first.path).found["shrink_complete"] is True
+    again = _campaign(pair, corpus, "batch", seed=2)
+    assert not again.new and again.path == first.path and again.updated == "a smaller case"
+    repro = load_repro(first.path)
+    assert repro.case == again.case and repro.case.n_tokens < 5 and repro.status == "open"
+    assert repro.history[-1]["replaced_case"]["seq_lens"] == [2, 3]
+
+
+def test_a_finding_the_corpus_holds_as_wontfix_is_reported_as_wontfix_not_open(pair, tmp_path):
+    corpus = tmp_path / "corpora"
+    first = _campaign(pair, corpus, "batch")
+    data = json.loads(first.path.read_text())
+    data["status"] = "wontfix"
+    first.path.write_text(json.dumps(data))
+    again = _campaign(pair, corpus, "batch", seed=2)
+    assert not again.new and again.status == "wontfix" and load_repro(first.path).status == "wontfix"

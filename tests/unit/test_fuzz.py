@@ -13,6 +13,7 @@ from harness import REGISTRY, Case
 from harness.corpus import iter_corpus, load_repro, replay
 from harness.execute import Symptom, run_case
 from harness.fuzz import CampaignConfig, run_campaign, summary_table
+from harness.pairs import PairError
 from harness.tracking import NullTracker
 
 from ..conftest import PLUGINS
@@ -459,6 +460,34 @@ def test_a_pairs_own_timeout_wins_over_the_campaigns_and_the_command_lines_per_p
     assert cfg.timeout_for("b.compiled", 600.0) == 600.0  # a compiling backend's longer one
     assert cfg.timeout_for("b.may_hang", 3.0) == 3.0  # ... and a shorter one (it was max(campaign, own))
     assert cfg.timeout_for("a.hangs", 3.0) == 2.0  # `--timeout GLOB=S` overrides the pair's own
+
+
+def test_a_pairs_own_threshold_wins_over_the_campaigns_and_the_command_lines_per_pair_one_over_both():
+    from dataclasses import replace
+
+    own = replace(REGISTRY.get("attention.aligned"), name="t.accepted", threshold=0.01)
+    plain = replace(REGISTRY.get("attention.aligned"), name="t.plain")
+    cfg = CampaignConfig(pairs=[own, plain], threshold=0.002)
+    assert cfg.threshold_of("t.plain") == 0.002 and cfg.threshold_of("t.accepted") == 0.01
+    assert cfg.own_thresholds() == {"t.accepted": 0.01}
+    cfg = CampaignConfig(pairs=[own, plain], thresholds={"t.accepted": 0.005, "t.plain": 0.0001})
+    assert cfg.threshold_of("t.accepted") == 0.005 and cfg.threshold_of("t.plain") == 0.0001
+    for bad in (0, -1.0, float("nan"), float("inf"), "0.01", True):
+        with pytest.raises(PairError, match="threshold="):
+            replace(own, threshold=bad).validate()
+
+
+def test_threshold_options_are_parsed_with_a_clear_error_for_each_mistake():
+    from harness.cli import parse_thresholds
+    from harness.errors import UsageError
+
+    pairs = [REGISTRY.get("attention.aligned"), REGISTRY.get("model.aligned")]
+    assert parse_thresholds(["0.002", "model.*=0.01"], pairs) == (0.002, {"model.aligned": 0.01})
+    assert parse_thresholds([], pairs) == (1e-3, {})
+    for bad, words in (("=3", "empty GLOB before '='"), ("model.*=0", "K3 > 0"),
+                       ("x", "K3 > 0"), ("nosuch.*=0.1", "no selected pair matches")):
+        with pytest.raises(UsageError, match=words):
+            parse_thresholds([bad], pairs)
 
 
 def test_timeout_options_are_parsed_with_a_clear_error_for_each_mistake():
@@ -990,7 +1019,8 @@ def test_a_second_bug_far_above_the_minimal_one_is_kept_as_the_findings_severe_c
     # recorded again by hand, it is that repro (the closed one's case passes: not its recurrence)
     code, out, err = harness_cli("record", "user.two_bugs", "--case", str(second), "--plugin", str(fixed),
                                  "--corpus", str(corpus), cwd=tmp_path)
-    assert code == 1 and f"-> {second}" in out and "already in corpus" in out, out + err
+    assert code == 1 and f": {second}" in out and "already in corpus" in out and "this case is not saved" in out \
+        and "shrink it" not in out, out + err
     assert load_repro(path).status == "fixed"
 
 
@@ -1161,5 +1191,29 @@ def test_a_clean_pair_that_came_near_the_line_names_its_closest_case():
     [said] = [line for line in lines if "closest to the line" in line]
     assert f"on {r.max_case.one_line()}; to keep it" in said and "`harness record t.near --case '" in said, said
     assert "--threshold 0.0001`" in said
+    r.max_score = 0.000997  # (just under the line: never "100% of it")
+    assert "(99.7% of it)" in near_miss_line(r, 1e-3)
     r.max_score = 1e-5  # (far under the line: nothing said)
     assert near_miss_line(r, 1e-3) == ""
+
+
+@pytest.mark.slow
+def test_a_pair_judged_at_its_own_line_passes_its_accepted_gap_and_fails_its_regression(tmp_path, harness_cli):
+    """`TargetPair(threshold=...)`: an accepted gap (exact KL up to ~0.005, over the default line) is
+    clean at the pair's own line 0.02, a regression of it is found and shrunk to its trigger (6
+    tokens), recorded at that line; `--threshold GLOB=K3` judges the gap at the default line again."""
+    plugin = str(PLUGINS / "accepted_gap.py")
+    corpus = tmp_path / "corpora"
+    code, out, err = harness_cli("fuzz", "--plugin", plugin, "--max-examples", "30", "--seed", "1", "--no-tracking",
+                                 "--corpus", str(corpus), cwd=tmp_path)
+    assert code == 1 and "threshold 0.001 (own lines: gap.accepted 0.02, gap.regressed 0.02)" in err, err
+    assert "gap.accepted" not in {p.parent.name for p in iter_corpus(corpus)}, out
+    [path] = list(iter_corpus(corpus))
+    repro = load_repro(path)
+    assert repro.pair == "gap.regressed" and repro.threshold == 0.02 and repro.case.n_tokens == 6, repro.case
+    code, out, err = harness_cli("fuzz", "--plugin", plugin, "gap.accepted", "--max-examples", "10", "--seed", "1",
+                                 "--no-tracking", "--corpus", str(corpus), "--threshold", "gap.*=0.001", cwd=tmp_path)
+    assert code == 1 and "threshold 0.001\n" in err and "own lines" not in err and "gap.accepted" in {
+        p.parent.name for p in iter_corpus(corpus)}, out + err
+    code, out, err = harness_cli("fuzz", "--plugin", plugin, "--threshold", "nosuch.*=0.1", cwd=tmp_path)
+    assert code == 2 and "no selected pair matches 'nosuch.*'" in err, err
