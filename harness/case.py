@@ -438,8 +438,10 @@ class Case:
         return torch.randn(*shape, generator=self.seq_generator(j, "seq_randn", *salt)).to(device)
 
     def prompt_tokens(self, j: int, vocab: int, *salt: Any, low: int = 0):
-        """(prompt_len(j),) int64 token ids in [low, vocab) from sequence j's own stream (one draw per
-        token, so a shorter prompt is a prefix of a longer one)."""
+        """(prompt_len(j),) int64 token ids in [low, vocab) from the stream of sequence j's prompt
+        (`prompt_generator`: the prompt id's, so the sequences of a group that share a prompt get the
+        same tokens, bit for bit; without groups sequence j's own), one draw per token, so a shorter
+        prompt is a prefix of a longer one."""
         import torch
 
         g = self.prompt_generator(j, "prompt", *salt)  # (a group's shared prompt: its prompt id's stream)

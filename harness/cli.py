@@ -898,7 +898,7 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         pid = r.case.prompt_id(g[0])
         owner = (f"sequence {r.case.ids.index(pid)}'s own" if pid in r.case.ids
                  else f"stream {pid}'s, a sequence shrinking dropped")
-        click.echo(f"  -> sequences {', '.join(map(str, g))} share one prompt ({r.case.prompt_len(g[0])} tokens, "
+        click.echo(f"  -> sequences {', '.join(map(str, g))} share one prompt ({r.case.prompt_len(g[0])} token{'s' if r.case.prompt_len(g[0]) != 1 else ''}, "
                    f"{owner}); in batch order, the first of them is the one a prefix cache is filled by")
     if r.neighbours and not r.case_edited:
         from .shrink import EDGE_MARGIN

@@ -81,7 +81,10 @@ AXIS_FIELDS = {"pad_sides": ("pad_side",), "temperature": ("temperature",), "top
                **{name: (name,) for name in PENALTIES}, "logit_scale": ("logit_scale",),
                "packing": ("row_capacity", "order"), "routing.tie_fraction": ("tie_fraction", "tie_gap"),
                "dtypes": ("dtype",), "prompt_len": ("prompt_lens",), "prompt_group": ("prompt_ids",)}
-_WATCHED_FIELDS = frozenset(f for fields in AXIS_FIELDS.values() for f in fields)
+# the case's helpers that draw from a group's shared prompt stream (`Case.prompt_generator`): a pair that
+# fuzzes groups and never calls one gives a group's sequences prompts of their own
+SHARED_PROMPT_CALLS = ("prompt_tokens", "prompt_generator")
+_WATCHED_FIELDS = frozenset([*(f for fields in AXIS_FIELDS.values() for f in fields), *SHARED_PROMPT_CALLS])
 
 
 class _ReadParams(dict):
@@ -157,6 +160,13 @@ def unread_axes(pair: TargetPair, reads: set, n_cases: int) -> list[str]:
                        f"on the {n_cases} case(s) checked: the cases spent on it change nothing the pair computes, "
                        f"and a clean verdict seems to cover what it never ran. Read it (through the case's helpers or "
                        f"the field) or declare Axes({fixes[axis]}).")
+    if fuzzed["prompt_group"] and "prompt_ids" in reads and not reads.intersection(SHARED_PROMPT_CALLS):
+        out.append(f"axes.prompt_group: the pair fuzzes groups of sequences that share a prompt and reads "
+                   f"case.prompt_ids, but neither path drew a prompt from a group's shared stream on the {n_cases} "
+                   "case(s) checked (case.prompt_tokens(j, vocab) or case.prompt_generator(j, ...)): a group's "
+                   "sequences then get prompts of their own, which is not a group (GRPO samples one prompt n times), "
+                   "and a path that reuses a group's prompt (a prefix cache) diverges from one that does not, "
+                   "as a false finding of an aligned pair. Draw the prompts with case.prompt_tokens.")
     for key in ax.params:
         if f"params.{key}" not in reads:
             out.append(f"axes.params[{key!r}]: the pair draws it, but neither path read case.params[{key!r}] on the "

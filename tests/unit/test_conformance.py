@@ -400,3 +400,41 @@ def test_an_axis_the_pair_fuzzes_but_never_reads_is_warned_about_with_its_fix():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConformanceWarning)
         check_pair(read, n_cases=3)
+
+
+def test_a_pair_that_fuzzes_groups_but_never_draws_a_shared_prompt_is_warned_about():
+    """A trial's GRPO pair read `case.prompt_ids` (for its prefix cache) but drew each sequence's prompt
+    from its own stream: `harness check` passed, and the fuzz then reported its correct cache as a
+    regression. Check says so; drawing through `case.prompt_tokens` silences it."""
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+    from harness.conformance import ConformanceWarning
+
+    def build(own_stream):
+        def b(case, device):
+            _ = case.prompt_ids  # (a prefix cache keyed by the group)
+            rows = []
+            for j, n in enumerate(case.seq_lens):
+                g = case.seq_generator(j, "prompt") if own_stream else case.prompt_generator(j, "prompt")
+                p = torch.randint(0, 16, (case.prompt_len(j),), generator=g)
+                rows.append(torch.randn(n, 16, generator=case.seq_generator(j, "x")) + p.float().mean().nan_to_num())
+            return torch.log_softmax(torch.cat(rows), -1)
+        return b
+
+    def pair(own_stream):
+        return TargetPair(name="groups.check", kind="op", expected="aligned", build=build(own_stream),
+                          trainer=lambda x: Outcome(logprobs=x.clone()), rollout=lambda x: Outcome(logprobs=x.clone()),
+                          axes=Axes(n_seqs=(2, 4), seq_len=(1, 4), prompt_len=(1, 8), prompt_group=(2, 3),
+                                    logit_scale=(1.0, 1.0), pad_sides=("right",)))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_pair(pair(True), n_cases=4)
+    notes = [str(w.message) for w in caught if issubclass(w.category, ConformanceWarning)]
+    assert any(n.startswith("axes.prompt_group: the pair fuzzes groups") and "case.prompt_tokens" in n
+               for n in notes), notes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_pair(pair(False), n_cases=4)
+    assert not [w for w in caught if "prompt_group" in str(w.message)], [str(w.message) for w in caught]
