@@ -1605,16 +1605,17 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
         """A unit's progress lines; `before`: its earlier runs (a round's), counted in what `on_progress` gets."""
         def progress(r: PairResult, done: bool) -> None:
             if not done:  # (the unit's label: a pair's streams count their cases apart)
-                log(f"  {unit.label}: {r.examples} cases, {rate_text(r.rate)}/s, max judged {r.max_score:.3g} "
-                    f"(sampled k3 {r.max_k3:.3g})"
+                so_far = PairResult(r.pair, r.expected)  # (with its earlier rounds': the counts never go back)
+                for b in (*before, r):
+                    so_far.examples += b.examples
+                    so_far.seconds += b.seconds
+                    so_far.max_score, so_far.max_k3 = max(so_far.max_score, b.max_score), max(so_far.max_k3, b.max_k3)
+                shown = so_far if unit.streams == 1 else r  # (a pair's streams count their cases apart)
+                log(f"  {unit.label}: {shown.examples} cases, {rate_text(r.rate)}/s, max judged {shown.max_score:.3g} "
+                    f"(sampled k3 {shown.max_k3:.3g})"
                     + (f"; shrinking the failure found after {r.failing_since} cases, then looking for a worse case "
                        "(smaller cases that still fail are kept; the budget bounds it)" if r.failing_since else eta(unit, r)))
                 if on_progress is not None:
-                    so_far = PairResult(r.pair, r.expected)
-                    for b in (*before, r):
-                        so_far.examples += b.examples
-                        so_far.seconds += b.seconds
-                        so_far.max_score, so_far.max_k3 = max(so_far.max_score, b.max_score), max(so_far.max_k3, b.max_k3)
                     on_progress(unit, so_far)
         return progress
 

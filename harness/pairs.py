@@ -383,6 +383,12 @@ class Axes:
         int_range("seq_len", 1)
         int_range("prompt_len", 0)
         int_range("prompt_group", 1)
+        if (isinstance(self.prompt_group, tuple) and len(self.prompt_group) == 2 and _int(self.prompt_group[1])
+                and self.prompt_group[1] > 1 and isinstance(self.prompt_len, tuple) and len(self.prompt_len) == 2
+                and self.prompt_len[1] == 0):
+            out.append(f"axes.prompt_group={self.prompt_group!r} draws groups of sequences that share a prompt, but "
+                       "prompt_len=(0, 0) gives them none to share: widen prompt_len (e.g. prompt_len=(1, 32)) or "
+                       "leave prompt_group=(1, 1)")
         int_range("sample_top_k", 0)
         float_range("logit_scale", lambda x: x > 0, math.isfinite, "0 < low <= high < inf")
         float_range("temperature", lambda x: x > 0, math.isfinite, "0 < low <= high < inf (1.0 is neutral)")

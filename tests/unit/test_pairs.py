@@ -447,3 +447,13 @@ def test_a_trainer_off_by_its_normaliser_reads_a_two_outcome_kl_full_rows_do_not
     ev = run_case(mixed, case)
     assert ev.symptom.value == "error" and "wrap a full-row pair in `harness.sampled_tokens_only(pair)`" in \
         ev.error["message"], ev.error
+
+
+def test_groups_of_sequences_without_prompts_to_share_are_rejected_with_the_fix():
+    """A trial's `Axes(prompt_group=(2, 4))` with the default prompt_len=(0, 0) drew groups that share
+    nothing, silently."""
+    from harness import Axes
+
+    [problem] = Axes(prompt_group=(2, 4)).problems()
+    assert "prompt_len=(0, 0) gives them none to share" in problem and "prompt_len=(1, 32)" in problem
+    assert Axes(prompt_group=(2, 4), prompt_len=(1, 8)).problems() == []
