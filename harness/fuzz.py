@@ -136,6 +136,9 @@ class Finding:
         return self.evaluation.k3
 
 
+ZERO_BIN, INF_BIN = -10**6, 10**6  # `PairResult.judged_bins`: cases judged exactly 0, and +inf
+
+
 @dataclass
 class PairResult:
     pair: str
@@ -192,6 +195,38 @@ class PairResult:
     # cases it had run when its first failure came (0: none yet): its progress lines say that the cases
     # since are shrinking it (and searching for a worse one), not a search that found nothing
     failing_since: int = 0
+    # how its cases' judged means were spread: {bin: cases}, bin k holding [10^(k/10), 10^((k+1)/10)),
+    # ZERO_BIN the cases judged exactly 0 (`note_score`, `spread_text`): how far apart the paths are,
+    # beyond the largest (an accepted gap's line is read off it)
+    judged_bins: dict[int, int] = field(default_factory=dict)
+
+    def note_score(self, score: float) -> None:
+        """Count a case's judged mean in `judged_bins` (NaN: not counted; +inf: the top bin)."""
+        if not score >= 0:
+            return
+        k = ZERO_BIN if score == 0 else INF_BIN if score == math.inf else math.floor(10 * math.log10(score))
+        self.judged_bins[k] = self.judged_bins.get(k, 0) + 1
+
+    def judged_quantile(self, q: float) -> float:
+        """An upper bound, within a factor 10^(1/10), of the q-quantile of its cases' judged means (the
+        upper edge of the bin it falls in, or the largest judged mean where that is smaller); NaN without cases."""
+        n = sum(self.judged_bins.values())
+        if not n:
+            return math.nan
+        seen = 0
+        for k in sorted(self.judged_bins):
+            seen += self.judged_bins[k]
+            if seen >= q * n:
+                return 0.0 if k == ZERO_BIN else math.inf if k == INF_BIN else min(10.0 ** ((k + 1) / 10), self.max_score)
+        return math.inf
+
+    @property
+    def spread_text(self) -> str:
+        """'judged: half the cases under 2e-05, 90% under 0.0004' (bins of a tenth of a decade); "" under 10 cases."""
+        if sum(self.judged_bins.values()) < 10:
+            return ""
+        return (f"judged: half the cases under {mean_text(self.judged_quantile(0.5))}, "
+                f"90% under {mean_text(self.judged_quantile(0.9))}")
 
     def note_size(self, case: Case, lead: int = 0) -> None:
         """Count a case the pair ran into `largest` and `longest` (`lead`: the pair's `lead_tokens`)."""
@@ -679,6 +714,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
         if not math.isnan(ev.k3):  # (inf: a sampled token the trainer excludes, the largest there is)
             result.max_k3 = max(result.max_k3, ev.k3)
         if not math.isnan(ev.score):
+            result.note_score(ev.score)
             if ev.score > result.max_score or result.max_case is None:
                 result.max_case = case
             result.max_score = max(result.max_score, ev.score)
@@ -1502,6 +1538,8 @@ def _merge(into: PairResult, r: PairResult, rounds: bool = False) -> list[Findin
         into.max_case = r.max_case
     into.max_score = max(into.max_score, r.max_score)
     into.threshold = into.threshold or r.threshold
+    for k, n in r.judged_bins.items():
+        into.judged_bins[k] = into.judged_bins.get(k, 0) + n
     into.largest = tuple(max(a, b) for a, b in zip(into.largest, r.largest))  # type: ignore[assignment]
     into.longest = max(into.longest, r.longest)
     into.worker_peak_mib = max(into.worker_peak_mib, r.worker_peak_mib)
@@ -1793,6 +1831,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                 elif said == "clean" and unit in fill:  # (a later round may still find something)
                     said = "clean so far (more rounds follow if time is left)"
                 log(f"  {unit.label}: {said} ({r.examples} cases in {r.seconds:.1f}s, max judged {r.max_score:.3g}"
+                    + (f"; {r.spread_text}" if r.spread_text and not r.findings else "")
                     + (f"; {r.largest_text}" if r.largest_text and not r.findings else "")
                     + (f"; its longest sequence, {r.longest} positions, never reached {r.unreached(pair)}: nothing past "
                        "it was tested" if r.unreached(pair) and not r.findings else "")

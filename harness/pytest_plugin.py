@@ -716,6 +716,7 @@ def _pair_result_json(r: Any) -> dict:
         "verdict": r.verdict, "unfinished": r.unfinished, "waited_for": r.waited_for, "setup_error": r.setup_error,
         "memory_note": r.memory_note, "largest": list(r.largest), "worker_peak_mib": r.worker_peak_mib,
         "max_seq_score": r.max_seq_score, "flaky": list(r.flaky),
+        "judged_bins": {str(k): n for k, n in r.judged_bins.items()}, "judged_spread": r.spread_text,
         "findings": [{
             "id": f.id, "signature": f.signature, "base_signature": f.base_signature or f.signature,
             "symptom": f.symptom.value, "status": f.status, "corpus_status": f.corpus_status,
@@ -786,6 +787,7 @@ def _pair_result(d: dict) -> Any:
         findings[-1].severe = Severe.from_json(fd.get("severe"))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), threshold=d.get("threshold", 0.0), findings=findings,
+                      judged_bins={int(k): int(n) for k, n in (d.get("judged_bins") or {}).items()},
                       entropy_sum=d.get("entropy_sum", 0.0), entropy_cases=d.get("entropy_cases", 0),
                       examples_asked=d.get("examples_asked", 0), examples_short=d.get("examples_short", 0),
                       seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""),

@@ -83,6 +83,11 @@ def campaign_metrics(result: Any) -> dict[str, float]:
         if largest and largest[0]:  # what its cases covered, each size axis's maximum (`PairResult.largest`)
             for name, v in zip(("sequences", "prompt", "response", "tokens"), largest):
                 out[f"pair.{r.pair}.largest_{name}"] = float(v)
+        quantile = getattr(r, "judged_quantile", None)
+        if quantile is not None and sum(getattr(r, "judged_bins", {}).values()):  # how its judged means spread
+            for name, v in (("max_judged", r.max_score), ("judged_p50", quantile(0.5)), ("judged_p90", quantile(0.9))):
+                if math.isfinite(v):  # (quantiles: upper edges of tenth-of-a-decade bins)
+                    out[f"pair.{r.pair}.{name}"] = float(v)
         for verdict, suffix in FLAGS.items():
             if r.verdict == verdict:
                 out[f"pair.{r.pair}{suffix}"] = 1.0

@@ -1217,3 +1217,29 @@ def test_a_pair_judged_at_its_own_line_passes_its_accepted_gap_and_fails_its_reg
         p.parent.name for p in iter_corpus(corpus)}, out + err
     code, out, err = harness_cli("fuzz", "--plugin", plugin, "--threshold", "nosuch.*=0.1", cwd=tmp_path)
     assert code == 2 and "no selected pair matches 'nosuch.*'" in err, err
+
+
+def test_a_pairs_judged_means_are_counted_in_tenth_of_a_decade_bins_and_read_as_quantiles():
+    """"How far apart are the paths?" is more than the largest case: a clean pair's line says where half
+    and 90% of its cases were judged (upper edges of 10^0.1-wide bins, capped at the largest), merged
+    over streams, and carried through pytest-xdist's JSON."""
+    from harness.fuzz import PairResult, _merge
+    from harness.pytest_plugin import _pair_result, _pair_result_json
+
+    r = PairResult("t.spread", "aligned")
+    for v in [1e-6] * 50 + [1e-4] * 40 + [3e-3] * 10:
+        r.note_score(v)
+        r.max_score = max(r.max_score, v)
+    r.note_score(float("nan"))  # (no metrics: not counted)
+    assert sum(r.judged_bins.values()) == 100
+    assert 1e-6 <= r.judged_quantile(0.5) <= 1e-6 * 10 ** 0.1
+    assert 1e-4 <= r.judged_quantile(0.9) <= 1e-4 * 10 ** 0.1
+    assert r.judged_quantile(1.0) == 3e-3  # (capped at the largest)
+    assert r.spread_text.startswith("judged: half the cases under 1.26e-06, 90% under 0.000126"), r.spread_text
+    other = PairResult("t.spread", "aligned")
+    other.note_score(0.0)
+    _merge(r, other)
+    assert sum(r.judged_bins.values()) == 101 and r.judged_quantile(0.0) == 0.0
+    back = _pair_result(json.loads(json.dumps(_pair_result_json(r))))
+    assert back.judged_bins == r.judged_bins
+    assert PairResult("t.few", "aligned").spread_text == ""
