@@ -1199,7 +1199,7 @@ def test_a_clean_pair_that_came_near_the_line_names_its_closest_case():
 
 @pytest.mark.slow
 def test_a_pair_judged_at_its_own_line_passes_its_accepted_gap_and_fails_its_regression(tmp_path, harness_cli):
-    """`TargetPair(threshold=...)`: an accepted gap (exact KL up to ~0.005, over the default line) is
+    """`TargetPair(threshold=...)`: an accepted gap (judged up to ~0.006, over the default line) is
     clean at the pair's own line 0.02, a regression of it is found and shrunk to its trigger (6
     tokens), recorded at that line; `--threshold GLOB=K3` judges the gap at the default line again."""
     plugin = str(PLUGINS / "accepted_gap.py")
