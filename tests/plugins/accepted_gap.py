@@ -1,9 +1,8 @@
 """An accepted gap and its regression: a rollout whose logits are off by a fixed small noise (an int8
 weight path against a float trainer, say: judged up to about 0.006 over these axes, over the default
-line 0.001),
-judged at a line of its own (`TargetPair(threshold=0.02)`); its regressed twin is off by 10x as
-much once a case has 6 or more tokens (exact KL ~0.1-0.5). The gap passes, the regression fails, at
-one campaign's default line (tests/unit/test_fuzz.py)."""
+line 0.001), judged at a line of its own (`TargetPair(threshold=0.02)`); its regressed twin is off by
+10x as much once a case has 6 or more tokens, far past that line. The gap passes, the regression
+fails, in one campaign at the default line (tests/unit/test_fuzz.py)."""
 import torch
 
 from harness import Axes, Outcome, TargetPair, register
