@@ -1289,7 +1289,13 @@ def first_over_line(div: Any, case: Any, threshold: float, lead: int = 0) -> str
     offsets = np.array([case.prompt_len(int(j)) for j in seqs]) + pos
     i = int(np.flatnonzero(over)[np.argmin(offsets[over])])
     j, p, prompt = int(seqs[i]), int(pos[i]), case.prompt_len(int(seqs[i]))
-    at = f"sequence {j}, response token {p}" + (f" after a {prompt}-token prompt (offset {prompt + p})" if prompt else "")
+    at = f"sequence {j}, response token {p} (0-based)" + (f" after a {prompt}-token prompt (offset {prompt + p})"
+                                                        if prompt else "")
+    group = case.group_of(j) if getattr(case, "prompt_ids", None) else [j]
+    if len(group) > 1:  # (a GRPO group: where a prefix cache is filled, and where it is read)
+        at += (f", sample {group.index(j) + 1} of the {len(group)} sequences {', '.join(map(str, group))} that share "
+               "its prompt" + (" (the first in batch order: the one a prefix cache is filled by)" if group[0] == j
+                               else f" (sequence {group[0]}, first in batch order, fills a prefix cache)"))
     if lead:  # (the pair's own first tokens: the position its model ran the token at)
         at += f", position {lead + prompt + p} of its sequence ({lead} token(s) the pair puts before each prompt)"
     earlier = int((~over & (seqs == j) & (pos < p)).sum())

@@ -596,25 +596,30 @@ def test_the_first_token_over_the_line_is_named_by_its_offset_into_the_sequence(
     div = SimpleNamespace(per_token={"sequence": seq, "position": pos, "k3": np.zeros(33), "k3_expected": k3e,
                                      "kl": np.zeros(33)})
     line = first_over_line(div, case, 1e-3)
-    assert line.startswith("first token over the line: sequence 0, response token 25 after a 23-token prompt "
+    assert line.startswith("first token over the line: sequence 0, response token 25 (0-based) after a 23-token prompt "
                            "(offset 48), per-token value 0.02; 4 of 33 tokens over it, the 25 before it in that "
                            "sequence under it; in case order (the outcome's rows, 33 in all) the first over it is "
                            "row 25 (this one)"), line
     # a row-count bug (a kernel chunked by 28 rows: rows 28 on) shows in case order, beside the offsets
     div.per_token["k3_expected"] = np.where(np.arange(33) >= 28, 0.02, 1e-9)
     line = first_over_line(div, case, 1e-3)
-    assert line.startswith("first token over the line: sequence 1, response token 0,") and line.endswith(
+    assert line.startswith("first token over the line: sequence 1, response token 0 (0-based),") and line.endswith(
         "the first over it is row 28 (sequence 0, response token 28)"), line
     div.per_token["k3_expected"] = np.full(33, 5e-4)
     assert first_over_line(div, case, 1e-3) == ""  # no token over the line: nothing to point at
     div.per_token["k3"] = np.where(np.arange(33) == 30, math.inf, 0.0)  # ... but one drew a token of probability 0
     assert first_over_line(div, case, 1e-3).startswith(
-        "first token over the line: sequence 1, response token 1, sampled k3 inf (expected k3 / KL 0.0005); 1 of 33")
+        "first token over the line: sequence 1, response token 1 (0-based), sampled k3 inf (expected k3 / KL 0.0005); 1 of 33")
     div.per_token["k3"] = np.zeros(33)
     div.per_token["k3_expected"] = div.per_token["kl"] = np.full(33, math.nan)  # (all NaN: no warning, nothing)
     assert first_over_line(div, case, 1e-3) == ""
     div.per_token["k3"] = np.where(pos == 2, math.inf, 0.0)  # a sampled token the trainer excludes
-    assert "sequence 1, response token 2," in first_over_line(div, case, 1e-3)
+    assert "sequence 1, response token 2 (0-based)," in first_over_line(div, case, 1e-3)
+    # in a group of samples of one prompt (GRPO): which sample, and which one fills a prefix cache
+    grouped = Case(seed=0, seq_lens=(29, 4), prompt_lens=(23, 23), seq_ids=(0, 1), prompt_ids=(0, 0))
+    div.per_token["k3"] = np.where(np.arange(33) == 31, math.inf, 0.0)  # (sequence 1's response token 2)
+    assert ", sample 2 of the 2 sequences 0, 1 that share its prompt (sequence 0, first in batch order, fills a " \
+           "prefix cache)" in first_over_line(div, grouped, 1e-3)
 
 
 def test_triage_prints_where_the_tokens_cross_the_line(tmp_path):
