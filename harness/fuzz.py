@@ -1303,8 +1303,9 @@ class Executor:
         """`evaluate(case)` for one pair. With `may_defer`, a first case of the pair still running
         at `share` (time.monotonic()) and after `DEFER_AFTER` seconds raises `Deferred`."""
         cfg = cfg or self.cfg
+        line = cfg.threshold_of(pair.name)
         if not cfg.isolation:
-            return lambda case: run_case(pair, case, cfg.device, cfg.threshold_of(pair.name))
+            return lambda case: run_case(pair, case, cfg.device, line)
         timeout, source = cfg.timeout_for(pair.name, getattr(pair, "timeout", None)), self.source(pair)
 
         def collected(worker: Any, name: str, ev: Evaluation) -> Evaluation:
@@ -1359,7 +1360,7 @@ class Executor:
                 cold = pair.name not in self._warm(worker)
                 if cold:
                     self.first_sent.setdefault(pair.name, time.monotonic())
-                worker.submit(pair, case, cfg.threshold_of(pair.name), allowance(cold), wall, cold_extra=allowance(cold) - timeout)
+                worker.submit(pair, case, line, allowance(cold), wall, cold_extra=allowance(cold) - timeout)
                 if may_defer and share is not None and cold and len(self.parked) < self.MAX_PARKED:
                     ev = worker.collect(wall, until=max(share, time.monotonic() + self.DEFER_AFTER))
                     if ev is None:
@@ -1390,7 +1391,7 @@ class Executor:
                 return False
             if any(q[0].name != pair.name for q in worker.queue):
                 return False  # a parked first case of another pair is still running
-            worker.submit(pair, case, cfg.threshold_of(pair.name), timeout, wall)
+            worker.submit(pair, case, line, timeout, wall)
             return True
 
         evaluate.prefetch = prefetch  # type: ignore[attr-defined]
