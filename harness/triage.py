@@ -1330,12 +1330,15 @@ def _plots(t: Triage, folder: Path) -> list[Path]:
 
         judged_rows = per_token_judged(div)  # what the verdict reads per token, as the text counts "over the line"
         if judged_rows is not None:
-            ax.scatter(x, np.maximum(judged_rows[0], 1e-18), c=pt["sequence"], cmap="tab10", s=16,
-                       label="expected k3 / exact KL (judged)")
+            ax.scatter(x, np.maximum(judged_rows[0], 1e-18), c=np.asarray(pt["sequence"]) % 10, cmap="tab10",
+                       vmin=0, vmax=9, s=16, label="expected k3 / exact KL (judged)")  # (one tab10 colour a sequence)
         ax.scatter(x, np.maximum(pt["k3"], 1e-18), c="0.6", marker="x", s=10, label="k3 of the sampled token")
         ax.axhline(t.threshold, color="red", lw=1, ls="--", label=f"threshold {t.threshold:g}")
         ax.set_yscale("log")
-        ax.set_xlabel("token (case order; colour = sequence)")
+        ax.set_xlabel("token (case order, from 0; colour = sequence)")
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # (tokens: no 0.25 ticks)
         ax.set_ylabel("per-token value")
         ax.set_title(f"{t.repro.pair}: per token, the judged value (verdict {t.k3:.3g}) and the sampled k3 "
                      f"(mean {t.evaluation.k3:.3g})", fontsize=9)
