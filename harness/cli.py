@@ -499,8 +499,8 @@ def parse_per_pair(values: tuple[str, ...] | list[str], pairs: list, option: str
         except ValueError:
             t = float("nan")
         if not (t > 0 and t != float("inf")):
-            raise UsageError(f"{option} {v!r} must be {unit} or GLOB={unit} with {unit} > 0 (a finite number), e.g. "
-                             f"{option} {examples[0]} or {option} '{examples[1]}'.")
+            raise UsageError(f"{option} {v!r}: {text!r} is not a finite number > 0; write {option} {unit} or {option} "
+                             f"'GLOB={unit}' with {unit} > 0, e.g. {option} {examples[0]} or {option} '{examples[1]}'.")
         if not glob and "=" in str(v):  # `=30`: a GLOB left out (a shell variable that was empty?)
             raise UsageError(f"{option} {v!r} has an empty GLOB before '='; write {option} {text} for every pair, or "
                              f"{option} 'GLOB={text}' for the pairs GLOB matches.")

@@ -89,10 +89,10 @@ def test_bad_profile_is_a_usage_error(tmp_path):
 
 
 @pytest.mark.parametrize("option, value, needle", [
-    ("--harness-threshold", "-1", "--harness-threshold '-1' must be K3 or GLOB=K3 with K3 > 0"),
-    ("--harness-threshold", "0", "--harness-threshold '0' must be K3 or GLOB=K3 with K3 > 0"),
-    ("--harness-threshold", "nan", "--harness-threshold 'nan' must be K3 or GLOB=K3 with K3 > 0"),
-    ("--harness-threshold", "q.*=abc", "--harness-threshold 'q.*=abc' must be K3 or GLOB=K3 with K3 > 0"),
+    ("--harness-threshold", "-1", "--harness-threshold '-1': '-1' is not a finite number > 0"),
+    ("--harness-threshold", "0", "--harness-threshold '0': '0' is not a finite number > 0"),
+    ("--harness-threshold", "nan", "--harness-threshold 'nan': 'nan' is not a finite number > 0"),
+    ("--harness-threshold", "q.*=abc", "--harness-threshold 'q.*=abc': 'abc' is not a finite number > 0"),
     ("--harness-budget", "0", "--harness-budget 0.0 must be a finite number of seconds > 0"),
     ("--harness-budget", "inf", "--harness-budget inf must be a finite number of seconds > 0"),
     ("--harness-max-examples", "0", "--harness-max-examples 0 must be >= 1"),

@@ -264,7 +264,8 @@ def test_accelerator_branches_match_the_reference_on_cpu_tensors(monkeypatch, ch
         tr, ro = Outcome(logprobs=lt), Outcome(logprobs=lr)
         dev = compare(tr, ro, (5, 7), uniforms=u, chunk_elems=chunk_elems)
         assert (dev.per_token["token"] == host[k].per_token["token"]).all(), k
-        for m in dev.as_dict():
-            assert_rel(getattr(dev, m), getattr(host[k], m), rel=1e-12, what=f"{k}: {m}")
+        for m in dev.as_dict():  # (torch's exp against numpy's: a KL of ~1e-14 differs in its leading digits
+            # on some CPUs, as a difference of normalisers known to ~1e-16: `KL_ABS`)
+            assert_rel(getattr(dev, m), getattr(host[k], m), rel=1e-12, what=f"{k}: {m}", abs_floor=KL_ABS)
         if k != "non-finite":
             check_against_reference(tr, ro, (5, 7), dev)
