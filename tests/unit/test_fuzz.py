@@ -1243,3 +1243,22 @@ def test_a_pairs_judged_means_are_counted_in_tenth_of_a_decade_bins_and_read_as_
     back = _pair_result(json.loads(json.dumps(_pair_result_json(r))))
     assert back.judged_bins == r.judged_bins
     assert PairResult("t.few", "aligned").spread_text == ""
+
+
+def test_mlflow_gets_each_pairs_own_line_and_how_its_judged_values_spread():
+    from dataclasses import replace
+
+    from harness.fuzz import CampaignResult, PairResult
+    from harness.mlflow_tracking.payload import campaign_metrics, campaign_payload
+
+    own = replace(REGISTRY.get("attention.aligned"), name="t.accepted", threshold=0.02)
+    cfg = CampaignConfig(pairs=[own, REGISTRY.get("attention.aligned")])
+    params = campaign_payload(cfg, 1, cfg.pairs, "uid")["params"]
+    assert params["threshold"] == "0.001" and params["own_thresholds"] == "t.accepted=0.02", params
+    r = PairResult("t.accepted", "aligned", examples=3, threshold=0.02)
+    for v in (1e-5, 2e-5, 0.004):
+        r.note_score(v)
+        r.max_score = max(r.max_score, v)
+    m = campaign_metrics(CampaignResult(seed=1, config=cfg, results=[r]))
+    assert m["pair.t.accepted.max_judged"] == 0.004 and 1e-5 <= m["pair.t.accepted.judged_p50"] <= 2e-5 * 10 ** 0.1
+    assert m["pair.t.accepted.judged_p90"] == 0.004
