@@ -367,10 +367,7 @@ def _display(path: Path) -> str:
     a shell needs it (a space, a quote)."""
     import shlex
 
-    try:
-        return shlex.quote(str(path.resolve().relative_to(Path.cwd().resolve())))
-    except ValueError:
-        return shlex.quote(str(path))
+    return shlex.quote(_shown(path))
 
 
 def plugin_spec_of(loader: dict[str, str], near: str | Path | None) -> str | None:
@@ -388,7 +385,8 @@ def plugin_spec_of(loader: dict[str, str], near: str | Path | None) -> str | Non
 
 
 def _shown(path: Path) -> str:
-    """`_display`, unquoted (a value the printed commands quote where they use it)."""
+    """A path as a person types it from the working directory (relative when under it), unquoted (a
+    value the printed commands quote where they use it: `_display`)."""
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
