@@ -598,10 +598,14 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         rec_k3 = r.metrics.get("k3_kl")
         elsewhere = machine_differences(r.environment, dev)
         beyond = res.beyond_noise() if elsewhere else {}
+        moved = threshold is not None and threshold != r.threshold  # (--threshold: only the line moved, not the paths)
         now_fixed = res.compared and not res.bit_for_bit and not ev.failed and r.status == "open" \
-            and not res.nondeterministic  # (an open repro of a fixed bug: its metrics moved as a fix moves them)
+            and not res.nondeterministic and not moved  # (an open repro of a fixed bug: its metrics moved as a fix moves them)
         line = (f"{r.path or r.id}: pair {r.pair} [{r.status}] recorded {r.symptom} {headline(r.metrics, r.error)} "
-                f"-> now {verdict} {ev.headline_like(r.metrics)}; bit-for-bit "
+                f"-> now {verdict} {ev.headline_like(r.metrics)}"
+                + (f" (judged at --threshold {threshold:g}; recorded at {r.threshold:g}: a verdict that differs from the "
+                   "recorded one says where the line is, not that the paths changed)" if moved else "")
+                + "; bit-for-bit "
                 + (f"no: it no longer fails (fixed? once it is: `{r.close_command(given_flags=_plugin_flags(r, plugins))}`"
                    f", {CLOSE_FLAGS_HINT})" if now_fixed else
                    "yes" if res.compared and res.bit_for_bit else "no" if res.compared else

@@ -1262,3 +1262,18 @@ def test_mlflow_gets_each_pairs_own_line_and_how_its_judged_values_spread():
     m = campaign_metrics(CampaignResult(seed=1, config=cfg, results=[r]))
     assert m["pair.t.accepted.max_judged"] == 0.004 and 1e-5 <= m["pair.t.accepted.judged_p50"] <= 2e-5 * 10 ** 0.1
     assert m["pair.t.accepted.judged_p90"] == 0.004
+
+
+def test_a_replay_at_another_line_says_so_and_never_offers_to_close_the_repro(tmp_path, harness_cli):
+    """A trial replayed an open repro with `--threshold` above its value: the same metrics, and replay
+    said "it no longer fails (fixed? ... close --status fixed)". Only the line moved: it says that."""
+    plugin = str(PLUGINS / "accepted_gap.py")
+    corpus = tmp_path / "corpora"
+    code, _, err = harness_cli("fuzz", "--plugin", plugin, "gap.regressed", "--max-examples", "10", "--seed", "1",
+                               "--no-tracking", "--corpus", str(corpus), cwd=tmp_path)
+    assert code == 1, err
+    [path] = list(iter_corpus(corpus))
+    code, out, err = harness_cli("replay", "--plugin", plugin, "--threshold", "5", str(path), cwd=tmp_path)
+    assert "(judged at --threshold 5; recorded at 0.02:" in out and "close" not in out and "fixed?" not in out, out
+    code, out, err = harness_cli("replay", "--plugin", plugin, str(path), cwd=tmp_path)
+    assert code == 1 and "judged at --threshold" not in out and "bit-for-bit yes" in out, out
