@@ -230,6 +230,7 @@ def _check_one(pair: Any, cases: int, dev: str, worker: Any, timeout: float) -> 
 @plugin_option
 def list_cmd(as_json: bool, plugins: tuple[str, ...]) -> None:
     """List the registered target pairs."""
+    from .execute import DEFAULT_THRESHOLD
     from .pairs import REGISTRY
 
     load_plugins(plugins)
@@ -237,7 +238,7 @@ def list_cmd(as_json: bool, plugins: tuple[str, ...]) -> None:
     if as_json:
         click.echo(json.dumps([
             {"name": p.name, "kind": p.kind, "expected": p.expected, "verdict_over": p.verdict_over,
-             "devices": list(p.devices),
+             "devices": list(p.devices), "threshold": p.threshold, "timeout": p.timeout,
              "axes": p.axes.describe(), "readout": p.readout.vocab if p.readout else None,
              "description": p.description, "source": p.source}
             for p in pairs], indent=2))
@@ -249,12 +250,19 @@ def list_cmd(as_json: bool, plugins: tuple[str, ...]) -> None:
         # (a model pair runs the precisions its paths name, not the case's dtype, unless it draws several)
         if p.kind != "model" or len(axes["dtypes"]) > 1:
             ax += f"; dtypes {'/'.join(axes['dtypes'])}"
-        expected = p.expected + (" (per sequence)" if p.verdict_over == "sequence" else "")  # (the verdict's means)
+        # (the verdict's means; a line of the pair's own, which `--threshold` leaves as it is)
+        notes = (["per sequence"] if p.verdict_over == "sequence" else []) + (
+            [f"own line {p.threshold:g}"] if p.threshold is not None else [])
+        expected = p.expected + (f" ({', '.join(notes)})" if notes else "")
         rows.append((p.name, p.kind, expected, ",".join(p.devices), ax))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
-    click.echo(f"\n{len(pairs)} pair(s). `harness list --json` shows bounds and descriptions."
+    own = sum(p.threshold is not None for p in pairs)
+    click.echo(f"\n{len(pairs)} pair(s)"
+               + (f"; {own} judged at a line of their own (TargetPair(threshold=)), the rest at the campaign's "
+                  f"--threshold (default {DEFAULT_THRESHOLD:g})" if own else "")
+               + ". `harness list --json` shows bounds and descriptions."
                + ("" if plugins else " Pairs of your own file are listed with `--plugin path/to/file.py` (or MODULE)."))
 
 
@@ -486,6 +494,15 @@ def parse_thresholds(values: tuple[str, ...] | list[str], pairs: list, option: s
     return parse_per_pair(values, pairs, option, DEFAULT_THRESHOLD, "K3", ("0.002", "quant.*=0.01"), require_match)
 
 
+def _replay_lines(values: tuple[str, ...], pair_names: list[str]) -> Callable[[str], float | None]:
+    """`replay --threshold`: the line a repro of each pair is judged at (None: the one it was recorded at)."""
+    from types import SimpleNamespace
+
+    default, per_pair = parse_thresholds(values, [SimpleNamespace(name=n) for n in sorted(set(pair_names))])
+    plain = any("=" not in str(v) for v in values)  # (a K3 for every repro; else only the GLOBs' pairs move)
+    return lambda name: per_pair.get(name, default if plain else None)
+
+
 def parse_per_pair(values: tuple[str, ...] | list[str], pairs: list, option: str, default: float, unit: str,
                    examples: tuple[str, str], require_match: bool = True) -> tuple[float, dict[str, float]]:
     """`OPTION X` (the default) and `OPTION 'GLOB=X'` (the matching pairs), X a finite number > 0."""
@@ -509,7 +526,9 @@ def parse_per_pair(values: tuple[str, ...] | list[str], pairs: list, option: str
             continue
         hits = [p.name for p in pairs if fnmatch.fnmatchcase(p.name, glob)]
         if not hits and require_match:
-            raise UsageError(f"{option} {v!r}: no selected pair matches {glob!r}; run `harness list` to see them (with `--plugin FILE` for a plugin's pairs).")
+            raise UsageError(f"{option} {v!r}: no selected pair matches {glob!r}, so it would change nothing; run "
+                             "`harness list` to see the pairs (with the plugin option for a plugin's), then fix the "
+                             "GLOB or select the pairs it names.")
         per_pair.update((h, t) for h in hits)
     return default, per_pair
 
@@ -530,8 +549,9 @@ def in_bisect() -> bool:
 @click.option("--run-id", default=None, help="Fetch the repro from this MLflow regression run instead.")
 @click.option("--tracking-uri", default=None, help="MLflow tracking URI for --run-id.")
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True)
-@click.option("--threshold", type=POSITIVE, default=None,
-              help="Override the threshold recorded in the repro.")
+@click.option("--threshold", "thresholds", multiple=True, metavar="K3|GLOB=K3",
+              help="Judge at this line instead of the one each repro was recorded at; GLOB=K3 for the repros of the "
+                   "matching pairs (repeatable, as `harness fuzz --threshold`).")
 @click.option("--bisect/--no-bisect", "bisect", default=None,
               help="Exit 125 when a repro cannot be evaluated (default: only during a git bisect).")
 @click.option("--timeout", type=POSITIVE, default=None,
@@ -540,7 +560,7 @@ def in_bisect() -> bool:
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 @plugin_option
 def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None, device: str,
-           threshold: float | None, bisect: bool | None, timeout: float | None, as_json: bool,
+           thresholds: tuple[str, ...], bisect: bool | None, timeout: float | None, as_json: bool,
            plugins: tuple[str, ...]) -> None:
     """Replay repro files (or folders of them): exit 1 if any still diverges, 0 if none does.
 
@@ -573,11 +593,13 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         except UsageError as e:
             raise CannotEvaluate(str(e)) from None
         dev = resolve_device(device)
+        line_of = _replay_lines(thresholds, [r.pair for r in repros])
     except HarnessError as e:
         echo_err(f"error: {e}")
         sys.exit(cannot)
     results = []
     for r in repros:
+        threshold = line_of(r.pair)
         why = load_plugin_for(r)
         if why is not None:
             skipped.append(Skipped(r.path, f"repro {r.path or r.id} cannot be replayed here: {why}."))
@@ -598,6 +620,7 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
         rec_k3 = r.metrics.get("k3_kl")
         elsewhere = machine_differences(r.environment, dev)
         beyond = res.beyond_noise() if elsewhere else {}
+        threshold = line_of(r.pair)
         moved = threshold is not None and threshold != r.threshold  # (--threshold: only the line moved, not the paths)
         now_fixed = res.compared and not res.bit_for_bit and not ev.failed and r.status == "open" \
             and not res.nondeterministic and not moved  # (an open repro of a fixed bug: its metrics moved as a fix moves them)

@@ -228,6 +228,11 @@ class PairResult:
         return (f"judged: half the cases under {mean_text(self.judged_quantile(0.5))}, "
                 f"90% under {mean_text(self.judged_quantile(0.9))}")
 
+    @property
+    def p90_text(self) -> str:
+        """The 90% quantile of its judged means (`judged_quantile`), for the summary table; '-' under 10 cases."""
+        return mean_text(self.judged_quantile(0.9)) if sum(self.judged_bins.values()) >= 10 else "-"
+
     def note_size(self, case: Case, lead: int = 0) -> None:
         """Count a case the pair ran into `largest` and `longest` (`lead`: the pair's `lead_tokens`)."""
         lens, prompts = case.seq_lens, case.prompt_lens
@@ -1950,24 +1955,34 @@ def caught_elsewhere_maybe(r: PairResult, cfg: CampaignConfig) -> bool:
             and r.streams < cfg.streams)
 
 
+def expected_text(expected: str, line: float | None, campaign_line: float | None) -> str:
+    """'aligned', or 'aligned (line 0.02)' for a pair judged at another line than the campaign's (its
+    own `TargetPair(threshold=)`, or `--threshold GLOB=K3`): the table's values read against it."""
+    if line and campaign_line and line != campaign_line:
+        return f"{expected} (line {line:g})"
+    return expected
+
+
 def summary_table(result: CampaignResult) -> str:
     """One row per pair; *max judged* is the largest mean the verdict read (expected k3 or exact KL),
     *max sampled k3* the largest sampled tokens' mean k3. A pair that cannot run points to the error
     line `harness fuzz` prints after the table (`setup_error`, said there once)."""
     from .pairs import REGISTRY
 
-    rows = [("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max sampled k3", "findings")]
+    rows = [("pair", "expected", "verdict", "cases", "cases/s", "judged p90", "max judged", "max sampled k3",
+             "findings")]
     for r in result.results:
         pair = REGISTRY.get_loaded(r.pair)
         reach = r.unreached(pair) if pair is not None and not r.findings and r.examples else ""
         verdict = (f"{NOT_HERE} ({r.streams} of {result.config.streams})"
                    if result.config is not None and caught_elsewhere_maybe(r, result.config) else r.verdict) \
             + (f" ({r.time_note})" if r.time_note and not r.findings else "")
+        expected = expected_text(r.expected, r.threshold, result.config.threshold if result.config else None)
         if r.setup_error and not r.findings:  # (what it raised: once, in the error line after the table)
-            rows.append((r.pair, r.expected, verdict, str(r.examples), rate_text(r.rate), "-", "-",
+            rows.append((r.pair, expected, verdict, str(r.examples), rate_text(r.rate), "-", "-", "-",
                          "cannot run here: see the error below"))
             continue
-        rows.append((r.pair, r.expected, verdict, str(r.examples), rate_text(r.rate), f"{r.max_score:.3g}",
+        rows.append((r.pair, expected, verdict, str(r.examples), rate_text(r.rate), r.p90_text, f"{r.max_score:.3g}",
                      f"{r.max_k3:.3g}",
                      ", ".join(f"{f.symptom.value} {f.evaluation.headline} (found after {f.cases_to_first} cases, "
                                f"{f.seconds_to_first:.1f}s; "

@@ -481,6 +481,13 @@ def _num(x: Any) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The pair
 # ---------------------------------------------------------------------------------------------
+def _positive_number(x: Any) -> bool:
+    """A real number (int, float, numpy scalar, ...; not a bool) that is finite and > 0."""
+    import numbers
+
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
 @dataclass(frozen=True)
 class TargetPair:
     name: str  # unique dotted name, e.g. "moe_aggregate.bf16" (family.variant)
@@ -523,6 +530,14 @@ class TargetPair:
     def trainer_reads_rollout(self) -> bool:
         return _positional_arity(self.trainer) >= 2
 
+    def __post_init__(self) -> None:
+        import numbers
+
+        for attr in ("timeout", "threshold"):  # a numpy / Fraction number: a plain float from here on (JSON, MLflow)
+            v = getattr(self, attr)
+            if isinstance(v, numbers.Real) and not isinstance(v, (bool, float)):
+                object.__setattr__(self, attr, float(v))
+
     def validate(self) -> None:
         where = f"target pair {self.name!r}" + (f" (from {self.source})" if self.source else "")
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -553,12 +568,9 @@ class TargetPair:
             raise PairError(f"{where}: " + "; ".join(problems) + ". Fix the Axes(...) the pair registers with.")
         if not isinstance(self.devices, tuple) or not self.devices or any(d not in DEVICES for d in self.devices):
             raise PairError(f"{where}: devices={self.devices!r} must be a non-empty tuple drawn from {DEVICES}.")
-        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
-                                             and math.isfinite(self.timeout) and self.timeout > 0):
+        if self.timeout is not None and not _positive_number(self.timeout):
             raise PairError(f"{where}: timeout={self.timeout!r} must be None or a number of seconds > 0.")
-        if self.threshold is not None and not (isinstance(self.threshold, (int, float))
-                                               and not isinstance(self.threshold, bool)
-                                               and math.isfinite(self.threshold) and self.threshold > 0):
+        if self.threshold is not None and not _positive_number(self.threshold):
             raise PairError(f"{where}: threshold={self.threshold!r} must be None (the campaign's --threshold) or a "
                             "finite number > 0: the judged k3 / exact KL above which a case of this pair diverges.")
         if self.verdict_over not in VERDICT_OVER:

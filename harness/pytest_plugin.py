@@ -271,11 +271,16 @@ class FuzzSession:
         """This shard's (pair, stream) units as plain data; a worker gets them from the controller, so
         collecting its items imports no target module (each item imports only its own pair's)."""
         if self.unit_list is None:
+            from harness.cli import parse_thresholds, parse_timeouts
             from harness.fuzz import campaign_units
 
+            pairs = self.all_pairs()
+            # a GLOB no selected pair matches is a typo, as for the CLI: not a night judged at the wrong line
+            parse_thresholds(self.thresholds, pairs, "--harness-threshold")
+            parse_timeouts(self.timeouts, pairs, "--harness-timeout")
             units = [{"pair": u.pair.name, "expected": u.pair.expected, "source": u.pair.source,
                       "stream": u.stream, "kind": u.pair.kind}
-                     for u in campaign_units(self.all_pairs(), self.streams, self.shard)]
+                     for u in campaign_units(pairs, self.streams, self.shard)]
             # heaviest first (model pairs, then ops; by name within each): xdist hands items out in
             # this order as workers free up, so a long model item never starts last on one worker
             # while the others sit idle
@@ -1200,7 +1205,7 @@ def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -
     """The summary table's rows; `cannot_run`, where given, is what a CANNOT RUN pair's findings
     column says instead of what it raised (said once elsewhere: the item's failure, or below the
     table)."""
-    from harness.fuzz import rate_text
+    from harness.fuzz import PairResult, expected_text, rate_text
 
     rows = []
     for d in sorted(results, key=lambda d: d["pair"]):
@@ -1225,14 +1230,20 @@ def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -
                                       f"never reached {d['unreached']}: nothing past it tested" if d.get("unreached")
                                       and not d["findings"] else "")
                           if x) or "-"
-        rows.append((d["pair"], d["expected"], verdict, str(d["examples"]), rate_text(rate), _fmt(d.get("max_score", 0.0)),
+        bins = {int(k): int(n) for k, n in (d.get("judged_bins") or {}).items()}
+        p90 = PairResult(d["pair"], d["expected"], max_score=d.get("max_score", 0.0), judged_bins=bins).p90_text
+        rows.append((d["pair"], expected_text(d["expected"], d.get("threshold"), fs.threshold), verdict,
+                     str(d["examples"]), rate_text(rate), p90, _fmt(d.get("max_score", 0.0)),
                      _fmt(d["max_k3"]), d.get("worker", "main"), found))
     return rows
 
 
 # *max judged*: the largest mean a verdict read (expected k3 or exact KL: what the findings show);
 # *max sampled k3*: the largest sampled tokens' mean k3 (what an RL dashboard logs; noisy on small cases)
-HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "max judged", "max sampled k3", "worker", "findings")
+# *judged p90*: 90% of its cases were judged under it (within a factor 10^0.1; '-' under 10 cases);
+# *expected* names the line a pair is judged at where it is not the session's (`aligned (line 0.02)`)
+HEADER = ("pair", "expected", "verdict", "cases", "cases/s", "judged p90", "max judged", "max sampled k3", "worker",
+          "findings")
 
 
 def _setup_headline(message: str) -> str:
@@ -1343,7 +1354,8 @@ def _write_summary(fs: FuzzSession, results: list[dict], interrupted: bool = Fal
                                         + "\n")  # (strict JSON: an infinite max k3 is "inf")
     rows = _rows(fs, results, cannot_run="cannot run here: see below")
     md = [f"# harness fuzz: {len(results)} pair(s), {cases} cases, seed {fs.seed}", "",
-          f"{fs.seed_origin}; profile {fs.profile_name or '-'}"
+          f"{fs.seed_origin}; profile {fs.profile_name or '-'}; threshold {fs.threshold:g} (a pair judged at "
+          "another line says it under *expected*)"
           + (f"; shard {fs.shard[0]}/{fs.shard[1]}" if fs.shard else "")
           + (f"; MLflow campaign run {fs.campaign_run_id}" if fs.campaign_run_id else ""), "",
           "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]

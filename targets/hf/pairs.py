@@ -128,7 +128,8 @@ def _checkpoint_gone(model: Any) -> UsageError | None:
 
 
 def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", description: str = "",
-                        devices: tuple[str, ...] = ("cpu", "cuda"), axes: Axes | None = None) -> TargetPair | None:
+                        devices: tuple[str, ...] = ("cpu", "cuda"), axes: Axes | None = None,
+                        threshold: float | None = None, timeout: float | None = None) -> TargetPair | None:
     """For a checkpoint folder that is not there (a nightly whose checkpoint mount is missing, a step
     an RL run deleted): a pair of that name whose every case cannot run, saying why, so the plugin's
     other pairs still run and this one is CANNOT RUN in the table; None when `model` is no such path."""
@@ -148,7 +149,8 @@ def _missing_checkpoint(name: str, model: Any, expected: str = "aligned", descri
 
     pair = TargetPair(name=name, kind="model", expected=expected, build=build,
                       trainer=lambda inp, rollout_outcome: Outcome(), rollout=lambda inp: Outcome(),
-                      axes=axes or Axes(n_seqs=(1, 1), seq_len=(1, 1)), devices=devices,
+                      axes=axes or Axes(n_seqs=(1, 1), seq_len=(1, 1)), devices=devices, threshold=threshold,
+                      timeout=timeout,
                       description=f"cannot run: no checkpoint at {str(model)!r}" + (f" ({description})" if description else ""))
     object.__setattr__(pair, "cannot_run", str(err))  # (`harness score --pair` says why, not "not a HF pair")
     return pair
@@ -189,7 +191,8 @@ def _check_positions(name: str, case: Any, max_pos: int) -> None:
 
 def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics = FP32, *,
             expected: str = "aligned", replay: bool = False, description: str = "", axes: Axes | None = None,
-            devices: tuple[str, ...] = ("cpu", "cuda"), size_marks: dict[str, int] | None = None) -> TargetPair:
+            devices: tuple[str, ...] = ("cpu", "cuda"), size_marks: dict[str, int] | None = None,
+            threshold: float | None = None, timeout: float | None = None) -> TargetPair:
     """A trainer/rollout pair for a causal LM.
 
     model: an `HFModel`, a local checkpoint directory, or a config (dict with `model_type`, or a
@@ -198,8 +201,11 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     size_marks: sequence lengths (in positions) where your own kernels switch ({"splitkv_chunk": 64}),
     beside those the model's config gives (a sliding window, an attention chunk): a campaign whose
     cases never pass one says so (`TargetPair.size_marks`).
+    threshold / timeout: the pair's own line and per-case timeout (`TargetPair.threshold`, `.timeout`;
+    None: the campaign's `--threshold` / `--timeout`), e.g. a known, accepted gap judged at its own line.
     """
-    gone = _missing_checkpoint(name, model, expected, description, devices, axes=axes)
+    gone = _missing_checkpoint(name, model, expected, description, devices, axes=axes, threshold=threshold,
+                               timeout=timeout)
     if gone is not None:
         return gone
     spec = model_from(model)
@@ -250,7 +256,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
 
     def remake(t: Numerics, r: Numerics) -> TargetPair:
         return hf_pair(name, spec, t, r, expected=expected, replay=replay, description=description, axes=axes,
-                       devices=devices, size_marks=size_marks)
+                       devices=devices, size_marks=size_marks, threshold=threshold, timeout=timeout)
 
     # (packing and head rows are the layout every HF pair's two paths differ by, the same values by contract:
     # named apart, so that they do not read as part of what a pair plants)
@@ -263,7 +269,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
                            + (f" (layout, the same values by contract: {', '.join(layout)})" if layout else ""))
     return TargetPair(
         name=name, kind="model", expected=expected, build=build, trainer=run_trainer, rollout=run_rollout,
-        axes=axes, devices=devices, description=desc,
+        axes=axes, devices=devices, description=desc, threshold=threshold, timeout=timeout,
         # (each sequence starts with a first token: paths.first_token)
         lead_tokens=1, size_marks={**size_marks_of(spec), **(size_marks or {})},
         weights=spec.fingerprint,  # (a checkpoint folder's files; a config-built model's config, init and seed)

@@ -93,6 +93,9 @@ def test_bad_profile_is_a_usage_error(tmp_path):
     ("--harness-threshold", "0", "--harness-threshold '0': '0' is not a finite number > 0"),
     ("--harness-threshold", "nan", "--harness-threshold 'nan': 'nan' is not a finite number > 0"),
     ("--harness-threshold", "q.*=abc", "--harness-threshold 'q.*=abc': 'abc' is not a finite number > 0"),
+    ("--harness-threshold", "nomatch*=0.01", "--harness-threshold 'nomatch*=0.01': no selected pair matches 'nomatch*'"),
+    ("--harness-timeout", "lin*=3,", "--harness-timeout 'lin*=3,': '3,' is not a finite number > 0"),
+    ("--harness-timeout", "nomatch*=30", "--harness-timeout 'nomatch*=30': no selected pair matches 'nomatch*'"),
     ("--harness-budget", "0", "--harness-budget 0.0 must be a finite number of seconds > 0"),
     ("--harness-budget", "inf", "--harness-budget inf must be a finite number of seconds > 0"),
     ("--harness-max-examples", "0", "--harness-max-examples 0 must be >= 1"),
@@ -105,6 +108,33 @@ def test_invalid_numeric_options_are_usage_errors_never_green(tmp_path, option, 
     assert rc == 4, out  # pytest's usage-error exit code: not green, and nothing ran
     assert needle in out and "Traceback" not in out
     assert "passed" not in out and not corpus.exists()  # no bogus repros
+
+
+def test_the_summary_names_each_pairs_line_and_how_its_judged_means_spread(tmp_path):
+    """A night's table read against the wrong line misleads: a pair judged at its own line says so under
+    *expected*, summary.md gives the session's line, and *judged p90* where 90% of the cases were judged."""
+    from tests.conftest import PLUGINS
+
+    rc, out = run_pytest(["--harness-fuzz", "--harness-plugin", str(PLUGINS / "accepted_gap.py"), "--harness-pairs",
+                          "gap.accepted", "--harness-pairs", "linear.aligned", "--harness-max-examples", "30",
+                          "--harness-seed", "1", "--harness-no-tracking", "--harness-corpus", str(tmp_path / "c"),
+                          "--harness-out", str(tmp_path / "out")])
+    assert rc == 0, out
+    md = (tmp_path / "out" / "summary.md").read_text()
+    assert "threshold 0.001 (a pair judged at another line says it under *expected*)" in md, md
+    header = next(line for line in md.splitlines() if line.startswith("| pair |"))
+    cells = {line.split(" | ")[0][2:]: dict(zip(header.strip("| ").split(" | "), line.strip("| ").split(" | ")))
+             for line in md.splitlines() if line.startswith("| gap.") or line.startswith("| linear.")}
+    gap, plain = cells["gap.accepted"], cells["linear.aligned"]
+    assert gap["expected"] == "aligned (line 0.02)" and plain["expected"] == "aligned", cells
+    # (the accepted gap's cases are judged near 0.006: over the default line, under its own)
+    assert 0.001 < float(gap["judged p90"]) <= float(gap["max judged"]) < 0.02, gap
+    assert "aligned (line 0.02)" in out and "judged p90" in out
+    rc, out = run_pytest(["--harness-fuzz", "--harness-plugin", str(PLUGINS / "accepted_gap.py"), "--harness-pairs",
+                          "gap.accepted", "--harness-threshold", "gap.accepted=0.01", "--harness-max-examples", "12",
+                          "--harness-seed", "1", "--harness-no-tracking", "--harness-corpus", str(tmp_path / "c"),
+                          "--harness-out", str(tmp_path / "out")])
+    assert rc == 0 and "aligned (line 0.01)" in out, out
 
 
 def test_a_missed_demonstration_is_in_the_summary(tmp_path):

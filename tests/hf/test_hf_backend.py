@@ -967,6 +967,15 @@ def test_a_sliding_window_the_cases_never_pass_is_said_and_positions_count_the_f
     own = hf_pair("swa.splitkv", mistral, FP32, FP32, axes=default_axes(mistral), size_marks={"splitkv_chunk": 48})
     assert own.size_marks == {"sliding_window": 64, "splitkv_chunk": 48}
     assert own.profiles.variant(own.profiles.trainer, own.profiles.rollout).size_marks == own.size_marks
+    # a pair's own line and timeout (an accepted gap's), kept by triage's rebuilds and by a checkpoint gone
+    import numpy as np
+
+    lined = hf_pair("swa.lined", mistral, FP32, BF16, expected="aligned", threshold=np.float32(0.02), timeout=90)
+    assert lined.threshold == pytest.approx(0.02) and type(lined.threshold) is float and lined.timeout == 90.0
+    variant = lined.profiles.variant(lined.profiles.trainer, lined.profiles.trainer)
+    assert (variant.threshold, variant.timeout) == (lined.threshold, 90.0)
+    gone = hf_pair("swa.gone", "/nonexistent/ckpt", threshold=0.05)
+    assert gone.threshold == 0.05 and "cannot run" in gone.description
     missed = PairResult(pair.name, "diverges", examples=3, longest=r.longest)
     assert missed_hint(missed, 1e-3, pair).startswith(f"max judged 0: its longest sequence, {r.longest} positions, "
                                                       "never reached sliding_window 64")

@@ -475,6 +475,15 @@ def test_a_pairs_own_threshold_wins_over_the_campaigns_and_the_command_lines_per
     for bad in (0, -1.0, float("nan"), float("inf"), "0.01", True):
         with pytest.raises(PairError, match="threshold="):
             replace(own, threshold=bad).validate()
+    # any real number is a line (a numpy scalar read from a config, a Fraction): a plain float from then on
+    import numpy as np
+    from fractions import Fraction
+
+    for number in (np.float32(0.02), np.int64(1), Fraction(1, 50), np.float64(0.02)):
+        lined = replace(own, threshold=number, timeout=np.float32(30))
+        lined.validate()
+        assert isinstance(lined.threshold, float) and lined.threshold == pytest.approx(float(number))
+        assert type(lined.timeout) is float and json.dumps({"t": lined.threshold})
 
 
 def test_threshold_options_are_parsed_with_a_clear_error_for_each_mistake():
@@ -1207,6 +1216,8 @@ def test_a_pair_judged_at_its_own_line_passes_its_accepted_gap_and_fails_its_reg
     code, out, err = harness_cli("fuzz", "--plugin", plugin, "--max-examples", "30", "--seed", "1", "--no-tracking",
                                  "--corpus", str(corpus), cwd=tmp_path)
     assert code == 1 and "threshold 0.001 (own lines: gap.accepted 0.02, gap.regressed 0.02)" in err, err
+    row = next(line for line in out.splitlines() if line.startswith("gap.accepted "))
+    assert "aligned (line 0.02)  clean" in row, out  # (the table's values read against the pair's own line)
     assert "gap.accepted" not in {p.parent.name for p in iter_corpus(corpus)}, out
     [path] = list(iter_corpus(corpus))
     repro = load_repro(path)
@@ -1277,3 +1288,13 @@ def test_a_replay_at_another_line_says_so_and_never_offers_to_close_the_repro(tm
     assert "(judged at --threshold 5; recorded at 0.02:" in out and "close" not in out and "fixed?" not in out, out
     code, out, err = harness_cli("replay", "--plugin", plugin, str(path), cwd=tmp_path)
     assert code == 1 and "judged at --threshold" not in out and "bit-for-bit yes" in out, out
+    # GLOB=K3 moves the matching pairs' repros only; a GLOB that matches none of them is a usage error
+    code, out, err = harness_cli("replay", "--plugin", plugin, "--threshold", "gap.*=5", str(path), cwd=tmp_path)
+    assert code == 0 and "(judged at --threshold 5; recorded at 0.02:" in out, out + err
+    code, out, err = harness_cli("replay", "--plugin", plugin, "--threshold", "other.*=5", str(path), cwd=tmp_path)
+    assert code == 2 and "--threshold 'other.*=5': no selected pair matches 'other.*'" in err, out + err
+    # `harness list` says which pairs have a line of their own
+    code, out, _ = harness_cli("list", "--plugin", plugin)
+    assert "gap.regressed" in out and "aligned (own line 0.02)" in out and "2 judged at a line of their own" in out
+    code, out, _ = harness_cli("list", "--json", "--plugin", plugin)
+    assert {r["name"]: r["threshold"] for r in json.loads(out)}["gap.regressed"] == 0.02
