@@ -859,11 +859,15 @@ class Registry:
         pairs = self.select(patterns)
         if patterns or not self.plugins:
             return pairs, ""
-        own = [p for p in pairs if p.source in self.plugins]
-        if not own:
-            return pairs, ""
+        own = [p for p in pairs if p.source in self.plugins or p.source in map(str, map(Path, self.plugins))]
+        if not own:  # (running every built-in pair instead: minutes, and their repros in the user's corpus)
+            raise UsageError(f"no pairs named, and {self.plugins_note()} Nothing was run. Name the pairs to run "
+                             f"(PAIR or GLOB; '*' for all {len(pairs)} registered, the built-in ones too) once it does.")
+        empty = [spec for spec in self.plugins if not any(p.source in (spec, str(Path(spec))) for p in own)]
         return own, (f"no pairs named: running the {len(own)} pair(s) of {', '.join(self.plugins)} "
-                     f"(name pairs, or '*' for all {len(pairs)} registered, to run others)")
+                     f"(name pairs, or '*' for all {len(pairs)} registered, to run others)"
+                     + (f"; warning: plugin {', '.join(map(repr, empty))} registered no pair of its own (it must "
+                        "call harness.register(TargetPair(...)) when imported)" if empty else ""))
 
     def all(self) -> list[TargetPair]:
         return self.select()

@@ -271,16 +271,11 @@ class FuzzSession:
         """This shard's (pair, stream) units as plain data; a worker gets them from the controller, so
         collecting its items imports no target module (each item imports only its own pair's)."""
         if self.unit_list is None:
-            from harness.cli import parse_thresholds, parse_timeouts
             from harness.fuzz import campaign_units
 
-            pairs = self.all_pairs()
-            # a GLOB no selected pair matches is a typo, as for the CLI: not a night judged at the wrong line
-            parse_thresholds(self.thresholds, pairs, "--harness-threshold")
-            parse_timeouts(self.timeouts, pairs, "--harness-timeout")
             units = [{"pair": u.pair.name, "expected": u.pair.expected, "source": u.pair.source,
                       "stream": u.stream, "kind": u.pair.kind}
-                     for u in campaign_units(pairs, self.streams, self.shard)]
+                     for u in campaign_units(self.all_pairs(), self.streams, self.shard)]
             # heaviest first (model pairs, then ops; by name within each): xdist hands items out in
             # this order as workers free up, so a long model item never starts last on one worker
             # while the others sit idle
@@ -894,8 +889,13 @@ def pytest_configure(config: pytest.Config) -> None:
     if not session.is_worker:
         from harness.errors import HarnessError
 
-        try:  # a bad device, glob or plugin file is a usage error before anything starts
+        try:  # a bad device, glob or plugin file is a usage error before anything starts (or is cleared)
             session.select()
+            from harness.cli import parse_thresholds, parse_timeouts
+
+            # a GLOB no selected pair matches is a typo, as for the CLI: not a night judged at the wrong line
+            parse_thresholds(session.thresholds, session.all_pairs(), "--harness-threshold")
+            parse_timeouts(session.timeouts, session.all_pairs(), "--harness-timeout")
         except HarnessError as e:
             raise pytest.UsageError(str(e)) from None
         _log(f"harness fuzz: campaign {session.seed_origin}; profile {session.profile_name or '-'}, "

@@ -103,11 +103,16 @@ def test_bad_profile_is_a_usage_error(tmp_path):
 ])
 def test_invalid_numeric_options_are_usage_errors_never_green(tmp_path, option, value, needle):
     corpus = tmp_path / "corpus"
+    # the last session's outputs, which a usage error must leave as they are (its repros not uploaded yet)
+    (tmp_path / "new-repros" / "p").mkdir(parents=True)
+    (tmp_path / "new-repros" / "p" / "r.json").write_text("{}")
+    (tmp_path / "summary.md").write_text("last night")
     rc, out = run_pytest(["--harness-fuzz", "--harness-pairs", "linear.aligned", option, value,
                           "--harness-no-tracking", "--harness-corpus", str(corpus), "--harness-out", str(tmp_path)])
     assert rc == 4, out  # pytest's usage-error exit code: not green, and nothing ran
     assert needle in out and "Traceback" not in out
     assert "passed" not in out and not corpus.exists()  # no bogus repros
+    assert (tmp_path / "new-repros" / "p" / "r.json").exists() and (tmp_path / "summary.md").read_text() == "last night"
 
 
 def test_the_summary_names_each_pairs_line_and_how_its_judged_means_spread(tmp_path):
@@ -303,6 +308,12 @@ def test_a_plugin_and_no_pairs_named_collects_the_plugins_pairs_only(tmp_path):
     items = [line for line in out.splitlines() if "harness-fuzz::" in line]
     assert sorted(i.split("::")[-1] for i in items) == ["user.two_bugs", "user.two_bugs_rare"], out
     assert f"running the 2 pair(s) of {plugin}" in out, out
+    # ... and one that registers nothing (register() forgotten) is a usage error, not every built-in pair
+    empty = tmp_path / "empty.py"
+    empty.write_text("from harness import TargetPair\n")
+    rc, out = run_pytest(["--harness-fuzz", f"--harness-plugin={empty}", "--harness-no-tracking",
+                          "--harness-out", str(tmp_path / "out")], cwd=tmp_path)
+    assert rc == 4 and "registered no pair" in out and "passed" not in out and "Traceback" not in out, out
 
 
 def test_xdist_one_summary_one_campaign_run(tmp_path):

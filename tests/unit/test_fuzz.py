@@ -1043,6 +1043,16 @@ def test_a_campaign_with_a_plugin_and_no_pairs_named_runs_the_plugins_pairs(tmp_
     table = [line.split()[0] for line in out.splitlines() if line and not line.startswith(("pair ", "\n"))]
     assert {"user.two_bugs", "user.two_bugs_rare"} <= set(table), out
     assert not any(name.startswith(("moe_", "hf.", "model.")) for name in table), out
+    # a plugin that registers nothing (register() forgotten) runs nothing: not every built-in pair instead
+    empty = tmp_path / "empty pairs.py"
+    empty.write_text("from harness import TargetPair  # (register() never called)\n")
+    code, out, err = harness_cli("fuzz", "--plugin", str(empty), "--max-examples", "3", "--no-tracking",
+                                 "--corpus", str(tmp_path / "corpus2"), cwd=tmp_path)
+    assert code == 2 and "registered no pair" in err and "Nothing was run" in err, out + err
+    assert not (tmp_path / "corpus2").exists() and "cases in" not in out + err
+    code, out, err = harness_cli("fuzz", "--plugin", str(plugin), "--plugin", str(empty), "--max-examples", "2",
+                                 "--seed", "2", "--corpus", str(tmp_path / "corpus"), "--no-tracking", cwd=tmp_path)
+    assert code in (0, 1) and f"warning: plugin '{empty}' registered no pair of its own" in err, err
 
 
 def test_a_campaign_without_a_budget_says_how_long_its_examples_would_still_take():
