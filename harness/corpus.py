@@ -35,6 +35,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -561,7 +562,7 @@ class Repro:
         if kind != "plugin_file":
             if kind == "module":
                 return None, (f"its pair {self.pair!r} comes from the module {self.loader.get('module')!r}; "
-                              f"pass {flag}={self.loader.get('module')} to load it")
+                              f"pass {flag}={shlex.quote(str(self.loader.get('module')))} to load it")
             if kind == "entry_point":
                 from .pairs import REGISTRY
 
@@ -580,13 +581,14 @@ class Repro:
         rel = Path(self.loader.get("path", ""))
         if root is None:
             return None, (f"its pair {self.pair!r} comes from the plugin file {str(rel)!r}, and neither the repro nor "
-                          f"the working directory is in a git checkout to find it in; pass {flag}=PATH to load it")
+                          f"the working directory is in a git checkout to find it in; pass "
+                          f"{flag}={shlex.quote(str(rel)) if rel.is_absolute() else 'PATH'} to load it")
         full = (rel if rel.is_absolute() else root / rel).resolve()
         try:
             full.relative_to(root)
         except ValueError:
             return None, (f"its pair {self.pair!r} comes from the plugin file {str(full)!r}, outside this repository; "
-                          f"pass {flag}={full} to load it")
+                          f"pass {flag}={shlex.quote(str(full))} to load it")
         if full.suffix != ".py" or not full.is_file():
             return None, (f"its pair {self.pair!r} comes from the plugin file {str(rel)!r}, which is not in this "
                           f"checkout; restore it, or pass {flag}=PATH to where it lives")

@@ -193,12 +193,42 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
             _note_status(note, "fixed", "open"),
             f"#### Recurrence {p['seen_at']}\n\nMarked fixed, seen again by campaign seed {p['campaign_seed']}: "
             f"{_verdict(p['metrics'])}, minimal case `{p['case_line']}`. Reopened.")
+    replaced = _corpus_case_replaced(tags, p)
+    if replaced:  # the run's repro is what `harness replay --run-id` replays: the corpus file's case, as it is now
+        updates["harness.case"] = p["case_line"][:5000]
+        updates["mlflow.note.content"] = _append_note(
+            updates.get("mlflow.note.content", note),
+            f"#### Minimal case replaced {p['seen_at']}\n\nCampaign seed {p['campaign_seed']} wrote a smaller case "
+            f"to the corpus file: `{tags.get('harness.case', '')}` -> `{p['case_line']}`, {_verdict(p['metrics'])}. "
+            "The run's repro artifact is that case.")
     c.log_batch(run.info.run_id, tags=_tags(updates))
+    if replaced:
+        with tempfile.TemporaryDirectory(prefix="harness-artifacts-") as tmp:
+            for artifact_dir, path in write_artifacts(p, Path(tmp)).items():
+                c.log_artifact(run.info.run_id, str(path), artifact_dir)
     ts = int(time.time() * 1000)
     metrics = [Metric(k, v, ts, count - 1) for k, v in {**_finite_metrics(p["metrics"]), **found_metrics(p)}.items()]
     if metrics:
         c.log_batch(run.info.run_id, metrics=metrics)
     return what
+
+
+def _corpus_case_replaced(tags: dict, p: dict[str, Any]) -> bool:
+    """A sighting whose corpus file now holds another minimal case than the run (the campaign wrote a
+    smaller one there): the run's corpus file (or, where that file is not on this machine, a case
+    strictly smaller than the run's), so that the run's repro stays the file's. Another corpus's case
+    (the same bug found into another checkout) leaves the run as it is."""
+    held = tags.get("harness.case", "")
+    if not p.get("corpus_holds_case") or not p.get("repro") or held == p["case_line"][:5000]:
+        return False
+    recorded, path = tags.get("harness.corpus_path") or "", p.get("corpus_path") or ""
+    if recorded and path and Path(recorded).exists():
+        try:
+            return Path(recorded).samefile(path)
+        except OSError:
+            return False
+    old, new = _case_size(held), _case_size(p["case_line"])
+    return old is not None and new is not None and new < old
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -179,13 +180,14 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
 
     path = Path(f.path).resolve() if getattr(f, "path", None) else None
     repro, case, ev = _corpus_case(f, path, threshold, device)
+    on_file = repro is not None  # (the repro is the corpus file's, with the case it holds now)
     if repro is None:
         case, ev = f.case, f.evaluation
         if path is not None and path.exists():
             try:
                 on_disk = json.loads(path.read_text())
                 if on_disk.get("case") == f.case.to_json():
-                    repro = on_disk
+                    repro, on_file = on_disk, True
             except (OSError, ValueError):
                 repro = None
     if repro is None:  # no corpus file, or it holds an older minimal case of this signature
@@ -230,6 +232,7 @@ def finding_payload(f: Any, threshold: float, campaign_seed: int, device: str) -
                   if k in ("cases_to_first", "seconds_to_first", "shrink_seconds", "cases_total")},
         "shrink_complete": bool(f.shrink_complete) if case is f.case else True,
         "corpus_path": str(path) if path is not None else None,
+        "corpus_holds_case": on_file,  # the corpus file holds this case (its repro is the file): the run mirrors it
         "corpus_new": bool(getattr(f, "new", True)),
         "corpus_recurrence": bool(getattr(f, "recurrence", False)),
         "campaign_seed": campaign_seed,
@@ -308,7 +311,8 @@ def regression_note(p: dict[str, Any], run_id: str | None, uri: str | None = Non
     expect = ("an **aligned** pair: this is a regression to fix" if p["expected"] == "aligned"
               else "a **diverges** (demonstration) pair: it must keep being caught")
     corpus = _display_path(p.get("corpus_path"))
-    plugin = f" --plugin {p['plugin']}" if p.get("plugin") else ""
+    corpus = shlex.quote(corpus) if corpus else corpus  # (commands to paste: a path with a space is one word)
+    plugin = f" --plugin {shlex.quote(str(p['plugin']))}" if p.get("plugin") else ""
     lines = [
         title, "",
         f"**What diverged.** {what}", "",

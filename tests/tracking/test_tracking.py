@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from harness import REGISTRY, Case
-from harness.corpus import load_repro
+from harness.corpus import load_repro, record_finding
+from harness.execute import run_case
 from harness.fuzz import CampaignConfig, run_campaign
 
-from .conftest import free_port, logged, make_finding
+from .conftest import DIVERGING, free_port, logged, make_finding
 
 ROTARY = ("rotary.bf16_angles", Case(seed=0, seq_lens=(2,), params={"start": 256}))
 
@@ -255,6 +256,11 @@ def test_the_note_of_a_crash_says_it_died_and_lists_only_the_artifacts_it_has():
     assert "Severity **critical**" in note and "The worker process running the case died (`SIGSEGV`)" in note
     assert "`repro/abcdefabcdef.json` (no per-token metrics: the case crashed)." in note
     assert "per_token/" not in note and "plots/" not in note
+    # commands to paste: a plugin file or corpus path with a space in it is one shell word
+    note = regression_note(dict(p, plugin="/tmp/my pairs/own pairs.py", corpus_path="/tmp/c d/mine.kernel/x.json"),
+                           "run1")
+    assert "harness replay --plugin '/tmp/my pairs/own pairs.py' '/tmp/c d/mine.kernel/x.json'" in note, note
+    assert "harness triage --run-id run1 --plugin '/tmp/my pairs/own pairs.py'" in note, note
 
 
 def test_bad_ids_and_statuses_are_usage_errors(fresh_cwd, capsys):
@@ -506,3 +512,39 @@ def test_a_regression_whose_k3_is_infinite_lists_as_inf_not_nan(fresh_cwd, capsy
     assert code == 0 and row["k3"] == "inf" and row["verdict_mean"] == ["k3", "inf"], row
     code, out, _ = run_cli(capsys, "regressions")
     assert code == 0 and f.id in out and " inf " in out and "nan" not in out, out
+
+
+def test_a_smaller_case_a_later_campaign_writes_to_the_corpus_file_becomes_the_runs_repro(fresh_cwd, capsys):
+    """A trial's `harness replay --run-id` replayed the first sighting's case after the corpus file
+    had taken a smaller one: the run's repro artifact (and `harness.case`) follow the corpus file."""
+    from harness.fuzz import Finding, signature
+    from harness.mlflow_tracking import MlflowTracker, fetch_repro, list_regressions
+
+    from .conftest import first_diverging
+
+    pair = REGISTRY.get(DIVERGING[0])
+    big = first_diverging(DIVERGING[0], seq_lens=(3, 2), n_experts=5, top_k=1, tie_fraction=1.0)
+    small = DIVERGING[1]
+    ev_big, ev_small = (run_case(pair, c, "cpu", 1e-3) for c in (big, small))
+    assert signature(pair.name, ev_big) == signature(pair.name, ev_small)
+
+    def finding(case, ev):
+        f = Finding(pair=pair.name, expected="aligned", symptom=ev.symptom, signature=signature(pair.name, ev),
+                    case=case, evaluation=ev, examples=1)
+        f.shrink_complete = True
+        record_finding(f, fresh_cwd / "corpora", 1e-3, 7, "cpu")
+        return f
+
+    first = finding(big, ev_big)
+    logged(MlflowTracker(log=lambda m: None), [first], seed=7)
+    [reg] = list_regressions()
+    assert fetch_repro(reg["run_id"]).case == big
+    later = finding(small, ev_small)
+    assert later.updated == "a smaller case" and load_repro(later.path).case == small
+    logged(MlflowTracker(log=lambda m: None), [later], seed=8)
+    [reg] = list_regressions()
+    assert reg["seen_count"] == 2 and fetch_repro(reg["run_id"]).case == small
+    code, out, _ = run_cli(capsys, "regressions", "show", reg["id"])
+    assert "#### Minimal case replaced" in out and small.one_line(brief=True) in out, out
+    code, out, _ = run_cli(capsys, "replay", "--run-id", reg["run_id"])
+    assert code == 1 and "bit-for-bit yes" in out, out
