@@ -12,6 +12,7 @@ ID is the 12-hex finding id (also the corpus file's name), the MLflow run id, or
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,15 @@ def regressions(ctx: click.Context, status: str | None, pair: str | None, as_jso
         return
     if not rows:
         what = " ".join(x for x in (f"status {status}" if status else "", f"pair {pair}" if pair else "") if x)
-        click.echo(f"no regressions{' with ' + what if what else ''} in {resolve_uri(tracking_uri)}.")
+        others = ""
+        if pair:  # (a typo in the glob reads as "nothing wrong": name the pairs that do have regressions there)
+            import fnmatch
+
+            names = sorted({r["pair"] for r in list_regressions(tracking_uri, status=status)})
+            if names and not any(fnmatch.fnmatchcase(n, pair) for n in names):
+                others = (f" Its regressions are of {', '.join(names[:10])}{' ...' if len(names) > 10 else ''}: "
+                          f"check the --pair glob.")
+        click.echo(f"no regressions{' with ' + what if what else ''} in {resolve_uri(tracking_uri)}.{others}")
         return
     click.echo(_table(rows))
     click.echo(f"\n{len(rows)} regression(s) in {resolve_uri(tracking_uri)} (k3 / kl: the latest sighting's; "
@@ -134,8 +143,10 @@ def show(ctx: click.Context, ident: str, as_json: bool, tracking_uri: str | None
         if r["status"] in ("fixed", "wontfix"):
             click.echo(f"{closed} as {r['status']}: {t['harness.triage_note']}")
         else:  # seen again after it was closed: the note is history, not why it is open
-            click.echo(f"{closed}, reopened {_day(t.get('harness.reopened_at', ''))}; the close note said: "
-                       f"{t['harness.triage_note']}")
+            click.echo(f"{closed}, reopened {_day(t.get('harness.reopened_at', ''))}"
+                       + (f" by {t.get('harness.reopened_by', '?')} ({t['harness.reopen_note']})"
+                          if t.get("harness.reopen_note") else "")
+                       + f"; the close note said: {t['harness.triage_note']}")
     last = t.get("harness.last_case", "")
     click.echo("metrics" + (f" (of its latest sighting's case, `{last}`)" if last and last != t.get("harness.case")
                             else "") + ": " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(r["metrics"].items())))
@@ -173,13 +184,36 @@ def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: s
 
     --status fixed replays the repro first and refuses one that still diverges; where its severe case
     (found.severe) still fails, that case is recorded as an open repro of its own (a second bug)."""
+    _set_status(ctx, ident, status, note, corpus_file, tracking_uri, plugins, no_tracking)
+
+
+@regressions.command("reopen")
+@click.argument("ident", metavar="ID")
+@click.option("--note", required=True, help="Why: e.g. closed as wontfix by mistake.")
+@click.option("--corpus-file", default=None, type=click.Path(dir_okay=False),
+              help="The repro file to update when the path recorded in MLflow is not on this machine.")
+@click.option("--tracking-uri", default=None, help=URI_HELP)
+@click.option("--no-tracking", "no_tracking", is_flag=True,
+              help="A corpus kept without MLflow: change the --corpus-file alone (ID may be that file).")
+@click.pass_context
+def reopen(ctx: click.Context, ident: str, note: str, corpus_file: str | None, tracking_uri: str | None,
+           no_tracking: bool) -> None:
+    """Reopen a regression closed by mistake (a wontfix that hides a real bug; a fixed that is not):
+    status open in MLflow and in its corpus file, with the note; campaigns and the corpus tests treat
+    it as open again."""
+    _set_status(ctx, ident, "open", note, corpus_file, tracking_uri, (), no_tracking)
+
+
+def _set_status(ctx: click.Context, ident: str, status: str, note: str, corpus_file: str | None,
+                tracking_uri: str | None, plugins: tuple[str, ...], no_tracking: bool) -> None:
+    verb = "reopen" if status == "open" else "close"
     if no_tracking:
         from .mlflow_tracking.lifecycle import close_in_corpus
 
         if corpus_file is None and ident.endswith(".json"):
             corpus_file = ident
         if corpus_file is None:
-            raise UsageError("--no-tracking closes the corpus file alone: pass it, --corpus-file "
+            raise UsageError(f"--no-tracking {verb}s the corpus file alone: pass it, --corpus-file "
                              "corpora/<pair>/<id>.json (or give the file as ID).")
         if not ident.endswith(".json") and Path(corpus_file).stem != ident:
             raise UsageError(f"--corpus-file {corpus_file} is not the repro of {ident} (its name is its id); pass "
@@ -189,7 +223,17 @@ def close(ctx: click.Context, ident: str, status: str, note: str, corpus_file: s
         from .mlflow_tracking import close_regression
 
         ident, corpus_file = _id_of_file(ident, corpus_file)
-        r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file, plugins)
+        try:
+            r = close_regression(ident, status, note, tracking_uri or ctx.obj.get("tracking_uri"), corpus_file, plugins)
+        except UsageError as e:
+            if not str(e).startswith(("no regression ", "MLflow store ")) or corpus_file is None \
+                    or not Path(corpus_file).is_file():
+                raise
+            # a repro found with --no-tracking is in no store: its file alone is what there is to close
+            flag = "" if status == "open" else f" --status {status}"
+            raise UsageError(f"{e} A repro found without MLflow (--no-tracking) is in no store: {verb} its file alone "
+                             f"with `harness regressions {verb} {shlex.quote(corpus_file)}{flag} --note ... "
+                             "--no-tracking`. Nothing was changed.") from None
     if r.get("unchanged"):
         click.echo(f"regression {r['id']} ({r['pair']}) is already {r['status']} ({r['unchanged']}): nothing changed.")
         return

@@ -1169,7 +1169,9 @@ def load_repro(path: str | Path) -> Repro:
     except UnicodeDecodeError:
         raise UsageError(f"{where} is not text (JSON expected); {fix}.") from None
     except (ValueError, RecursionError) as e:  # JSONDecodeError, and int() of a number of > 4300 digits
-        detail = f"{e.msg} at line {e.lineno}, column {e.colno}" if isinstance(e, json.JSONDecodeError) else \
+        # (json's "Unterminated string starting at" names the place itself: no second "at")
+        detail = f"{e.msg.removesuffix(' at')} at line {e.lineno}, column {e.colno}" if isinstance(
+            e, json.JSONDecodeError) else \
             "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise UsageError(f"{where} is not valid JSON ({detail}); restore it from git or re-run the campaign that "
                          "found it.") from None

@@ -225,8 +225,11 @@ class PairResult:
         """'judged: half the cases under 2e-05, 90% under 0.0004' (bins of a tenth of a decade); "" under 10 cases."""
         if sum(self.judged_bins.values()) < 10:
             return ""
-        return (f"judged: half the cases under {mean_text(self.judged_quantile(0.5))}, "
-                f"90% under {mean_text(self.judged_quantile(0.9))}")
+        def at(q: float) -> str:  # (a quantile of 0: those cases judged exactly 0, not "under 0")
+            v = self.judged_quantile(q)
+            return "at 0" if v == 0 else f"under {mean_text(v)}"
+
+        return f"judged: half the cases {at(0.5)}, 90% {at(0.9)}"
 
     @property
     def p90_text(self) -> str:
@@ -528,19 +531,20 @@ LOW_ENTROPY = 0.3  # nats: a rollout whose mean entropy stays below this is near
 NEAR_MISS = 0.1  # a clean pair whose cases reached this fraction of the line names its closest case
 
 
-def near_miss_line(r: PairResult, threshold: float) -> str:
+def near_miss_line(r: PairResult, threshold: float, plugins: tuple[str, ...] | list[str] = ()) -> str:
     """For a pair with no finding whose cases came within `NEAR_MISS` of the line: its closest case, and
     how to keep it as a repro to look at (recorded under a lower threshold, where it fails); "" else."""
     if r.findings or r.max_case is None or not math.isfinite(r.max_score) or r.max_score < NEAR_MISS * threshold \
             or r.max_score > threshold:
         return ""
+    from .corpus import plugin_flags
+
     lower = 10.0 ** math.floor(math.log10(r.max_score))
     share = r.max_score / threshold
     share_text = f"{share:.0%}" if share < 0.995 or share == 1.0 else f"{share:.1%}" if share < 0.9995 else f"{share:.3%}"
     return (f"closest to the line: judged {mean_text(r.max_score)} ({share_text} of it) on "
             f"{r.max_case.one_line()}; to keep it as a repro to look at (show, triage), record it under a lower line: "
-            f"`harness record {r.pair} --case '{r.max_case.one_line()}' --threshold {lower:g}` (with the --plugin "
-            "the campaign had)")
+            f"`harness record{plugin_flags(plugins)} {r.pair} --case '{r.max_case.one_line()}' --threshold {lower:g}`")
 
 
 def missed_hint(r: PairResult, threshold: float, pair: Any = None) -> str:
@@ -1849,7 +1853,7 @@ def run_campaign(cfg: CampaignConfig, tracker: Any = None, log: Callable[[str], 
                     + (f": {_setup_said(setup_said, unit.pair.name, unit.label, r.setup_error)}" if r.setup_error else ""))
                 if r.unfinished or r.waited_for:
                     log(f"  {unit.label}: {unfinished_note(r, cfg.timeout_for(pair.name, getattr(pair, 'timeout', None)))}")
-                near = near_miss_line(r, cfg.threshold_of(r.pair))
+                near = near_miss_line(r, cfg.threshold_of(r.pair), cfg.plugins)
                 if near:
                     log(f"  {unit.label}: {near}")
             # Filling, once every unit has run its examples: the time left goes to the clean units, in

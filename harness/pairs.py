@@ -829,6 +829,19 @@ class Registry:
         return ("the plugin(s) loaded register " + ", ".join(f"{n} pair(s) from {spec}" for spec, n in counts.items())
                 + f", not this one; another file needs its own `{self.plugin_flag}FILE`.")
 
+    def _close_to_glob(self, pat: str) -> str:
+        """' Did you mean 'a.*'?' for a glob with a typo: the registered names close to its literal part,
+        as the same glob (family names matched against a family glob); "" when none is close."""
+        import difflib
+
+        stem = re.sub(r"[*?\[\]]+.*$", "", pat).rstrip(".")  # ('mine.sofcap*' -> 'mine.sofcap')
+        if len(stem) < 3:
+            return ""
+        tail = pat[len(stem):]
+        names = set(self._pairs) | {n.rsplit(".", 1)[0] for n in self._pairs if "." in n}
+        close = difflib.get_close_matches(stem, sorted(names), n=3, cutoff=0.7)
+        return f" Did you mean {', '.join(repr(c + tail) for c in close)}?" if close else ""
+
     def select(self, patterns: Iterable[str] = ()) -> list[TargetPair]:
         """Pairs matching any glob pattern (all pairs when none are given), sorted by name."""
         import fnmatch
@@ -842,8 +855,8 @@ class Registry:
             if is_glob(pat):
                 hits = [n for n in self._pairs if fnmatch.fnmatchcase(n, pat)]
                 if not hits:
-                    raise UsageError(f"no registered pair matches {pat!r}; run `harness list` to see them; "
-                                     f"{self.plugins_note()}" + self.broken_note())
+                    raise UsageError(f"no registered pair matches {pat!r}.{self._close_to_glob(pat)} Run `harness "
+                                     f"list` to see them; {self.plugins_note()}" + self.broken_note())
                 for n in hits:
                     chosen[n] = self._pairs[n]
             else:

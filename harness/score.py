@@ -225,7 +225,7 @@ def read_rows(path: Path) -> tuple[int, Iterator[tuple[int, Any]]]:
                 try:
                     row = json.loads(line.rstrip("\r\n"))  # (a cut line's error at its own end, not "line 2 column 1")
                 except json.JSONDecodeError as e:
-                    yield n, BadRow(n, "(line)", f"not valid JSON ({e.msg} at column {e.colno})")
+                    yield n, BadRow(n, "(line)", f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})")
                     continue
                 except (ValueError, RecursionError) as e:  # an integer of thousands of digits; nesting too deep
                     yield n, BadRow(n, "(line)", "not JSON this reader takes ("

@@ -189,6 +189,8 @@ def _seen_again(store: Store, run: Any, p: dict[str, Any], parent_run_id: str | 
         updates["harness.status"] = "open"
         updates["harness.recurrence"] = "true"
         updates["harness.reopened_at"] = p["seen_at"]  # (the morning report's headline: reopened tonight)
+        if tags.get("harness.reopen_note"):  # (a reopen by hand before: not why it is open now)
+            updates["harness.reopen_note"] = ""
         updates["mlflow.note.content"] = _append_note(
             _note_status(note, "fixed", "open"),
             f"#### Recurrence {p['seen_at']}\n\nMarked fixed, seen again by campaign seed {p['campaign_seed']}: "
@@ -524,7 +526,7 @@ def verify_fixed(repro: Any, plugins: tuple[str, ...] = ()) -> Any:
 
 
 def _check_close(status: str, note: str) -> None:
-    if status not in TRIAGE_STATUSES:
+    if status not in (*TRIAGE_STATUSES, "open"):  # ("open": `harness regressions reopen`)
         raise UsageError(f"--status {status!r} is not one of {TRIAGE_STATUSES}.")
     if not note or not note.strip():
         raise UsageError("--note is empty; say why (the fix commit, or why it is accepted) so the next reader knows.")
@@ -550,8 +552,8 @@ def close_in_corpus(corpus_file: str | Path, status: str, note: str, plugins: tu
     at = now_iso()
     old = repro.status
     repro.status = status
-    repro.history.append({"at": at, "event": "closed", "from": old, "status": status, "note": note,
-                          "by": who_closes()})
+    repro.history.append({"at": at, "event": "reopened" if status == "open" else "closed", "from": old,
+                          "status": status, "note": note, "by": who_closes()})
     try:
         repro.save(path)
     except OSError as e:
@@ -650,6 +652,12 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
                                             f"#### Triage {at}: {tags.get('harness.status', '?')} -> {status} "
                                             f"({who})\n\n{note}"),
     }
+    if status == "open":  # reopened by hand (a close by mistake): the close's own tags stay, as history
+        updates = {"harness.status": "open", "harness.reopened_at": at, "harness.reopened_by": who,
+                   "harness.reopen_note": note[:4000],
+                   "mlflow.note.content": _append_note(
+                       _note_status(tags.get("mlflow.note.content", ""), tags.get("harness.status", ""), "open"),
+                       f"#### Reopened {at}: {tags.get('harness.status', '?')} -> open ({who})\n\n{note}")}
     with store.lock():
         store.client.log_batch(run.info.run_id, tags=_tags(updates))
     out = regression_dict(store.client.get_run(run.info.run_id))
@@ -663,8 +671,8 @@ def close_regression(ident: str, status: str, note: str, uri: str | None = None,
         repro = on_disk
         old = repro.status
         repro.status = status
-        repro.history.append({"at": at, "event": "closed", "from": old, "status": status, "note": note,
-                              "by": who, "run_id": run.info.run_id})
+        repro.history.append({"at": at, "event": "reopened" if status == "open" else "closed", "from": old,
+                              "status": status, "note": note, "by": who, "run_id": run.info.run_id})
         tracking = {k: v for k, v in repro.tracking.items() if k != "uri"}
         tracking["run_id"] = run.info.run_id
         if sqlite_path(store.uri) is None:  # a shared server means the same to everyone; a local file does not

@@ -548,3 +548,43 @@ def test_a_smaller_case_a_later_campaign_writes_to_the_corpus_file_becomes_the_r
     assert "#### Minimal case replaced" in out and small.one_line(brief=True) in out, out
     code, out, _ = run_cli(capsys, "replay", "--run-id", reg["run_id"])
     assert code == 1 and "bit-for-bit yes" in out, out
+    # a --pair glob with a typo says which pairs the store's regressions are of
+    code, out, _ = run_cli(capsys, "regressions", "--pair", "routr_*")
+    assert code == 0 and "no regressions with pair routr_*" in out and "are of router_topk.bf16" in out, out
+
+
+def test_closing_a_repro_found_without_mlflow_says_to_close_its_file_alone(fresh_cwd, capsys):
+    f = make_finding(fresh_cwd)  # (written to corpora/, logged nowhere: a campaign with --no-tracking)
+    path = str(Path(f.path).relative_to(fresh_cwd))
+    code, out, err = run_cli(capsys, "regressions", "close", path, "--status", "wontfix", "--note", "x")
+    assert code == 2 and "Traceback" not in err
+    assert f"`harness regressions close {path} --status wontfix --note ... --no-tracking`" in err, err
+    code, out, err = run_cli(capsys, "regressions", "close", path, "--status", "wontfix", "--note", "x", "--no-tracking")
+    assert code == 0 and load_repro(path).status == "wontfix", out + err
+
+
+def test_a_regression_closed_by_mistake_is_reopened_with_a_note(fresh_cwd, capsys):
+    """A wontfix by mistake hides every later sighting of the bug: `regressions reopen` puts it back to
+    open in MLflow and in its corpus file (history and note say so); the file alone with --no-tracking."""
+    from harness.mlflow_tracking import MlflowTracker, list_regressions
+
+    f = make_finding(fresh_cwd)
+    logged(MlflowTracker(log=lambda m: None), [f])
+    code, out, err = run_cli(capsys, "regressions", "close", f.id, "--status", "wontfix", "--note", "looked benign")
+    assert code == 0 and load_repro(f.path).status == "wontfix", out + err
+    code, out, err = run_cli(capsys, "regressions", "reopen", f.id, "--note", "wontfix by mistake: a real bug")
+    assert code == 0 and "status open in MLflow" in out, out + err
+    repro = load_repro(f.path)
+    assert repro.status == "open" and repro.history[-1]["event"] == "reopened"
+    assert repro.history[-1]["from"] == "wontfix" and repro.history[-1]["note"] == "wontfix by mistake: a real bug"
+    [reg] = list_regressions()
+    assert reg["status"] == "open"
+    code, out, _ = run_cli(capsys, "regressions", "show", f.id)
+    assert "#### Reopened" in out and "(wontfix by mistake: a real bug); the close note said: looked benign" in out, out
+    code, out, _ = run_cli(capsys, "regressions", "reopen", f.id, "--note", "again")
+    assert code == 0 and "is already open" in out, out
+    # a corpus kept without MLflow: the file alone
+    code, out, err = run_cli(capsys, "regressions", "close", str(f.path), "--status", "wontfix", "--note", "x",
+                             "--no-tracking")
+    code, out, err = run_cli(capsys, "regressions", "reopen", str(f.path), "--note", "y", "--no-tracking")
+    assert code == 0 and load_repro(f.path).status == "open", out + err

@@ -82,6 +82,8 @@ def loop(path):
     (lambda d, f: str(d / "missing.json"), "does not exist"),
     (lambda d, f: loop(d / "loop.json"), "symbolic link to nothing"),
     (lambda d, f: write(d / "bad.json", "{not json"), "is not valid JSON"),
+    (lambda d, f: write(d / "cut.json", '{"pair": "x",\n "note": "cut off'),
+     "is not valid JSON (Unterminated string starting at line 2, column 10)"),
     (lambda d, f: write(d / "schema.json", json.dumps({"schema": "other/9", "pair": "x"})), "has top-level \"schema\": \"other/9\""),
     (lambda d, f: write(d / "case.json", f.read_text().replace('"top_k": ', '"top_k": 99, "x": ')),
      "invalid case"),

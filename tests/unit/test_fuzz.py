@@ -1212,6 +1212,7 @@ def test_a_clean_pair_that_came_near_the_line_names_its_closest_case():
     assert "--threshold 0.0001`" in said
     r.max_score = 0.000997  # (just under the line: never "100% of it")
     assert "(99.7% of it)" in near_miss_line(r, 1e-3)
+    assert "`harness record --plugin '/tmp/my pairs.py' t.near --case '" in near_miss_line(r, 1e-3, ["/tmp/my pairs.py"])
     r.max_score = 1e-5  # (far under the line: nothing said)
     assert near_miss_line(r, 1e-3) == ""
 
@@ -1264,6 +1265,11 @@ def test_a_pairs_judged_means_are_counted_in_tenth_of_a_decade_bins_and_read_as_
     back = _pair_result(json.loads(json.dumps(_pair_result_json(r))))
     assert back.judged_bins == r.judged_bins
     assert PairResult("t.few", "aligned").spread_text == ""
+    zeros = PairResult("t.zeros", "aligned")  # (an aligned pair agreeing bit for bit on most cases)
+    for v in [0.0] * 60 + [1e-4] * 40:
+        zeros.note_score(v)
+        zeros.max_score = max(zeros.max_score, v)
+    assert zeros.spread_text.startswith("judged: half the cases at 0, 90% under 0.0001"), zeros.spread_text
 
 
 def test_mlflow_gets_each_pairs_own_line_and_how_its_judged_values_spread():

@@ -78,8 +78,11 @@ def test_builtins_are_registered_and_selected_by_glob():
     assert names[:2] == ["moe_aggregate.aligned", "moe_aggregate.bf16"] and "router_topk.bf16" in names
     with pytest.raises(UsageError, match="harness list"):
         REGISTRY.get("no.such.pair")
-    with pytest.raises(UsageError, match="no registered pair matches"):
+    with pytest.raises(UsageError, match="no registered pair matches") as e:
         REGISTRY.select(["zzz*"])
+    assert "Did you mean" not in str(e.value)
+    with pytest.raises(UsageError, match=r"no registered pair matches 'atention\.\*'\. Did you mean 'attention\.\*'\?"):
+        REGISTRY.select(["atention.*"])  # (a glob's typo: the same glob over the close family)
     with pytest.raises(UsageError, match=r"Did you mean moe_aggregate\.order,"):  # a typo: its closest first
         REGISTRY.get("moe_aggregate.ordr")
     assert [p.name for p in REGISTRY] == [p.name for p in REGISTRY.all()] and len(REGISTRY) == len(REGISTRY.all())
