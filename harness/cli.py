@@ -378,6 +378,10 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
                          timeout=default_timeout, timeouts=per_pair,
                          plugins=tuple(plugins), streams=streams, uniform_per_example=uniform_per_example,
                          fill_budget=s.fill_budget)
+    from .corpus import new_corpus_note
+
+    if new_corpus_note(corpus_dir):
+        echo_err(new_corpus_note(corpus_dir))
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err, night=s.night)
 
     def announce(f: Any) -> None:

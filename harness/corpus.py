@@ -420,6 +420,16 @@ def shrink_command_for(pair_name: str, path: str | Path, tracking_uri: str | Non
 # ---------------------------------------------------------------------------------------------
 # The record
 # ---------------------------------------------------------------------------------------------
+def new_corpus_note(folder: Any, option: str = "--corpus") -> str:
+    """A line for a campaign whose corpus folder is not there (a typo in the option, a first run): it
+    is created with the first finding, so every finding will read as new; "" when it exists."""
+    path = Path(folder).expanduser()
+    if path.is_dir():
+        return ""
+    return (f"note: corpus folder {path} does not exist yet: it is created with the first finding, and every finding "
+            f"is new to it (a known repro elsewhere is not seen); check {option} if you meant another folder")
+
+
 def plugin_flags(given: Any) -> str:
     """The --plugin flags of a printed harness command for these plugin specs (quoted where a shell
     needs it); "" for none."""

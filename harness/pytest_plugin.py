@@ -903,6 +903,10 @@ def pytest_configure(config: pytest.Config) -> None:
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
         from harness.profiles import shard_seed_warning
 
+        from harness.corpus import new_corpus_note
+
+        if new_corpus_note(session.corpus, "--harness-corpus"):
+            _log(new_corpus_note(session.corpus, "--harness-corpus"))
         warned = shard_seed_warning(session.shard, None if session.seed_origin.startswith("fresh") else session.seed)
         if warned:
             _log(warned)
