@@ -1049,10 +1049,10 @@ def test_a_campaign_with_a_plugin_and_no_pairs_named_runs_the_plugins_pairs(tmp_
     code, out, err = harness_cli("fuzz", "--plugin", str(empty), "--max-examples", "3", "--no-tracking",
                                  "--corpus", str(tmp_path / "corpus2"), cwd=tmp_path)
     assert code == 2 and "registered no pair" in err and "Nothing was run" in err, out + err
+    assert not (tmp_path / "corpus2").exists() and "cases in" not in out + err
     code, out, err = harness_cli("fuzz", "linear.aligned", "--max-examples", "1", "--no-tracking", "--corpus",
                                  str(tmp_path / "corpra"), cwd=tmp_path)  # (a typo'd corpus folder: said)
     assert code == 0 and f"note: corpus folder {tmp_path / 'corpra'} does not exist yet" in err, err
-    assert not (tmp_path / "corpus2").exists() and "cases in" not in out + err
     code, out, err = harness_cli("fuzz", "--plugin", str(plugin), "--plugin", str(empty), "--max-examples", "2",
                                  "--seed", "2", "--corpus", str(tmp_path / "corpus"), "--no-tracking", cwd=tmp_path)
     assert code in (0, 1) and f"warning: plugin '{empty}' registered no pair of its own" in err, err
