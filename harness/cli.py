@@ -656,6 +656,10 @@ def replay(files: tuple[Path, ...], run_id: str | None, tracking_uri: str | None
                 line += ("\n  recorded on another machine or software (" + "; ".join(elsewhere) + "): " + (
                     "last-bit differences are expected there, and these are within them" if not beyond else
                     "these differ beyond last bits (" + ", ".join(sorted(beyond)[:4]) + "): a change to look at"))
+        if not r.metrics and not r.error and ev.failed and r.path:  # (cut from the file, or never written)
+            line += (f"\n  the file holds no recorded metrics, so nothing replays bit for bit against them: "
+                     f"`harness rerecord --accept-changes{_plugin_flags(r, plugins)} {_display(r.path)}` records this "
+                     "case's")
         if res.weights:
             line += f"\n  warning: {res.weights}"
         if r.status == "fixed" and ev.failed:  # (as the corpus test says it: a regression, not a known bug)

@@ -92,8 +92,8 @@ def headline(metrics: Any, error: dict | None, like: Any = None) -> str:
             at = head.rfind(" ")
             first = (head[:at].rstrip(" ,;:(") if at >= 160 else head) + " ..."
         return f"{error.get('type', '?')}: {first}".rstrip(": ")
-    if not metrics:
-        return "k3=nan"
+    if not metrics:  # (a repro file whose metrics were cut or never written: say so, not "k3=nan")
+        return "no metrics" if isinstance(metrics, dict) else "k3=nan"
     get = metrics.get if isinstance(metrics, dict) else lambda k, d=None: getattr(metrics, k, d)
     bad = [f"{role} {int(n)} token(s)" for role in ("trainer", "rollout")
            if isinstance(n := get(f"nonfinite_{role}", 0), (int, float)) and n > 0]

@@ -394,3 +394,20 @@ def test_bench_metrics_writes_its_section_and_says_when_the_machine_was_loaded(t
     assert "| 512 | 64 |" in body and "**Measured under load" in body, body
     assert "warning: load average 99.0" in capsys.readouterr().err
     assert "<!-- bench:metrics -->" in (tmp_path / "B.md").read_text()
+
+
+def test_a_repro_without_recorded_metrics_says_so_and_how_to_record_them(tmp_path, found, harness_cli):
+    """A file whose metrics were cut read "recorded divergence k3=nan": it says it holds none, and the
+    rerecord that writes this case's (after which it replays bit for bit)."""
+    data = json.loads(found.read_text())
+    data.pop("metrics")
+    cut = tmp_path / "router_topk.bf16" / found.name
+    cut.parent.mkdir()
+    cut.write_text(json.dumps(data))
+    code, out, err = harness_cli("replay", str(cut))
+    assert code == 1 and "recorded divergence no metrics -> now divergence" in out, out + err
+    assert f"`harness rerecord --accept-changes {cut}` records this case's" in out, out
+    code, out, err = harness_cli("rerecord", "--accept-changes", str(cut))
+    assert code == 0, out + err
+    code, out, err = harness_cli("replay", str(cut))
+    assert code == 1 and "bit-for-bit yes" in out, out + err
