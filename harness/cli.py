@@ -969,7 +969,9 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
         click.echo(f"\npair: {pair.description or pair.name} ({pair.kind}, expected {pair.expected})"
                    + ("; here only its trainer ran: the rollout is the recording, from the engine that wrote it"
                       if rec else ""))
-        lead, marks = getattr(pair, "lead_tokens", 0), getattr(pair, "size_marks", None) or {}
+        from .pairs import lead_of
+
+        lead, marks = lead_of(pair, r.case), getattr(pair, "size_marks", None) or {}
         if lead or marks:  # (positions as the pair's sequences have them: what a window or position bug reads)
             j = max(range(r.case.batch_size), key=r.case.total_len)
             n = lead + r.case.total_len(j)

@@ -58,7 +58,7 @@ from typing import Any, Callable
 from .case import Case
 from .errors import HarnessError
 from .execute import DEFAULT_THRESHOLD, Evaluation, Symptom, mean_text, run_case
-from .pairs import TargetPair
+from .pairs import TargetPair, lead_of
 from .shrink import EDGE_MARGIN
 from .worker import DEFAULT_TIMEOUT
 
@@ -719,7 +719,7 @@ def fuzz_pair(pair: TargetPair, cfg: CampaignConfig, seed: int, deadline: float 
                     limit["deadline"] = min(limit["deadline"], wall)
         cache[key] = ev if ev.failed else ev.score
         result.examples += 1
-        result.note_size(case, getattr(pair, "lead_tokens", 0))
+        result.note_size(case, lead_of(pair, case))
         if not math.isnan(ev.k3):  # (inf: a sampled token the trainer excludes, the largest there is)
             result.max_k3 = max(result.max_k3, ev.k3)
         if not math.isnan(ev.score):

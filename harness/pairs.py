@@ -481,6 +481,13 @@ def _num(x: Any) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The pair
 # ---------------------------------------------------------------------------------------------
+def lead_of(pair: Any, case: Any) -> int:
+    """The tokens `pair` puts before each sequence's prompt in `case` (`TargetPair.lead_tokens_for`,
+    else `lead_tokens`): what a position the harness reports counts from."""
+    f = getattr(pair, "lead_tokens_for", None)
+    return int(f(case)) if f is not None else int(getattr(pair, "lead_tokens", 0) or 0)
+
+
 def _positive_number(x: Any) -> bool:
     """A real number (int, float, numpy scalar, ...; not a bool) that is finite and > 0."""
     import numbers
@@ -521,6 +528,9 @@ class TargetPair:
     # Tokens the pair puts before each sequence's prompt (a first/BOS token: 1 for the Hugging Face
     # pairs), so that the positions the harness reports (`show`, triage) are the sequence's own
     lead_tokens: int = 0
+    # Where that depends on the case: its lead tokens for a given case (a recorded rollout scored by
+    # `harness score` carries its own prompt, with nothing put before it: 0); None: `lead_tokens`
+    lead_tokens_for: Callable[[Any], int] | None = None
     # Sequence lengths (positions, lead tokens included) past which the pair computes otherwise, by
     # name: a sliding window, a KV-cache block, a chunked-prefill size ({"sliding_window": 4096}). A
     # campaign whose cases never pass one says so: nothing past it was tested (`PairResult.unreached`)

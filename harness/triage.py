@@ -1258,7 +1258,9 @@ def triage(repro: Any, device: str = "cpu", threshold: float | None = None, regi
                 pair, ev, device, registry, aligned)
             t.notes += notes
     if ev.symptom is Symptom.DIVERGENCE:  # (a NaN finding or a case that now passes: nothing crosses)
-        t.first_over = first_over_line(ev.divergence, repro.case, thr, getattr(pair, "lead_tokens", 0))
+        from .pairs import lead_of
+
+        t.first_over = first_over_line(ev.divergence, repro.case, thr, lead_of(pair, repro.case))
     t.verdict = verdict_line(t)
     t.seconds = time.monotonic() - start
     return t

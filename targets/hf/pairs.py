@@ -272,10 +272,18 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
         axes=axes, devices=devices, description=desc, threshold=threshold, timeout=timeout,
         # (each sequence starts with a first token: paths.first_token)
         lead_tokens=1, size_marks={**size_marks_of(spec), **(size_marks or {})},
+        # (a recording scored by `harness score --pair` is its engine's prompt as recorded: no first token)
+        lead_tokens_for=_lead_tokens,
         weights=spec.fingerprint,  # (a checkpoint folder's files; a config-built model's config, init and seed)
         profiles=HFProfiles(trainer=trainer.as_dict(), rollout=rollout.as_dict(), labels=labels(trainer, rollout),
                             make=remake, model=spec, replay=replay),
     )
+
+
+def _lead_tokens(case: Any) -> int:
+    """An HF pair's tokens before each prompt: its first token (`paths.first_token`), except in a
+    recorded rollout's case, whose prompt is used as recorded (`paths.make_inputs`)."""
+    return 0 if all(k in case.params for k in paths.RECORDED_KEYS) else 1
 
 
 def expose_modules(inp: paths.HFInputs, trainer: Numerics, rollout: Numerics) -> None:

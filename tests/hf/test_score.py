@@ -722,6 +722,14 @@ def test_a_temperature_left_out_is_suggested(tmp_path, harness_cli):
     assert "pass them (--temperature, --top-p, --top-k, --min-p)" in note, note
     code, out, err = harness_cli("show", str(res.repros[0]))  # a dense model's recording: no experts
     assert code == 0 and "flip_rate          n/a (no experts recorded" in out, out + err
+    # a recording's prompt is used as recorded: no first token before it, so none is counted in its positions
+    assert "the pair puts before each prompt" not in out, out
+    from harness import REGISTRY
+    from harness.pairs import lead_of
+
+    repro = load_repro(res.repros[0])
+    assert lead_of(REGISTRY.get("hf.qwen3.aligned"), repro.case) == 0
+    assert lead_of(REGISTRY.get("hf.qwen3.aligned"), repro.case.replace(params={})) == 1
     res = score(tmp_path / "t07.jsonl", pair_name="hf.qwen3.aligned", corpus=tmp_path / "c", progress=False,
                 sampling={"temperature": 0.7})
     assert not res.flagged and not any(n.startswith("sampling:") for n in res.notes), res.notes
