@@ -795,7 +795,9 @@ class Registry:
                     f"this environment, {sys.executable}); pass the path of a Python file that registers target "
                     "pairs (ending in .py), or install the package that holds the module."
                 ) from None
-            run = f"python {spec}" if is_file else f"python -c 'import {spec}'"
+            import shlex
+
+            run = f"python {shlex.quote(spec)}" if is_file else f"python -c 'import {spec}'"
             raise UsageError(
                 f"plugin {spec!r} failed to import: {type(e).__name__}: {e}. Run `{run}` to see the full error, "
                 "fix it, and try again."

@@ -838,8 +838,10 @@ def score(path: Path, *, model: str | None = None, pair_name: str | None = None,
                 f"warning: the trainer gives the recorded tokens a log-probability {gap:.1f} nats lower per token than "
                 f"the rollout recorded, on average over the {len(res.scored)} sample(s) (a perplexity {math.exp(min(gap, 700)):.3g}x "
                 "higher). Precision differences move it by hundredths of a nat; this is the size of another model "
-                "or another tokenizer: check that --model is the policy (and vocabulary) that generated these "
-                "samples, at the weights it had then."
+                "or another tokenizer: check that " + ("--model" if model or not pair_name else
+                                                        f"the model of --pair {pair_name}")
+                + " is the policy (and vocabulary) that generated these samples, at the weights it had then (the "
+                "repros written below are of that mismatch, not regressions of the pair, until it is ruled out)."
                 + (" Or the recorded experts: router replay forced them into the trainer, and experts recorded "
                    "wrong (ids offset, another layer order) put every token through other experts; score without "
                    "--replay, which says how often they differ from the trainer's own routing." if forced else ""))

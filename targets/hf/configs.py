@@ -86,7 +86,30 @@ def make_config(fields: dict[str, Any]) -> Any:
 
     fields = dict(fields)
     check_model_type(fields.get("model_type"))
+    check_config_keys(fields)
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def check_config_keys(fields: dict[str, Any]) -> None:
+    """UsageError for a config key that is a near-miss of a field of its transformers config class
+    (`num_local_expert` for `num_local_experts`): transformers keeps an unknown key as an unused
+    attribute and builds the model with the field's default (8 experts, not the 6 meant), silently. A
+    key close to none (a field of a newer transformers, one's own) is left alone."""
+    import difflib
+
+    from .backend import _config_defaults
+
+    defaults = _config_defaults(fields.get("model_type"))
+    if not defaults:
+        return
+    for key in sorted(k for k in fields if k not in defaults and k != "model_type"):
+        close = [c for c in difflib.get_close_matches(key, list(defaults), n=3, cutoff=0.85) if c not in fields]
+        if close:
+            from harness.errors import UsageError
+
+            raise UsageError(f"config key {key!r} is not a field of transformers' {fields['model_type']!r} config "
+                             f"(did you mean {close[0]!r}?): transformers would keep it as an unused attribute and build "
+                             f"the model with its default {close[0]}={defaults[close[0]]!r}. Fix the key in the config.")
 
 
 def _is_router(name: str, module: Any) -> bool:

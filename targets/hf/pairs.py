@@ -211,12 +211,14 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
     spec = model_from(model)
     rollout = as_rollout(rollout)
     if replay and not spec.moe():
+        _known_model_type(spec)
         raise UsageError(f"hf_pair {name!r}: replay=True needs a MoE model; this config has no experts.")
     moe_only = ("router", "experts")  # components a model without experts does not have
     # (packing and head rows differ by construction: the trainer packs and computes every position's
     # logits, the rollout runs a row per sequence and its head where it samples)
     differ = [k for k in COMPONENTS if k not in ("packing", "head_rows") and trainer.as_dict()[k] != rollout.as_dict()[k]]
     if differ and not spec.moe() and all(k in moe_only for k in differ):
+        _known_model_type(spec)
         raise UsageError(f"hf_pair {name!r}: trainer and rollout differ only in {', '.join(differ)}, which MoE models "
                          "have (a router, experts); this model has no experts, so both paths would run the same "
                          "numerics and the pair would test nothing. Compare a component it has (body, lm_head, "
@@ -284,6 +286,14 @@ def _lead_tokens(case: Any) -> int:
     """An HF pair's tokens before each prompt: its first token (`paths.first_token`), except in a
     recorded rollout's case, whose prompt is used as recorded (`paths.make_inputs`)."""
     return 0 if all(k in case.params for k in paths.RECORDED_KEYS) else 1
+
+
+def _known_model_type(spec: Any) -> None:
+    """Before saying a model has no experts: a config whose model_type transformers does not know
+    reads as dense (nothing of experts in it is known), and that unknown type is the error to say."""
+    from .backend import check_model_type
+
+    check_model_type(spec.fields().get("model_type"))
 
 
 def expose_modules(inp: paths.HFInputs, trainer: Numerics, rollout: Numerics) -> None:

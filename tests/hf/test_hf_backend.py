@@ -666,6 +666,16 @@ def test_a_mistyped_model_type_makes_the_pair_unable_to_run_not_a_regression():
     assert ev.symptom == Symptom.ERROR and ev.setup, ev.error
     assert "config model_type 'qwen3_mo' is not a model type transformers" in ev.error["message"]
     assert "did you mean 'qwen3_moe'" in ev.error["message"]
+    # a config key that is a near-miss of a field (transformers would keep it unused and build with the
+    # default: 8 experts, not the 6 meant) is the same kind of error, naming the field
+    mix = {k: v for k, v in TINY["mixtral"].items() if k != "num_local_experts"}
+    ev = run_case(hf_pair("typo.key", {**mix, "num_local_expert": 6}), Case(seed=1, seq_lens=(2,)))
+    assert ev.symptom == Symptom.ERROR and ev.setup, ev.error
+    assert "config key 'num_local_expert' is not a field of transformers' 'mixtral' config (did you mean " \
+           "'num_local_experts'?)" in ev.error["message"] and "num_local_experts=8" in ev.error["message"]
+    # an unknown model_type reads as dense (nothing of experts known): that type is the error, not "no experts"
+    with pytest.raises(UsageError, match="config model_type 'mixtrall' is not a model type"):
+        hf_pair("typo.dense", {**mix, "model_type": "mixtrall"}, FP32, FP32.replace(router="bfloat16"))
 
 
 def test_the_trainer_raises_to_the_tie_floor_where_the_rollout_did_not_where_its_own_gap_says():

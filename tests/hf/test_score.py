@@ -263,6 +263,13 @@ def test_samples_of_another_model_are_named_as_such(tmp_path, harness_cli):
     res = score(tmp_path / "s.jsonl", model=str(other), corpus=tmp_path / "c", progress=False)
     assert res.batch["log_ppl_diff"] < -2, res.batch
     assert any("another model" in n and "--model" in n for n in res.notes), res.notes
+    # scored by a registered pair of another model: the note names that pair's model, not --model
+    REGISTRY._pairs["test.wrong.other"] = hf_pair("test.wrong.other", HFModel.from_pretrained(other), FP32, FP32)
+    try:
+        res = score(tmp_path / "s.jsonl", pair_name="test.wrong.other", corpus=tmp_path / "c", progress=False)
+    finally:
+        REGISTRY._pairs.pop("test.wrong.other", None)
+    assert any("check that the model of --pair test.wrong.other is the policy" in n for n in res.notes), res.notes
     vocab = TINY["qwen3"]["vocab_size"]
     (tmp_path / "big.jsonl").write_text("".join(json.dumps({**r, "response_ids": [vocab + i for i in r["response_ids"]]})
                                                 + "\n" for r in rows * 2))

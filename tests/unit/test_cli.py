@@ -117,6 +117,10 @@ def test_unknown_pair_and_broken_plugin_exit_2(tmp_path, harness_cli):
     broken = write(tmp_path / "broken.py", "raise ValueError('half-written plugin')\n")
     code, _, err = harness_cli("list", "--plugin", broken)
     assert code == 2 and "half-written plugin" in err and "Traceback" not in err
+    (tmp_path / "my plugins").mkdir()
+    spaced = write(tmp_path / "my plugins" / "broken.py", "raise ValueError('half-written plugin')\n")
+    code, _, err = harness_cli("list", "--plugin", spaced)  # the command it gives, pasted, runs that file
+    assert code == 2 and f"Run `python '{spaced}'` to see the full error" in err, err
     gone = write(tmp_path / "gone.py", "from harness.errors import UsageError\n"  # (as hf_pairs on a gone checkpoint)
                  "raise UsageError(\"'/ckpt' is not a checkpoint directory\")\n")
     code, _, err = harness_cli("list", "--plugin", gone)  # a harness error of the plugin's own: which plugin
