@@ -563,7 +563,7 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
         for note in unread_axes(pair, reads, len(checked)):
             warnings.warn(note, ConformanceWarning, stacklevel=2)
     if problems:
-        raise ConformanceError(f"target pair {pair.name!r} breaks the contract:\n  - " + "\n  - ".join(problems))
+        raise ConformanceError(f"target pair {pair.name!r} breaks the contract:\n  - " + "\n  - ".join(_grouped(problems, [f"case {c.one_line()}" for c in checked])))
     return checked
 
 
@@ -589,6 +589,23 @@ def _check_normalised(pair: TargetPair, case: Case, role: str, out: Any) -> bool
             "to 1 over the vocabulary): raw logits? apply log_softmax. The exact KL normalises each side, but the "
             "sampled tokens' k3 reads the values as they are."), stacklevel=3)
     return ok
+
+
+def _grouped(problems: list[str], wheres: list[str]) -> list[str]:
+    """The same violation on several cases once, on its first case, with how many more (a patch that
+    raises past some size listed seven cases of ~600 characters each). `wheres`: each case's prefix."""
+    first: dict[str, int] = {}
+    more: dict[int, int] = {}
+    out: list[str] = []
+    for p in problems:
+        w = max((w for w in wheres if p.startswith(w + ": ")), key=len, default=None)
+        key = p[len(w) + 2:] if w is not None else p
+        if key in first:
+            more[first[key]] = more.get(first[key], 0) + 1
+            continue
+        first[key] = len(out)
+        out.append(p)
+    return [p + (f" (and on {more[i]} more case(s))" if more.get(i) else "") for i, p in enumerate(out)]
 
 
 def _raised(e: BaseException) -> str:

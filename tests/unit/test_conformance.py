@@ -438,3 +438,26 @@ def test_a_pair_that_fuzzes_groups_but_never_draws_a_shared_prompt_is_warned_abo
         warnings.simplefilter("always")
         check_pair(pair(False), n_cases=4)
     assert not [w for w in caught if "prompt_group" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_the_same_violation_on_several_cases_is_said_once_with_a_count():
+    """A patch that raises past some size listed every case it raised on (seven lines of ~600
+    characters): once, on the first case, with how many more."""
+    import torch
+
+    from harness import Axes, Outcome, TargetPair
+
+    def build(case, device):
+        if case.n_tokens > 3:
+            raise ValueError("kernel does not support more than 3 tokens")
+        return case.token_randn(16, "x")
+
+    pair = TargetPair(name="t.raisy", kind="op", expected="aligned", build=build,
+                      trainer=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)),
+                      rollout=lambda x: Outcome(logprobs=torch.log_softmax(x, -1)),
+                      axes=Axes(n_seqs=(2, 4), seq_len=(2, 8)))
+    with pytest.raises(ConformanceError) as e:
+        check_pair(pair)
+    lines = [line for line in str(e.value).splitlines() if "the pair raised" in line]
+    assert len(lines) == 1 and "kernel does not support more than 3 tokens" in lines[0], str(e.value)
+    assert re.search(r"\(and on \d+ more case\(s\)\)$", lines[0]), lines[0]
