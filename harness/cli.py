@@ -919,7 +919,10 @@ def show(file: Path, device: str, show_inputs: bool | None, plugins: tuple[str, 
             click.echo(f"  {shown:13s} {v}")
         else:
             at_default.append(f"{shown} {v}")
-    if at_default:  # (a pair reads only the fields its axes draw: most of these are not its axes)
+    if at_default and rec:  # (the model's own experts, the recording's prompt and sampling: not these fields)
+        click.echo(f"  fields a recorded sample does not use (the model's config and the recording say what ran): "
+                   f"{', '.join(at_default)}")
+    elif at_default:  # (a pair reads only the fields its axes draw: most of these are not its axes)
         click.echo(f"  at neutral values (the defaults; a pair reads only the fields its code uses): "
                    f"{', '.join(at_default)}")
     click.echo(f"  -> {r.case.size_text()}")

@@ -121,6 +121,7 @@ def test_bf16_rollouts_are_flagged_and_replay_removes_the_flips(bf16_file, tmp_p
     assert code == 0 and "hf.qwen3_moe.aligned" in out, err
     assert f"by `harness score`: sample {worst.sample.id} at line {worst.sample.line} of {bf16_file}" in out, out
     assert "case (the recorded sample):" in out and "campaign seed" not in out
+    assert "fields a recorded sample does not use" in out and "at neutral values" not in out, out
     assert "here only its trainer ran: the rollout is the recording" in out  # (not the pair's own rollout path)
     assert "mean two-outcome KL" in out and "mean exact KL" not in out  # a recording's KL is a lower bound
 
