@@ -380,8 +380,9 @@ def fuzz(pair_names: tuple[str, ...], pair_options: tuple[str, ...], max_example
                          fill_budget=s.fill_budget)
     from .corpus import new_corpus_note
 
-    if new_corpus_note(corpus_dir):
-        echo_err(new_corpus_note(corpus_dir))
+    corpus_note = new_corpus_note(corpus_dir)
+    if corpus_note:
+        echo_err(corpus_note)
     tracker = make_tracker(tracking_uri, enabled=not no_tracking, log=echo_err, night=s.night)
 
     def announce(f: Any) -> None:

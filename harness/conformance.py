@@ -563,7 +563,8 @@ def check_pair(pair: TargetPair | str, n_cases: int = 8, device: str = "cpu", se
         for note in unread_axes(pair, reads, len(checked)):
             warnings.warn(note, ConformanceWarning, stacklevel=2)
     if problems:
-        raise ConformanceError(f"target pair {pair.name!r} breaks the contract:\n  - " + "\n  - ".join(_grouped(problems, [f"case {c.one_line()}" for c in checked])))
+        said = _grouped(problems, [f"case {c.one_line()}" for c in checked])
+        raise ConformanceError(f"target pair {pair.name!r} breaks the contract:\n  - " + "\n  - ".join(said))
     return checked
 
 

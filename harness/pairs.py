@@ -827,12 +827,19 @@ class Registry:
         """The pair `name` if it is registered already, else None (loads nothing: no built-ins, no plugin)."""
         return self._pairs.get(name)
 
+    @staticmethod
+    def _pairs_of(specs: Iterable[str], pairs: Iterable[TargetPair]) -> list[TargetPair]:
+        """The pairs among `pairs` (in their order) that the plugins `specs` registered (their `source`:
+        a spec as given, or its path)."""
+        sources = {x for spec in specs for x in (spec, str(Path(spec)))}
+        return [p for p in pairs if p.source in sources]
+
     def plugins_note(self) -> str:
         """Where a pair that is not registered could come from: the plugins loaded and what each
         registered (one that registered none is named), else the option that loads one."""
         if not self.plugins:
             return f"a pair from your own file needs `{self.plugin_flag}path/to/file.py`."
-        counts = {spec: sum(p.source in (spec, str(Path(spec))) for p in self._pairs.values()) for spec in self.plugins}
+        counts = {spec: len(self._pairs_of([spec], self._pairs.values())) for spec in self.plugins}
         empty = [spec for spec, n in counts.items() if not n]
         if empty:
             return (f"plugin {', '.join(map(repr, empty))} loaded but registered no pair: it must call "
@@ -884,11 +891,11 @@ class Registry:
         pairs = self.select(patterns)
         if patterns or not self.plugins:
             return pairs, ""
-        own = [p for p in pairs if p.source in self.plugins or p.source in map(str, map(Path, self.plugins))]
+        own = self._pairs_of(self.plugins, pairs)
         if not own:  # (running every built-in pair instead: minutes, and their repros in the user's corpus)
             raise UsageError(f"no pairs named, and {self.plugins_note()} Nothing was run. Name the pairs to run "
                              f"(PAIR or GLOB; '*' for all {len(pairs)} registered, the built-in ones too) once it does.")
-        empty = [spec for spec in self.plugins if not any(p.source in (spec, str(Path(spec))) for p in own)]
+        empty = [spec for spec in self.plugins if not self._pairs_of([spec], own)]
         return own, (f"no pairs named: running the {len(own)} pair(s) of {', '.join(self.plugins)} "
                      f"(name pairs, or '*' for all {len(pairs)} registered, to run others)"
                      + (f"; warning: plugin {', '.join(map(repr, empty))} registered no pair of its own (it must "

@@ -756,6 +756,11 @@ def _merge_streams(results: list[dict]) -> list[dict]:
     return out
 
 
+def _bins(d: dict) -> dict[int, int]:
+    """A result dict's judged-value bins (`PairResult.judged_bins`; JSON keys are strings)."""
+    return {int(k): int(n) for k, n in (d.get("judged_bins") or {}).items()}
+
+
 def _pair_result(d: dict) -> Any:
     from harness.case import Case
     from harness.corpus import Severe, decode_float
@@ -787,7 +792,7 @@ def _pair_result(d: dict) -> Any:
         findings[-1].severe = Severe.from_json(fd.get("severe"))
     return PairResult(pair=d["pair"], expected=d["expected"], examples=d["examples"], seconds=d["seconds"],
                       max_k3=d["max_k3"], max_score=d.get("max_score", 0.0), threshold=d.get("threshold", 0.0), findings=findings,
-                      judged_bins={int(k): int(n) for k, n in (d.get("judged_bins") or {}).items()},
+                      judged_bins=_bins(d),
                       entropy_sum=d.get("entropy_sum", 0.0), entropy_cases=d.get("entropy_cases", 0),
                       examples_asked=d.get("examples_asked", 0), examples_short=d.get("examples_short", 0),
                       seed=d["seed"], unfinished=d.get("unfinished", 0.0), waited_for=d.get("waited_for", ""),
@@ -894,19 +899,20 @@ def pytest_configure(config: pytest.Config) -> None:
             from harness.cli import parse_thresholds, parse_timeouts
 
             # a GLOB no selected pair matches is a typo, as for the CLI: not a night judged at the wrong line
-            parse_thresholds(session.thresholds, session.all_pairs(), "--harness-threshold")
-            parse_timeouts(session.timeouts, session.all_pairs(), "--harness-timeout")
+            pairs = session.all_pairs()
+            parse_thresholds(session.thresholds, pairs, "--harness-threshold")
+            parse_timeouts(session.timeouts, pairs, "--harness-timeout")
         except HarnessError as e:
             raise pytest.UsageError(str(e)) from None
         _log(f"harness fuzz: campaign {session.seed_origin}; profile {session.profile_name or '-'}, "
              f"{session.max_examples} Hypothesis examples and {session.budget or '-'} s per pair"
              + (f", shard {session.shard[0]}/{session.shard[1]}" if session.shard else ""))
+        from harness.corpus import new_corpus_note
         from harness.profiles import shard_seed_warning
 
-        from harness.corpus import new_corpus_note
-
-        if new_corpus_note(session.corpus, "--harness-corpus"):
-            _log(new_corpus_note(session.corpus, "--harness-corpus"))
+        corpus_note = new_corpus_note(session.corpus, "--harness-corpus")
+        if corpus_note:
+            _log(corpus_note)
         warned = shard_seed_warning(session.shard, None if session.seed_origin.startswith("fresh") else session.seed)
         if warned:
             _log(warned)
@@ -1234,8 +1240,7 @@ def _rows(fs: FuzzSession, results: list[dict], cannot_run: str | None = None) -
                                       f"never reached {d['unreached']}: nothing past it tested" if d.get("unreached")
                                       and not d["findings"] else "")
                           if x) or "-"
-        bins = {int(k): int(n) for k, n in (d.get("judged_bins") or {}).items()}
-        p90 = PairResult(d["pair"], d["expected"], max_score=d.get("max_score", 0.0), judged_bins=bins).p90_text
+        p90 = PairResult(d["pair"], d["expected"], max_score=d.get("max_score", 0.0), judged_bins=_bins(d)).p90_text
         rows.append((d["pair"], expected_text(d["expected"], d.get("threshold"), fs.threshold), verdict,
                      str(d["examples"]), rate_text(rate), p90, _fmt(d.get("max_score", 0.0)),
                      _fmt(d["max_k3"]), d.get("worker", "main"), found))

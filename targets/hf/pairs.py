@@ -285,7 +285,7 @@ def hf_pair(name: str, model: Any, trainer: Numerics = FP32, rollout: Numerics =
 def _lead_tokens(case: Any) -> int:
     """An HF pair's tokens before each prompt: its first token (`paths.first_token`), except in a
     recorded rollout's case, whose prompt is used as recorded (`paths.make_inputs`)."""
-    return 0 if all(k in case.params for k in paths.RECORDED_KEYS) else 1
+    return 0 if paths.is_recorded(case) else 1
 
 
 def _known_model_type(spec: Any) -> None:

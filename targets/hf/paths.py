@@ -102,10 +102,15 @@ def encode_recorded(samples: list[dict]) -> dict[str, str]:
     return params
 
 
+def is_recorded(case: Any) -> bool:
+    """Whether a case carries recorded samples (`harness score`) in its params, without reading them."""
+    return all(k in case.params for k in RECORDED_KEYS)
+
+
 def recorded_sample(case: Any) -> list[dict] | None:
     """The recorded samples a `harness score` case carries in its params (one per sequence), or None."""
     p = case.params
-    if not all(k in p for k in RECORDED_KEYS):
+    if not is_recorded(case):
         return None
     import torch
 
